@@ -1,0 +1,1 @@
+"""qvg.app: the qvg-generate CLI and (later) the Gradio UI. Thin: no model logic lives here."""

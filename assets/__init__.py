@@ -1,0 +1,1 @@
+"""qvg.assets: small shipped files (the embedded model, prompts, images)."""

@@ -1,0 +1,1 @@
+"""qvg.pipelines: chunk-wise auto-regressive model loops (model + cache + loop)."""

@@ -1,0 +1,17 @@
+"""QVG (Quant VideoGen): a compressed KV cache for long auto-regressive video generation.
+
+Public API:
+    qvg.compress(x, method="qvg", *, bits=2, block_size=64, stages=1, centroids=256, seed=0, init=None, **options)
+    qvg.decompress(packed) -> torch.Tensor
+    qvg.methods() -> ["rtn", "kivi", "quarot", "qvg", "qvg-pro"]
+    qvg.bits_per_element(method, shape, **options) -> float
+    qvg.Packed (the packed container; .nbytes, .components(), .to(device))
+Subpackages: qvg.app, qvg.pipelines, qvg.kernels, qvg.eval.
+"""
+from .kmeans import kmeans
+from .methods import bits_per_element, compress, decompress, methods
+from .packed import Packed
+from .quant import QuantSpec
+
+__all__ = ["compress", "decompress", "methods", "bits_per_element", "Packed", "QuantSpec", "kmeans"]
+__version__ = "0.1.0"

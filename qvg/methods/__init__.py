@@ -1,0 +1,113 @@
+"""Public compression API: `compress`, `decompress`, `methods`, `bits_per_element`.
+
+Options not given take the method's preset (`qvg.methods(details=True)` lists them), so `compress(x, "qvg-pro")`
+means S=4, B=16, K=256 and `compress(x, "qvg-pro", block_size=64)` overrides one of them.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..kmeans import MAX_K, SEEDINGS
+from ..packed import Packed
+from . import rtn, kivi, quarot, prq  # noqa: F401,I001  (registers the methods, in this order)
+from .registry import REGISTRY, Method
+
+
+def methods(details: bool = False):
+    """Names of the registered methods; with details=True, {name: {"summary", "defaults", "formula"}}."""
+    if not details:
+        return list(REGISTRY)
+    return {n: {"summary": m.summary, "defaults": dict(m.defaults), "formula": m.formula} for n, m in REGISTRY.items()}
+
+
+def get_method(name: str) -> Method:
+    if name not in REGISTRY:
+        raise ValueError(f"unknown method {name!r}; choose one of: {', '.join(REGISTRY)}")
+    return REGISTRY[name]
+
+
+def resolve_options(method: str, shape, **given) -> dict:
+    """The method's presets overridden by the given (non-None) options, checked against a [B, H, N, D] shape."""
+    m = get_method(method)
+    given = {k: v for k, v in given.items() if v is not None}
+    unknown = sorted(set(given) - set(m.defaults))
+    if unknown:
+        raise ValueError(f"method {method!r} takes no option {', '.join(map(repr, unknown))}; "
+                         f"its options: {', '.join(m.defaults)}")
+    o = {**m.defaults, **given}
+    _check_options(m, o, shape)
+    return o
+
+
+def _check_options(m: Method, o: dict, shape) -> None:
+    from .registry import token_spec
+    spec = kivi.spec(o) if m.name == "kivi" else token_spec(o)
+    if m.name == "kivi":
+        nq = kivi.quantized_tokens(shape[2], o)
+        if nq:
+            spec.check((*shape[:2], nq, shape[3]))
+    else:
+        spec.check(shape)
+    if "stages" in o:
+        if not isinstance(o["stages"], int) or not 0 <= o["stages"] <= 16:
+            raise ValueError(f"stages must be an integer in [0, 16], got {o['stages']!r}")
+        k = o["centroids"]
+        if not isinstance(k, int) or not 1 <= k <= MAX_K:
+            raise ValueError(f"centroids must be an integer in [1, {MAX_K}], got {k!r}")
+        if o["stages"] and k > shape[2]:
+            raise ValueError(f"centroids ({k}) > tokens N ({shape[2]}): k-means needs at least K tokens per head")
+        if o["iters"] is not None and (not isinstance(o["iters"], int) or o["iters"] < 0):
+            raise ValueError(f"iters must be a non-negative integer, got {o['iters']!r}")
+        if o["seeding"] not in SEEDINGS:
+            raise ValueError(f"unknown seeding {o['seeding']!r}; choose one of {SEEDINGS}")
+    if m.name == "quarot":
+        d = shape[3]
+        if d & (d - 1):
+            raise ValueError(f"quarot needs a power-of-two head dim D for its Hadamard rotation, got D={d}")
+
+
+def _check_input(x) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"x must be a torch.Tensor of shape [B, H, N, D], got {type(x).__name__}")
+    if x.dim() != 4:
+        raise ValueError(f"x must have shape [B, H, N, D] (rank 4), got rank {x.dim()} with shape {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise ValueError(f"x must be a floating-point tensor, got {x.dtype}")
+    if x.numel() == 0:
+        raise ValueError(f"x is empty (shape {tuple(x.shape)})")
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError("x holds non-finite values (NaN or inf)")
+
+
+def compress(x: torch.Tensor, method: str = "qvg", *, bits: int | None = None, block_size: int | None = None,
+             stages: int | None = None, centroids: int | None = None, seed: int | None = None, init=None,
+             **options) -> Packed:
+    """Compress x [B, H, N, D] with `method` -> a `Packed` (real packed storage; `.nbytes` is what it holds).
+
+    None means the method's preset (qvg: bits=2, block_size=64, stages=1, centroids=256; qvg-pro: block_size=16,
+    stages=4). `init` warm-starts k-means (qvg, qvg-pro) with a previous chunk's centroids: pass its Packed or a
+    [S, B, H, K, D] tensor. Further options: grid ("midrise" | "sym" | "asym"), scale_dtype ("fp8" | "bf16"),
+    iters, seeding (qvg*), signs (quarot), role ("key" | "value") and residual (kivi). Raises ValueError naming
+    the problem for bad input.
+    """
+    m = get_method(method)
+    _check_input(x)
+    o = resolve_options(method, tuple(x.shape), bits=bits, block_size=block_size, stages=stages,
+                        centroids=centroids, seed=seed, **options)
+    if init is not None and not m.warm_start:
+        raise ValueError(f"method {method!r} takes no init (only k-means methods warm-start)")
+    tensors = m.compress(x, o, init) if m.warm_start else m.compress(x, o)
+    return Packed(method, tuple(x.shape), x.dtype, tensors, o)
+
+
+def decompress(packed: Packed) -> torch.Tensor:
+    """The tensor a `Packed` holds, with the original shape and dtype."""
+    if not isinstance(packed, Packed):
+        raise ValueError(f"decompress takes a qvg Packed, got {type(packed).__name__}")
+    return get_method(packed.method).decompress(packed)
+
+
+def bits_per_element(method: str, shape, **options) -> float:
+    """Analytic storage bits per element of `method` on a [B, H, N, D] tensor (its memory formula)."""
+    o = resolve_options(method, tuple(shape), **options)
+    return get_method(method).bits(tuple(shape), o)

@@ -1,0 +1,85 @@
+"""QVG: Semantic-Aware Smoothing + Progressive Residual Quantization.
+
+Per (batch, head), stage s = 1..S runs k-means on the current residual (stage 1: the tokens themselves), stores
+the BF16 centroids and the per-token ids, and subtracts each token's (BF16) centroid. The last residual is stored
+with the group quantizer. Decompression replays the stages: x = dequant(codes) + sum_s centroids_s[ids_s].
+S = 0 is plain RTN. `init` (the previous chunk's centroids) warm-starts every stage's k-means: the streaming
+centroid cache.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..kmeans import id_dtype, kmeans
+from ..packed import Packed
+from ..quant import dequantize_packed, quantize_packed
+from .registry import QUANT_DEFAULTS, Method, register, scale_overhead_bits, token_spec
+
+COLD_ITERS = 8  # Lloyd iterations when no warm start is given (the first chunk)
+WARM_ITERS = 2  # ... when warm-started from the previous chunk's centroids
+
+
+def _gather(c: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """c [G, K, D], ids [G, N] -> [G, N, D] (float32)."""
+    return torch.gather(c.float(), 1, ids.long()[..., None].expand(-1, -1, c.shape[-1]))
+
+
+def init_centroids(init, o: dict, shape) -> torch.Tensor | None:
+    """`init` (a Packed from a previous chunk, or a [S, B, H, K, D] tensor) -> [S, B*H, K, D], checked."""
+    if init is None:
+        return None
+    c = init.tensors.get("centroids") if isinstance(init, Packed) else init
+    b, h, _, d = shape
+    want = (o["stages"], b, h, o["centroids"], d)
+    if not isinstance(c, torch.Tensor) or tuple(c.shape) != want:
+        got = None if not isinstance(c, torch.Tensor) else tuple(c.shape)
+        raise ValueError(f"init centroids must have shape [S, B, H, K, D] = {list(want)}, got {got}")
+    return c.reshape(want[0], b * h, want[3], d)
+
+
+def compress(x: torch.Tensor, o: dict, init=None) -> dict[str, torch.Tensor]:
+    b, h, n, d = x.shape
+    s_count, k = o["stages"], o["centroids"]
+    warm = init_centroids(init, o, x.shape)
+    iters = o["iters"] if o["iters"] is not None else (WARM_ITERS if warm is not None else COLD_ITERS)
+    r = x.float().reshape(b * h, n, d)
+    ids, cents = [], []
+    for s in range(s_count):
+        res = kmeans(r, k, iters=iters, init=None if warm is None else warm[s], seed=o["seed"] + s,
+                     seeding=o["seeding"])
+        c16 = res.centroids.to(torch.bfloat16)
+        r = r - _gather(c16, res.ids)  # subtract what is stored, so decompression replays exactly
+        ids.append(res.ids)
+        cents.append(c16)
+    tensors = quantize_packed(r.view(b, h, n, d), token_spec(o))
+    if s_count:
+        tensors["ids"] = torch.stack(ids).view(s_count, b, h, n)
+        tensors["centroids"] = torch.stack(cents).view(s_count, b, h, k, d)
+    return tensors
+
+
+def decompress(p: Packed) -> torch.Tensor:
+    b, h, n, d = p.shape
+    y = dequantize_packed(p.tensors, token_spec(p.meta), d).view(b * h, n, d)
+    for s in range(p.meta["stages"]):
+        c = p.tensors["centroids"][s].reshape(b * h, -1, d)
+        y = y + _gather(c, p.tensors["ids"][s].reshape(b * h, n))
+    return y.view(b, h, n, d).to(p.dtype)
+
+
+def bits(shape, o) -> float:
+    n, d = shape[2], shape[3]
+    s, k = o["stages"], o["centroids"]
+    id_bits = 8 * id_dtype(k).itemsize
+    return o["bits"] + scale_overhead_bits(token_spec(o), n, d) + id_bits * s / d + 16 * s * k / n
+
+
+_PRQ = {**QUANT_DEFAULTS, "stages": 1, "centroids": 256, "iters": None, "seeding": "k-means++"}
+FORMULA = "b + scale_bits/B + id_bits*S/D + 16*S*K/N (+ 32/(N*D) for FP8's per-head tscale)"
+
+
+QVG = register(Method("qvg", "k-means smoothing + PRQ, S=1, B=64, K=256", _PRQ, compress, decompress, bits,
+                      FORMULA, warm_start=True))
+QVG_PRO = register(Method("qvg-pro", "k-means smoothing + PRQ, S=4, B=16, K=256",
+                          {**_PRQ, "stages": 4, "block_size": 16}, compress, decompress, bits, FORMULA,
+                          warm_start=True))

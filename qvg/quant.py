@@ -1,0 +1,186 @@
+"""Scalar group quantizer over [B, H, N, D] tensors.
+
+Groups (`QuantSpec.axis`):
+  "token"   - `group` contiguous channels of one token (the QVG / RTN layout); scales [B, H, N, D/group].
+  "channel" - `group` consecutive tokens of one channel (KIVI keys); scales [B, H, N/group, D].
+
+Grids (`QuantSpec.grid`), for b bits; s is the group's stored scale, c the unsigned code:
+  "sym"      the paper's grid: 2^b - 1 levels (c - L) * s with L = 2^(b-1) - 1 and s = max|x| / L.
+             INT2 = {-1, 0, +1} * s (only 3 of 4 codes used), INT4 = -7..7 * s. Needs b >= 2.
+  "midrise"  all 2^b levels, symmetric, no wasted code: (c - 2^(b-1) + 1/2) * s with s = max|x| / (2^(b-1) - 1/2).
+             INT2 = {-1.5, -0.5, 0.5, 1.5} * s, 1-bit = +-max|x|. The default: 1.5x finer INT2 step than "sym" at
+             the same bytes.
+  "asym"     min/max affine (KIVI): zero + c * s with s = (max - zero) / (2^b - 1); the zero point is the group
+             minimum rounded down to BF16 (so the range stays covered), stored per group.
+Every grid reconstructs within s/2 of x, elementwise: |x - dequantize(quantize(x))| <= s / 2.
+
+Scale storage (`QuantSpec.scale_dtype`):
+  "fp8"   FP8 E4M3 (1 byte). To use E4M3's range fully and never under- or overflow, group scales are stored
+          relative to one FP32 scale per (batch, head), `tscale` = (largest group scale of that head) / 448:
+          stored = roundup_fp8(clamp(s / tscale, 2^-9, 448)). 448 is E4M3's largest finite value and 2^-9 its
+          smallest positive (subnormal) one, so no scale becomes 0 or inf. Rounding *up* to the next E4M3 value
+          (not to nearest) keeps every group's range covered, so the s/2 bound holds for the stored scale.
+          Cost: 32 bits per (batch, head), i.e. 32 / (N * D) bits per element.
+  "bf16"  BF16 (2 bytes), also rounded up; clamped below at 2^-126 (BF16's smallest normal).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .bitpack import SUPPORTED_BITS, pack, unpack
+
+GRIDS = ("sym", "midrise", "asym")
+AXES = ("token", "channel")
+SCALE_DTYPES = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16}
+FP8_MAX = 448.0
+FP8_MIN = 2.0 ** -9
+BF16_MIN = 2.0 ** -126
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    bits: int = 2
+    grid: str = "midrise"
+    axis: str = "token"
+    group: int = 64
+    scale_dtype: str = "fp8"
+
+    def check(self, shape: tuple[int, ...]) -> None:
+        """Raise ValueError naming the problem if this spec cannot quantize a tensor of `shape` [B, H, N, D]."""
+        if self.bits not in SUPPORTED_BITS:
+            raise ValueError(f"unsupported bits {self.bits}; supported: {', '.join(map(str, SUPPORTED_BITS))}")
+        if self.grid not in GRIDS:
+            raise ValueError(f"unknown grid {self.grid!r}; choose one of {GRIDS}")
+        if self.grid == "sym" and self.bits < 2:
+            raise ValueError("grid 'sym' needs bits >= 2 (its 1-bit grid is {0}); use grid 'midrise' or 'asym'")
+        if self.axis not in AXES:
+            raise ValueError(f"unknown group axis {self.axis!r}; choose one of {AXES}")
+        if self.scale_dtype not in SCALE_DTYPES:
+            raise ValueError(f"unknown scale dtype {self.scale_dtype!r}; choose one of {tuple(SCALE_DTYPES)}")
+        if not isinstance(self.group, int) or self.group < 1:
+            raise ValueError(f"block size must be a positive integer, got {self.group!r}")
+        n, d = shape[-2], shape[-1]
+        if self.axis == "token" and d % self.group:
+            raise ValueError(f"head dim D={d} is not divisible by block_size={self.group}")
+        if self.axis == "channel" and n % self.group:
+            raise ValueError(f"token count N={n} is not divisible by the token group size {self.group}")
+        if d % (8 // self.bits):
+            raise ValueError(f"head dim D={d} must be a multiple of {8 // self.bits} to pack {self.bits}-bit codes")
+
+    def to_meta(self) -> dict:
+        return asdict(self)
+
+    @property
+    def scale_bits(self) -> int:
+        """Bits stored per group: the scale, plus a BF16 zero point for the asym grid."""
+        return 8 * SCALE_DTYPES[self.scale_dtype].itemsize + (16 if self.grid == "asym" else 0)
+
+
+# --- group views ------------------------------------------------------------------------------------------------
+
+def _grouped(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, int]:
+    """View x [B, H, N, D] with the group as its own dim; returns (view, reduction dim)."""
+    if spec.axis == "token":
+        return x.unflatten(-1, (x.shape[-1] // spec.group, spec.group)), -1  # [B, H, N, D/g, g]
+    return x.unflatten(2, (x.shape[2] // spec.group, spec.group)), 3  # [B, H, N/g, g, D]
+
+
+def _per_group(s: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """Broadcastable view of a per-group tensor against the grouped view of x."""
+    return s.unsqueeze(-1 if spec.axis == "token" else 3)
+
+
+def expand_groups(s: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """Per-group values [B, H, groups...] -> per-element [B, H, N, D]."""
+    if spec.axis == "token":
+        return s.repeat_interleave(spec.group, dim=-1)
+    return s.repeat_interleave(spec.group, dim=2)
+
+
+# --- scale storage ----------------------------------------------------------------------------------------------
+
+def _round_up(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Convert positive fp32 values to `dtype`, rounding up to the next representable value instead of nearest."""
+    r = q.to(dtype)
+    raw = r.view(torch.uint8 if dtype.itemsize == 1 else torch.int16)
+    return torch.where(r.float() < q, raw + 1, raw).view(dtype)
+
+
+def _round_down_bf16(q: torch.Tensor) -> torch.Tensor:
+    """fp32 -> bf16 rounded toward -inf (for asym zero points, so the group minimum stays covered)."""
+    r = q.to(torch.bfloat16)
+    raw = r.view(torch.int16)
+    step = torch.where(raw >= 0, -1, 1).to(torch.int16)  # toward -inf: smaller magnitude if >= +0, larger if < 0
+    return torch.where(r.float() > q, raw + step, raw).view(torch.bfloat16)
+
+
+def encode_scale(s: torch.Tensor, spec: QuantSpec) -> dict[str, torch.Tensor]:
+    """Raw fp32 group scales [B, H, ...] (>= 0) -> stored tensors (see module doc)."""
+    if spec.scale_dtype == "bf16":
+        return {"scale": _round_up(s.clamp(min=BF16_MIN), torch.bfloat16)}
+    smax = s.flatten(2).amax(-1)  # [B, H]
+    tscale = (smax / FP8_MAX).clamp(min=1e-30) * (1 + 2.0 ** -20)
+    q = (s / tscale[:, :, None, None]).clamp(FP8_MIN, FP8_MAX)
+    return {"scale": _round_up(q, torch.float8_e4m3fn), "tscale": tscale.float()}
+
+
+def decode_scale(stored: dict[str, torch.Tensor], spec: QuantSpec) -> torch.Tensor:
+    s = stored["scale"].float()
+    if spec.scale_dtype == "fp8":
+        s = s * stored["tscale"][:, :, None, None]
+    return s
+
+
+# --- quantize / dequantize ---------------------------------------------------------------------------------------
+
+def quantize(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """x [B, H, N, D] -> (unsigned codes uint8 [B, H, N, D], stored scale tensors)."""
+    xg, rd = _grouped(x.float(), spec)
+    b = spec.bits
+    if spec.grid == "asym":
+        zero = _round_down_bf16(xg.amin(rd))
+        stored = encode_scale((xg.amax(rd) - zero.float()) / (2 ** b - 1), spec)
+        stored["zero"] = zero
+        s = _per_group(decode_scale(stored, spec), spec)
+        codes = torch.round((xg - _per_group(zero.float(), spec)) / s).clamp(0, 2 ** b - 1)
+    else:
+        amax = xg.abs().amax(rd)
+        if spec.grid == "sym":
+            lim = 2 ** (b - 1) - 1
+            stored = encode_scale(amax / lim, spec)
+            s = _per_group(decode_scale(stored, spec), spec)
+            codes = torch.round(xg / s).clamp(-lim, lim) + lim
+        else:  # midrise
+            half = 2 ** (b - 1)
+            stored = encode_scale(amax / (half - 0.5), spec)
+            s = _per_group(decode_scale(stored, spec), spec)
+            codes = (torch.floor(xg / s) + half).clamp(0, 2 ** b - 1)
+    return codes.to(torch.uint8).flatten(*((-2, -1) if spec.axis == "token" else (2, 3))), stored
+
+
+def dequantize(codes: torch.Tensor, stored: dict[str, torch.Tensor], spec: QuantSpec) -> torch.Tensor:
+    """Inverse of `quantize`: -> fp32 [B, H, N, D]."""
+    s = expand_groups(decode_scale(stored, spec), spec)
+    c = codes.float()
+    if spec.grid == "asym":
+        return expand_groups(stored["zero"].float(), spec) + c * s
+    if spec.grid == "sym":
+        return (c - (2 ** (spec.bits - 1) - 1)) * s
+    return (c - (2 ** (spec.bits - 1) - 0.5)) * s
+
+
+def quantize_packed(x: torch.Tensor, spec: QuantSpec) -> dict[str, torch.Tensor]:
+    """Quantize and bit-pack: -> {"codes": uint8 [B, H, N, D*bits/8], "scale": ..., ["zero"], ["tscale"]}."""
+    codes, stored = quantize(x, spec)
+    return {"codes": pack(codes, spec.bits), **stored}
+
+
+def dequantize_packed(tensors: dict[str, torch.Tensor], spec: QuantSpec, d: int) -> torch.Tensor:
+    return dequantize(unpack(tensors["codes"], spec.bits, d), tensors, spec)
+
+
+def step_size(tensors: dict[str, torch.Tensor], spec: QuantSpec) -> torch.Tensor:
+    """Per-element stored scale s [B, H, N, D]; the reconstruction error is at most s / 2."""
+    return expand_groups(decode_scale(tensors, spec), spec)
