@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..backend import use_kernels
 from ..kmeans import id_dtype, kmeans
 from ..packed import Packed
 from ..quant import dequantize_packed, quantize_packed
@@ -42,6 +43,9 @@ def compress(x: torch.Tensor, o: dict, init=None) -> dict[str, torch.Tensor]:
     s_count, k = o["stages"], o["centroids"]
     warm = init_centroids(init, o, x.shape)
     iters = o["iters"] if o["iters"] is not None else (WARM_ITERS if warm is not None else COLD_ITERS)
+    if use_kernels(x):
+        from ..kernels.compress import compress_prq
+        return compress_prq(x, o, warm, iters)
     r = x.float().reshape(b * h, n, d)
     ids, cents = [], []
     for s in range(s_count):
@@ -59,6 +63,9 @@ def compress(x: torch.Tensor, o: dict, init=None) -> dict[str, torch.Tensor]:
 
 
 def decompress(p: Packed) -> torch.Tensor:
+    if use_kernels(p.tensors["codes"]):
+        from ..kernels.dequant import dequantize
+        return dequantize(p)
     b, h, n, d = p.shape
     y = dequantize_packed(p.tensors, token_spec(p.meta), d).view(b * h, n, d)
     for s in range(p.meta["stages"]):

@@ -3,16 +3,23 @@ from __future__ import annotations
 
 import torch
 
+from ..backend import use_kernels
 from ..packed import Packed
 from ..quant import dequantize_packed, quantize_packed
 from .registry import QUANT_DEFAULTS, Method, register, scale_overhead_bits, token_spec
 
 
 def compress(x: torch.Tensor, o: dict) -> dict[str, torch.Tensor]:
+    if use_kernels(x):
+        from ..kernels.quantize import quantize_packed as quantize_packed_triton
+        return quantize_packed_triton(x, token_spec(o))
     return quantize_packed(x, token_spec(o))
 
 
 def decompress(p: Packed) -> torch.Tensor:
+    if use_kernels(p.tensors["codes"]):
+        from ..kernels.dequant import dequantize
+        return dequantize(p)
     return dequantize_packed(p.tensors, token_spec(p.meta), p.shape[-1]).to(p.dtype)
 
 

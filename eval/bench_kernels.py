@@ -1,0 +1,277 @@
+"""GPU benchmark of the Triton kernels (issue 3): `python -m qvg.eval.bench_kernels [--out DIR] [--quick]`.
+
+In one run: the device's own ceilings (device-to-device copy bandwidth counting read + write bytes, a large bf16
+matmul); fused dequant at the LongCat and Self-Forcing spans for S1/B64 and S4/B16 (time, fraction of copy
+bandwidth); compress (2 warm-started k-means iterations + PRQ + pack); attention over the packed cache vs SDPA
+(flash) on the materialized BF16 cache and vs the "dequant then SDPA" read path (time, TFLOP/s, peak memory);
+and GPU correctness checks of every kernel against its torch reference. Writes kernels-<gpu>.json and .md.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+
+import torch
+
+
+def _commit() -> str:
+    if os.environ.get("QVG_COMMIT"):
+        return os.environ["QVG_COMMIT"]
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
+    except Exception:
+        return "unknown"
+
+
+def bench(fn, warmup=25, rep=100) -> float:
+    """Median milliseconds of fn() with CUDA events (triton.testing.do_bench)."""
+    import triton.testing
+    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def clustered(shape, k=64, seed=0, spread=8.0, dtype=torch.bfloat16):
+    """Video-like KV stand-in on the GPU: per-head cluster centres + noise + a few large outlier channels."""
+    b, h, n, d = shape
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    centers = torch.randn(b * h, k, d, device="cuda", generator=g) * spread
+    ids = torch.randint(0, k, (b * h, n), device="cuda", generator=g)
+    x = torch.gather(centers, 1, ids[..., None].expand(-1, -1, d)) + torch.randn(b * h, n, d, device="cuda",
+                                                                                  generator=g)
+    x[..., :4] *= 10
+    return x.view(b, h, n, d).to(dtype)
+
+
+def ceilings(quick):
+    n = (1 << 28) if not quick else (1 << 24)
+    a = torch.empty(n, dtype=torch.float32, device="cuda").normal_()
+    b = torch.empty_like(a)
+    t = bench(lambda: b.copy_(a))
+    s = 8192 if not quick else 2048
+    x = torch.randn(s, s, device="cuda", dtype=torch.bfloat16)
+    y = torch.randn(s, s, device="cuda", dtype=torch.bfloat16)
+    tm = bench(lambda: x @ y)
+    return {"copy_bytes": 2 * a.numel() * 4, "copy_ms": t, "copy_TBps": 2 * a.numel() * 4 / t / 1e9,
+            "matmul_shape": [s, s, s], "matmul_ms": tm, "matmul_TFLOPs": 2 * s ** 3 / tm / 1e9}
+
+
+def with_torch_backend(fn):
+    old = os.environ.get("QVG_BACKEND")
+    os.environ["QVG_BACKEND"] = "torch"
+    try:
+        return fn()
+    finally:
+        if old is None:
+            os.environ.pop("QVG_BACKEND")
+        else:
+            os.environ["QVG_BACKEND"] = old
+
+
+def dequant_section(copy_tbps, quick):
+    import qvg
+    from qvg.kernels.dequant import dequantize
+    rows = []
+    shapes = [(1, 32, 29640, 128), (1, 12, 37440, 128)] if not quick else [(1, 4, 4680, 128)]
+    for shape in shapes:
+        x = clustered(shape)
+        for method in ("qvg", "qvg-pro"):
+            p = qvg.compress(x, method)
+            ref = with_torch_backend(lambda: qvg.decompress(p))
+            best = None
+            for bn, nw in ((32, 4), (64, 4), (64, 8), (128, 8)):
+                out = torch.full_like(ref, float("nan"))
+                dequantize(p, out=out, block_n=bn)
+                exact = float((out == ref).float().mean())
+                ms = bench(lambda: dequantize(p, out=out, block_n=bn))
+                if best is None or ms < best["ms"]:
+                    best = {"block_n": bn, "ms": ms, "bitwise_equal_fraction": exact}
+            t_ref = with_torch_backend(lambda: bench(lambda: qvg.decompress(p), warmup=3, rep=10))
+            nbytes = p.nbytes + x.numel() * 2
+            rows.append({"shape": list(shape), "method": method, "stages": p.meta["stages"],
+                         "block_size": p.meta["block_size"], "packed_bytes": p.nbytes, "bytes_moved": nbytes,
+                         **best, "TBps": nbytes / best["ms"] / 1e9,
+                         "fraction_of_copy_bw": nbytes / best["ms"] / 1e9 / copy_tbps, "torch_reference_ms": t_ref})
+            print(f"  dequant {shape} {method}: {best['ms']:.4f} ms, {rows[-1]['fraction_of_copy_bw']:.0%} of copy "
+                  f"bw, bitwise equal {best['bitwise_equal_fraction']:.4f} (torch ref {t_ref:.3f} ms)", flush=True)
+    return rows
+
+
+def compress_section(quick):
+    import qvg
+    from qvg.kernels.compress import compress_prq
+    from qvg.methods import resolve_options
+    from qvg.methods.prq import init_centroids
+    shape = (1, 32, 29640, 128) if not quick else (1, 4, 4680, 128)
+    x0, x1 = clustered(shape, seed=1), clustered(shape, seed=1)
+    x1 = (x1.float() + 0.1 * torch.randn_like(x1.float())).bfloat16()  # the next chunk: similar content
+    rows = []
+    for method in ("qvg", "qvg-pro"):
+        prev = qvg.compress(x0, method)  # cold start (not timed): its centroids warm-start the next chunk
+        o = resolve_options(method, shape)
+        warm = init_centroids(prev, o, shape)
+        ms = bench(lambda: compress_prq(x1, o, warm, 2), warmup=5, rep=30)
+        api_ms = bench(lambda: qvg.compress(x1, method, init=prev, iters=2), warmup=3, rep=20)
+        ref_ms = with_torch_backend(lambda: bench(lambda: qvg.compress(x1, method, init=prev, iters=2), 1, 5))
+        # parity with the torch reference on the same warm start
+        pk = qvg.compress(x1, method, init=prev, iters=2)
+        pr = with_torch_backend(lambda: qvg.compress(x1, method, init=prev, iters=2))
+        ids_agree = float((pk.tensors["ids"] == pr.tensors["ids"]).float().mean())
+        mse_k = float((qvg.decompress(pk).float() - x1.float()).pow(2).mean())
+        mse_r = float((with_torch_backend(lambda: qvg.decompress(pr)).float() - x1.float()).pow(2).mean())
+        rows.append({"shape": list(shape), "method": method, "iters": 2, "warm_start": True, "ms": ms,
+                     "api_ms": api_ms, "torch_reference_ms": ref_ms, "ids_agree_with_reference": ids_agree,
+                     "mse_kernels": mse_k, "mse_reference": mse_r})
+        print(f"  compress {shape} {method}: {ms:.3f} ms (API incl. input checks {api_ms:.3f} ms; torch ref "
+              f"{ref_ms:.2f} ms); ids agree {ids_agree:.4f}; mse {mse_k:.4g} vs ref {mse_r:.4g}", flush=True)
+    return rows
+
+
+def _history(h, n_hist, chunk, method="qvg"):
+    """Packed K and V chunks of a history of n_hist tokens (4 distinct chunks of content, repeated)."""
+    import qvg
+    distinct = [clustered((1, h, chunk, 128), seed=10 + i) for i in range(min(4, n_hist // chunk))]
+    pk = [qvg.compress(x, method) for x in distinct]
+    pv = [qvg.compress(x, method, seed=1) for x in distinct[1:] + distinct[:1]]
+    reps = n_hist // chunk
+    return [pk[i % len(pk)] for i in range(reps)], [pv[i % len(pv)] for i in range(reps)]
+
+
+def _peak(fn):
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, torch.cuda.max_memory_allocated() - base
+
+
+def attention_section(quick):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from qvg.attention import attend_reference
+    from qvg.kernels.attention import packed_attention
+    from qvg.kernels.dequant import dequantize
+    from qvg.sequence import PackedSequence
+    h, m, chunk = 12, 4680, 4680
+    sizes = [32760, 327600] if not quick else [9360]
+    rows = []
+    configs = [(128, 64, 8, 2), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3),
+               (64, 128, 4, 2)]
+    q = torch.randn(1, h, m, 128, device="cuda", dtype=torch.bfloat16)
+    for n_keys in sizes:
+        kch, vch = _history(h, n_keys, chunk)
+        K, V = PackedSequence.from_chunks(kch), PackedSequence.from_chunks(vch)
+        flops = 4 * m * n_keys * 128 * h
+        kd, vd = K.decompress(), V.decompress()  # materialized BF16 cache, for SDPA
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            t_sdpa = bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, kd, vd))
+            ref, peak_sdpa = _peak(lambda: torch.nn.functional.scaled_dot_product_attention(q, kd, vd))
+
+            def read_path():
+                return torch.nn.functional.scaled_dot_product_attention(q, dequantize(K), dequantize(V))
+        best = None
+        for bm, bn, nw, ns in configs:
+            try:
+                out = packed_attention(q, K, V, block_m=bm, block_n=bn, num_warps=nw, num_stages=ns)
+                err = float((out.float() - ref.float()).norm() / ref.float().norm())
+                ms = bench(lambda: packed_attention(q, K, V, block_m=bm, block_n=bn, num_warps=nw, num_stages=ns))
+            except Exception as e:  # a config that does not compile (e.g. out of shared memory) is skipped
+                print(f"    config {(bm, bn, nw, ns)} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                continue
+            print(f"    config {(bm, bn, nw, ns)}: {ms:.3f} ms, rel err vs SDPA {err:.2e}", flush=True)
+            if best is None or ms < best["ms"]:
+                best = {"block_m": bm, "block_n": bn, "num_warps": nw, "num_stages": ns, "ms": ms, "rel_err": err}
+        cfg = {k: best[k] for k in ("block_m", "block_n", "num_warps", "num_stages")}
+        _, peak_packed = _peak(lambda: packed_attention(q, K, V, **cfg))
+        # the realistic split: history packed, the current chunk BF16 in the tail
+        Kh, Vh = PackedSequence.from_chunks(kch[:-1]), PackedSequence.from_chunks(vch[:-1])
+        tk, tv = kd[:, :, -chunk:].contiguous(), vd[:, :, -chunk:].contiguous()
+        t_tail = bench(lambda: packed_attention(q, Kh, Vh, tk, tv, **cfg))
+        # the official read path: dequantize the whole history to BF16, then SDPA
+        del kd, vd
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            t_read = bench(read_path)
+            _, peak_read = _peak(read_path)
+        small = None
+        if n_keys == sizes[0]:  # exactness check against the fp32 reference on a slice
+            qs = q[:, :, :512]
+            o1 = packed_attention(qs, K, V, **cfg)
+            o2 = attend_reference(qs, K, V)
+            small = float((o1.float() - o2.float()).norm() / o2.float().norm())
+        rows.append({"heads": h, "queries": m, "keys": n_keys, "flops": flops, "sdpa_flash_ms": t_sdpa,
+                     "sdpa_TFLOPs": flops / t_sdpa / 1e9, "packed_ms": best["ms"],
+                     "packed_TFLOPs": flops / best["ms"] / 1e9, "packed_vs_sdpa_throughput": t_sdpa / best["ms"],
+                     "packed_config": cfg, "packed_rel_err_vs_sdpa_on_dequantized": best["rel_err"],
+                     "packed_rel_err_vs_fp32_reference": small, "packed_plus_bf16_tail_ms": t_tail,
+                     "dequant_then_sdpa_ms": t_read, "packed_bytes_kv": K.nbytes + V.nbytes,
+                     "peak_transient_bytes": {"sdpa_on_materialized": peak_sdpa, "packed": peak_packed,
+                                              "dequant_then_sdpa": peak_read},
+                     "bf16_history_bytes_kv": 2 * h * n_keys * 128 * 2})
+        print(f"  attention {m}x{n_keys}x{h}: packed {best['ms']:.3f} ms ({flops / best['ms'] / 1e9:.0f} TFLOP/s) vs "
+              f"SDPA {t_sdpa:.3f} ms ({flops / t_sdpa / 1e9:.0f}); dequant+SDPA {t_read:.3f} ms; peak transient "
+              f"packed {peak_packed / 1e6:.1f} MB, read path {peak_read / 1e6:.1f} MB", flush=True)
+        del K, V, Kh, Vh
+        torch.cuda.empty_cache()
+    return rows
+
+
+def kmeans_parity_section():
+    from qvg.kmeans import kmeans as ref_kmeans
+    from qvg.kernels.kmeans import kmeans
+    x = clustered((1, 8, 4680, 128)).view(8, 4680, 128)
+    a = kmeans(x, 256, iters=4, seed=0, track=True)
+    b = ref_kmeans(x, 256, iters=4, seed=0, track=True)
+    a2 = kmeans(x, 256, iters=4, seed=0)
+    return {"ids_agree": float((a.ids == b.ids).float().mean()), "objective_kernels": a.trace.tolist(),
+            "objective_reference": b.trace.tolist(), "deterministic": bool(torch.equal(a.ids, a2.ids) and
+                                                                            torch.equal(a.centroids, a2.centroids))}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="eval/results")
+    ap.add_argument("--quick", action="store_true", help="small shapes (smoke test)")
+    ap.add_argument("--only", default="", help="comma list of sections: ceilings,dequant,compress,attention,kmeans")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_kernels: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    import triton
+    t0 = time.time()
+    dev = torch.cuda.get_device_name()
+    res = {"device": dev, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "commit": _commit(), "command": "python -m qvg.eval.bench_kernels " + " ".join(argv or sys.argv[1:]),
+           "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()}
+    only = set(filter(None, args.only.split(",")))
+    sections = [("ceilings", lambda: ceilings(args.quick)),
+                ("kmeans", kmeans_parity_section),
+                ("dequant", lambda: dequant_section(res["ceilings"]["copy_TBps"], args.quick)),
+                ("compress", lambda: compress_section(args.quick)),
+                ("attention", lambda: attention_section(args.quick))]
+    for name, fn in sections:
+        if only and name not in only and name != "ceilings":
+            continue
+        print(f"[{name}]", flush=True)
+        try:
+            res[name] = fn()
+        except Exception as e:
+            traceback.print_exc()
+            res[name] = {"error": f"{type(e).__name__}: {e}"}
+        torch.cuda.empty_cache()
+    res["wall_s"] = time.time() - t0
+    os.makedirs(args.out, exist_ok=True)
+    tag = "h100" if "H100" in dev else ("h200" if "H200" in dev else dev.replace(" ", "-").lower())
+    path = os.path.join(args.out, f"kernels-{tag}.json")
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"wrote {path} ({res['wall_s']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

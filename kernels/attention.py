@@ -1,0 +1,144 @@
+"""Flash attention that reads a packed QVG / RTN history directly (Triton). Reference: qvg.attention.
+
+Per program: BLOCK_M queries of one query head. Loop 1 walks the packed history in tiles of BLOCK_N tokens:
+codes, FP8 scales and centroid ids are loaded and dequantized on chip (codes -> levels x scale + the assigned
+centroid of every stage), then QK^T, online softmax and PV as in flash attention. Loop 2 walks the BF16 tail (the
+current chunk and any BF16 zone). The BF16 history is never allocated: the only tensors are the packed history,
+the tail, q and the output. GQA: query head h reads kv head h // (Hq / Hkv).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from qvg.sequence import PackedSequence
+
+from .common import INTERPRET, decode_scale, dequant_codes, dot_bf16, grid_constants, raw_view
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _packed_tile(codes_ptr, scale_ptr, tscale_ptr, ids_ptr, cent_ptr, gh, n0, N, L, C, K, GH,
+                 D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr,
+                 OFFSET: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Dequantize tokens [n0, n0 + BLOCK_N) of kv head `gh` -> fp32 [BLOCK_N, D] (rows past N are 0)."""
+    W: tl.constexpr = D * BITS // 8
+    rows = n0 + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    m2 = rmask[:, None]
+    tok = gh.to(tl.int64) * N + rows
+    d = tl.arange(0, D)
+    byte = tl.load(codes_ptr + tok[:, None] * W + (d % W)[None, :], mask=m2, other=0)
+    c = (byte >> ((d // W) * BITS).to(tl.uint8)[None, :]) & ((1 << BITS) - 1)
+    chunk = rows // L
+    ts = 1.0
+    if FP8:
+        ts = tl.load(tscale_ptr + gh.to(tl.int64) * C + chunk, mask=rmask, other=1.0)[:, None]
+    s = decode_scale(tl.load(scale_ptr + tok[:, None] * (D // GROUP) + (d // GROUP)[None, :], mask=m2, other=0),
+                     ts, FP8)
+    v = dequant_codes(c, s, 0.0, OFFSET, GRID)
+    for st in tl.static_range(STAGES):
+        cid = tl.load(ids_ptr + st * GH * N + tok, mask=rmask, other=0).to(tl.int64)
+        crow = ((st * GH + gh).to(tl.int64) * C + chunk) * K + cid
+        v += tl.load(cent_ptr + crow[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+    return v
+
+
+@triton.jit
+def _softmax_step(q, k, v, m_i, l_i, acc, valid, qk_scale, INTERP: tl.constexpr):
+    """One flash-attention step: scores of q against k, online-softmax rescale, accumulate p @ v."""
+    s = dot_bf16(q, tl.trans(k), tl.zeros((q.shape[0], k.shape[0]), tl.float32), INTERP) * qk_scale
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = dot_bf16(p, v, acc * alpha[:, None], INTERP)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _attn_kernel(q_ptr, out_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, vcen, tk_ptr, tv_ptr,
+                 qk_scale, M, N, T, L, C, K, HQ, HKV,
+                 D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr,
+                 OFFSET: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // HQ
+    h = bh % HQ
+    gh = b * HKV + h // (HQ // HKV)
+    GH = tl.num_programs(1) // HQ * HKV
+    qrows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    qmask = qrows < M
+    d = tl.arange(0, D)
+    qoff = (bh.to(tl.int64) * M + qrows)[:, None] * D + d[None, :]
+    q = tl.load(q_ptr + qoff, mask=qmask[:, None], other=0.0)
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, D), tl.float32)
+    for n0 in range(0, N, BLOCK_N):
+        valid = (n0 + tl.arange(0, BLOCK_N)) < N
+        k = _packed_tile(kc, ks, kt, kid, kcen, gh, n0, N, L, C, K, GH, D, BITS, GROUP, GRID, OFFSET, FP8,
+                         STAGES, BLOCK_N)
+        v = _packed_tile(vc, vs, vt, vid, vcen, gh, n0, N, L, C, K, GH, D, BITS, GROUP, GRID, OFFSET, FP8,
+                         STAGES, BLOCK_N)
+        m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, valid, qk_scale, INTERP)
+    for n0 in range(0, T, BLOCK_N):
+        rows = n0 + tl.arange(0, BLOCK_N)
+        valid = rows < T
+        toff = (gh.to(tl.int64) * T + rows)[:, None] * D + d[None, :]
+        k = tl.load(tk_ptr + toff, mask=valid[:, None], other=0.0)
+        v = tl.load(tv_ptr + toff, mask=valid[:, None], other=0.0)
+        m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, valid, qk_scale, INTERP)
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + qoff, out.to(out_ptr.dtype.element_ty), mask=qmask[:, None])
+
+
+def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: PackedSequence | None,
+                     k_tail: torch.Tensor | None = None, v_tail: torch.Tensor | None = None,
+                     scale: float | None = None, block_m: int = 128, block_n: int = 64, num_warps: int = 8,
+                     num_stages: int = 2) -> torch.Tensor:
+    """softmax(q [history; tail]^T * scale) [history; tail] without materializing the history.
+    q [B, Hq, M, D] bf16; histories from `PackedSequence.from_chunks`; tails [B, Hkv, T, D] bf16."""
+    bsz, hq, m, d = q.shape
+    if k_hist is None and k_tail is None:
+        raise ValueError("attention needs a history or a tail")
+    if k_hist is not None:
+        if k_hist.spec != v_hist.spec or k_hist.stages != v_hist.stages or k_hist.shape != v_hist.shape:
+            raise ValueError("packed K and V must share options and shape")
+        if k_hist.spec.grid == "asym":
+            raise ValueError("packed attention reads the sym / midrise grids")
+        _, hkv, n, _ = k_hist.shape
+    else:
+        hkv, n = k_tail.shape[1], 0
+    if hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv})")
+    t = 0 if k_tail is None else k_tail.shape[2]
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    dummy = q
+    if k_hist is not None:
+        consts = grid_constants(k_hist.spec)
+        stages, L = k_hist.stages, k_hist.chunk_len
+        kk = k_hist.tensors["centroids"].shape[-2] if stages else 1
+
+        def args(s: PackedSequence):
+            x = s.tensors
+            return (x["codes"], raw_view(x["scale"]), x.get("tscale", dummy), x["ids"] if stages else dummy,
+                    x["centroids"] if stages else dummy)
+        kargs, vargs = args(k_hist), args(v_hist)
+    else:
+        consts = dict(BITS=8, GROUP=d, GRID=1, OFFSET=127.5, FP8=False)
+        stages, L, kk = 0, 1, 1
+        kargs = vargs = (dummy,) * 5
+    tk = k_tail.contiguous() if t else dummy
+    tv = v_tail.contiguous() if t else dummy
+    scale = d ** -0.5 if scale is None else scale
+    grid = (triton.cdiv(m, block_m), bsz * hq)
+    _attn_kernel[grid](q, out, *kargs, *vargs, tk, tv, scale * LOG2E, m, n, t, L, max(1, n // L), kk, hq, hkv,
+                       D=d, STAGES=stages, BLOCK_M=block_m, BLOCK_N=block_n, INTERP=INTERPRET,
+                       num_warps=num_warps, num_stages=num_stages, **consts)
+    return out

@@ -1,0 +1,82 @@
+"""Pieces shared by the Triton kernels: how a `QuantSpec` maps to kernel constants, and in-kernel decoding of
+stored scales. The storage layout itself is defined (and documented) by the torch reference in qvg/quant.py and
+qvg/bitpack.py; the kernels only read and write it."""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from qvg.quant import QuantSpec
+
+GRID_IDS = {"sym": 0, "midrise": 1, "asym": 2}
+# TRITON_INTERPRET=1 (CPU) truncates fp32 -> bf16 casts; the GPU rounds to nearest even. Under the interpreter the
+# kernels round by hand so CI checks the same numbers the GPU produces.
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def grid_constants(spec: QuantSpec) -> dict:
+    """Kernel constexprs of a per-token spec: GRID id, level offset (code -> level), bits, group, FP8 flag."""
+    if spec.axis != "token":
+        raise ValueError("the kernels handle per-token groups (the QVG / RTN layout); use the torch path otherwise")
+    half = 2 ** (spec.bits - 1)
+    offset = {"sym": half - 1, "midrise": half - 0.5, "asym": 0.0}[spec.grid]
+    return dict(GRID=GRID_IDS[spec.grid], OFFSET=offset, BITS=spec.bits, GROUP=spec.group,
+                FP8=spec.scale_dtype == "fp8")
+
+
+def raw_view(t: torch.Tensor) -> torch.Tensor:
+    """FP8 / BF16 tensors as same-size integers, so kernels load raw bits and decode them (works under
+    TRITON_INTERPRET=1 too, which has no FP8 pointers)."""
+    return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int16)
+
+
+@triton.jit
+def decode_scale(raw, tscale, FP8: tl.constexpr):
+    """Stored scale bits -> fp32 scale (FP8 E4M3 x per-head tscale, or BF16)."""
+    if FP8:
+        return raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * tscale
+    else:
+        return raw.to(tl.bfloat16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def dequant_codes(c, s, z, OFFSET: tl.constexpr, GRID: tl.constexpr):
+    """Unsigned integer codes -> fp32 values, same arithmetic as qvg.quant.dequantize."""
+    if GRID == 2:
+        return z + c.to(tl.float32) * s
+    else:
+        return (c.to(tl.float32) - OFFSET) * s
+
+
+@triton.jit
+def to_bf16(v, EMULATE_RNE: tl.constexpr):
+    """fp32 -> bf16 rounded to nearest even (by hand when EMULATE_RNE, i.e. under the interpreter)."""
+    if EMULATE_RNE:
+        u = v.to(tl.uint32, bitcast=True)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+        return u.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return v.to(tl.bfloat16)
+
+
+@triton.jit
+def to_out(v, ptr, EMULATE_RNE: tl.constexpr):
+    """Cast fp32 to the element type of `ptr` (bf16 with round-to-nearest-even, or as is)."""
+    if ptr.dtype.element_ty == tl.bfloat16:
+        return to_bf16(v, EMULATE_RNE)
+    else:
+        return v.to(ptr.dtype.element_ty)
+
+
+@triton.jit
+def dot_bf16(a, b, acc, EMULATE: tl.constexpr):
+    """acc + a @ b with BF16 operands and FP32 accumulation. Under the interpreter (whose BF16 dot is broken) the
+    operands are rounded to BF16 and multiplied in FP32, which is the same arithmetic."""
+    if EMULATE:
+        return tl.dot(to_bf16(a.to(tl.float32), True).to(tl.float32),
+                      to_bf16(b.to(tl.float32), True).to(tl.float32), acc)
+    else:
+        return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)

@@ -1,0 +1,72 @@
+"""Fused multi-stage dequant (Triton): packed codes + scales + the assigned centroids of all S stages -> BF16 in
+one pass, intermediates in registers. Reference: `qvg.decompress` (qvg/methods/prq.py, rtn.py)."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from qvg.methods.registry import token_spec
+from qvg.packed import Packed
+from qvg.sequence import PER_TOKEN_METHODS, PackedSequence
+
+from .common import INTERPRET, decode_scale, dequant_codes, grid_constants, raw_view, to_out
+
+
+@triton.jit
+def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_ptr, out_ptr, N, L, C, K, GH,
+                    D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr,
+                    OFFSET: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr, BLOCK_N: tl.constexpr,
+                    INTERP: tl.constexpr):
+    pid_n = tl.program_id(0)
+    gh = tl.program_id(1)
+    P: tl.constexpr = 8 // BITS  # planes per byte
+    W: tl.constexpr = D // P  # bytes per row
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    tok = gh.to(tl.int64) * N + rows  # flat token index
+    cols = tl.arange(0, W)
+    m2 = rmask[:, None]
+    byte = tl.load(codes_ptr + tok[:, None] * W + cols[None, :], mask=m2, other=0)
+    chunk = rows // L  # a PackedSequence holds C chunks of L tokens, each with its own tscale and centroids
+    ts = 1.0
+    if FP8:
+        ts = tl.load(tscale_ptr + gh.to(tl.int64) * C + chunk, mask=rmask, other=1.0)[:, None]
+    for p in tl.static_range(P):
+        col = p * W + cols
+        c = (byte >> (p * BITS)) & ((1 << BITS) - 1)
+        goff = tok[:, None] * (D // GROUP) + (col // GROUP)[None, :]
+        s = decode_scale(tl.load(scale_ptr + goff, mask=m2, other=0), ts, FP8)
+        z = 0.0
+        if GRID == 2:
+            z = tl.load(zero_ptr + goff, mask=m2, other=0).to(tl.bfloat16, bitcast=True).to(tl.float32)
+        v = dequant_codes(c, s, z, OFFSET, GRID)
+        for st in tl.static_range(STAGES):
+            cid = tl.load(ids_ptr + st * GH * N + tok, mask=rmask, other=0).to(tl.int64)
+            crow = ((st * GH + gh).to(tl.int64) * C + chunk) * K + cid
+            v += tl.load(cent_ptr + crow[:, None] * D + col[None, :], mask=m2, other=0.0).to(tl.float32)
+        tl.store(out_ptr + tok[:, None] * D + col[None, :], to_out(v, out_ptr, INTERP), mask=m2)
+
+
+def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None, block_n: int = 64) -> torch.Tensor:
+    """Triton version of `qvg.decompress` (rtn / qvg / qvg-pro, per-token groups) and of
+    `PackedSequence.decompress`."""
+    if isinstance(packed, PackedSequence):
+        spec, stages, chunk_len = packed.spec, packed.stages, packed.chunk_len
+    elif packed.method in PER_TOKEN_METHODS:
+        spec, stages, chunk_len = token_spec(packed.meta), packed.meta.get("stages", 0), packed.shape[2]
+    else:
+        raise ValueError(f"the fused dequant kernel reads {PER_TOKEN_METHODS}, not {packed.method!r}")
+    b, h, n, d = packed.shape
+    t = packed.tensors
+    if out is None:
+        out = torch.empty(packed.shape, dtype=packed.dtype, device=t["codes"].device)
+    dummy = t["codes"]
+    k = t["centroids"].shape[-2] if stages else 1
+    grid = (triton.cdiv(n, block_n), b * h)
+    _dequant_kernel[grid](
+        t["codes"], raw_view(t["scale"]), raw_view(t["zero"]) if "zero" in t else dummy,
+        t.get("tscale", dummy), t["ids"] if stages else dummy,
+        t["centroids"] if stages else dummy, out, n, chunk_len, n // chunk_len, k, b * h,
+        D=d, STAGES=stages, BLOCK_N=block_n, INTERP=INTERPRET, **grid_constants(spec))
+    return out

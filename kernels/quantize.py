@@ -1,0 +1,163 @@
+"""Quantize + pack (Triton), per-token groups along D, every grid of the core, FP8 E4M3 scales with the core's
+clamp (per-head FP32 tscale, [2^-9, 448], rounded up) or BF16 scales. Optionally fused with PRQ's last step: the
+residual x - sum_s C_s[ids_s] is formed in registers, never written. Reference: qvg.quant.quantize_packed (and
+the residual loop of qvg.methods.prq.compress)."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from qvg.quant import FP8_MAX, QuantSpec
+
+from .common import grid_constants, raw_view
+
+
+@triton.jit
+def _residual(x_ptr, ids_ptr, cent_ptr, tok, rmask, col, N, K, GH, gh, D: tl.constexpr, STAGES: tl.constexpr):
+    """fp32 x[tok, col] - sum over stages of the assigned BF16 centroid (same order as the reference)."""
+    m2 = rmask[:, None]
+    r = tl.load(x_ptr + tok[:, None] * D + col[None, :], mask=m2, other=0.0).to(tl.float32)
+    for st in tl.static_range(STAGES):
+        cid = tl.load(ids_ptr + st * GH * N + tok, mask=rmask, other=0).to(tl.int64)
+        crow = (st * GH + gh).to(tl.int64) * K + cid
+        r -= tl.load(cent_ptr + crow[:, None] * D + col[None, :], mask=m2, other=0.0).to(tl.float32)
+    return r
+
+
+@triton.jit
+def _round_half_even(v):
+    f = tl.floor(v)
+    d = v - f
+    odd = (f - 2.0 * tl.floor(f * 0.5)) == 1.0
+    return tl.where((d > 0.5) | ((d == 0.5) & odd), f + 1.0, f)
+
+
+@triton.jit
+def _stats_kernel(x_ptr, ids_ptr, cent_ptr, raw_ptr, zero_ptr, N, K, GH,
+                  D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr,
+                  OFFSET: tl.constexpr, STAGES: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Pass 1: raw fp32 group scale (and, for asym, the BF16 zero point rounded toward -inf)."""
+    pid_n = tl.program_id(0)
+    gh = tl.program_id(1)
+    NG: tl.constexpr = D // GROUP
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    tok = gh.to(tl.int64) * N + rows
+    r = _residual(x_ptr, ids_ptr, cent_ptr, tok, rmask, tl.arange(0, D), N, K, GH, gh, D, STAGES)
+    rg = tl.reshape(r, (BLOCK_N, NG, GROUP))
+    goff = tok[:, None] * NG + tl.arange(0, NG)[None, :]
+    m2 = rmask[:, None]
+    if GRID == 2:
+        mn = tl.min(rg, 2)
+        z = mn.to(tl.bfloat16)  # then step toward -inf if it rounded up (any rounding mode lands within 1 ulp)
+        zb = z.to(tl.int16, bitcast=True)
+        zb = tl.where(z.to(tl.float32) > mn, tl.where(zb >= 0, zb - 1, zb + 1), zb)
+        z = zb.to(tl.bfloat16, bitcast=True)
+        tl.store(zero_ptr + goff, zb, mask=m2)
+        raw = tl.math.div_rn(tl.max(rg, 2) - z.to(tl.float32), 2.0 ** BITS - 1.0)
+    else:  # sym: max|x| / (2^(b-1) - 1); midrise: max|x| / (2^(b-1) - 1/2) -- both are OFFSET
+        raw = tl.math.div_rn(tl.max(tl.abs(rg), 2), OFFSET)
+    tl.store(raw_ptr + goff, raw, mask=m2)
+
+
+@triton.jit
+def _fp8_round_up(q):
+    """E4M3 bits of the smallest E4M3 value >= q, for q in [2^-9, 448], with integer ops only (exact on every
+    backend; the interpreter's own fp32 -> fp8 cast mishandles mantissa carries)."""
+    u = q.to(tl.uint32, bitcast=True)
+    e = ((u >> 23) & 0xFF).to(tl.int32) - 127
+    normal = ((e + 7) << 3) | ((u >> 20) & 7).to(tl.int32)
+    normal = normal + ((u & 0xFFFFF) != 0).to(tl.int32)  # round up; a mantissa carry moves into the exponent
+    sub = -tl.floor(-q * 512.0)  # subnormals: multiples of 2^-9 (8 -> 0x08 = 2^-6, the smallest normal)
+    return tl.where(e < -6, sub.to(tl.int32), normal).to(tl.uint8)
+
+
+@triton.jit
+def _encode(raw, tscale, FP8: tl.constexpr, FP8_MAX: tl.constexpr):
+    """Raw fp32 scale -> (stored bits, decoded fp32 scale), rounded up, with the core's clamp."""
+    if FP8:
+        q = tl.minimum(tl.maximum(tl.math.div_rn(raw, tscale), 0.001953125), FP8_MAX)
+        b = _fp8_round_up(q)
+        return b, b.to(tl.float8e4nv, bitcast=True).to(tl.float32) * tscale
+    else:
+        q = tl.maximum(raw, 1.1754943508222875e-38)
+        e = q.to(tl.bfloat16)
+        b = e.to(tl.int16, bitcast=True)
+        b = tl.where(e.to(tl.float32) < q, b + 1, b)
+        return b, b.to(tl.bfloat16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _pack_kernel(x_ptr, ids_ptr, cent_ptr, raw_ptr, zero_ptr, tscale_ptr, codes_ptr, scale_ptr, N, K, GH,
+                 D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr,
+                 OFFSET: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr, STAGES: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """Pass 2: stored scales and packed codes (planar layout of qvg/bitpack.py)."""
+    pid_n = tl.program_id(0)
+    gh = tl.program_id(1)
+    P: tl.constexpr = 8 // BITS
+    W: tl.constexpr = D // P
+    NG: tl.constexpr = D // GROUP
+    LEVELS: tl.constexpr = 2 ** BITS - 1
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    m2 = rmask[:, None]
+    tok = gh.to(tl.int64) * N + rows
+    ts = 1.0
+    if FP8:
+        ts = tl.load(tscale_ptr + gh)
+    goff = tok[:, None] * NG + tl.arange(0, NG)[None, :]
+    sbits, _ = _encode(tl.load(raw_ptr + goff, mask=m2, other=1.0), ts, FP8, FP8_MAX)
+    tl.store(scale_ptr + goff, sbits, mask=m2)
+    cols = tl.arange(0, W)
+    byte = tl.zeros((BLOCK_N, W), dtype=tl.uint8)
+    for p in tl.static_range(P):
+        col = p * W + cols
+        r = _residual(x_ptr, ids_ptr, cent_ptr, tok, rmask, col, N, K, GH, gh, D, STAGES)
+        eoff = tok[:, None] * NG + (col // GROUP)[None, :]
+        _, s = _encode(tl.load(raw_ptr + eoff, mask=m2, other=1.0), ts, FP8, FP8_MAX)
+        if GRID == 0:
+            c = tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(r, s)), -OFFSET), OFFSET) + OFFSET
+        elif GRID == 1:
+            c = tl.minimum(tl.maximum(tl.floor(tl.math.div_rn(r, s)) + (OFFSET + 0.5), 0.0), LEVELS)
+        else:
+            z = tl.load(zero_ptr + eoff, mask=m2, other=0).to(tl.bfloat16, bitcast=True).to(tl.float32)
+            c = tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(r - z, s)), 0.0), LEVELS)
+        byte = byte | (c.to(tl.uint8) << (p * BITS))
+    tl.store(codes_ptr + tok[:, None] * W + cols[None, :], byte, mask=m2)
+
+
+def quantize_packed(x: torch.Tensor, spec: QuantSpec, ids: torch.Tensor | None = None,
+                    centroids: torch.Tensor | None = None, block_n: int = 32) -> dict[str, torch.Tensor]:
+    """Triton version of `qvg.quant.quantize_packed` for per-token specs. With `ids` [S, B, H, N] and `centroids`
+    [S, B, H, K, D] (BF16) it quantizes the PRQ residual x - sum_s centroids_s[ids_s] without materializing it."""
+    b, h, n, d = x.shape
+    spec.check(tuple(x.shape))
+    c = grid_constants(spec)
+    x = x.contiguous()
+    stages = 0 if ids is None else ids.shape[0]
+    k = centroids.shape[-2] if stages else 1
+    dev = x.device
+    ng = d // spec.group
+    raw = torch.empty(b, h, n, ng, device=dev, dtype=torch.float32)
+    zero = torch.empty(b, h, n, ng, device=dev, dtype=torch.bfloat16) if spec.grid == "asym" else None
+    grid = (triton.cdiv(n, block_n), b * h)
+    ids_ = ids.contiguous() if stages else x
+    cent_ = centroids.contiguous() if stages else x
+    _stats_kernel[grid](x, ids_, cent_, raw, raw_view(zero) if zero is not None else raw, n, k, b * h,
+                        D=d, BITS=c["BITS"], GROUP=c["GROUP"], GRID=c["GRID"], OFFSET=c["OFFSET"],
+                        STAGES=stages, BLOCK_N=block_n)
+    out = {}
+    if c["FP8"]:
+        tscale = (raw.flatten(2).amax(-1) / FP8_MAX).clamp(min=1e-30) * (1 + 2.0 ** -20)
+        out["tscale"] = tscale
+    codes = torch.empty(b, h, n, d * spec.bits // 8, device=dev, dtype=torch.uint8)
+    scale = torch.empty(b, h, n, ng, device=dev, dtype=torch.float8_e4m3fn if c["FP8"] else torch.bfloat16)
+    _pack_kernel[grid](x, ids_, cent_, raw, raw_view(zero) if zero is not None else raw,
+                       out.get("tscale", raw), codes, raw_view(scale), n, k, b * h, D=d, FP8_MAX=FP8_MAX,
+                       STAGES=stages, BLOCK_N=block_n, **c)
+    out = {"codes": codes, "scale": scale, **out}
+    if zero is not None:
+        out["zero"] = zero
+    return out

@@ -1,0 +1,33 @@
+"""Attention over a packed history plus a BF16 tail: the pure-torch reference (and CPU fallback) of
+kernels/attention.py. It materializes the history, which the kernel never does.
+
+q [B, Hq, M, D]; history K/V: `PackedSequence` with Hkv heads (Hq a multiple of Hkv: GQA); tail K/V
+[B, Hkv, T, D] (the chunk being denoised and any BF16 sink/recent zone). No mask: past chunks are fully visible
+and the current chunk attends to itself bidirectionally (block-causal at chunk granularity).
+"""
+from __future__ import annotations
+
+import torch
+
+from .sequence import PackedSequence
+
+
+def attend_reference(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: PackedSequence | None,
+                     k_tail: torch.Tensor | None = None, v_tail: torch.Tensor | None = None,
+                     scale: float | None = None) -> torch.Tensor:
+    ks, vs = [], []
+    if k_hist is not None:
+        ks.append(k_hist.decompress().float())
+        vs.append(v_hist.decompress().float())
+    if k_tail is not None:
+        ks.append(k_tail.float())
+        vs.append(v_tail.float())
+    if not ks:
+        raise ValueError("attention needs a history or a tail")
+    k, v = torch.cat(ks, 2), torch.cat(vs, 2)
+    rep = q.shape[1] // k.shape[1]
+    if rep * k.shape[1] != q.shape[1]:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})")
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return torch.nn.functional.scaled_dot_product_attention(q.float(), k, v, scale=scale).to(q.dtype)

@@ -1,0 +1,21 @@
+"""Which implementation runs: the Triton kernels (qvg.kernels) for CUDA tensors when triton imports, the
+pure-torch reference otherwise (always on CPU). QVG_BACKEND=torch forces the reference everywhere."""
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+
+import torch
+
+
+@lru_cache(maxsize=1)
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def use_kernels(t: torch.Tensor) -> bool:
+    return t.is_cuda and os.environ.get("QVG_BACKEND", "auto") != "torch" and _triton_available()

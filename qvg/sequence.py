@@ -1,0 +1,81 @@
+"""`PackedSequence`: several packed chunks of one layer's K (or V) laid end to end, the layout attention reads.
+
+Chunks are qvg / qvg-pro / rtn packs of the same options and the same length L (tokens per head). Token n of the
+sequence belongs to chunk n // L; its ids index that chunk's centroid table and its FP8 scales are relative to
+that chunk's tscale. Tensors ([B, H] = batch x kv heads, C chunks, N = C * L):
+    codes [B, H, N, D*b/8] uint8    scale [B, H, N, D/B]    tscale [B, H, C] fp32 (FP8 scales only)
+    ids [S, B, H, N]                centroids [S, B, H, C, K, D] bf16
+`nbytes` is the sum of these bytes, the same as the chunks' own.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .packed import Packed
+from .quant import QuantSpec, dequantize_packed
+
+PER_TOKEN_METHODS = ("rtn", "qvg", "qvg-pro")
+
+
+@dataclass
+class PackedSequence:
+    tensors: dict[str, torch.Tensor]
+    spec: QuantSpec
+    stages: int
+    chunk_len: int
+    dtype: torch.dtype
+
+    @classmethod
+    def from_chunks(cls, chunks: list[Packed]) -> "PackedSequence":
+        if not chunks:
+            raise ValueError("a packed sequence needs at least one chunk")
+        from .methods.registry import token_spec
+        first = chunks[0]
+        if first.method not in PER_TOKEN_METHODS:
+            raise ValueError(f"packed attention reads {PER_TOKEN_METHODS}, not {first.method!r}")
+        spec = token_spec(first.meta)
+        stages = first.meta.get("stages", 0)
+
+        def layout(p: Packed):
+            return token_spec(p.meta), p.meta.get("stages", 0), p.meta.get("centroids"), p.shape, p.dtype
+        if any(layout(c) != layout(first) for c in chunks[1:]):
+            raise ValueError("all chunks of a packed sequence need the same storage options and shape")
+        t = {"codes": torch.cat([c.tensors["codes"] for c in chunks], 2),
+             "scale": torch.cat([c.tensors["scale"] for c in chunks], 2)}
+        if "tscale" in first.tensors:
+            t["tscale"] = torch.stack([c.tensors["tscale"] for c in chunks], 2)
+        if stages:
+            t["ids"] = torch.cat([c.tensors["ids"] for c in chunks], 3)
+            t["centroids"] = torch.stack([c.tensors["centroids"] for c in chunks], 3)
+        return cls(t, spec, stages, first.shape[2], first.dtype)
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        b, h, n, w = self.tensors["codes"].shape
+        return b, h, n, w * 8 // self.spec.bits
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def decompress(self) -> torch.Tensor:
+        """Reference decode of the whole sequence (materializes it: tests and the CPU fallback only)."""
+        b, h, n, d = self.shape
+        c = n // self.chunk_len
+        t = self.tensors
+        if "tscale" in t:  # per-chunk tscale -> dequantize chunk by chunk
+            parts = []
+            for i in range(c):
+                sl = slice(i * self.chunk_len, (i + 1) * self.chunk_len)
+                parts.append(dequantize_packed({"codes": t["codes"][:, :, sl], "scale": t["scale"][:, :, sl],
+                                                "tscale": t["tscale"][:, :, i]}, self.spec, d))
+            y = torch.cat(parts, 2)
+        else:
+            y = dequantize_packed(t, self.spec, d)
+        for s in range(self.stages):
+            cent = t["centroids"][s].float()  # [B, H, C, K, D]
+            ids = t["ids"][s].long().view(b, h, c, self.chunk_len)
+            y = y + torch.gather(cent, 3, ids[..., None].expand(-1, -1, -1, -1, d)).view(b, h, n, d)
+        return y.to(self.dtype)
