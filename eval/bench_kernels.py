@@ -116,6 +116,18 @@ def compress_section(quick):
         o = resolve_options(method, shape)
         warm = init_centroids(prev, o, shape)
         ms = bench(lambda: compress_prq(x1, o, warm, 2), warmup=5, rep=30)
+        # the same pipeline replayed from a CUDA graph (chunks have a fixed shape, so a cache can capture it once):
+        # GPU time without Python/launch overhead
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                compress_prq(x1, o, warm, 2)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            compress_prq(x1, o, warm, 2)
+        graph_ms = bench(graph.replay, warmup=5, rep=30)
         api_ms = bench(lambda: qvg.compress(x1, method, init=prev, iters=2), warmup=3, rep=20)
         ref_ms = with_torch_backend(lambda: bench(lambda: qvg.compress(x1, method, init=prev, iters=2), 1, 5))
         # parity with the torch reference on the same warm start
@@ -124,10 +136,42 @@ def compress_section(quick):
         ids_agree = float((pk.tensors["ids"] == pr.tensors["ids"]).float().mean())
         mse_k = float((qvg.decompress(pk).float() - x1.float()).pow(2).mean())
         mse_r = float((with_torch_backend(lambda: qvg.decompress(pr)).float() - x1.float()).pow(2).mean())
+        from qvg.kernels.kmeans import assign, update
+        from qvg.kernels.quantize import quantize_packed
+        from qvg.methods.registry import token_spec
+        xg = x1.view(-1, shape[2], shape[3])
+        c0 = warm[0]
+        ids0, _ = assign(xg, c0)
+        sweep = {}
+        for bn, bk, nw, ns in ((256, 64, 8, 2), (256, 64, 8, 3), (256, 128, 8, 2), (128, 64, 4, 3), (256, 32, 8, 2),
+                               (512, 64, 8, 2), (256, 64, 4, 2), (128, 128, 8, 3)):
+            try:
+                sweep[f"{bn}x{bk}w{nw}s{ns}"] = bench(lambda: assign(xg, c0, block_n=bn, block_k=bk, num_warps=nw,
+                                                                     num_stages=ns))
+            except Exception as e:
+                sweep[f"{bn}x{bk}w{nw}s{ns}"] = f"{type(e).__name__}"
+        print(f"    assign sweep: {sweep}", flush=True)
+        usweep = {f"sorted bn{bn}w{nw}": bench(lambda: update(xg, ids0, c0, block_n=bn, num_warps=nw))
+                  for bn, nw in ((32, 2), (64, 4))}
+        keys32 = ids0.to(torch.int32)
+        usweep["sort_only"] = bench(lambda: torch.sort(keys32, dim=1, stable=True))
+        print(f"    update sweep: {usweep}", flush=True)
+        psweep = {}
+        for bn, nw in ((32, 4), (64, 4), (64, 8), (128, 8), (16, 2)):
+            psweep[f"bn{bn}w{nw}"] = bench(lambda: quantize_packed(x1, token_spec(o), pk.tensors.get("ids"),
+                                                                   pk.tensors.get("centroids"), block_n=bn,
+                                                                   num_warps=nw))
+        print(f"    pack sweep: {psweep}", flush=True)
+        parts = {"assign_ms": bench(lambda: assign(xg, c0)), "update_ms": bench(lambda: update(xg, ids0, c0)),
+                 "assign_sweep": sweep, "update_sweep": usweep, "pack_sweep": psweep,
+                 "pack_ms": bench(lambda: quantize_packed(x1, token_spec(o), pk.tensors.get("ids"),
+                                                          pk.tensors.get("centroids")))}
+        print(f"    parts: {parts}", flush=True)
         rows.append({"shape": list(shape), "method": method, "iters": 2, "warm_start": True, "ms": ms,
+                     "cuda_graph_ms": graph_ms, **parts,
                      "api_ms": api_ms, "torch_reference_ms": ref_ms, "ids_agree_with_reference": ids_agree,
                      "mse_kernels": mse_k, "mse_reference": mse_r})
-        print(f"  compress {shape} {method}: {ms:.3f} ms (API incl. input checks {api_ms:.3f} ms; torch ref "
+        print(f"  compress {shape} {method}: {ms:.3f} ms (CUDA graph replay {graph_ms:.3f} ms; API incl. input checks {api_ms:.3f} ms; torch ref "
               f"{ref_ms:.2f} ms); ids agree {ids_agree:.4f}; mse {mse_k:.4g} vs ref {mse_r:.4g}", flush=True)
     return rows
 
@@ -151,73 +195,137 @@ def _peak(fn):
     return out, torch.cuda.max_memory_allocated() - base
 
 
+def _best(fn, configs, flops):
+    """Fastest of fn(**config) over configs (configs that fail to compile are skipped and reported)."""
+    times = {}
+    for cfg in configs:
+        try:
+            times[tuple(sorted(cfg.items()))] = bench(lambda: fn(**cfg))
+        except Exception as e:
+            print(f"    {cfg}: {type(e).__name__}: {str(e)[:100]}", flush=True)
+    key = min(times, key=times.get)
+    return {"ms": times[key], "TFLOPs": flops / times[key] / 1e9, "config": dict(key),
+            "all": {str(dict(k)): v for k, v in times.items()}}
+
+
+FUSED_CONFIGS = [dict(block_m=256, block_n=64, num_warps=8, num_stages=2),
+                 dict(block_m=128, block_n=64, num_warps=4, num_stages=2)]
+STAGED_CONFIGS = [dict(block_m=128, block_n=64, num_warps=4, num_stages=2),
+                  dict(block_m=128, block_n=64, num_warps=4, num_stages=3),
+                  dict(block_m=128, block_n=128, num_warps=8, num_stages=2),
+                  dict(block_m=128, block_n=64, num_warps=8, num_stages=2)]
+
+
 def attention_section(quick):
+    """Packed attention (staged: windowed decode + carried flash; fused: decode on chip per query block) vs SDPA
+    flash on the materialized BF16 cache and vs the official read path (dequantize all, then SDPA)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from qvg.attention import attend_reference
-    from qvg.kernels.attention import packed_attention
+    from qvg.kernels.attention import packed_attention, staged_attention
     from qvg.kernels.dequant import dequantize
     from qvg.sequence import PackedSequence
     h, m, chunk = 12, 4680, 4680
     sizes = [32760, 327600] if not quick else [9360]
     rows = []
-    configs = [(128, 64, 8, 2), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3),
-               (64, 128, 4, 2)]
     q = torch.randn(1, h, m, 128, device="cuda", dtype=torch.bfloat16)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
     for n_keys in sizes:
         kch, vch = _history(h, n_keys, chunk)
         K, V = PackedSequence.from_chunks(kch), PackedSequence.from_chunks(vch)
         flops = 4 * m * n_keys * 128 * h
-        kd, vd = K.decompress(), V.decompress()  # materialized BF16 cache, for SDPA
+        kd, vd = dequantize(K), dequantize(V)  # the materialized BF16 cache, for SDPA only
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            t_sdpa = bench(lambda: torch.nn.functional.scaled_dot_product_attention(q, kd, vd))
-            ref, peak_sdpa = _peak(lambda: torch.nn.functional.scaled_dot_product_attention(q, kd, vd))
-
-            def read_path():
-                return torch.nn.functional.scaled_dot_product_attention(q, dequantize(K), dequantize(V))
-        best = None
-        for bm, bn, nw, ns in configs:
-            try:
-                out = packed_attention(q, K, V, block_m=bm, block_n=bn, num_warps=nw, num_stages=ns)
-                err = float((out.float() - ref.float()).norm() / ref.float().norm())
-                ms = bench(lambda: packed_attention(q, K, V, block_m=bm, block_n=bn, num_warps=nw, num_stages=ns))
-            except Exception as e:  # a config that does not compile (e.g. out of shared memory) is skipped
-                print(f"    config {(bm, bn, nw, ns)} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
-                continue
-            print(f"    config {(bm, bn, nw, ns)}: {ms:.3f} ms, rel err vs SDPA {err:.2e}", flush=True)
-            if best is None or ms < best["ms"]:
-                best = {"block_m": bm, "block_n": bn, "num_warps": nw, "num_stages": ns, "ms": ms, "rel_err": err}
-        cfg = {k: best[k] for k in ("block_m", "block_n", "num_warps", "num_stages")}
-        _, peak_packed = _peak(lambda: packed_attention(q, K, V, **cfg))
-        # the realistic split: history packed, the current chunk BF16 in the tail
-        Kh, Vh = PackedSequence.from_chunks(kch[:-1]), PackedSequence.from_chunks(vch[:-1])
-        tk, tv = kd[:, :, -chunk:].contiguous(), vd[:, :, -chunk:].contiguous()
-        t_tail = bench(lambda: packed_attention(q, Kh, Vh, tk, tv, **cfg))
-        # the official read path: dequantize the whole history to BF16, then SDPA
+            t_sdpa = bench(lambda: sdpa(q, kd, vd))
+            ref, peak_sdpa = _peak(lambda: sdpa(q, kd, vd))
         del kd, vd
+        torch.cuda.empty_cache()
+        staged = _best(lambda **c: staged_attention(q, K, V, **c), STAGED_CONFIGS, flops)
+        cfg = staged["config"]
+        out, peak_staged = _peak(lambda: staged_attention(q, K, V, **cfg))
+        err_staged = float((out.float() - ref.float()).norm() / ref.float().norm())
+        windows = {}
+        for wdw in (2048, 8192, 16384):
+            windows[wdw] = bench(lambda: staged_attention(q, K, V, window=wdw, **cfg))
+        fused = _best(lambda **c: packed_attention(q, K, V, **c), FUSED_CONFIGS if n_keys == sizes[0] else
+                      FUSED_CONFIGS[:1], flops)
+        out, peak_fused = _peak(lambda: packed_attention(q, K, V, **fused["config"]))
+        err_fused = float((out.float() - ref.float()).norm() / ref.float().norm())
+        # realistic split: the history packed, the current chunk (4680 tokens) BF16 in the tail
+        Kh, Vh = PackedSequence.from_chunks(kch[:-1]), PackedSequence.from_chunks(vch[:-1])
+        tk, tv = dequantize(kch[-1]), dequantize(vch[-1])
+        t_tail = bench(lambda: staged_attention(q, Kh, Vh, tk, tv, **cfg))
+
+        def read_path():  # the official code's read: dequantize the whole history to BF16, then SDPA
+            return sdpa(q, dequantize(K), dequantize(V))
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             t_read = bench(read_path)
             _, peak_read = _peak(read_path)
         small = None
-        if n_keys == sizes[0]:  # exactness check against the fp32 reference on a slice
+        if n_keys == sizes[0]:  # against the fp32 reference on a slice of queries
             qs = q[:, :, :512]
-            o1 = packed_attention(qs, K, V, **cfg)
             o2 = attend_reference(qs, K, V)
-            small = float((o1.float() - o2.float()).norm() / o2.float().norm())
-        rows.append({"heads": h, "queries": m, "keys": n_keys, "flops": flops, "sdpa_flash_ms": t_sdpa,
-                     "sdpa_TFLOPs": flops / t_sdpa / 1e9, "packed_ms": best["ms"],
-                     "packed_TFLOPs": flops / best["ms"] / 1e9, "packed_vs_sdpa_throughput": t_sdpa / best["ms"],
-                     "packed_config": cfg, "packed_rel_err_vs_sdpa_on_dequantized": best["rel_err"],
-                     "packed_rel_err_vs_fp32_reference": small, "packed_plus_bf16_tail_ms": t_tail,
-                     "dequant_then_sdpa_ms": t_read, "packed_bytes_kv": K.nbytes + V.nbytes,
-                     "peak_transient_bytes": {"sdpa_on_materialized": peak_sdpa, "packed": peak_packed,
-                                              "dequant_then_sdpa": peak_read},
-                     "bf16_history_bytes_kv": 2 * h * n_keys * 128 * 2})
-        print(f"  attention {m}x{n_keys}x{h}: packed {best['ms']:.3f} ms ({flops / best['ms'] / 1e9:.0f} TFLOP/s) vs "
-              f"SDPA {t_sdpa:.3f} ms ({flops / t_sdpa / 1e9:.0f}); dequant+SDPA {t_read:.3f} ms; peak transient "
-              f"packed {peak_packed / 1e6:.1f} MB, read path {peak_read / 1e6:.1f} MB", flush=True)
-        del K, V, Kh, Vh
+            small = {"staged": float((staged_attention(qs, K, V, **cfg).float() - o2.float()).norm() / o2.float().norm()),
+                     "fused": float((packed_attention(qs, K, V, **fused["config"]).float() - o2.float()).norm()
+                                    / o2.float().norm())}
+        rows.append({"heads": h, "queries": m, "keys": n_keys, "flops": flops,
+                     "sdpa_flash_ms": t_sdpa, "sdpa_TFLOPs": flops / t_sdpa / 1e9,
+                     "staged": staged, "staged_vs_sdpa_throughput": t_sdpa / staged["ms"],
+                     "staged_window_ms": windows, "fused": fused, "fused_vs_sdpa_throughput": t_sdpa / fused["ms"],
+                     "staged_history_plus_bf16_tail_ms": t_tail, "dequant_then_sdpa_ms": t_read,
+                     "rel_err_vs_sdpa_on_dequantized": {"staged": err_staged, "fused": err_fused},
+                     "rel_err_vs_fp32_reference_512_queries": small,
+                     "packed_bytes_kv": K.nbytes + V.nbytes, "bf16_history_bytes_kv": 2 * h * n_keys * 128 * 2,
+                     "peak_transient_bytes": {"sdpa_on_materialized": peak_sdpa, "staged": peak_staged,
+                                              "fused": peak_fused, "dequant_then_sdpa": peak_read}})
+        r = rows[-1]
+        print(f"  attention {m}x{n_keys}x{h}: staged {staged['ms']:.3f} ms ({staged['TFLOPs']:.0f} TFLOP/s, "
+              f"{r['staged_vs_sdpa_throughput']:.0%} of SDPA), fused {fused['ms']:.3f} ms, SDPA {t_sdpa:.3f} ms "
+              f"({r['sdpa_TFLOPs']:.0f}), dequant+SDPA {t_read:.3f} ms; +tail {t_tail:.3f} ms; windows {windows}; "
+              f"peak transient MB: staged {peak_staged / 1e6:.0f}, fused {peak_fused / 1e6:.0f}, read path "
+              f"{peak_read / 1e6:.0f}, sdpa {peak_sdpa / 1e6:.0f}", flush=True)
+        del K, V, Kh, Vh, kch, vch
         torch.cuda.empty_cache()
     return rows
+
+
+def attention_ablation_section():
+    """Where the packed attention's time goes: the same kernel over storage formats of growing decode cost."""
+    import qvg
+    from qvg.kernels.attention import packed_attention
+    from qvg.sequence import PackedSequence
+    h, m, chunk, n_keys = 12, 4680, 4680, 32760
+    q = torch.randn(1, h, m, 128, device="cuda", dtype=torch.bfloat16)
+    flops = 4 * m * n_keys * 128 * h
+    xs = [clustered((1, h, chunk, 128), seed=20 + i) for i in range(7)]
+    formats = {"rtn int8 B128": dict(method="rtn", bits=8, block_size=128),
+               "rtn int4 B128": dict(method="rtn", bits=4, block_size=128),
+               "rtn int2 B64": dict(method="rtn", bits=2, block_size=64),
+               "qvg int2 S1 B64": dict(method="qvg"), "qvg int4 S1 B64": dict(method="qvg", bits=4),
+               "qvg-pro int2 S4 B16": dict(method="qvg-pro")}
+    cfgs = [(256, 64, 8, 2), (128, 64, 4, 2), (128, 128, 8, 2), (256, 64, 8, 1), (128, 64, 4, 1), (256, 32, 8, 2),
+            (128, 128, 8, 1)]
+    out = {}
+
+    def best(fn):
+        times = {}
+        for a, b, w, s in cfgs:
+            try:
+                times[(a, b, w, s)] = bench(lambda: fn(block_m=a, block_n=b, num_warps=w, num_stages=s))
+            except Exception as e:
+                print(f"    {(a, b, w, s)}: {type(e).__name__}", flush=True)
+        cfg = min(times, key=times.get)
+        return {"ms": times[cfg], "TFLOPs": flops / times[cfg] / 1e9, "config": list(cfg)}
+
+    kd = torch.cat(xs, 2)
+    out["bf16 (tail path)"] = best(lambda **c: packed_attention(q, None, None, kd, kd, **c))
+    print(f"  bf16: {out['bf16 (tail path)']}", flush=True)
+    for name, kw in formats.items():
+        seq = PackedSequence.from_chunks([qvg.compress(x, **kw) for x in xs])
+        for planar in (False, True):
+            key = name + (" planar" if planar else "")
+            out[key] = best(lambda **c: packed_attention(q, seq, seq, planar=planar, **c))
+            print(f"  {key}: {out[key]}", flush=True)
+    return out
 
 
 def kmeans_parity_section():
@@ -252,7 +360,8 @@ def main(argv=None) -> int:
                 ("kmeans", kmeans_parity_section),
                 ("dequant", lambda: dequant_section(res["ceilings"]["copy_TBps"], args.quick)),
                 ("compress", lambda: compress_section(args.quick)),
-                ("attention", lambda: attention_section(args.quick))]
+                ("attention", lambda: attention_section(args.quick)),
+                ("ablation", attention_ablation_section)]
     for name, fn in sections:
         if only and name not in only and name != "ceilings":
             continue

@@ -14,36 +14,43 @@ import triton.language as tl
 
 from qvg.sequence import PackedSequence
 
-from .common import INTERPRET, decode_scale, dequant_codes, dot_bf16, grid_constants, raw_view
+from .common import INTERPRET, decode_scale, dequant_codes, dot_bf16, grid_constants, raw_view, to_bf16
 
 LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _packed_tile(codes_ptr, scale_ptr, tscale_ptr, ids_ptr, cent_ptr, gh, n0, N, L, C, K, GH,
-                 D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr,
-                 OFFSET: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Dequantize tokens [n0, n0 + BLOCK_N) of kv head `gh` -> fp32 [BLOCK_N, D] (rows past N are 0)."""
-    W: tl.constexpr = D * BITS // 8
+def _packed_tile(codes_ptr, scale_ptr, tscale_ptr, ids_ptr, cent_ptr, n0, N, L, K, ids_stage_stride,
+                 cent_stage_stride, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+                 GRID: tl.constexpr, OFFSET: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr,
+                 BLOCK_N: tl.constexpr, INTERP: tl.constexpr):
+    """Dequantize tokens [n0, n0 + BLOCK_N) of one kv head (pointers already offset to it) -> bf16 [BLOCK_N, D].
+    Codes and scales are loaded as contiguous rows and expanded in registers (planar layout: plane p of a byte
+    row holds columns [p*W, (p+1)*W)); rows past N come out as 0."""
+    P: tl.constexpr = 8 // BITS
+    W: tl.constexpr = D // P
+    NG: tl.constexpr = D // GROUP
     rows = n0 + tl.arange(0, BLOCK_N)
     rmask = rows < N
     m2 = rmask[:, None]
-    tok = gh.to(tl.int64) * N + rows
-    d = tl.arange(0, D)
-    byte = tl.load(codes_ptr + tok[:, None] * W + (d % W)[None, :], mask=m2, other=0)
-    c = (byte >> ((d // W) * BITS).to(tl.uint8)[None, :]) & ((1 << BITS) - 1)
+    byte = tl.load(codes_ptr + rows[:, None] * W + tl.arange(0, W)[None, :], mask=m2, other=0)
+    shifts = (tl.arange(0, P) * BITS).to(tl.uint8)
+    c = tl.reshape((byte[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1), (BLOCK_N, D))
     chunk = rows // L
     ts = 1.0
     if FP8:
-        ts = tl.load(tscale_ptr + gh.to(tl.int64) * C + chunk, mask=rmask, other=1.0)[:, None]
-    s = decode_scale(tl.load(scale_ptr + tok[:, None] * (D // GROUP) + (d // GROUP)[None, :], mask=m2, other=0),
-                     ts, FP8)
+        ts = tl.load(tscale_ptr + chunk, mask=rmask, other=1.0)[:, None]
+    s = decode_scale(tl.load(scale_ptr + rows[:, None] * NG + tl.arange(0, NG)[None, :], mask=m2, other=0), ts,
+                     FP8)
+    s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, NG, GROUP)), (BLOCK_N, D))
     v = dequant_codes(c, s, 0.0, OFFSET, GRID)
+    d = tl.arange(0, D)
     for st in tl.static_range(STAGES):
-        cid = tl.load(ids_ptr + st * GH * N + tok, mask=rmask, other=0).to(tl.int64)
-        crow = ((st * GH + gh).to(tl.int64) * C + chunk) * K + cid
-        v += tl.load(cent_ptr + crow[:, None] * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
-    return v
+        cid = tl.load(ids_ptr + st * ids_stage_stride + rows, mask=rmask, other=0).to(tl.int32)
+        crow = chunk * K + cid
+        v += tl.load(cent_ptr + st * cent_stage_stride + crow[:, None] * D + d[None, :], mask=m2,
+                     other=0.0).to(tl.float32)
+    return to_bf16(v, INTERP)
 
 
 @triton.jit
@@ -64,13 +71,26 @@ def _attn_kernel(q_ptr, out_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, vcen, t
                  qk_scale, M, N, T, L, C, K, HQ, HKV,
                  D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr,
                  OFFSET: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_HIST: tl.constexpr, INTERP: tl.constexpr):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // HQ
     h = bh % HQ
-    gh = b * HKV + h // (HQ // HKV)
+    gh = (b * HKV + h // (HQ // HKV)).to(tl.int64)
     GH = tl.num_programs(1) // HQ * HKV
+    W: tl.constexpr = D * BITS // 8
+    NG: tl.constexpr = D // GROUP
+    # per-program base pointers (int64 once; in-tile offsets stay int32)
+    kc += gh * N * W
+    vc += gh * N * W
+    ks += gh * N * NG
+    vs += gh * N * NG
+    kt += gh * C
+    vt += gh * C
+    kid += gh * N
+    vid += gh * N
+    kcen += gh * C * K * D
+    vcen += gh * C * K * D
     qrows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     qmask = qrows < M
     d = tl.arange(0, D)
@@ -79,13 +99,14 @@ def _attn_kernel(q_ptr, out_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, vcen, t
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, D), tl.float32)
-    for n0 in range(0, N, BLOCK_N):
-        valid = (n0 + tl.arange(0, BLOCK_N)) < N
-        k = _packed_tile(kc, ks, kt, kid, kcen, gh, n0, N, L, C, K, GH, D, BITS, GROUP, GRID, OFFSET, FP8,
-                         STAGES, BLOCK_N)
-        v = _packed_tile(vc, vs, vt, vid, vcen, gh, n0, N, L, C, K, GH, D, BITS, GROUP, GRID, OFFSET, FP8,
-                         STAGES, BLOCK_N)
-        m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, valid, qk_scale, INTERP)
+    if HAS_HIST:
+        for n0 in range(0, N, BLOCK_N):
+            valid = (n0 + tl.arange(0, BLOCK_N)) < N
+            k = _packed_tile(kc, ks, kt, kid, kcen, n0, N, L, K, GH * N, GH * C * K * D, D, BITS, GROUP, GRID,
+                             OFFSET, FP8, STAGES, BLOCK_N, INTERP)
+            v = _packed_tile(vc, vs, vt, vid, vcen, n0, N, L, K, GH * N, GH * C * K * D, D, BITS, GROUP, GRID,
+                             OFFSET, FP8, STAGES, BLOCK_N, INTERP)
+            m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, valid, qk_scale, INTERP)
     for n0 in range(0, T, BLOCK_N):
         rows = n0 + tl.arange(0, BLOCK_N)
         valid = rows < T
@@ -97,10 +118,105 @@ def _attn_kernel(q_ptr, out_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, vcen, t
     tl.store(out_ptr + qoff, out.to(out_ptr.dtype.element_ty), mask=qmask[:, None])
 
 
+@triton.jit
+def _flash_carry_kernel(q_ptr, k_ptr, v_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, qk_scale, M, T, HQ, HKV,
+                        D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CARRY_IN: tl.constexpr,
+                        FINAL: tl.constexpr, INTERP: tl.constexpr):
+    """Flash attention of q over one BF16 segment [B, Hkv, T, D], continuing the online-softmax state (m, l, acc)
+    of earlier segments (CARRY_IN) and either saving it (not FINAL) or writing the normalized output (FINAL)."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // HQ
+    gh = (b * HKV + (bh % HQ) // (HQ // HKV)).to(tl.int64)
+    qrows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    qmask = qrows < M
+    d = tl.arange(0, D)
+    srow = bh.to(tl.int64) * M + qrows
+    qoff = srow[:, None] * D + d[None, :]
+    q = tl.load(q_ptr + qoff, mask=qmask[:, None], other=0.0)
+    if CARRY_IN:
+        m_i = tl.load(m_ptr + srow, mask=qmask, other=0.0)
+        l_i = tl.load(l_ptr + srow, mask=qmask, other=1.0)
+        acc = tl.load(acc_ptr + qoff, mask=qmask[:, None], other=0.0)
+    else:
+        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, D), tl.float32)
+    k_ptr += gh * T * D
+    v_ptr += gh * T * D
+    for n0 in range(0, T, BLOCK_N):
+        rows = n0 + tl.arange(0, BLOCK_N)
+        valid = rows < T
+        toff = rows[:, None] * D + d[None, :]
+        k = tl.load(k_ptr + toff, mask=valid[:, None], other=0.0)
+        v = tl.load(v_ptr + toff, mask=valid[:, None], other=0.0)
+        m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, valid, qk_scale, INTERP)
+    if FINAL:
+        tl.store(out_ptr + qoff, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=qmask[:, None])
+    else:
+        tl.store(m_ptr + srow, m_i, mask=qmask)
+        tl.store(l_ptr + srow, l_i, mask=qmask)
+        tl.store(acc_ptr + qoff, acc, mask=qmask[:, None])
+
+
+STAGING_BYTES = 32 << 20  # K + V of one staged window: small enough to stay in L2 between the two kernels
+
+
+def staged_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: PackedSequence | None,
+                     k_tail: torch.Tensor | None = None, v_tail: torch.Tensor | None = None,
+                     scale: float | None = None, window: int | None = None, block_m: int = 128, block_n: int = 64,
+                     num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+    """The history is decoded window by window (a few thousand tokens, <= STAGING_BYTES of BF16 K + V, reused)
+    by the fused dequant kernel, and each window is attended by a flash kernel that carries the online-softmax
+    state across windows; the tail comes last. Every packed token is decoded once per layer call (not once per
+    query block, as on-chip decoding must), and the BF16 history never exists: the transient is one window plus
+    the (m, l, acc) state."""
+    from .dequant import dequantize
+    bsz, hq, m, d = q.shape
+    segs = []
+    if k_hist is not None:
+        _, hkv, n, _ = k_hist.shape
+        if window is None:
+            window = max(block_n, (STAGING_BYTES // (2 * bsz * hkv * d * 2)) // block_n * block_n)
+        segs += [(r0, min(n, r0 + window)) for r0 in range(0, n, window)]
+    else:
+        hkv = k_tail.shape[1]
+    if k_tail is not None and k_tail.shape[2]:
+        segs.append(None)
+    if not segs:
+        raise ValueError("attention needs a history or a tail")
+    if hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv})")
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    if len(segs) > 1:
+        m_buf = torch.empty(bsz * hq, m, device=q.device, dtype=torch.float32)
+        l_buf = torch.empty_like(m_buf)
+        acc_buf = torch.empty(bsz * hq, m, d, device=q.device, dtype=torch.float32)
+    else:
+        m_buf = l_buf = acc_buf = out
+    if k_hist is not None:
+        kbuf = torch.empty(bsz * hkv * window * d, device=q.device, dtype=torch.bfloat16)
+        vbuf = torch.empty_like(kbuf)
+    scale = d ** -0.5 if scale is None else scale
+    grid = (triton.cdiv(m, block_m), bsz * hq)
+    for i, seg in enumerate(segs):
+        if seg is None:
+            ks, vs = k_tail.contiguous(), v_tail.contiguous()
+        else:
+            shape = (bsz, hkv, seg[1] - seg[0], d)
+            ks = dequantize(k_hist, out=kbuf[:shape[0] * shape[1] * shape[2] * d].view(shape), rows=seg)
+            vs = dequantize(v_hist, out=vbuf[:shape[0] * shape[1] * shape[2] * d].view(shape), rows=seg)
+        _flash_carry_kernel[grid](q, ks, vs, out, m_buf, l_buf, acc_buf, scale * LOG2E, m, ks.shape[2], hq, hkv,
+                                  D=d, BLOCK_M=block_m, BLOCK_N=block_n, CARRY_IN=i > 0, FINAL=i == len(segs) - 1,
+                                  INTERP=INTERPRET, num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
 def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: PackedSequence | None,
                      k_tail: torch.Tensor | None = None, v_tail: torch.Tensor | None = None,
                      scale: float | None = None, block_m: int = 128, block_n: int = 64, num_warps: int = 8,
-                     num_stages: int = 2) -> torch.Tensor:
+                     num_stages: int = 2, planar: bool = False) -> torch.Tensor:
     """softmax(q [history; tail]^T * scale) [history; tail] without materializing the history.
     q [B, Hq, M, D] bf16; histories from `PackedSequence.from_chunks`; tails [B, Hkv, T, D] bf16."""
     bsz, hq, m, d = q.shape
@@ -138,7 +254,159 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
     tv = v_tail.contiguous() if t else dummy
     scale = d ** -0.5 if scale is None else scale
     grid = (triton.cdiv(m, block_m), bsz * hq)
-    _attn_kernel[grid](q, out, *kargs, *vargs, tk, tv, scale * LOG2E, m, n, t, L, max(1, n // L), kk, hq, hkv,
-                       D=d, STAGES=stages, BLOCK_M=block_m, BLOCK_N=block_n, INTERP=INTERPRET,
+    kernel = _attn_planar_kernel if planar else _attn_kernel
+    kernel[grid](q, out, *kargs, *vargs, tk, tv, scale * LOG2E, m, n, t, L, max(1, n // L), kk, hq, hkv,
+                       D=d, STAGES=stages, BLOCK_M=block_m, BLOCK_N=block_n, HAS_HIST=k_hist is not None, INTERP=INTERPRET,
                        num_warps=num_warps, num_stages=num_stages, **consts)
     return out
+
+
+# --- planar variant: one dot per bit plane, so codes, scales and centroids stay in the layout they are loaded in --
+
+@triton.jit
+def _plane_tile(byte, codes_ptr, scale_ptr, ts, ids_ptr, cent_ptr, rows, rmask, chunk, K, ids_stage_stride,
+                cent_stage_stride, p: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+                GRID: tl.constexpr, OFFSET: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr,
+                INTERP: tl.constexpr):
+    """Columns [p*W, (p+1)*W) of a dequantized tile, from the byte rows `byte` [BLOCK_N, W] -> bf16 [BLOCK_N, W]."""
+    W: tl.constexpr = D * BITS // 8
+    NG: tl.constexpr = D // GROUP
+    m2 = rmask[:, None]
+    col = p * W + tl.arange(0, W)
+    c = (byte >> (p * BITS)) & ((1 << BITS) - 1)
+    s = decode_scale(tl.load(scale_ptr + rows[:, None] * NG + (col // GROUP)[None, :], mask=m2, other=0), ts, FP8)
+    v = dequant_codes(c, s, 0.0, OFFSET, GRID)
+    for st in tl.static_range(STAGES):
+        cid = tl.load(ids_ptr + st * ids_stage_stride + rows, mask=rmask, other=0).to(tl.int32)
+        crow = chunk * K + cid
+        v += tl.load(cent_ptr + st * cent_stage_stride + crow[:, None] * D + col[None, :], mask=m2,
+                     other=0.0).to(tl.float32)
+    return to_bf16(v, INTERP)
+
+
+@triton.jit
+def _attn_planar_kernel(q_ptr, out_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, vcen, tk_ptr, tv_ptr,
+                        qk_scale, M, N, T, L, C, K, HQ, HKV,
+                        D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr,
+                        OFFSET: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_HIST: tl.constexpr,
+                        INTERP: tl.constexpr):
+    P: tl.constexpr = 8 // BITS
+    W: tl.constexpr = D // P
+    NG: tl.constexpr = D // GROUP
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // HQ
+    h = bh % HQ
+    gh = (b * HKV + h // (HQ // HKV)).to(tl.int64)
+    GH = tl.num_programs(1) // HQ * HKV
+    kc += gh * N * W
+    vc += gh * N * W
+    ks += gh * N * NG
+    vs += gh * N * NG
+    kt += gh * C
+    vt += gh * C
+    kid += gh * N
+    vid += gh * N
+    kcen += gh * C * K * D
+    vcen += gh * C * K * D
+    qrows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    qmask = qrows[:, None] < M
+    w = tl.arange(0, W)
+    qbase = q_ptr + (bh.to(tl.int64) * M + qrows)[:, None] * D + w[None, :]
+    q0 = tl.load(qbase, mask=qmask, other=0.0)
+    q1 = q0
+    q2 = q0
+    q3 = q0
+    if P > 1:
+        q1 = tl.load(qbase + W, mask=qmask, other=0.0)
+    if P > 2:
+        q2 = tl.load(qbase + 2 * W, mask=qmask, other=0.0)
+        q3 = tl.load(qbase + 3 * W, mask=qmask, other=0.0)
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    a0 = tl.zeros((BLOCK_M, W), tl.float32)
+    a1 = a0
+    a2 = a0
+    a3 = a0
+    ids_stride = GH * N
+    cent_stride = GH * C * K * D
+    for n0 in range(0, N if HAS_HIST else 0, BLOCK_N):
+        rows = n0 + tl.arange(0, BLOCK_N)
+        valid = rows < N
+        chunk = rows // L
+        tsk = 1.0
+        tsv = 1.0
+        if FP8:
+            tsk = tl.load(kt + chunk, mask=valid, other=1.0)[:, None]
+            tsv = tl.load(vt + chunk, mask=valid, other=1.0)[:, None]
+        kb = tl.load(kc + rows[:, None] * W + w[None, :], mask=valid[:, None], other=0)
+        s = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        k = _plane_tile(kb, kc, ks, tsk, kid, kcen, rows, valid, chunk, K, ids_stride, cent_stride, 0, D, BITS, GROUP,
+                        GRID, OFFSET, FP8, STAGES, INTERP)
+        s = dot_bf16(q0, tl.trans(k), s, INTERP)
+        if P > 1:
+            k = _plane_tile(kb, kc, ks, tsk, kid, kcen, rows, valid, chunk, K, ids_stride, cent_stride, 1, D, BITS,
+                            GROUP, GRID, OFFSET, FP8, STAGES, INTERP)
+            s = dot_bf16(q1, tl.trans(k), s, INTERP)
+        if P > 2:
+            k = _plane_tile(kb, kc, ks, tsk, kid, kcen, rows, valid, chunk, K, ids_stride, cent_stride, 2, D, BITS,
+                            GROUP, GRID, OFFSET, FP8, STAGES, INTERP)
+            s = dot_bf16(q2, tl.trans(k), s, INTERP)
+            k = _plane_tile(kb, kc, ks, tsk, kid, kcen, rows, valid, chunk, K, ids_stride, cent_stride, 3, D, BITS,
+                            GROUP, GRID, OFFSET, FP8, STAGES, INTERP)
+            s = dot_bf16(q3, tl.trans(k), s, INTERP)
+        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        pr = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(pr, 1)
+        m_i = m_new
+        vb = tl.load(vc + rows[:, None] * W + w[None, :], mask=valid[:, None], other=0)
+        v = _plane_tile(vb, vc, vs, tsv, vid, vcen, rows, valid, chunk, K, ids_stride, cent_stride, 0, D, BITS, GROUP,
+                        GRID, OFFSET, FP8, STAGES, INTERP)
+        a0 = dot_bf16(pr, v, a0 * alpha[:, None], INTERP)
+        if P > 1:
+            v = _plane_tile(vb, vc, vs, tsv, vid, vcen, rows, valid, chunk, K, ids_stride, cent_stride, 1, D, BITS,
+                            GROUP, GRID, OFFSET, FP8, STAGES, INTERP)
+            a1 = dot_bf16(pr, v, a1 * alpha[:, None], INTERP)
+        if P > 2:
+            v = _plane_tile(vb, vc, vs, tsv, vid, vcen, rows, valid, chunk, K, ids_stride, cent_stride, 2, D, BITS,
+                            GROUP, GRID, OFFSET, FP8, STAGES, INTERP)
+            a2 = dot_bf16(pr, v, a2 * alpha[:, None], INTERP)
+            v = _plane_tile(vb, vc, vs, tsv, vid, vcen, rows, valid, chunk, K, ids_stride, cent_stride, 3, D, BITS,
+                            GROUP, GRID, OFFSET, FP8, STAGES, INTERP)
+            a3 = dot_bf16(pr, v, a3 * alpha[:, None], INTERP)
+    for n0 in range(0, T, BLOCK_N):
+        rows = n0 + tl.arange(0, BLOCK_N)
+        valid = rows < T
+        tb = (gh * T + rows)[:, None] * D + w[None, :]
+        s = dot_bf16(q0, tl.trans(tl.load(tk_ptr + tb, mask=valid[:, None], other=0.0)),
+                     tl.zeros((BLOCK_M, BLOCK_N), tl.float32), INTERP)
+        if P > 1:
+            s = dot_bf16(q1, tl.trans(tl.load(tk_ptr + tb + W, mask=valid[:, None], other=0.0)), s, INTERP)
+        if P > 2:
+            s = dot_bf16(q2, tl.trans(tl.load(tk_ptr + tb + 2 * W, mask=valid[:, None], other=0.0)), s, INTERP)
+            s = dot_bf16(q3, tl.trans(tl.load(tk_ptr + tb + 3 * W, mask=valid[:, None], other=0.0)), s, INTERP)
+        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        pr = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(pr, 1)
+        m_i = m_new
+        a0 = dot_bf16(pr, tl.load(tv_ptr + tb, mask=valid[:, None], other=0.0), a0 * alpha[:, None], INTERP)
+        if P > 1:
+            a1 = dot_bf16(pr, tl.load(tv_ptr + tb + W, mask=valid[:, None], other=0.0), a1 * alpha[:, None], INTERP)
+        if P > 2:
+            a2 = dot_bf16(pr, tl.load(tv_ptr + tb + 2 * W, mask=valid[:, None], other=0.0), a2 * alpha[:, None],
+                          INTERP)
+            a3 = dot_bf16(pr, tl.load(tv_ptr + tb + 3 * W, mask=valid[:, None], other=0.0), a3 * alpha[:, None],
+                          INTERP)
+    obase = out_ptr + (bh.to(tl.int64) * M + qrows)[:, None] * D + w[None, :]
+    inv = 1.0 / l_i[:, None]
+    tl.store(obase, (a0 * inv).to(out_ptr.dtype.element_ty), mask=qmask)
+    if P > 1:
+        tl.store(obase + W, (a1 * inv).to(out_ptr.dtype.element_ty), mask=qmask)
+    if P > 2:
+        tl.store(obase + 2 * W, (a2 * inv).to(out_ptr.dtype.element_ty), mask=qmask)
+        tl.store(obase + 3 * W, (a3 * inv).to(out_ptr.dtype.element_ty), mask=qmask)

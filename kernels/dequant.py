@@ -15,6 +15,7 @@ from .common import INTERPRET, decode_scale, dequant_codes, grid_constants, raw_
 
 @triton.jit
 def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_ptr, out_ptr, N, L, C, K, GH,
+                    ROW0, ROW_END, OUT_N,
                     D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr,
                     OFFSET: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr, BLOCK_N: tl.constexpr,
                     INTERP: tl.constexpr):
@@ -22,9 +23,10 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
     gh = tl.program_id(1)
     P: tl.constexpr = 8 // BITS  # planes per byte
     W: tl.constexpr = D // P  # bytes per row
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rmask = rows < N
+    rows = ROW0 + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # tokens [ROW0, ROW_END) -> output rows [0, OUT_N)
+    rmask = rows < ROW_END
     tok = gh.to(tl.int64) * N + rows  # flat token index
+    otok = gh.to(tl.int64) * OUT_N + rows - ROW0
     cols = tl.arange(0, W)
     m2 = rmask[:, None]
     byte = tl.load(codes_ptr + tok[:, None] * W + cols[None, :], mask=m2, other=0)
@@ -35,7 +37,10 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
     for p in tl.static_range(P):
         col = p * W + cols
         c = (byte >> (p * BITS)) & ((1 << BITS) - 1)
-        goff = tok[:, None] * (D // GROUP) + (col // GROUP)[None, :]
+        if GROUP >= W:  # the plane lies in one group: one scale per row
+            goff = tok[:, None] * (D // GROUP) + (p * W) // GROUP
+        else:
+            goff = tok[:, None] * (D // GROUP) + (col // GROUP)[None, :]
         s = decode_scale(tl.load(scale_ptr + goff, mask=m2, other=0), ts, FP8)
         z = 0.0
         if GRID == 2:
@@ -45,10 +50,11 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
             cid = tl.load(ids_ptr + st * GH * N + tok, mask=rmask, other=0).to(tl.int64)
             crow = ((st * GH + gh).to(tl.int64) * C + chunk) * K + cid
             v += tl.load(cent_ptr + crow[:, None] * D + col[None, :], mask=m2, other=0.0).to(tl.float32)
-        tl.store(out_ptr + tok[:, None] * D + col[None, :], to_out(v, out_ptr, INTERP), mask=m2)
+        tl.store(out_ptr + otok[:, None] * D + col[None, :], to_out(v, out_ptr, INTERP), mask=m2)
 
 
-def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None, block_n: int = 64) -> torch.Tensor:
+def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None, block_n: int = 64,
+               rows: tuple[int, int] | None = None, num_warps: int = 4) -> torch.Tensor:
     """Triton version of `qvg.decompress` (rtn / qvg / qvg-pro, per-token groups) and of
     `PackedSequence.decompress`."""
     if isinstance(packed, PackedSequence):
@@ -59,14 +65,15 @@ def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None,
         raise ValueError(f"the fused dequant kernel reads {PER_TOKEN_METHODS}, not {packed.method!r}")
     b, h, n, d = packed.shape
     t = packed.tensors
+    r0, r1 = (0, n) if rows is None else rows  # optional token range [r0, r1) -> out [B, H, r1 - r0, D]
     if out is None:
-        out = torch.empty(packed.shape, dtype=packed.dtype, device=t["codes"].device)
+        out = torch.empty(b, h, r1 - r0, d, dtype=packed.dtype, device=t["codes"].device)
     dummy = t["codes"]
     k = t["centroids"].shape[-2] if stages else 1
-    grid = (triton.cdiv(n, block_n), b * h)
+    grid = (triton.cdiv(r1 - r0, block_n), b * h)
     _dequant_kernel[grid](
         t["codes"], raw_view(t["scale"]), raw_view(t["zero"]) if "zero" in t else dummy,
         t.get("tscale", dummy), t["ids"] if stages else dummy,
-        t["centroids"] if stages else dummy, out, n, chunk_len, n // chunk_len, k, b * h,
-        D=d, STAGES=stages, BLOCK_N=block_n, INTERP=INTERPRET, **grid_constants(spec))
+        t["centroids"] if stages else dummy, out, n, chunk_len, n // chunk_len, k, b * h, r0, r1, out.shape[2],
+        D=d, STAGES=stages, BLOCK_N=block_n, INTERP=INTERPRET, num_warps=num_warps, **grid_constants(spec))
     return out

@@ -4,7 +4,7 @@
   argmin over centroid tiles (ties -> lowest index, like torch), ids written directly in their narrow dtype.
 - update: deterministic segmented mean: tokens are stably sorted by id (torch), cluster boundaries found by
   searchsorted, and one program per (group, cluster) sums its tokens in a fixed order in FP32. No float atomics.
-- kmeans: the same loop as the reference (seeding shared with it), with no host synchronisation inside.
+- kmeans: the reference's loop (and seeding) with these two steps, no host synchronisation inside.
 """
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from qvg.kmeans import KMeansResult, id_dtype, seed_centroids
+from qvg.kmeans import KMeansResult, id_dtype
+from qvg.kmeans import kmeans as ref_kmeans
 
 from .common import INTERPRET, dot_bf16
 
@@ -66,21 +67,24 @@ def _segment_mean_kernel(x_ptr, order_ptr, bounds_ptr, c_old_ptr, c_new_ptr, N, 
     tl.store(c_new_ptr + (g * K + k) * D + dcols, new)
 
 
-def assign(x: torch.Tensor, c: torch.Tensor, want_dist: bool = False, block_n: int = 64, block_k: int = 64):
+def assign(x: torch.Tensor, c: torch.Tensor, want_dist: bool = False, block_n: int = 256, block_k: int = 64,
+           num_warps: int = 8, num_stages: int = 2):
     """x [G, N, D] (bf16/fp32), c [G, K, D] fp32 -> (ids [G, N] narrow dtype, squared distance [G, N] or None)."""
     g, n, d = x.shape
     k = c.shape[1]
-    c = c.float().contiguous()
-    csq = (c * c).sum(-1)
+    c = c.to(torch.bfloat16).contiguous()  # the dot's operands are bf16 anyway; |c|^2 of the same values
+    csq = c.float().pow(2).sum(-1)
     ids = torch.empty(g, n, device=x.device, dtype=id_dtype(k))
     dist = torch.empty(g, n, device=x.device, dtype=torch.float32) if want_dist else csq
+    block_n = min(block_n, max(16, triton.next_power_of_2(n)))
     _assign_kernel[(triton.cdiv(n, block_n), g)](x.contiguous(), c, csq, ids, dist, n, k, D=d, BLOCK_N=block_n,
                                                  BLOCK_K=min(block_k, triton.next_power_of_2(k)),
-                                                 WANT_DIST=want_dist, INTERP=INTERPRET)
+                                                 WANT_DIST=want_dist, INTERP=INTERPRET, num_warps=num_warps,
+                                                 num_stages=num_stages)
     return ids, (dist if want_dist else None)
 
 
-def update(x: torch.Tensor, ids: torch.Tensor, c: torch.Tensor, block_n: int = 32) -> torch.Tensor:
+def update(x: torch.Tensor, ids: torch.Tensor, c: torch.Tensor, block_n: int = 32, num_warps: int = 2) -> torch.Tensor:
     """Deterministic centroid update: mean of each cluster's tokens; empty clusters keep `c`."""
     g, n, d = x.shape
     k = c.shape[1]
@@ -91,25 +95,12 @@ def update(x: torch.Tensor, ids: torch.Tensor, c: torch.Tensor, block_n: int = 3
     c_old = c.float().contiguous()
     c_new = torch.empty_like(c_old)
     _segment_mean_kernel[(k, g)](x.contiguous(), order.to(torch.int32), bounds, c_old, c_new, n, k, D=d,
-                                 BLOCK_N=block_n)
+                                 BLOCK_N=block_n, num_warps=num_warps)
     return c_new
 
 
 def kmeans(x: torch.Tensor, k: int, *, iters: int = 2, init: torch.Tensor | None = None, seed: int = 0,
            seeding: str = "k-means++", track: bool = False) -> KMeansResult:
-    """Triton version of `qvg.kmeans.kmeans` (same seeding, iterations and result)."""
-    g, n, d = x.shape
-    id_dtype(k)
-    if k > n:
-        raise ValueError(f"centroids ({k}) > tokens N ({n})")
-    c = seed_centroids(x.float(), k, seed, seeding) if init is None else init.float()
-    trace = []
-    ids, dist = assign(x, c, track)
-    for _ in range(iters):
-        if track:
-            trace.append(dist.mean())
-        c = update(x, ids, c)
-        ids, dist = assign(x, c, track)
-    if track:
-        trace.append(dist.mean())
-    return KMeansResult(c, ids, torch.stack(trace) if track else None)
+    """`qvg.kmeans.kmeans` (same seeding, loop and result) with the Triton assignment and update steps."""
+    return ref_kmeans(x, k, iters=iters, init=init, seed=seed, seeding=seeding, track=track,
+                      assign_fn=lambda x_, c: assign(x_, c, track), update_fn=update)

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qvg.quant import FP8_MAX, QuantSpec
+from qvg.quant import FP8_MAX, QuantSpec, tensor_scale
 
 from .common import grid_constants, raw_view
 
@@ -108,28 +108,28 @@ def _pack_kernel(x_ptr, ids_ptr, cent_ptr, raw_ptr, zero_ptr, tscale_ptr, codes_
     if FP8:
         ts = tl.load(tscale_ptr + gh)
     goff = tok[:, None] * NG + tl.arange(0, NG)[None, :]
-    sbits, _ = _encode(tl.load(raw_ptr + goff, mask=m2, other=1.0), ts, FP8, FP8_MAX)
+    sbits, s = _encode(tl.load(raw_ptr + goff, mask=m2, other=1.0), ts, FP8, FP8_MAX)
     tl.store(scale_ptr + goff, sbits, mask=m2)
-    cols = tl.arange(0, W)
-    byte = tl.zeros((BLOCK_N, W), dtype=tl.uint8)
-    for p in tl.static_range(P):
-        col = p * W + cols
-        r = _residual(x_ptr, ids_ptr, cent_ptr, tok, rmask, col, N, K, GH, gh, D, STAGES)
-        eoff = tok[:, None] * NG + (col // GROUP)[None, :]
-        _, s = _encode(tl.load(raw_ptr + eoff, mask=m2, other=1.0), ts, FP8, FP8_MAX)
-        if GRID == 0:
-            c = tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(r, s)), -OFFSET), OFFSET) + OFFSET
-        elif GRID == 1:
-            c = tl.minimum(tl.maximum(tl.floor(tl.math.div_rn(r, s)) + (OFFSET + 0.5), 0.0), LEVELS)
-        else:
-            z = tl.load(zero_ptr + eoff, mask=m2, other=0).to(tl.bfloat16, bitcast=True).to(tl.float32)
-            c = tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(r - z, s)), 0.0), LEVELS)
-        byte = byte | (c.to(tl.uint8) << (p * BITS))
-    tl.store(codes_ptr + tok[:, None] * W + cols[None, :], byte, mask=m2)
+    s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, NG, GROUP)), (BLOCK_N, D))
+    r = _residual(x_ptr, ids_ptr, cent_ptr, tok, rmask, tl.arange(0, D), N, K, GH, gh, D, STAGES)
+    if GRID == 0:
+        c = tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(r, s)), -OFFSET), OFFSET) + OFFSET
+    elif GRID == 1:
+        c = tl.minimum(tl.maximum(tl.floor(tl.math.div_rn(r, s)) + (OFFSET + 0.5), 0.0), LEVELS)
+    else:
+        z = tl.load(zero_ptr + goff, mask=m2, other=0).to(tl.bfloat16, bitcast=True).to(tl.float32)
+        z = tl.reshape(tl.broadcast_to(z[:, :, None], (BLOCK_N, NG, GROUP)), (BLOCK_N, D))
+        c = tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(r - z, s)), 0.0), LEVELS)
+    # planar packing: [BLOCK_N, P, W] -> shift plane p by p * BITS and OR the planes together
+    c3 = tl.reshape(c.to(tl.uint8), (BLOCK_N, P, W))
+    shifts = (tl.arange(0, P) * BITS).to(tl.uint8)
+    byte = tl.sum(c3 << shifts[None, :, None], 1).to(tl.uint8)  # disjoint bit fields: sum == OR
+    tl.store(codes_ptr + tok[:, None] * W + tl.arange(0, W)[None, :], byte, mask=m2)
 
 
 def quantize_packed(x: torch.Tensor, spec: QuantSpec, ids: torch.Tensor | None = None,
-                    centroids: torch.Tensor | None = None, block_n: int = 32) -> dict[str, torch.Tensor]:
+                    centroids: torch.Tensor | None = None, block_n: int = 32, num_warps: int = 4
+                    ) -> dict[str, torch.Tensor]:
     """Triton version of `qvg.quant.quantize_packed` for per-token specs. With `ids` [S, B, H, N] and `centroids`
     [S, B, H, K, D] (BF16) it quantizes the PRQ residual x - sum_s centroids_s[ids_s] without materializing it."""
     b, h, n, d = x.shape
@@ -147,16 +147,15 @@ def quantize_packed(x: torch.Tensor, spec: QuantSpec, ids: torch.Tensor | None =
     cent_ = centroids.contiguous() if stages else x
     _stats_kernel[grid](x, ids_, cent_, raw, raw_view(zero) if zero is not None else raw, n, k, b * h,
                         D=d, BITS=c["BITS"], GROUP=c["GROUP"], GRID=c["GRID"], OFFSET=c["OFFSET"],
-                        STAGES=stages, BLOCK_N=block_n)
+                        STAGES=stages, BLOCK_N=block_n, num_warps=num_warps)
     out = {}
     if c["FP8"]:
-        tscale = (raw.flatten(2).amax(-1) / FP8_MAX).clamp(min=1e-30) * (1 + 2.0 ** -20)
-        out["tscale"] = tscale
+        out["tscale"] = tensor_scale(raw)
     codes = torch.empty(b, h, n, d * spec.bits // 8, device=dev, dtype=torch.uint8)
     scale = torch.empty(b, h, n, ng, device=dev, dtype=torch.float8_e4m3fn if c["FP8"] else torch.bfloat16)
     _pack_kernel[grid](x, ids_, cent_, raw, raw_view(zero) if zero is not None else raw,
                        out.get("tscale", raw), codes, raw_view(scale), n, k, b * h, D=d, FP8_MAX=FP8_MAX,
-                       STAGES=stages, BLOCK_N=block_n, **c)
+                       STAGES=stages, BLOCK_N=block_n, num_warps=num_warps, **c)
     out = {"codes": codes, "scale": scale, **out}
     if zero is not None:
         out["zero"] = zero

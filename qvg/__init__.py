@@ -8,10 +8,9 @@ Public API:
     qvg.Packed (the packed container; .nbytes, .components(), .to(device))
 Subpackages: qvg.app, qvg.pipelines, qvg.kernels, qvg.eval.
 """
-from .kmeans import kmeans
 from .methods import bits_per_element, compress, decompress, methods
 from .packed import Packed
 from .quant import QuantSpec
 
-__all__ = ["compress", "decompress", "methods", "bits_per_element", "Packed", "QuantSpec", "kmeans"]
+__all__ = ["compress", "decompress", "methods", "bits_per_element", "Packed", "QuantSpec"]
 __version__ = "0.1.0"

@@ -4,8 +4,8 @@
   tokens per group). All random numbers come from a CPU `torch.Generator` seeded with `seed` and are then moved to
   the device, so a seed means the same draws on every device.
 - Warm start: `init` [G, K, D] (the previous chunk's centroids: the streaming centroid cache).
-- A fixed number of Lloyd iterations (assign, then update), then a final assignment so the returned ids belong to
-  the returned centroids. No `.item()`, no data-dependent Python control flow: no host synchronisation.
+- A fixed number of Lloyd iterations (assign, then update); the result is the last assignment and the centroids
+  updated from it. No `.item()`, no data-dependent Python control flow: no host synchronisation.
 - Deterministic: assignment is argmin over a distance matrix (ties -> lowest index); the centroid update is an
   order-fixed reduction (one-hot matmul on GPU; index_add_ on CPU, which is sequential there). Same inputs and
   seed give bitwise-identical ids on the same device.
@@ -26,7 +26,7 @@ _CHUNK_ELEMS = 1 << 24  # cap on G * n * K per distance / one-hot block (64 MiB 
 class KMeansResult(NamedTuple):
     centroids: torch.Tensor  # [G, K, D] float32
     ids: torch.Tensor  # [G, N] uint8 / uint16
-    trace: torch.Tensor | None  # [iters + 1] mean squared distance to the assigned centroid, per assignment
+    trace: torch.Tensor | None  # [iters + 1] mean squared distance: after each assignment, then of the result
 
 
 def id_dtype(k: int) -> torch.dtype:
@@ -100,12 +100,23 @@ def seed_centroids(x: torch.Tensor, k: int, seed: int = 0, seeding: str = "k-mea
     return c
 
 
+def objective(x: torch.Tensor, ids: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """Mean squared distance of each token to its assigned centroid (a 0-dim device tensor)."""
+    return (x.float() - _gather(c.float(), ids.long())).pow(2).sum(-1).mean()
+
+
 def kmeans(x: torch.Tensor, k: int, *, iters: int = 2, init: torch.Tensor | None = None, seed: int = 0,
-           seeding: str = "k-means++", track: bool = False) -> KMeansResult:
+           seeding: str = "k-means++", track: bool = False, assign_fn=None, update_fn=None) -> KMeansResult:
     """Batched Lloyd k-means. x [G, N, D]; init [G, K, D] warm-starts (the seeding is then skipped).
 
-    track=True also returns the mean squared token-to-centroid distance after every assignment ([iters + 1]),
-    as a device tensor (reading it is the caller's only sync).
+    One iteration = assign every token to its nearest centroid, then move each centroid to the mean of its
+    tokens. The result is the last assignment and the centroids updated from it, so every returned centroid is
+    the mean of its returned cluster (the smallest residual for that partition): `iters` iterations cost `iters`
+    assignment passes (one when iters=0, which returns the seeds and their assignment).
+
+    track=True also returns the mean squared token-to-centroid distance after each assignment plus that of the
+    returned (ids, centroids) pair: [iters + 1] values (a device tensor; reading it is the caller's only sync).
+    assign_fn / update_fn swap in other implementations of the two steps (the Triton kernels use this loop).
     """
     if x.dim() != 3:
         raise ValueError(f"k-means input must be [G, N, D], got shape {tuple(x.shape)}")
@@ -113,20 +124,24 @@ def kmeans(x: torch.Tensor, k: int, *, iters: int = 2, init: torch.Tensor | None
     dt = id_dtype(k)
     if k > n:
         raise ValueError(f"centroids ({k}) > tokens N ({n})")
-    x = x.float()
     if init is None:
-        c = seed_centroids(x, k, seed, seeding)
+        c = seed_centroids(x.float(), k, seed, seeding)
     else:
         if tuple(init.shape) != (g, k, d):
             raise ValueError(f"init centroids must have shape {(g, k, d)}, got {tuple(init.shape)}")
         c = init.to(device=x.device, dtype=torch.float32)
+    if assign_fn is None:
+        x = x.float()
+    assign_fn = assign_fn or assign
+    update_fn = update_fn or update
     trace = []
-    ids, dist = assign(x, c)
-    for _ in range(iters):
+    ids, dist = assign_fn(x, c)
+    for i in range(iters):
         if track:
             trace.append(dist.mean())
-        c = update(x, ids, c)
-        ids, dist = assign(x, c)
+        c = update_fn(x, ids, c)
+        if i + 1 < iters:
+            ids, dist = assign_fn(x, c)
     if track:
-        trace.append(dist.mean())
+        trace.append(objective(x, ids, c) if iters else dist.mean())
     return KMeansResult(c, ids.to(dt), torch.stack(trace) if track else None)

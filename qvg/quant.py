@@ -116,12 +116,18 @@ def _round_down_bf16(q: torch.Tensor) -> torch.Tensor:
     return torch.where(r.float() > q, raw + step, raw).view(torch.bfloat16)
 
 
+def tensor_scale(s: torch.Tensor) -> torch.Tensor:
+    """Per-(batch, head) FP32 scale of the FP8 group scales: the largest raw group scale maps to 448 (nudged up by
+    2^-20 so fp32 rounding never pushes it past 448). Floored at FP32's smallest normal (all-zero heads)."""
+    smax = s.flatten(2).amax(-1)  # [B, H]
+    return (smax / FP8_MAX * (1 + 2.0 ** -20)).clamp(min=torch.finfo(torch.float32).tiny)
+
+
 def encode_scale(s: torch.Tensor, spec: QuantSpec) -> dict[str, torch.Tensor]:
     """Raw fp32 group scales [B, H, ...] (>= 0) -> stored tensors (see module doc)."""
     if spec.scale_dtype == "bf16":
         return {"scale": _round_up(s.clamp(min=BF16_MIN), torch.bfloat16)}
-    smax = s.flatten(2).amax(-1)  # [B, H]
-    tscale = (smax / FP8_MAX).clamp(min=1e-30) * (1 + 2.0 ** -20)
+    tscale = tensor_scale(s)
     q = (s / tscale[:, :, None, None]).clamp(FP8_MIN, FP8_MAX)
     return {"scale": _round_up(q, torch.float8_e4m3fn), "tscale": tscale.float()}
 

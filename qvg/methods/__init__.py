@@ -29,8 +29,8 @@ def get_method(name: str) -> Method:
 def resolve_options(method: str, shape, **given) -> dict:
     """The method's presets overridden by the given (non-None) options, checked against a [B, H, N, D] shape."""
     m = get_method(method)
+    unknown = sorted(k for k, v in given.items() if k not in m.defaults and (v is not None or k not in _SIGNATURE))
     given = {k: v for k, v in given.items() if v is not None}
-    unknown = sorted(set(given) - set(m.defaults))
     if unknown:
         raise ValueError(f"method {method!r} takes no option {', '.join(map(repr, unknown))}; "
                          f"its options: {', '.join(m.defaults)}")
@@ -39,15 +39,18 @@ def resolve_options(method: str, shape, **given) -> dict:
     return o
 
 
+_SIGNATURE = ("bits", "block_size", "stages", "centroids", "seed")  # compress's named options (None = preset)
+
+
 def _check_options(m: Method, o: dict, shape) -> None:
     from .registry import token_spec
-    spec = kivi.spec(o) if m.name == "kivi" else token_spec(o)
-    if m.name == "kivi":
+    if m.name == "quarot" and shape[3] & (shape[3] - 1):
+        raise ValueError(f"quarot needs a power-of-two head dim D for its Hadamard rotation, got D={shape[3]}")
+    if m.name == "kivi":  # options are checked even when every token falls in the full-precision window
         nq = kivi.quantized_tokens(shape[2], o)
-        if nq:
-            spec.check((*shape[:2], nq, shape[3]))
+        kivi.spec(o).check((*shape[:2], nq or o["block_size"], shape[3]))
     else:
-        spec.check(shape)
+        token_spec(o).check(shape)
     if "stages" in o:
         if not isinstance(o["stages"], int) or not 0 <= o["stages"] <= 16:
             raise ValueError(f"stages must be an integer in [0, 16], got {o['stages']!r}")
@@ -60,10 +63,6 @@ def _check_options(m: Method, o: dict, shape) -> None:
             raise ValueError(f"iters must be a non-negative integer, got {o['iters']!r}")
         if o["seeding"] not in SEEDINGS:
             raise ValueError(f"unknown seeding {o['seeding']!r}; choose one of {SEEDINGS}")
-    if m.name == "quarot":
-        d = shape[3]
-        if d & (d - 1):
-            raise ValueError(f"quarot needs a power-of-two head dim D for its Hadamard rotation, got D={d}")
 
 
 def _check_input(x) -> None:

@@ -27,7 +27,7 @@ def _gather(c: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 def init_centroids(init, o: dict, shape) -> torch.Tensor | None:
     """`init` (a Packed from a previous chunk, or a [S, B, H, K, D] tensor) -> [S, B*H, K, D], checked."""
-    if init is None:
+    if init is None or o["stages"] == 0:  # nothing to warm-start (S = 0 is plain RTN)
         return None
     c = init.tensors.get("centroids") if isinstance(init, Packed) else init
     b, h, _, d = shape

@@ -1,0 +1,263 @@
+"""qvg.quant: the scalar group quantizer (grids, group axes, FP8/BF16 scale storage, the half-step bound)."""
+import itertools
+import zlib
+
+import pytest
+import torch
+
+from conftest import assert_within_half_step, gen, randn, with_outliers
+from qvg.quant import (FP8_MAX, FP8_MIN, BF16_MIN, QuantSpec, decode_scale, dequantize, dequantize_packed,
+                       quantize, quantize_packed, step_size)
+
+GRID_BITS = [(g, b) for g in ("sym", "midrise", "asym") for b in (1, 2, 4, 8) if not (g == "sym" and b < 2)]
+# (axis, group, shape): token groups split D; channel groups split N (KIVI keys)
+LAYOUTS = [("token", 16, (2, 3, 37, 64)), ("token", 32, (1, 2, 45, 128)), ("token", 64, (2, 2, 29, 128)),
+           ("channel", 16, (2, 2, 48, 64)), ("channel", 32, (1, 3, 96, 64)), ("channel", 64, (1, 2, 128, 32))]
+SCALE_DTYPES = ("fp8", "bf16")
+
+ALL_SPECS = [pytest.param(QuantSpec(bits=b, grid=g, axis=a, group=gr, scale_dtype=sd), shape,
+                          id=f"{g}-int{b}-{a}{gr}-{sd}")
+             for (g, b), (a, gr, shape), sd in itertools.product(GRID_BITS, LAYOUTS, SCALE_DTYPES)]
+
+
+def spread_data(shape, seed, scale=1.0):
+    """Gaussian data whose per-token magnitude spans ~3 decades, so group scales use a good part of E4M3's range."""
+    g = gen(seed)
+    mag = 10.0 ** (3 * torch.rand(*shape[:-1], 1, generator=g) - 1.5)
+    return torch.randn(*shape, generator=g) * mag * scale
+
+
+def round_trip(x, spec):
+    codes, stored = quantize(x, spec)
+    return codes, stored, dequantize(codes, stored, spec), step_size(stored, spec)
+
+
+def grouped(x, spec):
+    """Group view and reduction dim, written independently of qvg.quant."""
+    if spec.axis == "token":
+        return x.reshape(*x.shape[:-1], x.shape[-1] // spec.group, spec.group), -1
+    return x.reshape(x.shape[0], x.shape[1], x.shape[2] // spec.group, spec.group, x.shape[3]), 3
+
+
+def raw_scale(x, stored, spec):
+    """The un-rounded per-group scale each grid needs (asym: relative to the stored zero point)."""
+    xg, rd = grouped(x.float(), spec)
+    b = spec.bits
+    if spec.grid == "sym":
+        return xg.abs().amax(rd) / (2 ** (b - 1) - 1)
+    if spec.grid == "midrise":
+        return xg.abs().amax(rd) / (2 ** (b - 1) - 0.5)
+    return (xg.amax(rd) - stored["zero"].float()) / (2 ** b - 1)
+
+
+# --- the half-step bound ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("spec,shape", ALL_SPECS)
+def test_error_within_half_step(spec, shape):
+    spec.check(shape)
+    x = spread_data(shape, seed=zlib.crc32(repr(spec).encode()) % 1000)
+    codes, stored, x_hat, step = round_trip(x, spec)
+    assert codes.dtype == torch.uint8 and codes.shape == x.shape
+    assert int(codes.max()) < 2 ** spec.bits
+    assert x_hat.dtype == torch.float32 and x_hat.shape == x.shape
+    assert_within_half_step(x, x_hat, step, what=str(spec))
+    # the packed path is the same quantizer
+    packed = quantize_packed(x, spec)
+    assert packed["codes"].shape[-1] == shape[-1] * spec.bits // 8
+    assert torch.equal(dequantize_packed(packed, spec, shape[-1]), x_hat)
+
+
+@pytest.mark.parametrize("spec,shape", ALL_SPECS)
+def test_stored_tensor_layout(spec, shape):
+    b, h, n, d = shape
+    _, stored = quantize(randn(*shape, seed=1), spec)
+    groups = (b, h, n, d // spec.group) if spec.axis == "token" else (b, h, n // spec.group, d)
+    assert stored["scale"].shape == groups
+    assert stored["scale"].dtype == (torch.float8_e4m3fn if spec.scale_dtype == "fp8" else torch.bfloat16)
+    assert ("tscale" in stored) == (spec.scale_dtype == "fp8")
+    if spec.scale_dtype == "fp8":
+        assert stored["tscale"].shape == (b, h) and stored["tscale"].dtype == torch.float32
+    assert ("zero" in stored) == (spec.grid == "asym")
+    if spec.grid == "asym":
+        assert stored["zero"].shape == groups and stored["zero"].dtype == torch.bfloat16
+    assert spec.scale_bits == (8 if spec.scale_dtype == "fp8" else 16) + (16 if spec.grid == "asym" else 0)
+
+
+# --- grids use the documented levels ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("grid,bits,expected", [("midrise", 2, 4), ("sym", 2, 3), ("asym", 2, 4),
+                                                ("midrise", 1, 2), ("sym", 4, 15), ("midrise", 4, 16)])
+def test_distinct_codes_used(grid, bits, expected):
+    x = randn(2, 2, 256, 64, seed=3)
+    codes, _ = quantize(x, QuantSpec(bits=bits, grid=grid))
+    assert codes.unique().numel() == expected
+    if grid == "sym":
+        assert int(codes.max()) == 2 ** bits - 2  # the top code is never used
+
+
+@pytest.mark.parametrize("scale_dtype", SCALE_DTYPES)
+def test_midrise_int2_levels(scale_dtype):
+    spec = QuantSpec(bits=2, grid="midrise", scale_dtype=scale_dtype)
+    x = randn(1, 2, 64, 64, seed=4)
+    codes, stored = quantize(x, spec)
+    x_hat = dequantize(codes, stored, spec)
+    ratio = x_hat / step_size(stored, spec)
+    levels = (ratio * 2).round() / 2
+    torch.testing.assert_close(ratio, levels, rtol=1e-6, atol=0)
+    assert torch.equal(levels.unique(), torch.tensor([-1.5, -0.5, 0.5, 1.5]))
+
+
+@pytest.mark.parametrize("scale_dtype", SCALE_DTYPES)
+def test_sym_int2_levels(scale_dtype):
+    spec = QuantSpec(bits=2, grid="sym", scale_dtype=scale_dtype)
+    x = randn(1, 2, 64, 64, seed=5)
+    codes, stored = quantize(x, spec)
+    ratio = dequantize(codes, stored, spec) / step_size(stored, spec)
+    torch.testing.assert_close(ratio, ratio.round(), rtol=1e-6, atol=0)
+    assert torch.equal(ratio.round().unique(), torch.tensor([-1.0, 0.0, 1.0]))
+
+
+def test_midrise_step_finer_than_sym_int2():
+    x = randn(2, 2, 128, 64, seed=6)
+    s_sym = step_size(quantize(x, QuantSpec(bits=2, grid="sym"))[1], QuantSpec(bits=2, grid="sym"))
+    s_mid = step_size(quantize(x, QuantSpec(bits=2, grid="midrise"))[1], QuantSpec(bits=2, grid="midrise"))
+    ratio = (s_sym / s_mid).median().item()
+    assert 1.3 < ratio < 1.7  # ~1.5x, up to the FP8 rounding of each
+
+
+# --- scale storage: rounding up, FP8 clamp, extremes --------------------------------------------------------------
+
+@pytest.mark.parametrize("spec,shape", ALL_SPECS)
+def test_decoded_scale_rounds_up_and_is_tight(spec, shape):
+    x = spread_data(shape, seed=7)
+    _, stored = quantize(x, spec)
+    raw = raw_scale(x, stored, spec)
+    dec = decode_scale(stored, spec)
+    assert (dec >= raw).all(), f"decoded scale below raw by up to {(raw - dec).max().item():.3g}"
+    if spec.scale_dtype == "fp8":
+        # normal E4M3 values are 1/8 apart relatively; below 2^-6 (subnormal) the spacing is absolute
+        normal = raw / stored["tscale"][:, :, None, None] >= 2.0 ** -6
+        assert normal.float().mean() > 0.5
+        assert (dec[normal] <= raw[normal] * 1.125 * (1 + 1e-6)).all()
+        # the largest group of every head is stored as E4M3's top value, 448
+        assert torch.equal(stored["scale"].float().flatten(2).amax(-1), torch.full(shape[:2], FP8_MAX))
+    else:
+        normal = raw >= BF16_MIN
+        assert (dec[normal] <= raw[normal] * (1 + 2.0 ** -7) * (1 + 1e-6)).all()
+
+
+def _zero_some_groups(x, spec, seed):
+    """Zero ~1/4 of the groups and the whole of head (0, 0)."""
+    x = x.clone()
+    xg, rd = grouped(x, spec)  # a view
+    keep = torch.rand(xg.shape[:rd] if rd == -1 else xg.shape[:3] + xg.shape[4:], generator=gen(seed)) > 0.25
+    xg.mul_(keep.unsqueeze(rd).float())
+    x[0, 0] = 0
+    return x
+
+
+EXTREME = [pytest.param(m, id=f"mag{m:g}") for m in (1e-6, 1e-30, 1e4, 1e6)]
+
+
+@pytest.mark.parametrize("mag", EXTREME)
+@pytest.mark.parametrize("spec,shape", ALL_SPECS)
+def test_extreme_magnitudes_and_zero_groups(spec, shape, mag):
+    x = _zero_some_groups(randn(*shape, seed=8, scale=mag), spec, seed=9)
+    _, stored, x_hat, step = round_trip(x, spec)
+    dec = decode_scale(stored, spec)
+    assert torch.isfinite(dec).all() and (dec > 0).all(), "decoded scales must be finite and strictly positive"
+    if spec.scale_dtype == "fp8":
+        q = stored["scale"].float()
+        assert (q >= FP8_MIN).all() and (q <= FP8_MAX).all()
+        assert torch.isfinite(stored["tscale"]).all() and (stored["tscale"] > 0).all()
+    assert torch.isfinite(x_hat).all()
+    assert_within_half_step(x, x_hat, step, what=f"{spec} x{mag:g}")
+    # zeros stay (nearly) zero: within half of a tiny positive step
+    zero = x == 0
+    assert (x_hat[zero].abs() <= step[zero] / 2 * (1 + 1e-5)).all()
+
+
+def _fp8_scale_tightness(mag):
+    """Largest decoded/raw scale ratio over the groups of an INT4 fp8 quantization of N(0, mag^2) data."""
+    spec = QuantSpec(bits=4, grid="midrise", scale_dtype="fp8")
+    x = randn(2, 2, 64, 64, seed=15, scale=mag)
+    _, stored = quantize(x, spec)
+    return (decode_scale(stored, spec) / raw_scale(x, stored, spec)).max().item()
+
+
+@pytest.mark.parametrize("mag", [1.0, 1e-6, 1e-30, 1e6])
+def test_fp8_scales_stay_tight_at_extreme_magnitudes(mag):
+    """Rounding up to the next E4M3 value costs at most 1/8 (relative), whatever the data's magnitude."""
+    assert _fp8_scale_tightness(mag) <= 1.125 * (1 + 1e-6)
+
+
+def test_fp8_scales_stay_tight_for_tiny_heads():
+    assert _fp8_scale_tightness(1e-36) <= 1.125 * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("spec,shape", ALL_SPECS)
+def test_all_zero_tensor(spec, shape):
+    x = torch.zeros(shape)
+    _, stored, x_hat, step = round_trip(x, spec)
+    dec = decode_scale(stored, spec)
+    assert torch.isfinite(dec).all() and (dec > 0).all()
+    assert torch.isfinite(x_hat).all()
+    assert x_hat.abs().max().item() < 1e-30
+    assert_within_half_step(x, x_hat, step)
+
+
+@pytest.mark.parametrize("spec,shape", ALL_SPECS)
+def test_wide_dynamic_range_within_a_head(spec, shape):
+    """Group scales 10^-8 .. 10^8 apart inside one head: many hit the FP8 clamp at 2^-9, the bound still holds."""
+    g = gen(10)
+    mag = 10.0 ** (16 * torch.rand(*shape[:-1], 1, generator=g) - 8)
+    x = torch.randn(*shape, generator=g) * mag
+    _, stored, x_hat, step = round_trip(x, spec)
+    dec = decode_scale(stored, spec)
+    assert torch.isfinite(dec).all() and (dec > 0).all()
+    assert_within_half_step(x, x_hat, step, what=str(spec))
+
+
+@pytest.mark.parametrize("factor", (1e3, 1e5))
+@pytest.mark.parametrize("spec,shape", ALL_SPECS)
+def test_outlier_channels(spec, shape, factor):
+    x = with_outliers(randn(*shape, seed=11), channels=3, factor=factor, seed=12)
+    assert x.abs().max() > factor / 4
+    _, stored, x_hat, step = round_trip(x, spec)
+    assert_within_half_step(x, x_hat, step, what=str(spec))
+
+
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16, torch.float64))
+def test_input_dtypes(dtype):
+    spec = QuantSpec(bits=4)
+    x = randn(1, 2, 40, 64, seed=13, dtype=dtype)
+    _, _, x_hat, step = round_trip(x, spec)
+    assert x_hat.dtype == torch.float32
+    assert_within_half_step(x.float(), x_hat, step)
+
+
+def test_quantize_is_deterministic():
+    spec = QuantSpec(bits=2)
+    x = randn(2, 2, 64, 64, seed=14)
+    a, b = quantize_packed(x, spec), quantize_packed(x.clone(), spec)
+    assert a.keys() == b.keys() and all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8))
+                                        for k in a if a[k].dtype != torch.float32)
+    assert torch.equal(a["tscale"], b["tscale"])
+
+
+# --- QuantSpec.check ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs,shape,match", [
+    (dict(bits=3), (1, 1, 8, 64), "unsupported bits"),
+    (dict(bits=1, grid="sym"), (1, 1, 8, 64), "sym"),
+    (dict(grid="nf4"), (1, 1, 8, 64), "unknown grid"),
+    (dict(axis="head"), (1, 1, 8, 64), "unknown group axis"),
+    (dict(scale_dtype="fp16"), (1, 1, 8, 64), "unknown scale dtype"),
+    (dict(group=0), (1, 1, 8, 64), "positive integer"),
+    (dict(group=48), (1, 1, 8, 64), "not divisible by block_size"),
+    (dict(axis="channel", group=32), (1, 1, 40, 64), "not divisible by the token group"),
+    (dict(bits=2, group=2), (1, 1, 8, 2), "multiple of 4"),
+])
+def test_spec_check_errors(kwargs, shape, match):
+    with pytest.raises(ValueError, match=match):
+        QuantSpec(**kwargs).check(shape)
