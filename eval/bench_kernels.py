@@ -154,7 +154,7 @@ def compress_section(quick):
         usweep = {f"sorted bn{bn}w{nw}": bench(lambda: update(xg, ids0, c0, block_n=bn, num_warps=nw))
                   for bn, nw in ((32, 2), (64, 4))}
         keys32 = ids0.to(torch.int32)
-        usweep["sort_only"] = bench(lambda: torch.sort(keys32, dim=1, stable=True))
+        usweep["torch_sort_only"] = bench(lambda: torch.sort(keys32, dim=1, stable=True))
         print(f"    update sweep: {usweep}", flush=True)
         psweep = {}
         for bn, nw in ((32, 4), (64, 4), (64, 8), (128, 8), (16, 2)):
@@ -321,10 +321,8 @@ def attention_ablation_section():
     print(f"  bf16: {out['bf16 (tail path)']}", flush=True)
     for name, kw in formats.items():
         seq = PackedSequence.from_chunks([qvg.compress(x, **kw) for x in xs])
-        for planar in (False, True):
-            key = name + (" planar" if planar else "")
-            out[key] = best(lambda **c: packed_attention(q, seq, seq, planar=planar, **c))
-            print(f"  {key}: {out[key]}", flush=True)
+        out[name] = best(lambda **c: packed_attention(q, seq, seq, **c))
+        print(f"  {name}: {out[name]}", flush=True)
     return out
 
 

@@ -11,7 +11,7 @@ import triton.language as tl
 
 from qvg.quant import QuantSpec
 
-GRID_IDS = {"sym": 0, "midrise": 1, "asym": 2}
+GRID_IDS = {"sym": 0, "midrise": 1, "asym": 2, "auto": 3}
 # TRITON_INTERPRET=1 (CPU) truncates fp32 -> bf16 casts; the GPU rounds to nearest even. Under the interpreter the
 # kernels round by hand so CI checks the same numbers the GPU produces.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -22,7 +22,8 @@ def grid_constants(spec: QuantSpec) -> dict:
     if spec.axis != "token":
         raise ValueError("the kernels handle per-token groups (the QVG / RTN layout); use the torch path otherwise")
     half = 2 ** (spec.bits - 1)
-    offset = {"sym": half - 1, "midrise": half - 0.5, "asym": 0.0}[spec.grid]
+    # auto: OFFSET is sym's level offset; a negative (flagged) scale means midrise, offset OFFSET + 1/2
+    offset = {"sym": half - 1, "midrise": half - 0.5, "asym": 0.0, "auto": half - 1}[spec.grid]
     return dict(GRID=GRID_IDS[spec.grid], OFFSET=offset, BITS=spec.bits, GROUP=spec.group,
                 FP8=spec.scale_dtype == "fp8")
 
@@ -47,6 +48,8 @@ def dequant_codes(c, s, z, OFFSET: tl.constexpr, GRID: tl.constexpr):
     """Unsigned integer codes -> fp32 values, same arithmetic as qvg.quant.dequantize."""
     if GRID == 2:
         return z + c.to(tl.float32) * s
+    elif GRID == 3:  # auto: the scale's sign bit selects midrise (offset + 1/2) over sym
+        return (c.to(tl.float32) - tl.where(s < 0, OFFSET + 0.5, OFFSET)) * tl.abs(s)
     else:
         return (c.to(tl.float32) - OFFSET) * s
 

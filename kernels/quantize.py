@@ -56,6 +56,8 @@ def _stats_kernel(x_ptr, ids_ptr, cent_ptr, raw_ptr, zero_ptr, N, K, GH,
         z = zb.to(tl.bfloat16, bitcast=True)
         tl.store(zero_ptr + goff, zb, mask=m2)
         raw = tl.math.div_rn(tl.max(rg, 2) - z.to(tl.float32), 2.0 ** BITS - 1.0)
+    elif GRID == 3:  # auto: keep max|x| itself; the pack pass derives both candidate scales from it
+        raw = tl.max(tl.abs(rg), 2)
     else:  # sym: max|x| / (2^(b-1) - 1); midrise: max|x| / (2^(b-1) - 1/2) -- both are OFFSET
         raw = tl.math.div_rn(tl.max(tl.abs(rg), 2), OFFSET)
     tl.store(raw_ptr + goff, raw, mask=m2)
@@ -108,15 +110,36 @@ def _pack_kernel(x_ptr, ids_ptr, cent_ptr, raw_ptr, zero_ptr, tscale_ptr, codes_
     if FP8:
         ts = tl.load(tscale_ptr + gh)
     goff = tok[:, None] * NG + tl.arange(0, NG)[None, :]
-    sbits, s = _encode(tl.load(raw_ptr + goff, mask=m2, other=1.0), ts, FP8, FP8_MAX)
-    tl.store(scale_ptr + goff, sbits, mask=m2)
-    s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, NG, GROUP)), (BLOCK_N, D))
     r = _residual(x_ptr, ids_ptr, cent_ptr, tok, rmask, tl.arange(0, D), N, K, GH, gh, D, STAGES)
+    if GRID == 3:  # auto: both candidates, then per group the one with the smaller squared error (ties: sym)
+        amax = tl.load(raw_ptr + goff, mask=m2, other=1.0)
+        mbits, ms = _encode(tl.math.div_rn(amax, OFFSET + 0.5), ts, FP8, FP8_MAX)
+        ms = tl.reshape(tl.broadcast_to(ms[:, :, None], (BLOCK_N, NG, GROUP)), (BLOCK_N, D))
+        cm = tl.minimum(tl.maximum(tl.floor(tl.math.div_rn(r, ms)) + (OFFSET + 1.0), 0.0), LEVELS)
+        sign = (tl.zeros_like(mbits) + 1) << (mbits.dtype.primitive_bitwidth - 1)
+        if BITS == 1:  # 1-bit auto is midrise, flagged
+            sbits = mbits | sign
+            c = cm
+        else:
+            sbits, s = _encode(tl.math.div_rn(amax, OFFSET), ts, FP8, FP8_MAX)
+            s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, NG, GROUP)), (BLOCK_N, D))
+            cs = tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(r, s)), -OFFSET), OFFSET) + OFFSET
+            es = (cs - OFFSET) * s - r
+            em = (cm - (OFFSET + 0.5)) * ms - r
+            use_mid = tl.sum(tl.reshape(em * em, (BLOCK_N, NG, GROUP)), 2) < \
+                tl.sum(tl.reshape(es * es, (BLOCK_N, NG, GROUP)), 2)
+            sbits = tl.where(use_mid, mbits | sign, sbits)
+            c = tl.where(tl.reshape(tl.broadcast_to(use_mid[:, :, None], (BLOCK_N, NG, GROUP)), (BLOCK_N, D)), cm, cs)
+        tl.store(scale_ptr + goff, sbits, mask=m2)
+    else:
+        sbits, s = _encode(tl.load(raw_ptr + goff, mask=m2, other=1.0), ts, FP8, FP8_MAX)
+        tl.store(scale_ptr + goff, sbits, mask=m2)
+        s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, NG, GROUP)), (BLOCK_N, D))
     if GRID == 0:
         c = tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(r, s)), -OFFSET), OFFSET) + OFFSET
     elif GRID == 1:
         c = tl.minimum(tl.maximum(tl.floor(tl.math.div_rn(r, s)) + (OFFSET + 0.5), 0.0), LEVELS)
-    else:
+    elif GRID == 2:
         z = tl.load(zero_ptr + goff, mask=m2, other=0).to(tl.bfloat16, bitcast=True).to(tl.float32)
         z = tl.reshape(tl.broadcast_to(z[:, :, None], (BLOCK_N, NG, GROUP)), (BLOCK_N, D))
         c = tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(r - z, s)), 0.0), LEVELS)
@@ -149,8 +172,8 @@ def quantize_packed(x: torch.Tensor, spec: QuantSpec, ids: torch.Tensor | None =
                         D=d, BITS=c["BITS"], GROUP=c["GROUP"], GRID=c["GRID"], OFFSET=c["OFFSET"],
                         STAGES=stages, BLOCK_N=block_n, num_warps=num_warps)
     out = {}
-    if c["FP8"]:
-        out["tscale"] = tensor_scale(raw)
+    if c["FP8"]:  # auto's stats pass keeps max|x|: the tscale follows its sym candidate (midrise for 1 bit)
+        out["tscale"] = tensor_scale(raw if spec.grid != "auto" else raw / (c["OFFSET"] if spec.bits > 1 else 0.5))
     codes = torch.empty(b, h, n, d * spec.bits // 8, device=dev, dtype=torch.uint8)
     scale = torch.empty(b, h, n, ng, device=dev, dtype=torch.float8_e4m3fn if c["FP8"] else torch.bfloat16)
     _pack_kernel[grid](x, ids_, cent_, raw, raw_view(zero) if zero is not None else raw,

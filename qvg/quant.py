@@ -6,13 +6,16 @@ Groups (`QuantSpec.axis`):
 
 Grids (`QuantSpec.grid`), for b bits; s is the group's stored scale, c the unsigned code:
   "sym"      the paper's grid: 2^b - 1 levels (c - L) * s with L = 2^(b-1) - 1 and s = max|x| / L.
-             INT2 = {-1, 0, +1} * s (only 3 of 4 codes used), INT4 = -7..7 * s. Needs b >= 2.
-  "midrise"  all 2^b levels, symmetric, no wasted code: (c - 2^(b-1) + 1/2) * s with s = max|x| / (2^(b-1) - 1/2).
-             INT2 = {-1.5, -0.5, 0.5, 1.5} * s, 1-bit = +-max|x|. The default: 1.5x finer INT2 step than "sym" at
-             the same bytes.
+             INT2 = {-1, 0, +1} * s (only 3 of 4 codes used), INT4 = -7..7 * s. Needs b >= 2. Exact zero: best
+             for heavy-tailed groups (most values far below the group's max).
+  "midrise"  all 2^b levels, symmetric, no zero: (c - 2^(b-1) + 1/2) * s with s = max|x| / (2^(b-1) - 1/2).
+             INT2 = {-1.5, -0.5, 0.5, 1.5} * s (a 1.5x finer step), 1-bit = +-max|x|. Best for flat groups.
+  "auto"     the default: per group, whichever of "sym" and "midrise" reconstructs it with the smaller squared
+             error, flagged by the sign bit of the stored scale (a scale is never negative, so the bit is free):
+             no extra bytes, never worse than either grid for any group. 1-bit: "midrise".
   "asym"     min/max affine (KIVI): zero + c * s with s = (max - zero) / (2^b - 1); the zero point is the group
              minimum rounded down to BF16 (so the range stays covered), stored per group.
-Every grid reconstructs within s/2 of x, elementwise: |x - dequantize(quantize(x))| <= s / 2.
+Every grid reconstructs within |s|/2 of x, elementwise: |x - dequantize(quantize(x))| <= |s| / 2.
 
 Scale storage (`QuantSpec.scale_dtype`):
   "fp8"   FP8 E4M3 (1 byte). To use E4M3's range fully and never under- or overflow, group scales are stored
@@ -31,7 +34,7 @@ import torch
 
 from .bitpack import SUPPORTED_BITS, pack, unpack
 
-GRIDS = ("sym", "midrise", "asym")
+GRIDS = ("auto", "sym", "midrise", "asym")
 AXES = ("token", "channel")
 SCALE_DTYPES = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16}
 FP8_MAX = 448.0
@@ -42,7 +45,7 @@ BF16_MIN = 2.0 ** -126
 @dataclass(frozen=True)
 class QuantSpec:
     bits: int = 2
-    grid: str = "midrise"
+    grid: str = "auto"
     axis: str = "token"
     group: int = 64
     scale_dtype: str = "fp8"
@@ -123,16 +126,25 @@ def tensor_scale(s: torch.Tensor) -> torch.Tensor:
     return (smax / FP8_MAX * (1 + 2.0 ** -20)).clamp(min=torch.finfo(torch.float32).tiny)
 
 
-def encode_scale(s: torch.Tensor, spec: QuantSpec) -> dict[str, torch.Tensor]:
-    """Raw fp32 group scales [B, H, ...] (>= 0) -> stored tensors (see module doc)."""
+def encode_scale(s: torch.Tensor, spec: QuantSpec, tscale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Raw fp32 group scales [B, H, ...] (>= 0) -> stored tensors (see module doc). `tscale` defaults to
+    tensor_scale(s)."""
     if spec.scale_dtype == "bf16":
         return {"scale": _round_up(s.clamp(min=BF16_MIN), torch.bfloat16)}
-    tscale = tensor_scale(s)
+    tscale = tensor_scale(s) if tscale is None else tscale
     q = (s / tscale[:, :, None, None]).clamp(FP8_MIN, FP8_MAX)
     return {"scale": _round_up(q, torch.float8_e4m3fn), "tscale": tscale.float()}
 
 
+def _flag(scale: torch.Tensor, flag: torch.Tensor) -> torch.Tensor:
+    """Set the sign bit of stored scales where `flag` (the "auto" grid's midrise marker)."""
+    raw = scale.view(torch.uint8 if scale.element_size() == 1 else torch.int16)
+    sign = torch.tensor(0x80 if raw.dtype == torch.uint8 else -32768, dtype=raw.dtype, device=raw.device)
+    return torch.where(flag, raw | sign, raw).view(scale.dtype)
+
+
 def decode_scale(stored: dict[str, torch.Tensor], spec: QuantSpec) -> torch.Tensor:
+    """Stored scales -> fp32 (signed: negative marks a midrise group of the "auto" grid)."""
     s = stored["scale"].float()
     if spec.scale_dtype == "fp8":
         s = s * stored["tscale"][:, :, None, None]
@@ -153,16 +165,27 @@ def quantize(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, dict[str, 
         codes = torch.round((xg - _per_group(zero.float(), spec)) / s).clamp(0, 2 ** b - 1)
     else:
         amax = xg.abs().amax(rd)
-        if spec.grid == "sym":
+        grid = "midrise" if spec.grid == "auto" and b == 1 else spec.grid
+        if grid in ("sym", "auto"):
             lim = 2 ** (b - 1) - 1
             stored = encode_scale(amax / lim, spec)
             s = _per_group(decode_scale(stored, spec), spec)
             codes = torch.round(xg / s).clamp(-lim, lim) + lim
-        else:  # midrise
+        if grid in ("midrise", "auto"):
             half = 2 ** (b - 1)
-            stored = encode_scale(amax / (half - 0.5), spec)
-            s = _per_group(decode_scale(stored, spec), spec)
-            codes = (torch.floor(xg / s) + half).clamp(0, 2 ** b - 1)
+            m_stored = encode_scale(amax / (half - 0.5), spec, stored.get("tscale") if grid == "auto" else None)
+            m_s = _per_group(decode_scale(m_stored, spec), spec)
+            m_codes = (torch.floor(xg / m_s) + half).clamp(0, 2 ** b - 1)
+        if grid == "midrise":
+            stored, codes = m_stored, m_codes
+            if spec.grid == "auto":  # 1-bit auto: always midrise, flagged
+                stored["scale"] = _flag(stored["scale"], torch.ones_like(amax, dtype=torch.bool))
+        elif grid == "auto":  # keep, per group, the grid with the smaller squared error (ties: sym)
+            e_sym = ((codes - lim) * s - xg).pow(2).sum(rd)
+            e_mid = ((m_codes - (half - 0.5)) * m_s - xg).pow(2).sum(rd)
+            use_mid = e_mid < e_sym
+            codes = torch.where(_per_group(use_mid, spec), m_codes, codes)
+            stored["scale"] = torch.where(use_mid, _flag(m_stored["scale"], use_mid), stored["scale"])
     return codes.to(torch.uint8).flatten(*((-2, -1) if spec.axis == "token" else (2, 3))), stored
 
 
@@ -174,6 +197,8 @@ def dequantize(codes: torch.Tensor, stored: dict[str, torch.Tensor], spec: Quant
         return expand_groups(stored["zero"].float(), spec) + c * s
     if spec.grid == "sym":
         return (c - (2 ** (spec.bits - 1) - 1)) * s
+    if spec.grid == "auto":  # negative scale: a midrise group
+        return (c - torch.where(s < 0, 2 ** (spec.bits - 1) - 0.5, 2 ** (spec.bits - 1) - 1)) * s.abs()
     return (c - (2 ** (spec.bits - 1) - 0.5)) * s
 
 
@@ -188,5 +213,5 @@ def dequantize_packed(tensors: dict[str, torch.Tensor], spec: QuantSpec, d: int)
 
 
 def step_size(tensors: dict[str, torch.Tensor], spec: QuantSpec) -> torch.Tensor:
-    """Per-element stored scale s [B, H, N, D]; the reconstruction error is at most s / 2."""
-    return expand_groups(decode_scale(tensors, spec), spec)
+    """Per-element stored scale |s| [B, H, N, D]; the reconstruction error is at most |s| / 2."""
+    return expand_groups(decode_scale(tensors, spec), spec).abs()

@@ -478,7 +478,7 @@ def test_kivi_key_groups_over_tokens_value_over_channels():
 
 # --- combinations of options all round-trip -----------------------------------------------------------------------
 
-OPTION_GRID = list(itertools.product(["rtn", "quarot", "qvg"], [1, 2, 4, 8], ["midrise", "asym", "sym"],
+OPTION_GRID = list(itertools.product(["rtn", "quarot", "qvg"], [1, 2, 4, 8], ["auto", "midrise", "asym", "sym"],
                                      ["fp8", "bf16"]))
 
 

@@ -9,7 +9,7 @@ from conftest import assert_within_half_step, gen, randn, with_outliers
 from qvg.quant import (FP8_MAX, FP8_MIN, BF16_MIN, QuantSpec, decode_scale, dequantize, dequantize_packed,
                        quantize, quantize_packed, step_size)
 
-GRID_BITS = [(g, b) for g in ("sym", "midrise", "asym") for b in (1, 2, 4, 8) if not (g == "sym" and b < 2)]
+GRID_BITS = [(g, b) for g in ("auto", "sym", "midrise", "asym") for b in (1, 2, 4, 8) if not (g == "sym" and b < 2)]
 # (axis, group, shape): token groups split D; channel groups split N (KIVI keys)
 LAYOUTS = [("token", 16, (2, 3, 37, 64)), ("token", 32, (1, 2, 45, 128)), ("token", 64, (2, 2, 29, 128)),
            ("channel", 16, (2, 2, 48, 64)), ("channel", 32, (1, 3, 96, 64)), ("channel", 64, (1, 2, 128, 32))]
@@ -43,6 +43,10 @@ def raw_scale(x, stored, spec):
     """The un-rounded per-group scale each grid needs (asym: relative to the stored zero point)."""
     xg, rd = grouped(x.float(), spec)
     b = spec.bits
+    if spec.grid == "auto":  # per group, sym's or midrise's scale: the stored sign says which
+        s = stored["scale"].float()
+        mid = xg.abs().amax(rd) / (2 ** (b - 1) - 0.5)
+        return mid if b == 1 else torch.where(s < 0, mid, xg.abs().amax(rd) / (2 ** (b - 1) - 1))
     if spec.grid == "sym":
         return xg.abs().amax(rd) / (2 ** (b - 1) - 1)
     if spec.grid == "midrise":
@@ -132,15 +136,20 @@ def test_decoded_scale_rounds_up_and_is_tight(spec, shape):
     x = spread_data(shape, seed=7)
     _, stored = quantize(x, spec)
     raw = raw_scale(x, stored, spec)
-    dec = decode_scale(stored, spec)
+    dec = decode_scale(stored, spec).abs()
     assert (dec >= raw).all(), f"decoded scale below raw by up to {(raw - dec).max().item():.3g}"
     if spec.scale_dtype == "fp8":
         # normal E4M3 values are 1/8 apart relatively; below 2^-6 (subnormal) the spacing is absolute
         normal = raw / stored["tscale"][:, :, None, None] >= 2.0 ** -6
         assert normal.float().mean() > 0.5
         assert (dec[normal] <= raw[normal] * 1.125 * (1 + 1e-6)).all()
-        # the largest group of every head is stored as E4M3's top value, 448
-        assert torch.equal(stored["scale"].float().flatten(2).amax(-1), torch.full(shape[:2], FP8_MAX))
+        # the largest group of every head is stored as E4M3's top value, 448 (auto: the tscale follows the sym
+        # candidate, so a head whose largest group went midrise tops out lower)
+        top = stored["scale"].float().abs().flatten(2).amax(-1)
+        if spec.grid == "auto" and spec.bits > 1:
+            assert (top <= FP8_MAX).all()
+        else:
+            assert torch.equal(top, torch.full(shape[:2], FP8_MAX))
     else:
         normal = raw >= BF16_MIN
         assert (dec[normal] <= raw[normal] * (1 + 2.0 ** -7) * (1 + 1e-6)).all()
@@ -164,10 +173,10 @@ EXTREME = [pytest.param(m, id=f"mag{m:g}") for m in (1e-6, 1e-30, 1e4, 1e6)]
 def test_extreme_magnitudes_and_zero_groups(spec, shape, mag):
     x = _zero_some_groups(randn(*shape, seed=8, scale=mag), spec, seed=9)
     _, stored, x_hat, step = round_trip(x, spec)
-    dec = decode_scale(stored, spec)
+    dec = decode_scale(stored, spec).abs()
     assert torch.isfinite(dec).all() and (dec > 0).all(), "decoded scales must be finite and strictly positive"
     if spec.scale_dtype == "fp8":
-        q = stored["scale"].float()
+        q = stored["scale"].float().abs()  # (the sign bit flags the "auto" grid's midrise groups)
         assert (q >= FP8_MIN).all() and (q <= FP8_MAX).all()
         assert torch.isfinite(stored["tscale"]).all() and (stored["tscale"] > 0).all()
     assert torch.isfinite(x_hat).all()
@@ -182,7 +191,7 @@ def _fp8_scale_tightness(mag):
     spec = QuantSpec(bits=4, grid="midrise", scale_dtype="fp8")
     x = randn(2, 2, 64, 64, seed=15, scale=mag)
     _, stored = quantize(x, spec)
-    return (decode_scale(stored, spec) / raw_scale(x, stored, spec)).max().item()
+    return (decode_scale(stored, spec).abs() / raw_scale(x, stored, spec)).max().item()
 
 
 @pytest.mark.parametrize("mag", [1.0, 1e-6, 1e-30, 1e6])
@@ -199,7 +208,7 @@ def test_fp8_scales_stay_tight_for_tiny_heads():
 def test_all_zero_tensor(spec, shape):
     x = torch.zeros(shape)
     _, stored, x_hat, step = round_trip(x, spec)
-    dec = decode_scale(stored, spec)
+    dec = decode_scale(stored, spec).abs()
     assert torch.isfinite(dec).all() and (dec > 0).all()
     assert torch.isfinite(x_hat).all()
     assert x_hat.abs().max().item() < 1e-30
@@ -213,7 +222,7 @@ def test_wide_dynamic_range_within_a_head(spec, shape):
     mag = 10.0 ** (16 * torch.rand(*shape[:-1], 1, generator=g) - 8)
     x = torch.randn(*shape, generator=g) * mag
     _, stored, x_hat, step = round_trip(x, spec)
-    dec = decode_scale(stored, spec)
+    dec = decode_scale(stored, spec).abs()
     assert torch.isfinite(dec).all() and (dec > 0).all()
     assert_within_half_step(x, x_hat, step, what=str(spec))
 
@@ -261,3 +270,28 @@ def test_quantize_is_deterministic():
 def test_spec_check_errors(kwargs, shape, match):
     with pytest.raises(ValueError, match=match):
         QuantSpec(**kwargs).check(shape)
+
+
+# --- the "auto" grid ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("scale_dtype", ["fp8", "bf16"])
+def test_auto_grid_never_worse_than_sym_or_midrise_per_group(bits, scale_dtype):
+    """auto keeps, per group, the better of sym and midrise (flagged by the scale's sign bit): per-group squared
+    error <= min of the two, on heavy-tailed and flat groups alike."""
+    g = torch.Generator().manual_seed(40)
+    flat = torch.rand(1, 2, 64, 128, generator=g) * 2 - 1
+    heavy = torch.randn(1, 2, 64, 128, generator=g) * torch.where(torch.rand(1, 2, 64, 128, generator=g) < 0.03,
+                                                                 50.0, 1.0)
+    x = torch.cat([flat, heavy], 2)
+    errs = {}
+    for grid in ("auto", "sym", "midrise"):
+        spec = QuantSpec(bits=bits, grid=grid, group=32, scale_dtype=scale_dtype)
+        codes, stored = quantize(x, spec)
+        errs[grid] = (dequantize(codes, stored, spec) - x).pow(2).unflatten(-1, (4, 32)).sum(-1)
+        if grid == "auto":
+            flags = stored["scale"].float() < 0
+    if scale_dtype == "bf16":  # (with FP8 the standalone grids' scales round against other per-head tscales)
+        assert bool((errs["auto"] <= torch.minimum(errs["sym"], errs["midrise"]) * (1 + 1e-6) + 1e-12).all())
+    assert 0 < flags.float().mean() < 1  # both grids get used on this mix
+    assert errs["auto"].sum() < min(errs["sym"].sum(), errs["midrise"].sum())
