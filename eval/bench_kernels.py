@@ -105,8 +105,8 @@ def dequant_section(copy_tbps, quick):
 def compress_section(quick):
     import qvg
     from qvg.kernels.compress import compress_prq
-    from qvg.methods import resolve_options
-    from qvg.methods.prq import init_centroids
+    from qvg.compression import resolve_options
+    from qvg.compression.prq import init_centroids
     shape = (1, 32, 29640, 128) if not quick else (1, 4, 4680, 128)
     x0, x1 = clustered(shape, seed=1), clustered(shape, seed=1)
     x1 = (x1.float() + 0.1 * torch.randn_like(x1.float())).bfloat16()  # the next chunk: similar content
@@ -138,7 +138,7 @@ def compress_section(quick):
         mse_r = float((with_torch_backend(lambda: qvg.decompress(pr)).float() - x1.float()).pow(2).mean())
         from qvg.kernels.kmeans import assign, update
         from qvg.kernels.quantize import quantize_packed
-        from qvg.methods.registry import token_spec
+        from qvg.compression.registry import token_spec
         xg = x1.view(-1, shape[2], shape[3])
         c0 = warm[0]
         ids0, _ = assign(xg, c0)

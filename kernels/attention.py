@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from qvg.rope import RopeTables
 from qvg.sequence import PackedSequence
 
 from .common import INTERPRET, decode_scale, dequant_codes, dot_bf16, grid_constants, raw_view, to_bf16
@@ -165,12 +166,13 @@ STAGING_BYTES = 32 << 20  # K + V of one staged window: small enough to stay in 
 def staged_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: PackedSequence | None,
                      k_tail: torch.Tensor | None = None, v_tail: torch.Tensor | None = None,
                      scale: float | None = None, window: int | None = None, block_m: int = 128, block_n: int = 64,
-                     num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                     num_warps: int = 4, num_stages: int = 2, rope: RopeTables | None = None) -> torch.Tensor:
     """The history is decoded window by window (a few thousand tokens, <= STAGING_BYTES of BF16 K + V, reused)
     by the fused dequant kernel, and each window is attended by a flash kernel that carries the online-softmax
     state across windows; the tail comes last. Every packed token is decoded once per layer call (not once per
     query block, as on-chip decoding must), and the BF16 history never exists: the transient is one window plus
-    the (m, l, acc) state."""
+    the (m, l, acc) state. `rope`: the history keys were stored before RoPE; they are rotated as they are decoded
+    (factorized tables, qvg.rope.RopeTables). The tail is taken as it is."""
     from .dequant import dequantize
     bsz, hq, m, d = q.shape
     segs = []
@@ -205,7 +207,7 @@ def staged_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
             ks, vs = k_tail.contiguous(), v_tail.contiguous()
         else:
             shape = (bsz, hkv, seg[1] - seg[0], d)
-            ks = dequantize(k_hist, out=kbuf[:shape[0] * shape[1] * shape[2] * d].view(shape), rows=seg)
+            ks = dequantize(k_hist, out=kbuf[:shape[0] * shape[1] * shape[2] * d].view(shape), rows=seg, rope=rope)
             vs = dequantize(v_hist, out=vbuf[:shape[0] * shape[1] * shape[2] * d].view(shape), rows=seg)
         _flash_carry_kernel[grid](q, ks, vs, out, m_buf, l_buf, acc_buf, scale * LOG2E, m, ks.shape[2], hq, hkv,
                                   D=d, BLOCK_M=block_m, BLOCK_N=block_n, CARRY_IN=i > 0, FINAL=i == len(segs) - 1,

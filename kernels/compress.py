@@ -1,10 +1,10 @@
 """GPU compress path of rtn / qvg / qvg-pro: the Triton k-means steps and the fused residual + quantize + pack
-kernel, in the same order of operations as the reference (qvg/methods/prq.py), so the result matches it."""
+kernel, in the same order of operations as the reference (qvg/compression/prq.py), so the result matches it."""
 from __future__ import annotations
 
 import torch
 
-from qvg.methods.registry import token_spec
+from qvg.compression.registry import token_spec
 
 from .kmeans import kmeans
 from .quantize import quantize_packed

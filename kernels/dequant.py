@@ -1,24 +1,45 @@
 """Fused multi-stage dequant (Triton): packed codes + scales + the assigned centroids of all S stages -> BF16 in
-one pass, intermediates in registers. Reference: `qvg.decompress` (qvg/methods/prq.py, rtn.py)."""
+one pass, intermediates in registers. Reference: `qvg.decompress` (qvg/compression/prq.py, rtn.py)."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
-from qvg.methods.registry import token_spec
+from qvg.compression.registry import token_spec
 from qvg.packed import Packed
+from qvg.rope import RopeTables
 from qvg.sequence import PER_TOKEN_METHODS, PackedSequence
 
 from .common import INTERPRET, decode_scale, dequant_codes, grid_constants, raw_view, to_out
 
 
 @triton.jit
+def _rope(v, rows, chunk, L, rmask, j0, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF, D: tl.constexpr,
+          W: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_H: tl.constexpr, SPLIT_W: tl.constexpr):
+    """Rotate the pairs of a plane tile v [BLOCK_N, W] (channels 2 * j0 ...) with the factorized tables of
+    qvg.rope.RopeTables: pair j reads the frame, row or column row of the table by its band."""
+    local = rows - chunk * L
+    frame = tl.load(frame0_ptr + chunk, mask=rmask, other=0) + local // HW
+    hh = (local % HW) // WIDTH
+    ww = local % WIDTH
+    j = j0 + tl.arange(0, W // 2)
+    pos = tl.where((j >= SPLIT_W)[None, :], W_OFF + ww[:, None],
+                   tl.where((j >= SPLIT_H)[None, :], H_OFF + hh[:, None], frame[:, None]))
+    off = pos * (D // 2) + j[None, :]
+    m2 = rmask[:, None]
+    cos = tl.load(rope_ptr + off, mask=m2, other=1.0)
+    sin = tl.load(rope_ptr + R * (D // 2) + off, mask=m2, other=0.0)
+    e, o = tl.split(tl.reshape(v, (BLOCK_N, W // 2, 2)))
+    return tl.reshape(tl.join(e * cos - o * sin, e * sin + o * cos), (BLOCK_N, W))
+
+
+@triton.jit
 def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_ptr, out_ptr, N, L, C, K, GH,
-                    ROW0, ROW_END, OUT_N,
+                    ROW0, ROW_END, OUT_N, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF,
                     D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr,
                     OFFSET: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr, BLOCK_N: tl.constexpr,
-                    INTERP: tl.constexpr):
+                    ROPE: tl.constexpr, SPLIT_H: tl.constexpr, SPLIT_W: tl.constexpr, INTERP: tl.constexpr):
     pid_n = tl.program_id(0)
     gh = tl.program_id(1)
     P: tl.constexpr = 8 // BITS  # planes per byte
@@ -50,13 +71,17 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
             cid = tl.load(ids_ptr + st * GH * N + tok, mask=rmask, other=0).to(tl.int64)
             crow = ((st * GH + gh).to(tl.int64) * C + chunk) * K + cid
             v += tl.load(cent_ptr + crow[:, None] * D + col[None, :], mask=m2, other=0.0).to(tl.float32)
+        if ROPE:  # keys stored before RoPE: rotate channel pairs (2j, 2j+1) by the token's 3D position
+            v = _rope(v, rows, chunk, L, rmask, p * W // 2, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF,
+                      D, W, BLOCK_N, SPLIT_H, SPLIT_W)
         tl.store(out_ptr + otok[:, None] * D + col[None, :], to_out(v, out_ptr, INTERP), mask=m2)
 
 
 def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None, block_n: int = 64,
-               rows: tuple[int, int] | None = None, num_warps: int = 4) -> torch.Tensor:
+               rows: tuple[int, int] | None = None, num_warps: int = 4, rope: RopeTables | None = None
+               ) -> torch.Tensor:
     """Triton version of `qvg.decompress` (rtn / qvg / qvg-pro, per-token groups) and of
-    `PackedSequence.decompress`."""
+    `PackedSequence.decompress` (with `rope`: keys stored before RoPE, rotated as they are decoded)."""
     if isinstance(packed, PackedSequence):
         spec, stages, chunk_len = packed.spec, packed.stages, packed.chunk_len
     elif packed.method in PER_TOKEN_METHODS:
@@ -75,5 +100,14 @@ def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None,
         t["codes"], raw_view(t["scale"]), raw_view(t["zero"]) if "zero" in t else dummy,
         t.get("tscale", dummy), t["ids"] if stages else dummy,
         t["centroids"] if stages else dummy, out, n, chunk_len, n // chunk_len, k, b * h, r0, r1, out.shape[2],
-        D=d, STAGES=stages, BLOCK_N=block_n, INTERP=INTERPRET, num_warps=num_warps, **grid_constants(spec))
+        *_rope_args(rope, dummy), D=d, STAGES=stages, BLOCK_N=block_n, ROPE=rope is not None,
+        SPLIT_H=rope.split[0] if rope else 0, SPLIT_W=rope.split[1] if rope else 0, INTERP=INTERPRET,
+        num_warps=num_warps, **grid_constants(spec))
     return out
+
+
+def _rope_args(rope: RopeTables | None, dummy: torch.Tensor) -> tuple:
+    if rope is None:
+        return dummy, dummy, 0, 1, 1, 0, 0
+    return (rope.table, rope.frame0, rope.table.shape[1], rope.height * rope.width, rope.width, rope.max_frames,
+            rope.max_frames + rope.height)

@@ -8,7 +8,7 @@ Public API:
     qvg.Packed (the packed container; .nbytes, .components(), .to(device))
 Subpackages: qvg.app, qvg.pipelines, qvg.kernels, qvg.eval.
 """
-from .methods import bits_per_element, compress, decompress, methods
+from .compression import bits_per_element, compress, decompress, methods
 from .packed import Packed
 from .quant import QuantSpec
 

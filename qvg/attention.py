@@ -14,10 +14,11 @@ from .sequence import PackedSequence
 
 def attend_reference(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: PackedSequence | None,
                      k_tail: torch.Tensor | None = None, v_tail: torch.Tensor | None = None,
-                     scale: float | None = None) -> torch.Tensor:
+                     scale: float | None = None, rope=None) -> torch.Tensor:
+    """`rope` (qvg.rope.RopeTables): the history keys were stored before RoPE and are rotated on read."""
     ks, vs = [], []
     if k_hist is not None:
-        ks.append(k_hist.decompress().float())
+        ks.append(k_hist.decompress(rope).float())
         vs.append(v_hist.decompress().float())
     if k_tail is not None:
         ks.append(k_tail.float())

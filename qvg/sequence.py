@@ -31,7 +31,7 @@ class PackedSequence:
     def from_chunks(cls, chunks: list[Packed]) -> "PackedSequence":
         if not chunks:
             raise ValueError("a packed sequence needs at least one chunk")
-        from .methods.registry import token_spec
+        from .compression.registry import token_spec
         first = chunks[0]
         if first.method not in PER_TOKEN_METHODS:
             raise ValueError(f"packed attention reads {PER_TOKEN_METHODS}, not {first.method!r}")
@@ -60,8 +60,9 @@ class PackedSequence:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
-    def decompress(self) -> torch.Tensor:
-        """Reference decode of the whole sequence (materializes it: tests and the CPU fallback only)."""
+    def decompress(self, rope=None) -> torch.Tensor:
+        """Reference decode of the whole sequence (materializes it: tests and the CPU fallback only). `rope`
+        (qvg.rope.RopeTables): the keys were stored before RoPE; rotate them as they are read."""
         b, h, n, d = self.shape
         c = n // self.chunk_len
         t = self.tensors
@@ -78,4 +79,7 @@ class PackedSequence:
             cent = t["centroids"][s].float()  # [B, H, C, K, D]
             ids = t["ids"][s].long().view(b, h, c, self.chunk_len)
             y = y + torch.gather(cent, 3, ids[..., None].expand(-1, -1, -1, -1, d)).view(b, h, n, d)
+        if rope is not None:
+            from .rope import apply_rope
+            y = apply_rope(y, rope.angles(self.chunk_len).to(y.device))
         return y.to(self.dtype)

@@ -4,7 +4,7 @@ import torch
 
 import qvg
 from qvg.kmeans import kmeans
-from qvg.methods.registry import token_spec
+from qvg.compression.registry import token_spec
 from qvg.quant import step_size
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -6,8 +6,8 @@ import torch
 
 import qvg
 from conftest import assert_within_half_step, clustered_kv, gen, randn, random_shapes, with_outliers
-from qvg.methods import kivi as kivi_mod
-from qvg.methods.registry import token_spec
+from qvg.compression import kivi as kivi_mod
+from qvg.compression.registry import token_spec
 from qvg.packed import COMPONENTS
 from qvg.quant import dequantize_packed, step_size
 from qvg.rotation import rotate, rotation

@@ -1,0 +1,70 @@
+"""3D rotary position embedding in Wan2.1's layout (Self-Forcing's keys are cached after it).
+
+The head dim D is split into a temporal band of D - 4 * (D // 6) channels and two spatial bands (height, width)
+of 2 * (D // 6) each (D = 128: 44 + 42 + 42). Each band rotates consecutive channel pairs (2j, 2j + 1) by
+position * theta^(-2j / band). The tables are factorized: one per axis, combined per token, so they cost
+O((T + H + W) * D) memory, not O(N * D). RoPE is a rotation per pair: it preserves norms, so an error made before
+it has the same size after it.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def bands(head_dim: int) -> tuple[int, int, int]:
+    s = head_dim // 6
+    return head_dim - 4 * s, 2 * s, 2 * s
+
+
+def axis_angles(positions: torch.Tensor, band: int, theta: float = 10000.0) -> torch.Tensor:
+    """[P] positions -> [P, band / 2] rotation angles."""
+    inv = theta ** (-torch.arange(0, band, 2, dtype=torch.float64) / band)
+    return positions.double()[:, None] * inv[None, :]
+
+
+def grid_angles(frames: int, height: int, width: int, head_dim: int, t0: int = 0,
+                theta: float = 10000.0) -> torch.Tensor:
+    """Angles [frames * height * width, D / 2] for tokens in T x H x W order starting at frame t0."""
+    bt, bh, bw = bands(head_dim)
+    at = axis_angles(torch.arange(t0, t0 + frames), bt, theta)
+    ah = axis_angles(torch.arange(height), bh, theta)
+    aw = axis_angles(torch.arange(width), bw, theta)
+    n = frames * height * width
+    return torch.cat([at[:, None, None].expand(frames, height, width, -1).reshape(n, -1),
+                      ah[None, :, None].expand(frames, height, width, -1).reshape(n, -1),
+                      aw[None, None, :].expand(frames, height, width, -1).reshape(n, -1)], -1)
+
+
+def apply_rope(x: torch.Tensor, angles: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate channel pairs of x [..., N, D] by angles [N, D / 2] (or back, with inverse=True); float32 out."""
+    a = -angles if inverse else angles
+    cos, sin = a.cos().float(), a.sin().float()
+    xe, xo = x.float()[..., 0::2], x.float()[..., 1::2]
+    return torch.stack([xe * cos - xo * sin, xe * sin + xo * cos], -1).flatten(-2)
+
+
+class RopeTables:
+    """Factorized RoPE for keys stored before RoPE and rotated on read (by `PackedSequence.decompress` or the
+    dequant kernel). Token n of a packed sequence of chunks with L = frames * height * width tokens sits at frame
+    `frame0[n // L] + local // (height * width)`, row `(local // width) % height`, column `local % width`
+    (local = n % L). `table` [2, R, D / 2] float32 holds cos then sin of position x frequency for R = T + H + W
+    positions: rows [0, T) frames, [T, T + H) rows, [T + H, R) columns; channel pair j reads the axis of its band."""
+
+    def __init__(self, height: int, width: int, head_dim: int, frame0: torch.Tensor, max_frames: int,
+                 theta: float = 10000.0):
+        bt, bh, bw = bands(head_dim)
+        self.height, self.width, self.head_dim = height, width, head_dim
+        self.frame0 = frame0.to(torch.int32)
+        self.max_frames = max_frames
+        self.split = (bt // 2, (bt + bh) // 2)  # pair index where the h band, then the w band, starts
+        ang = torch.zeros(max_frames + height + width, head_dim // 2, dtype=torch.float64)
+        ang[:max_frames, :bt // 2] = axis_angles(torch.arange(max_frames), bt, theta)
+        ang[max_frames:max_frames + height, bt // 2:(bt + bh) // 2] = axis_angles(torch.arange(height), bh, theta)
+        ang[max_frames + height:, (bt + bh) // 2:] = axis_angles(torch.arange(width), bw, theta)
+        self.table = torch.stack([ang.cos(), ang.sin()]).float().to(frame0.device)
+
+    def angles(self, chunk_len: int) -> torch.Tensor:
+        """[C * chunk_len, D / 2] angles of every token (the reference path)."""
+        frames = chunk_len // (self.height * self.width)
+        return torch.cat([grid_angles(frames, self.height, self.width, self.head_dim, t0=int(f))
+                          for f in self.frame0.tolist()])

@@ -1,0 +1,56 @@
+"""qvg.rope: Wan's 3D RoPE (bands, factorized tables) and decoding pre-RoPE keys with RoPE applied on read."""
+import pytest
+import torch
+
+import qvg
+from qvg.attention import attend_reference
+from qvg.rope import RopeTables, apply_rope, bands, grid_angles
+from qvg.sequence import PackedSequence
+
+
+def test_bands_match_wan():
+    assert bands(128) == (44, 42, 42) and sum(bands(64)) == 64
+
+
+def test_rotation_is_orthogonal_and_invertible():
+    x = torch.randn(2, 3, 2 * 4 * 5, 128, generator=torch.Generator().manual_seed(0))
+    a = grid_angles(2, 4, 5, 128, t0=9)
+    y = apply_rope(x, a)
+    torch.testing.assert_close(y.norm(dim=-1), x.norm(dim=-1), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(apply_rope(y, a, inverse=True), x, rtol=1e-5, atol=1e-5)
+
+
+def test_positions_follow_t_h_w_order():
+    a = grid_angles(2, 3, 4, 128, t0=5)
+    bt, bh, _ = bands(128)
+    tok = 1 * 12 + 2 * 4 + 3  # frame 5 + 1, row 2, column 3
+    assert a[tok, 1] == pytest.approx(6 * 10000 ** (-2 / bt))
+    assert a[tok, bt // 2 + 1] == pytest.approx(2 * 10000 ** (-2 / bh))
+    assert a[tok, -1] != 0 and a[0, bt // 2:].abs().sum() == 0  # token 0: row 0, column 0
+
+
+def test_tables_match_per_chunk_angles():
+    rope = RopeTables(3, 4, 64, torch.tensor([0, 2, 9]), max_frames=12)
+    ang = rope.angles(2 * 3 * 4)
+    torch.testing.assert_close(ang[24:48], grid_angles(2, 3, 4, 64, t0=2))
+    # every angle is a table entry: frame, row or column row of its band
+    t, h, w = 9 + 1, 2, 3
+    tok = 48 + 1 * 12 + h * 4 + w
+    sp_h, sp_w = rope.split
+    cos = rope.table[0]
+    assert cos[t, 0] == pytest.approx(ang[tok, 0].cos().item(), abs=1e-6)
+    assert cos[12 + h, sp_h] == pytest.approx(ang[tok, sp_h].cos().item(), abs=1e-6)
+    assert cos[12 + 3 + w, sp_w] == pytest.approx(ang[tok, sp_w].cos().item(), abs=1e-6)
+
+
+def test_decompress_with_rope_and_attention():
+    g = torch.Generator().manual_seed(1)
+    chunks = [qvg.compress(torch.randn(1, 2, 24, 64, generator=g), "qvg", centroids=8, seed=i) for i in range(3)]
+    seq = PackedSequence.from_chunks(chunks)
+    rope = RopeTables(3, 4, 64, torch.tensor([0, 2, 4]), max_frames=8)
+    torch.testing.assert_close(seq.decompress(rope), apply_rope(seq.decompress(), rope.angles(24)))
+    q = torch.randn(1, 4, 5, 64, generator=g)
+    k = apply_rope(seq.decompress(), rope.angles(24))
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(2, 1),
+                                                           seq.decompress().repeat_interleave(2, 1))
+    torch.testing.assert_close(attend_reference(q, seq, seq, rope=rope), ref, rtol=1e-4, atol=1e-5)
