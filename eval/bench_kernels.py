@@ -246,6 +246,14 @@ def attention_section(quick):
         windows = {}
         for wdw in (2048, 8192, 16384):
             windows[wdw] = bench(lambda: staged_attention(q, K, V, window=wdw, **cfg))
+        # keys stored before RoPE, rotated as they are decoded (3 latent frames of 30 x 52 per chunk)
+        from qvg.rope import RopeTables
+        n_chunks = n_keys // chunk
+        rope = RopeTables(30, 52, 128, torch.arange(n_chunks, device="cuda") * 3, max_frames=3 * n_chunks)
+        t_rope = bench(lambda: staged_attention(q, K, V, rope=rope, **cfg))
+        o_rope = staged_attention(q[:, :, :512], K, V, rope=rope, **cfg)
+        r_rope = attend_reference(q[:, :, :512], K, V, rope=rope)
+        err_rope = float((o_rope.float() - r_rope.float()).norm() / r_rope.float().norm())
         fused = _best(lambda **c: packed_attention(q, K, V, **c), FUSED_CONFIGS if n_keys == sizes[0] else
                       FUSED_CONFIGS[:1], flops)
         out, peak_fused = _peak(lambda: packed_attention(q, K, V, **fused["config"]))
@@ -270,7 +278,8 @@ def attention_section(quick):
         rows.append({"heads": h, "queries": m, "keys": n_keys, "flops": flops,
                      "sdpa_flash_ms": t_sdpa, "sdpa_TFLOPs": flops / t_sdpa / 1e9,
                      "staged": staged, "staged_vs_sdpa_throughput": t_sdpa / staged["ms"],
-                     "staged_window_ms": windows, "fused": fused, "fused_vs_sdpa_throughput": t_sdpa / fused["ms"],
+                     "staged_window_ms": windows, "staged_rope_on_read_ms": t_rope,
+                     "staged_rope_rel_err_vs_fp32_reference_512_queries": err_rope, "fused": fused, "fused_vs_sdpa_throughput": t_sdpa / fused["ms"],
                      "staged_history_plus_bf16_tail_ms": t_tail, "dequant_then_sdpa_ms": t_read,
                      "rel_err_vs_sdpa_on_dequantized": {"staged": err_staged, "fused": err_fused},
                      "rel_err_vs_fp32_reference_512_queries": small,
@@ -280,7 +289,7 @@ def attention_section(quick):
         r = rows[-1]
         print(f"  attention {m}x{n_keys}x{h}: staged {staged['ms']:.3f} ms ({staged['TFLOPs']:.0f} TFLOP/s, "
               f"{r['staged_vs_sdpa_throughput']:.0%} of SDPA), fused {fused['ms']:.3f} ms, SDPA {t_sdpa:.3f} ms "
-              f"({r['sdpa_TFLOPs']:.0f}), dequant+SDPA {t_read:.3f} ms; +tail {t_tail:.3f} ms; windows {windows}; "
+              f"({r['sdpa_TFLOPs']:.0f}), dequant+SDPA {t_read:.3f} ms; +tail {t_tail:.3f} ms; rope on read {t_rope:.3f} ms; windows {windows}; "
               f"peak transient MB: staged {peak_staged / 1e6:.0f}, fused {peak_fused / 1e6:.0f}, read path "
               f"{peak_read / 1e6:.0f}, sdpa {peak_sdpa / 1e6:.0f}", flush=True)
         del K, V, Kh, Vh, kch, vch

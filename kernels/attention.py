@@ -174,6 +174,8 @@ def staged_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
     the (m, l, acc) state. `rope`: the history keys were stored before RoPE; they are rotated as they are decoded
     (factorized tables, qvg.rope.RopeTables). The tail is taken as it is."""
     from .dequant import dequantize
+    if k_hist is None and k_tail is None:
+        raise ValueError("attention needs a history or a tail")
     bsz, hq, m, d = q.shape
     segs = []
     if k_hist is not None:

@@ -35,12 +35,18 @@ def raw_view(t: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def bf16_bits_to_f32(bits):
+    """BF16 bit patterns (int16) -> fp32, exactly (a shift; the interpreter's own cast loses subnormals)."""
+    return (bits.to(tl.uint16).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def decode_scale(raw, tscale, FP8: tl.constexpr):
     """Stored scale bits -> fp32 scale (FP8 E4M3 x per-head tscale, or BF16)."""
     if FP8:
         return raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * tscale
     else:
-        return raw.to(tl.bfloat16, bitcast=True).to(tl.float32)
+        return bf16_bits_to_f32(raw)
 
 
 @triton.jit

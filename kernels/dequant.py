@@ -11,7 +11,7 @@ from qvg.packed import Packed
 from qvg.rope import RopeTables
 from qvg.sequence import PER_TOKEN_METHODS, PackedSequence
 
-from .common import INTERPRET, decode_scale, dequant_codes, grid_constants, raw_view, to_out
+from .common import INTERPRET, bf16_bits_to_f32, decode_scale, dequant_codes, grid_constants, raw_view, to_out
 
 
 @triton.jit
@@ -65,7 +65,7 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
         s = decode_scale(tl.load(scale_ptr + goff, mask=m2, other=0), ts, FP8)
         z = 0.0
         if GRID == 2:
-            z = tl.load(zero_ptr + goff, mask=m2, other=0).to(tl.bfloat16, bitcast=True).to(tl.float32)
+            z = bf16_bits_to_f32(tl.load(zero_ptr + goff, mask=m2, other=0))
         v = dequant_codes(c, s, z, OFFSET, GRID)
         for st in tl.static_range(STAGES):
             cid = tl.load(ids_ptr + st * GH * N + tok, mask=rmask, other=0).to(tl.int64)
@@ -102,7 +102,7 @@ def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None,
         t["centroids"] if stages else dummy, out, n, chunk_len, n // chunk_len, k, b * h, r0, r1, out.shape[2],
         *_rope_args(rope, dummy), D=d, STAGES=stages, BLOCK_N=block_n, ROPE=rope is not None,
         SPLIT_H=rope.split[0] if rope else 0, SPLIT_W=rope.split[1] if rope else 0, INTERP=INTERPRET,
-        num_warps=num_warps, **grid_constants(spec))
+        num_warps=num_warps, enable_fp_fusion=False, **grid_constants(spec))
     return out
 
 

@@ -103,4 +103,4 @@ def kmeans(x: torch.Tensor, k: int, *, iters: int = 2, init: torch.Tensor | None
            seeding: str = "k-means++", track: bool = False) -> KMeansResult:
     """`qvg.kmeans.kmeans` (same seeding, loop and result) with the Triton assignment and update steps."""
     return ref_kmeans(x, k, iters=iters, init=init, seed=seed, seeding=seeding, track=track,
-                      assign_fn=lambda x_, c: assign(x_, c, track), update_fn=update)
+                      assign_fn=lambda x_, c: assign(x_, c, True), update_fn=update)

@@ -8,9 +8,9 @@ import torch
 import triton
 import triton.language as tl
 
-from qvg.quant import FP8_MAX, QuantSpec, tensor_scale
+from qvg.quant import FP8_MAX, QuantSpec, _div, tensor_scale
 
-from .common import grid_constants, raw_view
+from .common import INTERPRET, bf16_bits_to_f32, grid_constants, raw_view, to_bf16
 
 
 @triton.jit
@@ -36,7 +36,7 @@ def _round_half_even(v):
 @triton.jit
 def _stats_kernel(x_ptr, ids_ptr, cent_ptr, raw_ptr, zero_ptr, N, K, GH,
                   D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr,
-                  OFFSET: tl.constexpr, STAGES: tl.constexpr, BLOCK_N: tl.constexpr):
+                  OFFSET: tl.constexpr, STAGES: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr):
     """Pass 1: raw fp32 group scale (and, for asym, the BF16 zero point rounded toward -inf)."""
     pid_n = tl.program_id(0)
     gh = tl.program_id(1)
@@ -50,12 +50,10 @@ def _stats_kernel(x_ptr, ids_ptr, cent_ptr, raw_ptr, zero_ptr, N, K, GH,
     m2 = rmask[:, None]
     if GRID == 2:
         mn = tl.min(rg, 2)
-        z = mn.to(tl.bfloat16)  # then step toward -inf if it rounded up (any rounding mode lands within 1 ulp)
-        zb = z.to(tl.int16, bitcast=True)
-        zb = tl.where(z.to(tl.float32) > mn, tl.where(zb >= 0, zb - 1, zb + 1), zb)
-        z = zb.to(tl.bfloat16, bitcast=True)
+        zb = to_bf16(mn, INTERP).to(tl.int16, bitcast=True)  # then step toward -inf if it rounded up
+        zb = tl.where(bf16_bits_to_f32(zb) > mn, tl.where(zb >= 0, zb - 1, zb + 1), zb)
         tl.store(zero_ptr + goff, zb, mask=m2)
-        raw = tl.math.div_rn(tl.max(rg, 2) - z.to(tl.float32), 2.0 ** BITS - 1.0)
+        raw = tl.math.div_rn(tl.max(rg, 2) - bf16_bits_to_f32(zb), 2.0 ** BITS - 1.0)
     elif GRID == 3:  # auto: keep max|x| itself; the pack pass derives both candidate scales from it
         raw = tl.max(tl.abs(rg), 2)
     else:  # sym: max|x| / (2^(b-1) - 1); midrise: max|x| / (2^(b-1) - 1/2) -- both are OFFSET
@@ -87,7 +85,7 @@ def _encode(raw, tscale, FP8: tl.constexpr, FP8_MAX: tl.constexpr):
         e = q.to(tl.bfloat16)
         b = e.to(tl.int16, bitcast=True)
         b = tl.where(e.to(tl.float32) < q, b + 1, b)
-        return b, b.to(tl.bfloat16, bitcast=True).to(tl.float32)
+        return b, bf16_bits_to_f32(b)
 
 
 @triton.jit
@@ -140,7 +138,7 @@ def _pack_kernel(x_ptr, ids_ptr, cent_ptr, raw_ptr, zero_ptr, tscale_ptr, codes_
     elif GRID == 1:
         c = tl.minimum(tl.maximum(tl.floor(tl.math.div_rn(r, s)) + (OFFSET + 0.5), 0.0), LEVELS)
     elif GRID == 2:
-        z = tl.load(zero_ptr + goff, mask=m2, other=0).to(tl.bfloat16, bitcast=True).to(tl.float32)
+        z = bf16_bits_to_f32(tl.load(zero_ptr + goff, mask=m2, other=0))
         z = tl.reshape(tl.broadcast_to(z[:, :, None], (BLOCK_N, NG, GROUP)), (BLOCK_N, D))
         c = tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(r - z, s)), 0.0), LEVELS)
     # planar packing: [BLOCK_N, P, W] -> shift plane p by p * BITS and OR the planes together
@@ -170,10 +168,10 @@ def quantize_packed(x: torch.Tensor, spec: QuantSpec, ids: torch.Tensor | None =
     cent_ = centroids.contiguous() if stages else x
     _stats_kernel[grid](x, ids_, cent_, raw, raw_view(zero) if zero is not None else raw, n, k, b * h,
                         D=d, BITS=c["BITS"], GROUP=c["GROUP"], GRID=c["GRID"], OFFSET=c["OFFSET"],
-                        STAGES=stages, BLOCK_N=block_n, num_warps=num_warps)
+                        STAGES=stages, BLOCK_N=block_n, INTERP=INTERPRET, num_warps=num_warps)
     out = {}
     if c["FP8"]:  # auto's stats pass keeps max|x|: the tscale follows its sym candidate (midrise for 1 bit)
-        out["tscale"] = tensor_scale(raw if spec.grid != "auto" else raw / (c["OFFSET"] if spec.bits > 1 else 0.5))
+        out["tscale"] = tensor_scale(raw if spec.grid != "auto" else _div(raw, c["OFFSET"] if spec.bits > 1 else 0.5))
     codes = torch.empty(b, h, n, d * spec.bits // 8, device=dev, dtype=torch.uint8)
     scale = torch.empty(b, h, n, ng, device=dev, dtype=torch.float8_e4m3fn if c["FP8"] else torch.bfloat16)
     _pack_kernel[grid](x, ids_, cent_, raw, raw_view(zero) if zero is not None else raw,

@@ -119,11 +119,17 @@ def _round_down_bf16(q: torch.Tensor) -> torch.Tensor:
     return torch.where(r.float() > q, raw + step, raw).view(torch.bfloat16)
 
 
+def _div(a: torch.Tensor, value: float) -> torch.Tensor:
+    """a / value rounded as IEEE division on every device (torch on CUDA turns a division by a Python number into a
+    multiplication by its reciprocal, which can differ by 1 ulp from the kernels' division)."""
+    return a / torch.tensor(value, dtype=a.dtype, device=a.device)
+
+
 def tensor_scale(s: torch.Tensor) -> torch.Tensor:
     """Per-(batch, head) FP32 scale of the FP8 group scales: the largest raw group scale maps to 448 (nudged up by
     2^-20 so fp32 rounding never pushes it past 448). Floored at FP32's smallest normal (all-zero heads)."""
     smax = s.flatten(2).amax(-1)  # [B, H]
-    return (smax / FP8_MAX * (1 + 2.0 ** -20)).clamp(min=torch.finfo(torch.float32).tiny)
+    return (_div(smax, FP8_MAX) * (1 + 2.0 ** -20)).clamp(min=torch.finfo(torch.float32).tiny)
 
 
 def encode_scale(s: torch.Tensor, spec: QuantSpec, tscale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
@@ -159,7 +165,7 @@ def quantize(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, dict[str, 
     b = spec.bits
     if spec.grid == "asym":
         zero = _round_down_bf16(xg.amin(rd))
-        stored = encode_scale((xg.amax(rd) - zero.float()) / (2 ** b - 1), spec)
+        stored = encode_scale(_div(xg.amax(rd) - zero.float(), 2 ** b - 1), spec)
         stored["zero"] = zero
         s = _per_group(decode_scale(stored, spec), spec)
         codes = torch.round((xg - _per_group(zero.float(), spec)) / s).clamp(0, 2 ** b - 1)
@@ -168,12 +174,12 @@ def quantize(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, dict[str, 
         grid = "midrise" if spec.grid == "auto" and b == 1 else spec.grid
         if grid in ("sym", "auto"):
             lim = 2 ** (b - 1) - 1
-            stored = encode_scale(amax / lim, spec)
+            stored = encode_scale(_div(amax, lim), spec)
             s = _per_group(decode_scale(stored, spec), spec)
             codes = torch.round(xg / s).clamp(-lim, lim) + lim
         if grid in ("midrise", "auto"):
             half = 2 ** (b - 1)
-            m_stored = encode_scale(amax / (half - 0.5), spec, stored.get("tscale") if grid == "auto" else None)
+            m_stored = encode_scale(_div(amax, half - 0.5), spec, stored.get("tscale") if grid == "auto" else None)
             m_s = _per_group(decode_scale(m_stored, spec), spec)
             m_codes = (torch.floor(xg / m_s) + half).clamp(0, 2 ** b - 1)
         if grid == "midrise":

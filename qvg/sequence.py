@@ -4,6 +4,7 @@ Chunks are qvg / qvg-pro / rtn packs of the same options and the same length L (
 sequence belongs to chunk n // L; its ids index that chunk's centroid table and its FP8 scales are relative to
 that chunk's tscale. Tensors ([B, H] = batch x kv heads, C chunks, N = C * L):
     codes [B, H, N, D*b/8] uint8    scale [B, H, N, D/B]    tscale [B, H, C] fp32 (FP8 scales only)
+    zero [B, H, N, D/B] bf16 (asym grid only)
     ids [S, B, H, N]                centroids [S, B, H, C, K, D] bf16
 `nbytes` is the sum of these bytes, the same as the chunks' own.
 """
@@ -42,8 +43,8 @@ class PackedSequence:
             return token_spec(p.meta), p.meta.get("stages", 0), p.meta.get("centroids"), p.shape, p.dtype
         if any(layout(c) != layout(first) for c in chunks[1:]):
             raise ValueError("all chunks of a packed sequence need the same storage options and shape")
-        t = {"codes": torch.cat([c.tensors["codes"] for c in chunks], 2),
-             "scale": torch.cat([c.tensors["scale"] for c in chunks], 2)}
+        t = {name: torch.cat([c.tensors[name] for c in chunks], 2) for name in ("codes", "scale", "zero")
+             if name in first.tensors}
         if "tscale" in first.tensors:
             t["tscale"] = torch.stack([c.tensors["tscale"] for c in chunks], 2)
         if stages:
@@ -70,8 +71,8 @@ class PackedSequence:
             parts = []
             for i in range(c):
                 sl = slice(i * self.chunk_len, (i + 1) * self.chunk_len)
-                parts.append(dequantize_packed({"codes": t["codes"][:, :, sl], "scale": t["scale"][:, :, sl],
-                                                "tscale": t["tscale"][:, :, i]}, self.spec, d))
+                part = {name: t[name][:, :, sl] for name in ("codes", "scale", "zero") if name in t}
+                parts.append(dequantize_packed({**part, "tscale": t["tscale"][:, :, i]}, self.spec, d))
             y = torch.cat(parts, 2)
         else:
             y = dequantize_packed(t, self.spec, d)

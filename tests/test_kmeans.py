@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from conftest import blobs, gen, randn
-from qvg.kmeans import MAX_K, SEEDINGS, assign, id_dtype, kmeans, seed_centroids, update
+from qvg.kmeans import MAX_K, SEEDINGS, assign, id_dtype, kmeans, reseed_empty, seed_centroids, update
 
 sklearn_cluster = pytest.importorskip("sklearn.cluster")
 
@@ -232,14 +232,27 @@ def test_k_close_to_n():
         assert int(r.ids.long().max()) < k
 
 
-def test_empty_cluster_keeps_previous_centroid():
+def test_empty_cluster_is_reseeded_on_the_farthest_token():
     x = randn(1, 300, 4, seed=20)
     far = torch.full((1, 1, 4), 1e3)
-    init = torch.cat([x[:, :7].clone(), far], 1)  # centroid 7 is far from every token: always empty
+    init = torch.cat([x[:, :7].clone(), far], 1)  # centroid 7 is far from every token: empty after assignment 1
+    r1 = kmeans(x, 8, iters=1, init=init, track=True)
+    assert (r1.ids != 7).all()
+    ids, dist = assign(x, init)
+    assert torch.equal(r1.centroids[0, 7], x[0, dist[0].argmax()])  # moved onto the farthest token
     r = kmeans(x, 8, iters=5, init=init)
-    assert (r.ids != 7).all()
-    assert torch.equal(r.centroids[0, 7], far[0, 0])
+    assert (r.ids.long() == 7).any()  # and it is used from then on
     assert torch.isfinite(r.centroids).all()
+
+
+def test_reseeding_ranks_empties_and_breaks_ties_by_index():
+    x = torch.arange(10.0).view(1, 10, 1).repeat(1, 1, 2)
+    c = torch.zeros(1, 4, 2)
+    ids = torch.zeros(1, 10, dtype=torch.long)  # clusters 1, 2, 3 are empty
+    dist = torch.tensor([[0, 5, 5, 1, 9, 2, 9, 0, 0, 0]], dtype=torch.float32)
+    out = reseed_empty(x, ids, c, dist)
+    assert torch.equal(out[0, 0], c[0, 0])
+    assert out[0, 1:, 0].tolist() == [4.0, 6.0, 1.0]  # farthest first; equal distances: lower token index first
 
 
 def test_update_empty_cluster_directly():

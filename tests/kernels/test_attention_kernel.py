@@ -1,0 +1,167 @@
+"""Attention over a packed history + BF16 tail: the fused on-chip kernel (`packed_attention`) and the staged one
+(`staged_attention`) against `qvg.attention.attend_reference` (torch, fp32)."""
+import pytest
+import torch
+
+import qvg
+from kernel_helpers import clustered, gen, poisoned, rel_err
+from qvg.attention import attend_reference
+from qvg.kernels.attention import packed_attention, staged_attention
+from qvg.sequence import PackedSequence
+
+L, CHUNKS, HKV, HQ, D = 40, 3, 2, 4, 64  # 3 chunks of 40 tokens: N = 120, not a multiple of the 32-token tiles
+TOL = 2e-2  # relative Frobenius error: BF16 operands in QK^T and PV
+METHODS = {  # grids explicit: the method presets may change
+    "qvg": ("qvg", {"centroids": 8, "grid": "midrise"}),
+    "qvg-pro": ("qvg-pro", {"centroids": 8, "grid": "midrise"}),
+    "rtn-int4": ("rtn", {"bits": 4, "grid": "midrise"}),
+    "rtn-sym-bf16": ("rtn", {"bits": 2, "grid": "sym", "scale_dtype": "bf16"}),
+}
+
+
+def _history(name: str, b: int = 1, chunks: int = CHUNKS, seed: int = 0):
+    """(K, V) PackedSequences of `chunks` chunks made on the CPU (torch path), each chunk its own data / seed."""
+    method, opts = METHODS[name]
+    out = []
+    for role in range(2):
+        packs = []
+        for i in range(chunks):
+            s = seed + 10 * role + i
+            x = clustered(b, HKV, L, D, spread=1.0, noise=0.5, seed=s)
+            packs.append(qvg.compress(x.bfloat16(), method, seed=s, **opts))
+        out.append(PackedSequence.from_chunks(packs))
+    return out
+
+
+def _to(seq: PackedSequence | None, device: str):
+    if seq is None:
+        return None
+    return PackedSequence({k: v.to(device) for k, v in seq.tensors.items()}, seq.spec, seq.stages, seq.chunk_len,
+                          seq.dtype)
+
+
+def _qkv(b: int = 1, m: int = 24, t: int = 24, seed: int = 1):
+    g = gen(seed)
+    q = (torch.randn(b, HQ, m, D, generator=g) * 1.5).bfloat16()
+    kt = torch.randn(b, HKV, t, D, generator=g).bfloat16() if t else None
+    vt = torch.randn(b, HKV, t, D, generator=g).bfloat16() if t else None
+    return q, kt, vt
+
+
+def _run(kind: str, device: str, q, kh, vh, kt, vt, **kw):
+    args = (q.to(device), _to(kh, device), _to(vh, device), None if kt is None else kt.to(device),
+            None if vt is None else vt.to(device))
+    with poisoned():  # out, the carried softmax state and the staging buffers start as NaN
+        if kind == "staged":
+            out = staged_attention(*args, block_m=32, block_n=32, **kw)
+        else:
+            out = packed_attention(*args, block_m=32, block_n=32, **kw)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.device.type == device
+    assert torch.isfinite(out).all(), f"{kind}: non-finite output"
+    return out
+
+
+@pytest.mark.parametrize("kind", ["packed", "staged"])
+@pytest.mark.parametrize("name", list(METHODS))
+def test_history_and_tail(name, kind, device):
+    kh, vh = _history(name)
+    q, kt, vt = _qkv()
+    ref = attend_reference(q, kh, vh, kt, vt)
+    kw = {"window": 48} if kind == "staged" else {}
+    err = rel_err(_run(kind, device, q, kh, vh, kt, vt, **kw), ref)
+    assert err < TOL, f"{name} {kind}: relative error {err:.4f}"
+
+
+@pytest.mark.parametrize("kind", ["packed", "staged"])
+def test_history_only_batch2_and_scale(kind, device):
+    kh, vh = _history("qvg", b=2, chunks=2, seed=5)
+    q, _, _ = _qkv(b=2, m=40, t=0, seed=6)  # two query blocks, the second ragged
+    ref = attend_reference(q, kh, vh, scale=0.3)
+    err = rel_err(_run(kind, device, q, kh, vh, None, None, scale=0.3), ref)
+    assert err < TOL, err
+
+
+@pytest.mark.parametrize("kind", ["packed", "staged"])
+def test_tail_only(kind, device):
+    q, kt, vt = _qkv(m=33, t=45, seed=7)
+    ref = attend_reference(q, None, None, kt, vt)
+    err = rel_err(_run(kind, device, q, None, None, kt, vt), ref)
+    assert err < TOL, err
+
+
+@pytest.mark.parametrize("window", [8, 24, 56, 120])
+def test_staged_windows(window, device):
+    """Windows smaller than the 32-token tile and than a chunk, not multiples of either, and the whole history."""
+    kh, vh = _history("qvg", seed=3)
+    q, kt, vt = _qkv(m=20, t=10, seed=4)
+    ref = attend_reference(q, kh, vh, kt, vt)
+    err = rel_err(_run("staged", device, q, kh, vh, kt, vt, window=window), ref)
+    assert err < TOL, f"window {window}: {err:.4f}"
+
+
+def test_input_errors(device):
+    kh, vh = _history("rtn-int4", chunks=1)
+    q, kt, vt = _qkv(m=8, t=4)
+    for fn in (packed_attention, staged_attention):
+        with pytest.raises(ValueError, match="multiple of kv heads"):
+            fn(q[:, :3].to(device), _to(kh, device), _to(vh, device), kt.to(device), vt.to(device))
+    with pytest.raises(ValueError, match="history or a tail"):
+        packed_attention(q.to(device), None, None)
+
+
+def test_staged_attention_without_inputs(device):
+    q, _, _ = _qkv(m=8, t=0)
+    with pytest.raises(ValueError, match="history or a tail"):
+        staged_attention(q.to(device), None, None)
+
+
+def _asym_history():
+    packs = [[qvg.compress(clustered(1, HKV, L, D, spread=1.0, seed=10 * r + i).bfloat16(), "rtn", grid="asym",
+                           seed=i) for i in range(2)] for r in range(2)]
+    return [PackedSequence.from_chunks(p) for p in packs]
+
+
+def test_packed_attention_rejects_asym(device):
+    kh, vh = _asym_history()
+    q, kt, vt = _qkv(m=8, t=4)
+    with pytest.raises(ValueError, match="sym / midrise"):
+        packed_attention(q.to(device), _to(kh, device), _to(vh, device), kt.to(device), vt.to(device))
+
+
+def test_staged_attention_asym_history(device):
+    kh, vh = _asym_history()
+    q, kt, vt = _qkv(m=8, t=4)
+    ref = attend_reference(q, kh, vh, kt, vt)
+    assert rel_err(_run("staged", device, q, kh, vh, kt, vt), ref) < TOL
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="peak-memory accounting needs CUDA")
+def test_history_is_never_materialized():
+    """Peak extra memory of one call over a long packed history (32 chunks x 1024 tokens x 8 heads x 128, i.e.
+    128 MiB of BF16 K + V): the fused kernel allocates only its output, the staged one one <= 32 MiB window."""
+    chunks, n_chunk, hkv, d = 32, 1024, 8, 128
+    g = gen(0)
+    hist = []
+    for role in range(2):
+        packs = [qvg.compress(torch.randn(1, hkv, n_chunk, d, generator=g).bfloat16().cuda(), "qvg", iters=1,
+                              grid="midrise", seed=i) for i in range(chunks)]
+        hist.append(PackedSequence.from_chunks(packs))
+        del packs
+    kh, vh = hist
+    q = torch.randn(1, 2 * hkv, 128, d, generator=g).bfloat16().cuda()
+    kt = torch.randn(1, hkv, 256, d, generator=g).bfloat16().cuda()
+    vt = torch.randn(1, hkv, 256, d, generator=g).bfloat16().cuda()
+    bf16_bytes = 2 * hkv * chunks * n_chunk * d * 2  # K + V
+    transient = {}
+    for name, fn in (("fused", packed_attention), ("staged", staged_attention)):
+        fn(q, kh, vh, kt, vt)  # compile / warm up
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out = fn(q, kh, vh, kt, vt)
+        torch.cuda.synchronize()
+        transient[name] = torch.cuda.max_memory_allocated() - base
+        assert torch.isfinite(out).all()
+        del out
+    assert transient["fused"] < bf16_bytes / 4, (transient, bf16_bytes)
+    assert transient["staged"] < bf16_bytes / 2, (transient, bf16_bytes)

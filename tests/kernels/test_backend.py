@@ -1,0 +1,87 @@
+"""Backend selection (qvg.backend.use_kernels), the test harness's own mode, and the GPU compress path of
+rtn / qvg / qvg-pro (kernels/compress.py) against the torch path."""
+import os
+import types
+
+import pytest
+import torch
+
+import qvg
+import qvg.backend
+from kernel_helpers import clustered, poisoned
+from qvg.kernels import common
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def test_kernel_tests_run_in_the_right_mode():
+    """Without CUDA the kernel tests run under Triton's interpreter (set up by tests/kernels/conftest.py before
+    qvg.kernels was imported); with CUDA they are compiled."""
+    interp = not torch.cuda.is_available()
+    assert common.INTERPRET is interp
+    assert (os.environ.get("TRITON_INTERPRET") == "1") is interp
+    from qvg.kernels.dequant import _dequant_kernel
+    assert (type(_dequant_kernel).__name__ == "InterpretedFunction") is interp
+
+
+def test_poisoned_helper():
+    with poisoned():
+        a, b = torch.empty(3), torch.empty_like(torch.zeros(2, dtype=torch.uint8))
+    assert torch.isnan(a).all() and (b == 255).all()
+    assert torch.empty is not None and torch.empty(2).shape == (2,)
+
+
+def test_cpu_tensors_use_torch():
+    assert qvg.backend.use_kernels(torch.zeros(2)) is False
+
+
+def test_backend_env_forces_torch(monkeypatch):
+    fake_cuda = types.SimpleNamespace(is_cuda=True)  # stands in for a CUDA tensor
+    monkeypatch.delenv("QVG_BACKEND", raising=False)
+    assert qvg.backend.use_kernels(fake_cuda) is True  # triton imports here
+    monkeypatch.setenv("QVG_BACKEND", "torch")
+    assert qvg.backend.use_kernels(fake_cuda) is False
+    assert qvg.backend.use_kernels(torch.zeros(2)) is False
+    monkeypatch.setenv("QVG_BACKEND", "auto")
+    assert qvg.backend.use_kernels(fake_cuda) is True
+
+
+def _compare_paths(x, method, kernel_packed, torch_packed):
+    y_k = qvg.decompress(kernel_packed).float().cpu()
+    y_t = qvg.decompress(torch_packed).float().cpu()
+    xf = x.float().cpu()
+    mse_k, mse_t = (y_k - xf).pow(2).mean().item(), (y_t - xf).pow(2).mean().item()
+    assert mse_k <= 1.1 * mse_t and mse_t <= 1.1 * mse_k, (method, mse_k, mse_t)
+    kt, tt = kernel_packed.tensors, torch_packed.tensors
+    assert set(kt) == set(tt) and all(kt[n].dtype == tt[n].dtype and kt[n].shape == tt[n].shape for n in tt)
+    if "ids" in tt:
+        agree = (kt["ids"].cpu() == tt["ids"].cpu()).float().mean().item()
+        assert agree > 0.8, (method, agree)
+
+
+@pytest.mark.parametrize("method", ["qvg", "qvg-pro"])
+def test_compress_prq_kernels_vs_torch(method, device):
+    """The kernel compress path (Triton k-means + fused residual quantize) called directly, on the device (the
+    interpreter on CPU), vs qvg.compress's torch path: same storage layout, MSE within 10%, ids mostly equal."""
+    x = clustered(1, 2, 96, 64, clusters=6, seed=2)
+    opts = dict(centroids=6, iters=2, grid="midrise")
+    torch_packed = qvg.compress(x, method, **opts)  # CPU: torch
+    o = torch_packed.meta  # the resolved options
+    from qvg.kernels.compress import compress_prq
+    with poisoned():
+        tensors = compress_prq(x.to(device), o, None, 2)
+    kernel_packed = qvg.Packed(method, tuple(x.shape), x.dtype, tensors, o)
+    _compare_paths(x, method, kernel_packed, torch_packed)
+
+
+@cuda
+@pytest.mark.parametrize("method", ["rtn", "qvg"])
+def test_compress_on_cuda_kernels_vs_torch(method, monkeypatch):
+    """qvg.compress with the method's presets on CUDA: kernels vs QVG_BACKEND=torch."""
+    x = clustered(2, 4, 1024, 128, clusters=64, spread=3.0, seed=3).cuda()
+    monkeypatch.delenv("QVG_BACKEND", raising=False)
+    assert qvg.backend.use_kernels(x)
+    pk = qvg.compress(x, method)
+    monkeypatch.setenv("QVG_BACKEND", "torch")
+    pt = qvg.compress(x, method)
+    _compare_paths(x, method, pk, pt)

@@ -1,0 +1,194 @@
+"""qvg.kernels.dequant.dequantize (Triton) against qvg.decompress / PackedSequence.decompress computed by the
+torch path (packs are made and decoded on the CPU, where qvg always uses torch): bitwise equal output."""
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+import qvg
+from kernel_helpers import assert_bitwise_equal, clustered, gen, poisoned, varied
+from qvg.kernels import common
+from qvg.kernels.dequant import dequantize
+from qvg.packed import Packed
+from qvg.sequence import PackedSequence
+
+CASES = [  # method, options (every grid explicit: the method presets may change), original dtype, row block
+    ("rtn", {"grid": "midrise"}, torch.bfloat16, 64),  # N = 72: two row blocks, the last ragged
+    ("rtn", {"bits": 4, "grid": "sym", "scale_dtype": "bf16"}, torch.float32, 16),  # five, the last ragged
+    ("rtn", {"bits": 1, "grid": "asym", "block_size": 16}, torch.bfloat16, 64),
+    ("rtn", {"bits": 8, "grid": "asym", "scale_dtype": "bf16"}, torch.float32, 16),
+    ("qvg", {"centroids": 8, "grid": "midrise"}, torch.bfloat16, 64),
+    ("qvg", {"centroids": 8, "bits": 4, "grid": "sym", "scale_dtype": "bf16"}, torch.float32, 16),
+    ("qvg", {"centroids": 8, "grid": "asym", "block_size": 32}, torch.bfloat16, 64),
+    ("qvg", {"centroids": 8, "bits": 1, "block_size": 16, "grid": "midrise"}, torch.float32, 16),
+    ("qvg-pro", {"centroids": 8, "grid": "midrise"}, torch.bfloat16, 64),
+    ("qvg-pro", {"centroids": 8, "bits": 8, "grid": "sym"}, torch.float32, 16),
+    ("qvg-pro", {"centroids": 8, "bits": 2, "grid": "asym", "scale_dtype": "bf16"}, torch.float32, 64),
+]
+
+
+def _pack(method, opts, dtype, seed=0, n=72):
+    x = clustered(1, 2, n, 64, seed=seed) + 0.1 * varied(1, 2, n, 64, seed=seed + 100)
+    return qvg.compress(x.to(dtype), method, seed=seed, **opts)
+
+
+def _nan_like(ref: torch.Tensor, device: str) -> torch.Tensor:
+    return torch.full(ref.shape, float("nan"), dtype=ref.dtype, device=device)
+
+
+@pytest.mark.parametrize("method,opts,dtype,block_n", CASES)
+def test_dequantize_matches_decompress(method, opts, dtype, block_n, device):
+    p = _pack(method, opts, dtype)
+    ref = qvg.decompress(p)  # CPU: the torch path
+    assert ref.dtype == dtype
+    pd = p.to(device)
+    out = _nan_like(ref, device)
+    got = dequantize(pd, out=out, block_n=block_n)
+    assert got.data_ptr() == out.data_ptr()
+    assert_bitwise_equal(got, ref, f"{method} {opts} out=")
+    with poisoned():
+        got2 = dequantize(pd, block_n=block_n)
+    assert_bitwise_equal(got2, ref, f"{method} {opts} allocated")
+
+
+@pytest.mark.parametrize("method", ["rtn", "qvg", "qvg-pro"])
+def test_dequantize_method_presets(method, device):
+    """The methods' current preset options (whatever they are) go through the kernel."""
+    p = _pack(method, {} if method == "rtn" else {"centroids": 8}, torch.bfloat16)
+    ref = qvg.decompress(p)
+    assert_bitwise_equal(dequantize(p.to(device), out=_nan_like(ref, device)), ref, f"{method} presets")
+
+
+def test_dequantize_uint16_ids(device):
+    """K = 300 centroids: uint16 ids."""
+    p = _pack("qvg", {"centroids": 300, "iters": 1, "grid": "midrise"}, torch.bfloat16, n=320)
+    assert p.tensors["ids"].dtype == torch.uint16
+    ref = qvg.decompress(p)
+    assert_bitwise_equal(dequantize(p.to(device), out=_nan_like(ref, device)), ref, "K=300")
+
+
+def test_dequantize_rejects_other_methods():
+    p = qvg.compress(torch.randn(1, 1, 32, 64, generator=gen(0)), "kivi")
+    with pytest.raises(ValueError, match="fused dequant kernel"):
+        dequantize(p)
+
+
+# --- PackedSequence -----------------------------------------------------------------------------------------------
+
+SEQ_CASES = [("qvg", {"centroids": 8, "grid": "midrise"}, torch.bfloat16),
+             ("qvg-pro", {"centroids": 8, "bits": 4, "grid": "sym"}, torch.bfloat16),
+             ("rtn", {"scale_dtype": "bf16", "bits": 4, "grid": "midrise"}, torch.float32),
+             ("rtn", {"scale_dtype": "bf16", "grid": "asym"}, torch.float32)]
+L = 40  # tokens per chunk, not a multiple of the row block
+
+
+@pytest.fixture(scope="module", params=SEQ_CASES, ids=["qvg", "qvg-pro-sym4", "rtn-bf16", "rtn-asym"])
+def sequence(request):
+    method, opts, dtype = request.param
+    chunks = [_pack(method, opts, dtype, seed=s, n=L) for s in (1, 2, 3)]
+    seq = PackedSequence.from_chunks(chunks)
+    ref = torch.cat([qvg.decompress(c) for c in chunks], 2)
+    return seq, ref
+
+
+def _seq_to(seq: PackedSequence, device: str) -> PackedSequence:
+    return PackedSequence({k: v.to(device) for k, v in seq.tensors.items()}, seq.spec, seq.stages, seq.chunk_len,
+                          seq.dtype)
+
+
+def test_sequence_dequantize_whole(sequence, device):
+    seq, ref = sequence
+    assert_bitwise_equal(seq.decompress(), ref, "PackedSequence.decompress vs chunks")
+    with poisoned():
+        got = dequantize(_seq_to(seq, device), block_n=16)
+    assert_bitwise_equal(got, ref, "kernel vs chunks")
+
+
+@pytest.mark.parametrize("rows", [(0, 120), (10, 50), (35, 117), (80, 120), (39, 41), (119, 120), (0, 1),
+                                  (5, 115), (40, 80)])
+def test_sequence_dequantize_rows(sequence, rows, device):
+    seq, ref = sequence
+    r0, r1 = rows
+    want = ref[:, :, r0:r1]
+    seq_d = _seq_to(seq, device)
+    got = dequantize(seq_d, out=_nan_like(want, device), rows=rows, block_n=16)
+    assert_bitwise_equal(got, want, f"rows {rows}")
+    with poisoned():
+        got = dequantize(seq_d, rows=rows)
+    assert_bitwise_equal(got, want, f"rows {rows} (allocated, block 64)")
+
+
+# --- every stored scale value ---------------------------------------------------------------------------------------
+
+def test_all_fp8_scale_bytes_through_dequant(device):
+    """An 8-bit rtn pack by hand whose token t has FP8 scale byte t (all 256 E4M3 encodings: 254 values and the
+    two NaNs 0x7F / 0xFF, which a real pack never stores) and codes 0 / 255 / 128 (levels -127.5, +127.5, +0.5),
+    decoded to fp32: the 254 non-NaN scales give exactly the torch result."""
+    shape = (1, 1, 256, 16)
+    o = qvg.compress(torch.ones(shape), "rtn", bits=8, block_size=16, grid="midrise", scale_dtype="fp8").meta
+    codes = torch.tensor([0, 255, 128, 255] * 4, dtype=torch.uint8).expand(1, 1, 256, 16).contiguous()
+    scale = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).view(1, 1, 256, 1)
+    p = Packed("rtn", shape, torch.float32, {"codes": codes, "scale": scale, "tscale": torch.tensor([[0.375]])}, o)
+    ref = qvg.decompress(p)
+    got = dequantize(p.to(device), out=torch.full(shape, 7.0, device=device)).cpu()
+    finite = torch.isfinite(ref[0, 0, :, 0])
+    assert int(finite.sum()) == 254 and not finite[0x7F] and not finite[0xFF]
+    assert int((ref[0, 0, finite] == 0).all(-1).sum()) == 2  # only +-0 (0x00, 0x80) decode to a zero scale
+    assert_bitwise_equal(got[0, 0, finite], ref[0, 0, finite], "fp8 byte sweep")
+
+
+@triton.jit
+def _decode_kernel(raw_ptr, out_ptr, tscale, N, FP8: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < N
+    tl.store(out_ptr + i, common.decode_scale(tl.load(raw_ptr + i, mask=m, other=0), tscale, FP8), mask=m)
+
+
+def _decode(raw: torch.Tensor, fp8: bool, ts: float, device: str) -> torch.Tensor:
+    out = torch.full(raw.shape, 7.0, device=device)
+    _decode_kernel[(triton.cdiv(raw.numel(), 1024),)](raw.to(device), out, ts, raw.numel(), FP8=fp8, BLOCK=1024)
+    return out.cpu()
+
+
+FP8_BYTES = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+BF16_BITS = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+INTERPRETER_ONLY = pytest.mark.xfail(common.INTERPRET, strict=True, reason="Triton interpreter bug (compiled "
+                                     "kernels on the GPU are right)")
+
+
+def test_decode_scale_fp8_values(device):
+    """common.decode_scale on the 254 non-NaN FP8 E4M3 bytes (x tscale) = torch's decoding, bit for bit."""
+    want = FP8_BYTES.view(torch.float8_e4m3fn).float() * 0.375
+    keep = ~torch.isnan(want)
+    assert int(keep.sum()) == 254
+    assert_bitwise_equal(_decode(FP8_BYTES, True, 0.375, device)[keep], want[keep], "fp8")
+
+
+@INTERPRETER_ONLY
+def test_decode_scale_fp8_nan(device):
+    """0x7F / 0xFF are E4M3's NaNs (the interpreter decodes them as +-480, as if E4M3 had no NaN encoding)."""
+    got = _decode(FP8_BYTES, True, 0.375, device)
+    assert torch.isnan(got[[0x7F, 0xFF]]).all()
+
+
+def _bf16_subnormal(bits: torch.Tensor) -> torch.Tensor:
+    v = bits.view(torch.bfloat16).float()
+    return (v != 0) & (v.abs() < 2.0 ** -126)
+
+
+def test_decode_scale_bf16_values(device):
+    """common.decode_scale on every BF16 bit pattern except subnormals (zeros, normals, infs, NaNs)."""
+    want = BF16_BITS.view(torch.bfloat16).float()
+    got = _decode(BF16_BITS, False, 1.0, device)
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan)
+    keep = ~nan & ~_bf16_subnormal(BF16_BITS)
+    assert int(keep.sum()) == 65536 - 2 * 127 - 2 * 127
+    assert_bitwise_equal(got[keep], want[keep], "bf16")
+
+
+def test_decode_scale_bf16_subnormals(device):
+    sub = _bf16_subnormal(BF16_BITS)
+    assert int(sub.sum()) == 254
+    want = BF16_BITS.view(torch.bfloat16).float()
+    assert_bitwise_equal(_decode(BF16_BITS, False, 1.0, device)[sub], want[sub], "bf16 subnormals")

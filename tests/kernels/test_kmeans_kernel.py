@@ -1,0 +1,117 @@
+"""qvg.kernels.kmeans (Triton assign / update / kmeans) against qvg.kmeans (torch, fp32).
+
+The kernel's distances use BF16 dot operands (FP32 accumulation), so ids may differ from the fp32 reference near
+ties; they must agree exactly wherever the reference's best-vs-second gap exceeds the BF16 error bound."""
+import pytest
+import torch
+
+import qvg.kmeans as ref
+from kernel_helpers import assert_bitwise_equal, gen, poisoned
+from qvg.kernels import kmeans as kk
+
+
+def _blobs(g: int, n: int, d: int, k: int, *, sep: float = 3.0, noise: float = 0.5, seed: int = 0):
+    """[G, N, D] tokens around k centres per group (centres N(0, sep^2)); returns (x, centres [G, K, D])."""
+    gn = gen(seed)
+    centres = torch.randn(g, k, d, generator=gn) * sep
+    labels = torch.randint(0, k, (g, n), generator=gn)
+    x = torch.gather(centres, 1, labels[..., None].expand(-1, -1, d)) + noise * torch.randn(g, n, d, generator=gn)
+    return x, centres
+
+
+def _margin_ok(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """Tokens whose reference best-vs-second distance gap exceeds twice the BF16-operand error bound of
+    |c|^2 - 2 x.c (each of x, c rounded to BF16: relative 2^-8 each -> |err(x.c)| <= ~2^-7 |x||c|)."""
+    d = torch.cdist(x.double(), c.double()) ** 2
+    two = d.topk(2, dim=-1, largest=False).values
+    bound = 2.0 ** -6 * x.double().norm(dim=-1) * c.double().norm(dim=-1).amax(-1, keepdim=True)
+    return (two[..., 1] - two[..., 0]) > 2 * bound
+
+
+@pytest.mark.parametrize("k", [20, 256, 300])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_assign(k, x_dtype, device):
+    x, centres = _blobs(2, 150 if k <= 256 else 400, 32, min(k, 24), seed=k)
+    x = x.to(x_dtype)
+    c = torch.cat([centres, torch.randn(2, k - centres.shape[1], 32, generator=gen(1)) * 3], 1)  # K centroids
+    with poisoned():
+        ids, dist = kk.assign(x.to(device), c.to(device), want_dist=True)
+    assert ids.dtype == (torch.uint8 if k <= 256 else torch.uint16) and ids.shape == x.shape[:2]
+    assert torch.isfinite(dist).all()
+    ids, dist = ids.cpu().long(), dist.cpu()
+    rid, rdist = ref.assign(x.float(), c)
+    assert int(ids.max()) < k
+    agree = (ids == rid).float().mean().item()
+    assert agree >= 0.99, agree
+    sure = _margin_ok(x.float(), c)
+    assert sure.float().mean() > 0.5  # the exact check below covers most tokens
+    assert torch.equal(ids[sure], rid[sure])
+    # distances: |x|^2 + |c|^2 - 2 x.c cancels, so the BF16 dot error is relative to |x||c|, not to the distance
+    bf16_err = 2.0 ** -6 * x.float().norm(dim=-1) * c.norm(dim=-1).amax(-1, keepdim=True)
+    assert ((dist - rdist).abs() <= bf16_err + 1e-2 * rdist).all()
+    if x_dtype == torch.bfloat16:  # only the centroids are rounded: the distances are close to fp32's
+        assert ((dist - rdist).norm() / rdist.norm()).item() < 1e-2
+    # the returned distance is the one of the returned centroid, up to the bf16 dot error
+    dd = ((x.float() - torch.gather(c, 1, ids[..., None].expand(-1, -1, 32))) ** 2).sum(-1)
+    assert ((dist - dd).abs() <= bf16_err + 1e-4 * dd).all()
+    ids2, _ = kk.assign(x.to(device), c.to(device))
+    assert torch.equal(ids2.cpu().long(), ids)
+
+
+def test_assign_without_dist_and_block_sizes(device):
+    x, c = _blobs(3, 130, 64, 40, seed=4)
+    a, none = kk.assign(x.to(device), c.to(device))
+    assert none is None
+    b, _ = kk.assign(x.to(device), c.to(device), block_n=16, block_k=16)
+    assert torch.equal(a.cpu(), b.cpu())
+    rid, _ = ref.assign(x, c)
+    sure = _margin_ok(x, c)
+    assert torch.equal(a.cpu().long()[sure], rid[sure])
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_update(x_dtype, device):
+    k = 20
+    x, centres = _blobs(2, 150, 32, 12, seed=9)
+    x = x.to(x_dtype)
+    c = torch.cat([centres, torch.full((2, k - 12, 32), 1e4)], 1)  # 8 far-away centroids stay empty
+    rid, _ = ref.assign(x.float(), c)
+    ids = rid.to(torch.uint8)
+    counts = torch.zeros(2, k).scatter_add_(1, rid, torch.ones(2, 150))
+    empty = counts == 0
+    assert empty[:, 12:].all() and empty.sum() >= 16
+    with poisoned():
+        new = kk.update(x.to(device), ids.to(device), c.to(device))
+    new = new.cpu()
+    want = ref.update(x.float(), rid, c)
+    assert new.dtype == torch.float32 and torch.isfinite(new).all()
+    mag = x.float().abs().amax()
+    torch.testing.assert_close(new, want, atol=1e-4 * mag.item(), rtol=0)
+    assert_bitwise_equal(new[empty], c[empty], "empty clusters keep the old centroid")
+    again = kk.update(x.to(device), ids.to(device), c.to(device)).cpu()
+    assert_bitwise_equal(again, new, "update is deterministic")
+
+
+def test_update_uint16_ids(device):
+    k = 300
+    x, _ = _blobs(1, 600, 32, 50, seed=2)
+    c = x[:, :k].clone()
+    rid, _ = ref.assign(x, c)
+    new = kk.update(x.to(device), rid.to(torch.uint16).to(device), c.to(device)).cpu()
+    torch.testing.assert_close(new, ref.update(x, rid, c), atol=1e-4 * x.abs().amax().item(), rtol=0)
+
+
+@pytest.mark.parametrize("warm", [False, True])
+def test_kmeans_end_to_end(warm, device):
+    x, centres = _blobs(2, 300, 32, 16, seed=5)
+    k = 16
+    init = (centres + 0.3 * torch.randn(centres.shape, generator=gen(6))) if warm else None
+    want = ref.kmeans(x, k, iters=3, init=init, seed=3, track=True)
+    got = kk.kmeans(x.to(device), k, iters=3, init=None if init is None else init.to(device), seed=3, track=True)
+    assert got.ids.dtype == torch.uint8 and got.centroids.dtype == torch.float32
+    torch.testing.assert_close(got.trace.cpu(), want.trace, rtol=1e-2, atol=0)
+    agree = (got.ids.cpu() == want.ids).float().mean().item()
+    assert agree > 0.97, agree
+    again = kk.kmeans(x.to(device), k, iters=3, init=None if init is None else init.to(device), seed=3, track=True)
+    assert torch.equal(again.ids.cpu(), got.ids.cpu())
+    assert_bitwise_equal(again.centroids, got.centroids, "kmeans is deterministic")

@@ -1,0 +1,118 @@
+"""qvg.kernels.quantize.quantize_packed (Triton) against qvg.quant.quantize_packed (torch): bitwise equal codes,
+scales, zero points and tscales, for every grid / bit width / scale dtype, and for the fused PRQ residual path."""
+import pytest
+import torch
+
+import qvg
+from kernel_helpers import assert_tensors_equal, clustered, gen, poisoned, raw_bits, token_spec, varied
+from qvg.kernels.common import GRID_IDS
+from qvg.kernels.quantize import quantize_packed
+from qvg.quant import QuantSpec, decode_scale, tensor_scale
+from qvg.quant import quantize_packed as quantize_packed_ref
+
+
+def _valid(grid: str, bits: int) -> bool:
+    try:
+        QuantSpec(bits=bits, grid=grid).check((1, 1, 1, 64))
+    except ValueError:  # sym needs bits >= 2
+        return False
+    return True
+
+
+SPECS = [(grid, bits) for grid in GRID_IDS for bits in (1, 2, 4, 8) if _valid(grid, bits)]  # the kernels' grids
+
+
+def assert_matches_reference(got: dict, want: dict, what: str, device: str) -> None:
+    """Bitwise equal stored tensors. On CUDA the per-head FP32 tscale is allowed 1 ulp: the kernel wrapper computes
+    it with torch on the device, and torch's CUDA division by a Python scalar is not correctly rounded (see
+    test_tscale_is_device_independent); codes, scales and zero points must still match bit for bit."""
+    if device != "cpu" and "tscale" in want:
+        ulps = (raw_bits(got["tscale"]).long() - raw_bits(want["tscale"]).long()).abs()
+        assert int(ulps.max()) <= 1, f"{what}: tscale off by {int(ulps.max())} ulp"
+        got = {k: v for k, v in got.items() if k != "tscale"}
+        want = {k: v for k, v in want.items() if k != "tscale"}
+    assert_tensors_equal(got, want, what)
+
+
+def _hard_input(n: int = 37, d: int = 64, seed: int = 0) -> torch.Tensor:
+    """[2, 2, N, D] fp32, one (batch, head) per regime: channel magnitudes 1e-3..1e3 / an all-zero head / tiny
+    values (~1e-30) / rows whose magnitudes span 1e-30..1e3, with exact-zero rows and a constant row.
+    N = 37 is not a multiple of the kernel's row block (32)."""
+    g = gen(seed)
+    x = torch.empty(2, 2, n, d)
+    x[0, 0] = varied(1, 1, n, d, seed=seed)[0, 0]
+    x[0, 1] = 0.0
+    x[1, 0] = torch.randn(n, d, generator=g) * 1e-30
+    x[1, 1] = torch.randn(n, d, generator=g) * torch.logspace(-30, 3, n)[:, None]
+    x[1, 1, 3] = 0.0
+    x[1, 1, 20] = 0.0
+    x[1, 1, 11] = 0.75  # a constant row: every value sits on the group's max
+    return x
+
+
+def _check(x: torch.Tensor, spec: QuantSpec, device: str, block_n: int = 32) -> None:
+    want = quantize_packed_ref(x, spec)
+    with poisoned():  # the kernel's own torch.empty outputs start as NaN / 0xFF
+        got = quantize_packed(x.to(device), spec, block_n=block_n)
+    assert all(t.device.type == device for t in got.values())
+    assert_matches_reference(got, want, str(spec), device)
+    s = decode_scale({k: v.cpu() for k, v in got.items()}, spec)  # signed for "auto" (sign = midrise flag)
+    assert torch.isfinite(s).all() and (s.abs() > 0).all(), f"{spec}: decoded scales not finite and nonzero"
+
+
+@pytest.mark.parametrize("group", [16, 64])
+@pytest.mark.parametrize("scale_dtype", ["fp8", "bf16"])
+@pytest.mark.parametrize("grid,bits", SPECS)
+def test_quantize_matches_reference(grid, bits, scale_dtype, group, device):
+    spec = QuantSpec(bits=bits, grid=grid, group=group, scale_dtype=scale_dtype)
+    _check(_hard_input(), spec, device)
+
+
+@pytest.mark.parametrize("grid,bits,scale_dtype", [("midrise", 2, "fp8"), ("sym", 4, "bf16"), ("asym", 2, "fp8")])
+def test_quantize_bf16_input_and_other_shapes(grid, bits, scale_dtype, device):
+    """BF16 input, D = 128 with groups of 32, several row blocks with a ragged last one."""
+    x = varied(1, 3, 70, 128, seed=3).bfloat16()
+    _check(x, QuantSpec(bits=bits, grid=grid, group=32, scale_dtype=scale_dtype), device, block_n=16)
+
+
+def test_quantize_fp8_scale_spread(device):
+    """Group scales spanning far more than E4M3's range within one head: the small ones clamp at 2^-9 * tscale,
+    exactly like the reference."""
+    x = torch.randn(1, 1, 33, 64, generator=gen(5)) * torch.logspace(-12, 3, 33)[:, None]
+    _check(x, QuantSpec(bits=2, grid="midrise", group=16, scale_dtype="fp8"), device)
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("method,opts", [
+    ("qvg", {"grid": "midrise"}),
+    ("qvg-pro", {"grid": "midrise"}),
+    ("qvg", {"bits": 4, "grid": "sym", "scale_dtype": "bf16"}),
+    ("qvg", {"grid": "asym"}),
+    ("qvg-pro", {"bits": 1, "block_size": 32, "grid": "midrise"}),
+])
+def test_fused_prq_residual_matches_compress(method, opts, x_dtype, device):
+    """quantize_packed(x, spec, ids, centroids) quantizes x - sum_s C_s[ids_s] exactly as qvg.compress's torch
+    path does (same stored codes, scales, zero points, tscale)."""
+    x = clustered(1, 2, 72, 64, seed=7).to(x_dtype)
+    p = qvg.compress(x, method, centroids=8, **opts)  # CPU: the torch reference path
+    assert p.tensors["ids"].shape[0] == p.meta["stages"] >= 1
+    want = {k: v for k, v in p.tensors.items() if k not in ("ids", "centroids")}
+    with poisoned():
+        got = quantize_packed(x.to(device), token_spec(p.meta), p.tensors["ids"].to(device),
+                              p.tensors["centroids"].to(device))
+    assert_matches_reference(got, want, f"{method} {opts}", device)
+
+
+@pytest.mark.parametrize("grid,bits", [("sym", 2), ("midrise", 4), ("asym", 2), ("asym", 8)])
+def test_quantize_subnormal_input(grid, bits, device, request):
+    """Inputs below FP32's smallest normal (~1e-40): the BF16 scales clamp at 2^-126, the asym zero point is the
+    group minimum rounded down to (subnormal) BF16."""
+    x = torch.randn(1, 2, 33, 64, generator=gen(11)) * 1e-40
+    x[0, 1] *= 100.0  # ~1e-38: around the normal / subnormal boundary
+    _check(x, QuantSpec(bits=bits, grid=grid, group=16, scale_dtype="bf16"), device)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compares CPU and CUDA torch")
+def test_tscale_is_device_independent():
+    raw = torch.rand(4, 8, 64, 4, generator=gen(0)) * torch.logspace(-3, 3, 8)[None, :, None, None]
+    assert torch.equal(raw_bits(tensor_scale(raw.cuda())), raw_bits(tensor_scale(raw)))
