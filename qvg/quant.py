@@ -122,7 +122,7 @@ def _round_down_bf16(q: torch.Tensor) -> torch.Tensor:
 def _div(a: torch.Tensor, value: float) -> torch.Tensor:
     """a / value rounded as IEEE division on every device (torch on CUDA turns a division by a Python number into a
     multiplication by its reciprocal, which can differ by 1 ulp from the kernels' division)."""
-    return a / torch.tensor(value, dtype=a.dtype, device=a.device)
+    return a / torch.full((), value, dtype=a.dtype, device=a.device)
 
 
 def tensor_scale(s: torch.Tensor) -> torch.Tensor:
