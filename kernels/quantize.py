@@ -108,39 +108,37 @@ def _pack_kernel(x_ptr, ids_ptr, cent_ptr, raw_ptr, zero_ptr, tscale_ptr, codes_
     if FP8:
         ts = tl.load(tscale_ptr + gh)
     goff = tok[:, None] * NG + tl.arange(0, NG)[None, :]
-    r = _residual(x_ptr, ids_ptr, cent_ptr, tok, rmask, tl.arange(0, D), N, K, GH, gh, D, STAGES)
+    # work in the group layout [BLOCK_N, NG, GROUP]: per-group values broadcast along the last axis for free
+    r = tl.reshape(_residual(x_ptr, ids_ptr, cent_ptr, tok, rmask, tl.arange(0, D), N, K, GH, gh, D, STAGES),
+                   (BLOCK_N, NG, GROUP))
     if GRID == 3:  # auto: both candidates, then per group the one with the smaller squared error (ties: sym)
         amax = tl.load(raw_ptr + goff, mask=m2, other=1.0)
         mbits, ms = _encode(tl.math.div_rn(amax, OFFSET + 0.5), ts, FP8, FP8_MAX)
-        ms = tl.reshape(tl.broadcast_to(ms[:, :, None], (BLOCK_N, NG, GROUP)), (BLOCK_N, D))
-        cm = tl.minimum(tl.maximum(tl.floor(tl.math.div_rn(r, ms)) + (OFFSET + 1.0), 0.0), LEVELS)
+        cm = tl.minimum(tl.maximum(tl.floor(r * tl.math.div_rn(1.0, ms)[:, :, None]) + (OFFSET + 1.0), 0.0), LEVELS)
         sign = (tl.zeros_like(mbits) + 1) << (mbits.dtype.primitive_bitwidth - 1)
         if BITS == 1:  # 1-bit auto is midrise, flagged
             sbits = mbits | sign
             c = cm
         else:
             sbits, s = _encode(tl.math.div_rn(amax, OFFSET), ts, FP8, FP8_MAX)
-            s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, NG, GROUP)), (BLOCK_N, D))
-            cs = tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(r, s)), -OFFSET), OFFSET) + OFFSET
-            es = (cs - OFFSET) * s - r
-            em = (cm - (OFFSET + 0.5)) * ms - r
-            use_mid = tl.sum(tl.reshape(em * em, (BLOCK_N, NG, GROUP)), 2) < \
-                tl.sum(tl.reshape(es * es, (BLOCK_N, NG, GROUP)), 2)
+            cs = tl.minimum(tl.maximum(_round_half_even(r * tl.math.div_rn(1.0, s)[:, :, None]), -OFFSET), OFFSET)
+            es = cs * s[:, :, None] - r
+            em = (cm - (OFFSET + 0.5)) * ms[:, :, None] - r
+            use_mid = tl.sum(em * em, 2) < tl.sum(es * es, 2)
             sbits = tl.where(use_mid, mbits | sign, sbits)
-            c = tl.where(tl.reshape(tl.broadcast_to(use_mid[:, :, None], (BLOCK_N, NG, GROUP)), (BLOCK_N, D)), cm, cs)
+            c = tl.where(use_mid[:, :, None], cm, cs + OFFSET)
         tl.store(scale_ptr + goff, sbits, mask=m2)
     else:
         sbits, s = _encode(tl.load(raw_ptr + goff, mask=m2, other=1.0), ts, FP8, FP8_MAX)
         tl.store(scale_ptr + goff, sbits, mask=m2)
-        s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, NG, GROUP)), (BLOCK_N, D))
+        inv = tl.math.div_rn(1.0, s)[:, :, None]
     if GRID == 0:
-        c = tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(r, s)), -OFFSET), OFFSET) + OFFSET
+        c = tl.minimum(tl.maximum(_round_half_even(r * inv), -OFFSET), OFFSET) + OFFSET
     elif GRID == 1:
-        c = tl.minimum(tl.maximum(tl.floor(tl.math.div_rn(r, s)) + (OFFSET + 0.5), 0.0), LEVELS)
+        c = tl.minimum(tl.maximum(tl.floor(r * inv) + (OFFSET + 0.5), 0.0), LEVELS)
     elif GRID == 2:
-        z = bf16_bits_to_f32(tl.load(zero_ptr + goff, mask=m2, other=0))
-        z = tl.reshape(tl.broadcast_to(z[:, :, None], (BLOCK_N, NG, GROUP)), (BLOCK_N, D))
-        c = tl.minimum(tl.maximum(_round_half_even(tl.math.div_rn(r - z, s)), 0.0), LEVELS)
+        z = bf16_bits_to_f32(tl.load(zero_ptr + goff, mask=m2, other=0))[:, :, None]
+        c = tl.minimum(tl.maximum(_round_half_even((r - z) * inv), 0.0), LEVELS)
     # planar packing: [BLOCK_N, P, W] -> shift plane p by p * BITS and OR the planes together
     c3 = tl.reshape(c.to(tl.uint8), (BLOCK_N, P, W))
     shifts = (tl.arange(0, P) * BITS).to(tl.uint8)

@@ -15,7 +15,9 @@ Grids (`QuantSpec.grid`), for b bits; s is the group's stored scale, c the unsig
              no extra bytes, never worse than either grid for any group. 1-bit: "midrise".
   "asym"     min/max affine (KIVI): zero + c * s with s = (max - zero) / (2^b - 1); the zero point is the group
              minimum rounded down to BF16 (so the range stays covered), stored per group.
-Every grid reconstructs within |s|/2 of x, elementwise: |x - dequantize(quantize(x))| <= |s| / 2.
+Every grid reconstructs within |s|/2 of x, elementwise: |x - dequantize(quantize(x))| <= |s| / 2 (codes are
+computed as x * (1/s), one IEEE reciprocal per group, which the kernels reproduce exactly; near a cell edge that
+may pick the neighbouring level, off the bound by float rounding only).
 
 Scale storage (`QuantSpec.scale_dtype`):
   "fp8"   FP8 E4M3 (1 byte). To use E4M3's range fully and never under- or overflow, group scales are stored
@@ -40,6 +42,7 @@ SCALE_DTYPES = {"fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16}
 FP8_MAX = 448.0
 FP8_MIN = 2.0 ** -9
 BF16_MIN = 2.0 ** -126
+TSCALE_MIN = 2.0 ** -117  # FP8_MIN * TSCALE_MIN = 2^-126: decoded scales stay normal floats
 
 
 @dataclass(frozen=True)
@@ -127,9 +130,10 @@ def _div(a: torch.Tensor, value: float) -> torch.Tensor:
 
 def tensor_scale(s: torch.Tensor) -> torch.Tensor:
     """Per-(batch, head) FP32 scale of the FP8 group scales: the largest raw group scale maps to 448 (nudged up by
-    2^-20 so fp32 rounding never pushes it past 448). Floored at FP32's smallest normal (all-zero heads)."""
+    2^-20 so fp32 rounding never pushes it past 448). Floored at 2^-117 so that every decoded scale (>= 2^-9 x
+    tscale) is a normal float with a finite reciprocal (heads whose largest value is below ~1e-33)."""
     smax = s.flatten(2).amax(-1)  # [B, H]
-    return (_div(smax, FP8_MAX) * (1 + 2.0 ** -20)).clamp(min=torch.finfo(torch.float32).tiny)
+    return (_div(smax, FP8_MAX) * (1 + 2.0 ** -20)).clamp(min=TSCALE_MIN)
 
 
 def encode_scale(s: torch.Tensor, spec: QuantSpec, tscale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
@@ -168,7 +172,7 @@ def quantize(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, dict[str, 
         stored = encode_scale(_div(xg.amax(rd) - zero.float(), 2 ** b - 1), spec)
         stored["zero"] = zero
         s = _per_group(decode_scale(stored, spec), spec)
-        codes = torch.round((xg - _per_group(zero.float(), spec)) / s).clamp(0, 2 ** b - 1)
+        codes = torch.round((xg - _per_group(zero.float(), spec)) * torch.reciprocal(s)).clamp(0, 2 ** b - 1)
     else:
         amax = xg.abs().amax(rd)
         grid = "midrise" if spec.grid == "auto" and b == 1 else spec.grid
@@ -176,12 +180,12 @@ def quantize(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, dict[str, 
             lim = 2 ** (b - 1) - 1
             stored = encode_scale(_div(amax, lim), spec)
             s = _per_group(decode_scale(stored, spec), spec)
-            codes = torch.round(xg / s).clamp(-lim, lim) + lim
+            codes = torch.round(xg * torch.reciprocal(s)).clamp(-lim, lim) + lim
         if grid in ("midrise", "auto"):
             half = 2 ** (b - 1)
             m_stored = encode_scale(_div(amax, half - 0.5), spec, stored.get("tscale") if grid == "auto" else None)
             m_s = _per_group(decode_scale(m_stored, spec), spec)
-            m_codes = (torch.floor(xg / m_s) + half).clamp(0, 2 ** b - 1)
+            m_codes = (torch.floor(xg * torch.reciprocal(m_s)) + half).clamp(0, 2 ** b - 1)
         if grid == "midrise":
             stored, codes = m_stored, m_codes
             if spec.grid == "auto":  # 1-bit auto: always midrise, flagged
