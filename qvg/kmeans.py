@@ -9,7 +9,7 @@
 - Deterministic: assignment is argmin over a distance matrix (ties -> lowest index); the centroid update is an
   order-fixed reduction (one-hot matmul on GPU; index_add_ on CPU, which is sequential there). Same inputs and
   seed give bitwise-identical ids on the same device.
-- Empty clusters are re-seeded on the tokens farthest from their centroids (`reseed_empty`).
+- Empty clusters are re-seeded on far-off tokens (`reseed_empty`).
 - ids are uint8 when K <= 256 and uint16 when K <= 65536.
 """
 from __future__ import annotations
@@ -75,20 +75,26 @@ def update(x: torch.Tensor, ids: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
 
 
 def reseed_empty(x: torch.Tensor, ids: torch.Tensor, c: torch.Tensor, dist: torch.Tensor) -> torch.Tensor:
-    """Move the centroids of empty clusters onto the tokens farthest from their assigned centroid: the i-th empty
-    cluster (by index) takes the i-th farthest token (ties: lower token index). Without this, clusters that empty
-    out stay dead across a streaming warm-start chain (measured: a third of K by the fourth chunk). Pure tensor
-    ops, no host sync; the token ranking uses unique integer keys, so it is deterministic."""
+    """Move the centroids of empty clusters onto far-off tokens. Candidates: the token farthest from its assigned
+    centroid in each of K equal slices of the N tokens (spread over the chunk, one pass over `dist`), ranked by
+    distance; the i-th empty cluster (by index) takes the i-th candidate. Without this, clusters that empty out stay
+    dead along a streaming warm-start chain (measured: a third of K by the fourth chunk). Pure tensor ops, no host
+    sync, deterministic (first maximum per slice; stable sort)."""
     g, n, d = x.shape
     k = c.shape[1]
     counts = torch.zeros(g, k, dtype=torch.int32, device=x.device)
     counts.scatter_add_(1, ids.long(), torch.ones(ids.shape, dtype=torch.int32, device=x.device))
     empty = counts == 0
-    bits = dist.float().clamp(min=0).contiguous().view(torch.int32).long()  # order-preserving for floats >= 0
-    key = (bits << 32) | (n - 1 - torch.arange(n, device=x.device))
-    far = key.topk(min(k, n), dim=1).indices  # [G, min(K, N)], farthest first
-    rank = (empty.long().cumsum(1) - 1).clamp(0, far.shape[1] - 1)
-    repl = _gather(x.float(), torch.gather(far, 1, rank))
+    slices = min(k, n)
+    width = -(-n // slices)
+    padded = torch.full((g, slices * width), -1.0, device=x.device, dtype=torch.float32)
+    padded[:, :n] = dist.float()
+    best, arg = padded.view(g, slices, width).max(-1)  # [G, slices]
+    cand = arg + torch.arange(slices, device=x.device) * width
+    order = torch.sort(best, dim=1, descending=True, stable=True).indices
+    cand = torch.gather(cand, 1, order)
+    rank = (empty.long().cumsum(1) - 1).clamp(0, slices - 1)
+    repl = _gather(x.float(), torch.gather(cand, 1, rank))
     return torch.where(empty[..., None], repl, c)
 
 
@@ -128,7 +134,7 @@ def kmeans(x: torch.Tensor, k: int, *, iters: int = 2, init: torch.Tensor | None
     """Batched Lloyd k-means. x [G, N, D]; init [G, K, D] warm-starts (the seeding is then skipped).
 
     One iteration = assign every token to its nearest centroid, then move each centroid to the mean of its
-    tokens (an empty cluster's centroid moves onto one of the tokens farthest from theirs: `reseed_empty`). The
+    tokens (an empty cluster's centroid moves onto a token far from its own centroid: `reseed_empty`). The
     result is the last assignment and the centroids updated from it, so every returned centroid of a non-empty
     cluster is the mean of its returned tokens (the smallest residual for that partition): `iters` iterations cost
     `iters` assignment passes (one when iters=0, which returns the seeds and their assignment).
