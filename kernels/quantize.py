@@ -166,7 +166,8 @@ def quantize_packed(x: torch.Tensor, spec: QuantSpec, ids: torch.Tensor | None =
     cent_ = centroids.contiguous() if stages else x
     _stats_kernel[grid](x, ids_, cent_, raw, raw_view(zero) if zero is not None else raw, n, k, b * h,
                         D=d, BITS=c["BITS"], GROUP=c["GROUP"], GRID=c["GRID"], OFFSET=c["OFFSET"],
-                        STAGES=stages, BLOCK_N=block_n, INTERP=INTERPRET, num_warps=num_warps)
+                        STAGES=stages, BLOCK_N=block_n, INTERP=INTERPRET, num_warps=num_warps,
+                        enable_fp_fusion=False)
     out = {}
     if c["FP8"]:  # auto's stats pass keeps max|x|: the tscale follows its sym candidate (midrise for 1 bit)
         out["tscale"] = tensor_scale(raw if spec.grid != "auto" else _div(raw, c["OFFSET"] if spec.bits > 1 else 0.5))
@@ -174,7 +175,7 @@ def quantize_packed(x: torch.Tensor, spec: QuantSpec, ids: torch.Tensor | None =
     scale = torch.empty(b, h, n, ng, device=dev, dtype=torch.float8_e4m3fn if c["FP8"] else torch.bfloat16)
     _pack_kernel[grid](x, ids_, cent_, raw, raw_view(zero) if zero is not None else raw,
                        out.get("tscale", raw), codes, raw_view(scale), n, k, b * h, D=d, FP8_MAX=FP8_MAX,
-                       STAGES=stages, BLOCK_N=block_n, num_warps=num_warps, **c)
+                       STAGES=stages, BLOCK_N=block_n, num_warps=num_warps, enable_fp_fusion=False, **c)
     out = {"codes": codes, "scale": scale, **out}
     if zero is not None:
         out["zero"] = zero

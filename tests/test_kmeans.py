@@ -50,10 +50,12 @@ def test_matches_sklearn_lloyd(n, d, k, sep, noise, iters, seed, init_kind):
         init = x[torch.randperm(n, generator=gen(100 + seed))[:k]].clone()
     else:
         init = seed_centroids(x[None], k, seed=seed)[0]
+    # both relocate empty clusters, each its own way: the oracle applies only where no assignment left one empty
+    for it in range(1, iters + 1):
+        if torch.bincount(kmeans(x[None], k, iters=it, init=init[None]).ids[0].long(), minlength=k).min() == 0:
+            pytest.skip(f"an empty cluster at iteration {it}: relocation differs from sklearn's by design")
     ours = kmeans(x[None], k, iters=iters, init=init[None], track=True)
     ids, c = ours.ids[0].long(), ours.centroids[0]
-    # sklearn relocates empty clusters where we keep the old centroid: make sure none happened in this case
-    assert torch.bincount(ids, minlength=k).min() > 0
     km = sk_lloyd(x, init, iters)
     assert km.n_iter_ <= iters
     # centroids: sklearn's after `iters` updates; ids: the assignment those centroids were updated from, i.e.
