@@ -82,8 +82,9 @@ def reseed_empty(x: torch.Tensor, ids: torch.Tensor, c: torch.Tensor, dist: torc
     sync, deterministic (first maximum per slice; stable sort)."""
     g, n, d = x.shape
     k = c.shape[1]
-    flat = (ids.long() + torch.arange(g, device=x.device)[:, None] * k).view(-1)
-    empty = (torch.bincount(flat, minlength=g * k) == 0).view(g, k)  # integer counts: order-independent
+    counts = torch.zeros(g, k, dtype=torch.int32, device=x.device)  # integer adds: order-independent, no sync
+    counts.scatter_add_(1, ids.long(), torch.ones(ids.shape, dtype=torch.int32, device=x.device))
+    empty = counts == 0
     slices = min(k, n)
     width = -(-n // slices)
     padded = torch.full((g, slices * width), -1.0, device=x.device, dtype=torch.float32)
