@@ -86,6 +86,11 @@ def assign(x: torch.Tensor, c: torch.Tensor, want_dist: bool = False, block_n: i
 
 def update(x: torch.Tensor, ids: torch.Tensor, c: torch.Tensor, block_n: int = 32, num_warps: int = 2) -> torch.Tensor:
     """Deterministic centroid update: mean of each cluster's tokens; empty clusters keep `c`."""
+    return update_with_counts(x, ids, c, block_n, num_warps)[0]
+
+
+def update_with_counts(x: torch.Tensor, ids: torch.Tensor, c: torch.Tensor, block_n: int = 32, num_warps: int = 2):
+    """`update`, plus the cluster sizes [G, K] (from the sort's cluster boundaries)."""
     g, n, d = x.shape
     k = c.shape[1]
     keys = ids.to(torch.int32)
@@ -96,11 +101,11 @@ def update(x: torch.Tensor, ids: torch.Tensor, c: torch.Tensor, block_n: int = 3
     c_new = torch.empty_like(c_old)
     _segment_mean_kernel[(k, g)](x.contiguous(), order.to(torch.int32), bounds, c_old, c_new, n, k, D=d,
                                  BLOCK_N=block_n, num_warps=num_warps)
-    return c_new
+    return c_new, bounds[:, 1:] - bounds[:, :-1]
 
 
 def kmeans(x: torch.Tensor, k: int, *, iters: int = 2, init: torch.Tensor | None = None, seed: int = 0,
            seeding: str = "k-means++", track: bool = False) -> KMeansResult:
     """`qvg.kmeans.kmeans` (same seeding, loop and result) with the Triton assignment and update steps."""
     return ref_kmeans(x, k, iters=iters, init=init, seed=seed, seeding=seeding, track=track,
-                      assign_fn=lambda x_, c: assign(x_, c, True), update_fn=update)
+                      assign_fn=lambda x_, c: assign(x_, c, True), update_fn=update_with_counts)

@@ -56,6 +56,11 @@ def assign(x: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 def update(x: torch.Tensor, ids: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """Centroid = mean of its tokens; empty clusters keep `c`. Deterministic on CPU and GPU."""
+    return update_with_counts(x, ids, c)[0]
+
+
+def update_with_counts(x: torch.Tensor, ids: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`update`, plus the cluster sizes [G, K] (which the step computes anyway)."""
     g, n, d = x.shape
     k = c.shape[1]
     if x.is_cuda:  # one-hot matmul: fixed-order reduction on tensor cores, no float atomics
@@ -71,28 +76,23 @@ def update(x: torch.Tensor, ids: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         flat = (ids + torch.arange(g, device=x.device)[:, None] * k).reshape(-1)
         sums = torch.zeros(g * k, d, dtype=torch.float32).index_add_(0, flat, x.reshape(-1, d)).view(g, k, d)
         counts = torch.zeros(g * k, dtype=torch.float32).index_add_(0, flat, torch.ones(g * n)).view(g, k)
-    return torch.where(counts[..., None] > 0, sums / counts.clamp(min=1)[..., None], c)
+    return torch.where(counts[..., None] > 0, sums / counts.clamp(min=1)[..., None], c), counts
 
 
-def reseed_empty(x: torch.Tensor, ids: torch.Tensor, c: torch.Tensor, dist: torch.Tensor) -> torch.Tensor:
-    """Move the centroids of empty clusters onto far-off tokens. Candidates: the token farthest from its assigned
-    centroid in each of K equal slices of the N tokens (spread over the chunk, one pass over `dist`), ranked by
-    distance; the i-th empty cluster (by index) takes the i-th candidate. Without this, clusters that empty out stay
-    dead along a streaming warm-start chain (measured: a third of K by the fourth chunk). Pure tensor ops, no host
-    sync, deterministic (first maximum per slice; stable sort)."""
+def reseed_empty(x: torch.Tensor, c: torch.Tensor, counts: torch.Tensor, dist: torch.Tensor) -> torch.Tensor:
+    """Move the centroids of empty clusters (counts == 0) onto far-off tokens. Candidates: the token farthest from
+    its assigned centroid in each of K equal slices of the tokens (spread over the chunk; one pass over `dist`),
+    ranked by distance; the i-th empty cluster (by index) takes the i-th candidate. Without this, clusters that
+    empty out stay dead along a streaming warm-start chain (measured: a third of K by the fourth chunk). Pure
+    tensor ops, no host sync, deterministic (first maximum per slice, stable sort)."""
     g, n, d = x.shape
     k = c.shape[1]
-    counts = torch.zeros(g, k, dtype=torch.int32, device=x.device)  # integer adds: order-independent, no sync
-    counts.scatter_add_(1, ids.long(), torch.ones(ids.shape, dtype=torch.int32, device=x.device))
-    empty = counts == 0
     slices = min(k, n)
-    width = -(-n // slices)
-    padded = torch.full((g, slices * width), -1.0, device=x.device, dtype=torch.float32)
-    padded[:, :n] = dist.float()
-    best, arg = padded.view(g, slices, width).max(-1)  # [G, slices]
+    width = n // slices  # (the last n mod slices tokens are never candidates)
+    best, arg = dist[:, :slices * width].float().reshape(g, slices, width).max(-1)  # [G, slices]
     cand = arg + torch.arange(slices, device=x.device) * width
-    order = torch.sort(best, dim=1, descending=True, stable=True).indices
-    cand = torch.gather(cand, 1, order)
+    cand = torch.gather(cand, 1, torch.sort(best, dim=1, descending=True, stable=True).indices)
+    empty = counts == 0
     rank = (empty.long().cumsum(1) - 1).clamp(0, slices - 1)
     repl = _gather(x.float(), torch.gather(cand, 1, rank))
     return torch.where(empty[..., None], repl, c)
@@ -141,7 +141,8 @@ def kmeans(x: torch.Tensor, k: int, *, iters: int = 2, init: torch.Tensor | None
 
     track=True also returns the mean squared token-to-centroid distance after each assignment plus that of the
     returned (ids, centroids) pair: [iters + 1] values (a device tensor; reading it is the caller's only sync).
-    assign_fn / update_fn swap in other implementations of the two steps (the Triton kernels use this loop).
+    assign_fn (-> ids, distances) / update_fn (-> centroids, cluster sizes) swap in other implementations of the two
+    steps (the Triton kernels use this loop).
     """
     if x.dim() != 3:
         raise ValueError(f"k-means input must be [G, N, D], got shape {tuple(x.shape)}")
@@ -158,13 +159,14 @@ def kmeans(x: torch.Tensor, k: int, *, iters: int = 2, init: torch.Tensor | None
     if assign_fn is None:
         x = x.float()
     assign_fn = assign_fn or assign
-    update_fn = update_fn or update
+    update_fn = update_fn or update_with_counts
     trace = []
     ids, dist = assign_fn(x, c)
     for i in range(iters):
         if track:
             trace.append(dist.mean())
-        c = reseed_empty(x, ids, update_fn(x, ids, c), dist)
+        c, counts = update_fn(x, ids, c)
+        c = reseed_empty(x, c, counts, dist)
         if i + 1 < iters:
             ids, dist = assign_fn(x, c)
     if track:
