@@ -94,7 +94,7 @@ def reseed_empty(x: torch.Tensor, c: torch.Tensor, counts: torch.Tensor, dist: t
     cand = torch.gather(cand, 1, torch.sort(best, dim=1, descending=True, stable=True).indices)
     empty = counts == 0
     rank = (empty.long().cumsum(1) - 1).clamp(0, slices - 1)
-    repl = _gather(x.float(), torch.gather(cand, 1, rank))
+    repl = _gather(x, torch.gather(cand, 1, rank)).float()  # (gather first: x may be a large bf16 tensor)
     return torch.where(empty[..., None], repl, c)
 
 
