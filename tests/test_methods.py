@@ -492,3 +492,22 @@ def test_option_combinations(method, bits, grid, sd):
     assert qvg.bits_per_element(method, x.shape, **kw) == pytest.approx(p.bits_per_element, rel=1e-12)
     if method != "quarot":
         assert_within_half_step(x, y, step_size(p.tensors, token_spec(p.meta)), what=f"{method} {kw}")
+
+
+def test_packed_storage_holds_no_autograd_graph():
+    x = torch.randn(1, 2, 300, 64, requires_grad=True)
+    for method in qvg.methods():
+        p = qvg.compress(x, method, **({"centroids": 32} if method.startswith("qvg") else {}))
+        assert all(t.grad_fn is None and not t.requires_grad for t in p.tensors.values()), method
+
+
+@pytest.mark.parametrize("kw", [dict(bits=True), dict(bits=2.0), dict(block_size=32.0), dict(seed="a"),
+                                dict(seed=1.5)])
+def test_integer_options_are_checked(kw):
+    with pytest.raises(ValueError, match="must be an integer"):
+        qvg.compress(torch.randn(1, 1, 40, 64), "rtn", **kw)
+
+
+def test_bits_per_element_checks_rank():
+    with pytest.raises(ValueError, match="rank 4"):
+        qvg.bits_per_element("qvg", (2, 300, 64))

@@ -35,6 +35,9 @@ def resolve_options(method: str, shape, **given) -> dict:
         raise ValueError(f"method {method!r} takes no option {', '.join(map(repr, unknown))}; "
                          f"its options: {', '.join(m.defaults)}")
     o = {**m.defaults, **given}
+    for name in ("bits", "block_size", "seed", "stages", "centroids", "iters", "residual"):
+        if name in o and o[name] is not None and (isinstance(o[name], bool) or not isinstance(o[name], int)):
+            raise ValueError(f"{name} must be an integer, got {o[name]!r}")
     _check_options(m, o, shape)
     return o
 
@@ -91,6 +94,7 @@ def compress(x: torch.Tensor, method: str = "qvg", *, bits: int | None = None, b
     """
     m = get_method(method)
     _check_input(x)
+    x = x.detach()  # stored tensors never keep an autograd graph (and what it holds) alive
     o = resolve_options(method, tuple(x.shape), bits=bits, block_size=block_size, stages=stages,
                         centroids=centroids, seed=seed, **options)
     if init is not None and not m.warm_start:
@@ -108,5 +112,7 @@ def decompress(packed: Packed) -> torch.Tensor:
 
 def bits_per_element(method: str, shape, **options) -> float:
     """Analytic storage bits per element of `method` on a [B, H, N, D] tensor (its memory formula)."""
+    if len(shape) != 4:
+        raise ValueError(f"shape must be [B, H, N, D] (rank 4), got {tuple(shape)}")
     o = resolve_options(method, tuple(shape), **options)
     return get_method(method).bits(tuple(shape), o)
