@@ -292,8 +292,6 @@ def attention_section(quick):
               f"({r['sdpa_TFLOPs']:.0f}), dequant+SDPA {t_read:.3f} ms; +tail {t_tail:.3f} ms; rope on read {t_rope:.3f} ms; windows {windows}; "
               f"peak transient MB: staged {peak_staged / 1e6:.0f}, fused {peak_fused / 1e6:.0f}, read path "
               f"{peak_read / 1e6:.0f}, sdpa {peak_sdpa / 1e6:.0f}", flush=True)
-        del K, V, Kh, Vh, kch, vch
-        torch.cuda.empty_cache()
     return rows
 
 

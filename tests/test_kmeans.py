@@ -253,9 +253,8 @@ def test_empty_cluster_is_reseeded_on_the_farthest_token():
 def test_reseeding_ranks_empties_and_breaks_ties_by_index():
     x = torch.arange(10.0).view(1, 10, 1).repeat(1, 1, 2)
     c = torch.zeros(1, 4, 2)
-    ids = torch.zeros(1, 10, dtype=torch.long)  # clusters 1, 2, 3 are empty
     dist = torch.tensor([[0, 5, 5, 1, 9, 2, 9, 0, 0, 0]], dtype=torch.float32)
-    counts = torch.tensor([[10, 0, 0, 0]])
+    counts = torch.tensor([[10, 0, 0, 0]])  # clusters 1, 2, 3 are empty
     out = reseed_empty(x, c, counts, dist)  # 4 slices of 2 tokens: maxima 5 (token 1), 5 (2), 9 (4), 9 (6)
     assert torch.equal(out[0, 0], c[0, 0])
     assert out[0, 1:, 0].tolist() == [4.0, 6.0, 1.0]  # farthest first; equal distances: lower token index first
