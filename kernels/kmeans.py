@@ -2,8 +2,11 @@
 
 - assign: distances |c|^2 - 2 x.c through tensor-core dot products (BF16 operands, FP32 accumulation), running
   argmin over centroid tiles (ties -> lowest index, like torch), ids written directly in their narrow dtype.
-- update: deterministic segmented mean: tokens are stably sorted by id (torch), cluster boundaries found by
-  searchsorted, and one program per (group, cluster) sums its tokens in a fixed order in FP32. No float atomics.
+- update (K <= 512): one-hot products on tensor cores, the one-hot tile built in registers from the ids (never
+  in memory): per (centroid block, token split) a partial sum, then the splits summed in a fixed order. Exact
+  products, FP32 accumulation in an order fixed by the shapes: deterministic. No float atomics.
+- update (larger K): tokens stably sorted by id (torch), cluster boundaries found by searchsorted, and one
+  program per (group, cluster) sums its tokens in a fixed order in FP32.
 - kmeans: the reference's loop (and seeding) with these two steps, no host synchronisation inside.
 """
 from __future__ import annotations
@@ -15,12 +18,12 @@ import triton.language as tl
 from qvg.kmeans import KMeansResult, id_dtype
 from qvg.kmeans import kmeans as ref_kmeans
 
-from .common import INTERPRET, dot_bf16
+from .common import INTERPRET, dot_bf16, to_bf16
 
 
 @triton.jit
 def _assign_kernel(x_ptr, c_ptr, csq_ptr, ids_ptr, dist_ptr, N, K, D: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, WANT_DIST: tl.constexpr, INTERP: tl.constexpr):
+                   BLOCK_K: tl.constexpr, WANT_DIST: tl.constexpr, PACKED: tl.constexpr, INTERP: tl.constexpr):
     pid_n = tl.program_id(0)
     g = tl.program_id(1).to(tl.int64)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -29,17 +32,27 @@ def _assign_kernel(x_ptr, c_ptr, csq_ptr, ids_ptr, dist_ptr, N, K, D: tl.constex
     x = tl.load(x_ptr + (g * N + rows)[:, None] * D + dcols[None, :], mask=rmask[:, None], other=0.0)
     best = tl.full((BLOCK_N,), float("inf"), tl.float32)
     best_id = tl.zeros((BLOCK_N,), tl.int32)
+    key_best = tl.full((BLOCK_N,), 0x7FFFFFFF, tl.int32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         kmask = ks < K
         c = tl.load(c_ptr + (g * K + ks)[:, None] * D + dcols[None, :], mask=kmask[:, None], other=0.0)
         csq = tl.load(csq_ptr + g * K + ks, mask=kmask, other=float("inf"))
         d = csq[None, :] - 2.0 * dot_bf16(x, tl.trans(c), tl.zeros((BLOCK_N, BLOCK_K), tl.float32), INTERP)
-        m = tl.min(d, 1)
-        i = tl.argmin(d, 1).to(tl.int32) + k0
-        better = m < best
-        best = tl.where(better, m, best)
-        best_id = tl.where(better, i, best_id)
+        if PACKED:  # one integer min: order-preserving int32 of the distance, low 8 bits replaced by the id
+            u = d.to(tl.int32, bitcast=True)
+            key = tl.where(kmask[None, :], ((u ^ ((u >> 31) & 0x7FFFFFFF)) & -256) | ks[None, :], 0x7FFFFFFF)
+            key_best = tl.minimum(key_best, tl.min(key, 1))
+        else:
+            m = tl.min(d, 1)
+            i = tl.argmin(d, 1).to(tl.int32) + k0
+            better = m < best
+            best = tl.where(better, m, best)
+            best_id = tl.where(better, i, best_id)
+    if PACKED:
+        best_id = key_best & 255
+        kb = key_best & -256
+        best = (kb ^ ((kb >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
     tl.store(ids_ptr + g * N + rows, best_id.to(ids_ptr.dtype.element_ty), mask=rmask)
     if WANT_DIST:
         xf = x.to(tl.float32)
@@ -68,8 +81,11 @@ def _segment_mean_kernel(x_ptr, order_ptr, bounds_ptr, c_old_ptr, c_new_ptr, N, 
 
 
 def assign(x: torch.Tensor, c: torch.Tensor, want_dist: bool = False, block_n: int = 256, block_k: int = 64,
-           num_warps: int = 8, num_stages: int = 2):
-    """x [G, N, D] (bf16/fp32), c [G, K, D] fp32 -> (ids [G, N] narrow dtype, squared distance [G, N] or None)."""
+           num_warps: int = 8, num_stages: int = 2, packed: bool | None = None):
+    """x [G, N, D] (bf16/fp32), c [G, K, D] fp32 -> (ids [G, N] narrow dtype, squared distance [G, N] or None).
+    packed (default: K <= 256): the argmin is one integer min over (distance with its last 8 mantissa bits
+    replaced by the id): ties within 2^-15 relative go to the lower id, the returned distance is that truncated
+    value."""
     g, n, d = x.shape
     k = c.shape[1]
     c = c.to(torch.bfloat16).contiguous()  # the dot's operands are bf16 anyway; |c|^2 of the same values
@@ -79,18 +95,112 @@ def assign(x: torch.Tensor, c: torch.Tensor, want_dist: bool = False, block_n: i
     block_n = min(block_n, max(16, triton.next_power_of_2(n)))
     _assign_kernel[(triton.cdiv(n, block_n), g)](x.contiguous(), c, csq, ids, dist, n, k, D=d, BLOCK_N=block_n,
                                                  BLOCK_K=min(block_k, triton.next_power_of_2(k)),
-                                                 WANT_DIST=want_dist, INTERP=INTERPRET, num_warps=num_warps,
+                                                 WANT_DIST=want_dist, PACKED=(k <= 256) if packed is None else packed, INTERP=INTERPRET,
+                                                 num_warps=num_warps,
                                                  num_stages=num_stages)
     return ids, (dist if want_dist else None)
 
 
-def update(x: torch.Tensor, ids: torch.Tensor, c: torch.Tensor, block_n: int = 32, num_warps: int = 2) -> torch.Tensor:
+@triton.jit
+def _onehot_partial_kernel(x_ptr, ids_ptr, sums_ptr, cnt_ptr, N, K, CHUNK, SPLITS, D: tl.constexpr,
+                           BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, PARTS: tl.constexpr, INTERP: tl.constexpr):
+    """Per (centroid block, token split, group): sums[k] = onehot(ids == k) @ x over the split's tokens, on tensor
+    cores (exact products, FP32 accumulation in a fixed order), and the split's cluster sizes. FP32 x is split
+    into PARTS BF16 pieces (hi + mid + lo carries its 24 mantissa bits)."""
+    kb = tl.program_id(0)
+    sp = tl.program_id(1)
+    g = tl.program_id(2).to(tl.int64)
+    ks = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+    dcols = tl.arange(0, D)
+    acc = tl.zeros((BLOCK_K, D), tl.float32)
+    cnt = tl.zeros((BLOCK_K,), tl.int32)
+    lo = sp * CHUNK
+    hi = tl.minimum(lo + CHUNK, N)
+    for n0 in range(lo, hi, BLOCK_N):
+        rows = n0 + tl.arange(0, BLOCK_N)
+        m = rows < hi
+        idv = tl.where(m, tl.load(ids_ptr + g * N + rows, mask=m, other=0).to(tl.int32), -1)
+        oh = ks[:, None] == idv[None, :]
+        x = tl.load(x_ptr + (g * N + rows)[:, None] * D + dcols[None, :], mask=m[:, None], other=0.0)
+        ohb = tl.where(oh, 1.0, 0.0).to(tl.bfloat16)
+        if PARTS == 1:
+            acc = dot_bf16(ohb, x, acc, INTERP)
+        else:
+            xf = x.to(tl.float32)
+            for _ in tl.static_range(PARTS):
+                part = to_bf16(xf, INTERP)
+                acc = dot_bf16(ohb, part, acc, INTERP)
+                xf = xf - part.to(tl.float32)
+        cnt += tl.sum(oh.to(tl.int32), 1)
+    kmask = ks < K
+    base = (g * SPLITS + sp) * K + ks
+    tl.store(sums_ptr + base[:, None] * D + dcols[None, :], acc, mask=kmask[:, None])
+    tl.store(cnt_ptr + base, cnt, mask=kmask)
+
+
+@triton.jit
+def _onehot_finish_kernel(sums_ptr, cnt_ptr, c_old_ptr, c_new_ptr, counts_ptr, K, SPLITS, D: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
+    """Sum the splits in order, divide by the cluster size (IEEE), keep the old centroid of an empty cluster."""
+    kb = tl.program_id(0)
+    g = tl.program_id(1).to(tl.int64)
+    ks = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+    kmask = ks < K
+    dcols = tl.arange(0, D)
+    acc = tl.zeros((BLOCK_K, D), tl.float32)
+    cnt = tl.zeros((BLOCK_K,), tl.int32)
+    for sp in range(0, SPLITS):
+        base = (g * SPLITS + sp) * K + ks
+        acc += tl.load(sums_ptr + base[:, None] * D + dcols[None, :], mask=kmask[:, None], other=0.0)
+        cnt += tl.load(cnt_ptr + base, mask=kmask, other=0)
+    off = (g * K + ks)[:, None] * D + dcols[None, :]
+    old = tl.load(c_old_ptr + off, mask=kmask[:, None], other=0.0).to(tl.float32)
+    cf = tl.maximum(cnt, 1).to(tl.float32)
+    new = tl.where((cnt > 0)[:, None], tl.math.div_rn(acc, cf[:, None]), old)
+    tl.store(c_new_ptr + off, new, mask=kmask[:, None])
+    tl.store(counts_ptr + g * K + ks, cnt, mask=kmask)
+
+
+ONEHOT_MAX_K = 512  # above this the one-hot product's K x N x D work outgrows the sort + segmented sum
+
+
+def update(x: torch.Tensor, ids: torch.Tensor, c: torch.Tensor, **kw) -> torch.Tensor:
     """Deterministic centroid update: mean of each cluster's tokens; empty clusters keep `c`."""
-    return update_with_counts(x, ids, c, block_n, num_warps)[0]
+    return update_with_counts(x, ids, c, **kw)[0]
 
 
-def update_with_counts(x: torch.Tensor, ids: torch.Tensor, c: torch.Tensor, block_n: int = 32, num_warps: int = 2):
-    """`update`, plus the cluster sizes [G, K] (from the sort's cluster boundaries)."""
+def update_with_counts(x: torch.Tensor, ids: torch.Tensor, c: torch.Tensor, method: str | None = None, **kw):
+    """`update`, plus the cluster sizes [G, K] int32. method: "onehot" (default for K <= 512: one-hot products on
+    tensor cores, split over tokens, splits summed in a fixed order) or "sort" (stable sort by id + segmented sum)."""
+    method = method or ("onehot" if c.shape[1] <= ONEHOT_MAX_K else "sort")
+    if method == "onehot":
+        return _update_onehot(x, ids, c, **kw)
+    if method == "sort":
+        return _update_sort(x, ids, c, **kw)
+    raise ValueError(f"unknown update method {method!r}")
+
+
+def _update_onehot(x, ids, c, block_k: int = 128, block_n: int = 64, chunk: int = 4096, num_warps: int = 8,
+                   num_stages: int = 3):
+    g, n, d = x.shape
+    k = c.shape[1]
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    chunk = max(block_n, chunk // block_n * block_n)
+    splits = triton.cdiv(n, chunk)
+    sums = torch.empty(g, splits, k, d, device=x.device, dtype=torch.float32)
+    cnt = torch.empty(g, splits, k, device=x.device, dtype=torch.int32)
+    _onehot_partial_kernel[(triton.cdiv(k, block_k), splits, g)](
+        x.contiguous(), ids.contiguous(), sums, cnt, n, k, chunk, splits, D=d, BLOCK_K=block_k, BLOCK_N=block_n,
+        PARTS=1 if x.dtype == torch.bfloat16 else 3, INTERP=INTERPRET, num_warps=num_warps, num_stages=num_stages)
+    c_new = torch.empty(g, k, d, device=x.device, dtype=torch.float32)
+    counts = torch.empty(g, k, device=x.device, dtype=torch.int32)
+    fk = min(32, max(16, triton.next_power_of_2(k)))
+    _onehot_finish_kernel[(triton.cdiv(k, fk), g)](sums, cnt, c.contiguous(), c_new, counts, k, splits, D=d,
+                                                   BLOCK_K=fk, num_warps=4)
+    return c_new, counts
+
+
+def _update_sort(x, ids, c, block_n: int = 32, num_warps: int = 2):
     g, n, d = x.shape
     k = c.shape[1]
     keys = ids.to(torch.int32)

@@ -1,6 +1,7 @@
 """QVG: Semantic-Aware Smoothing + Progressive Residual Quantization.
 
-Per (batch, head), stage s = 1..S runs k-means on the current residual (stage 1: the tokens themselves), stores
+Per (batch, head), stage s = 1..S runs k-means on the current residual (stage 1: the tokens themselves; k-means
+reads its BF16 rounding, the residual itself is kept in FP32), stores
 the BF16 centroids and the per-token ids, and subtracts each token's (BF16) centroid. The last residual is stored
 with the group quantizer. Decompression replays the stages: x = dequant(codes) + sum_s centroids_s[ids_s].
 S = 0 is plain RTN. `init` (the previous chunk's centroids) warm-starts every stage's k-means: the streaming
@@ -49,7 +50,9 @@ def compress(x: torch.Tensor, o: dict, init=None) -> dict[str, torch.Tensor]:
     r = x.float().reshape(b * h, n, d)
     ids, cents = [], []
     for s in range(s_count):
-        res = kmeans(r, k, iters=iters, init=None if warm is None else warm[s], seed=o["seed"] + s,
+        # k-means clusters the BF16 rounding of the residual (what the GPU kernels read: half the bytes); the
+        # residual chain itself and the quantized last residual stay exact in FP32
+        res = kmeans(r.to(torch.bfloat16), k, iters=iters, init=None if warm is None else warm[s], seed=o["seed"] + s,
                      seeding=o["seeding"])
         c16 = res.centroids.to(torch.bfloat16)
         r = r - _gather(c16, res.ids)  # subtract what is stored, so decompression replays exactly

@@ -85,3 +85,20 @@ def test_compress_on_cuda_kernels_vs_torch(method, monkeypatch):
     monkeypatch.setenv("QVG_BACKEND", "torch")
     pt = qvg.compress(x, method)
     _compare_paths(x, method, pk, pt)
+
+
+@pytest.mark.parametrize("stages", [1, 3])
+def test_residual_bf16_matches_the_reference_chain(stages, device):
+    """The k-means input of stage s: BF16 of x - sum_{t<s} C_t[ids_t] in FP32, in the reference's order (bitwise)."""
+    g, n, d, k = 3, 50, 32, 7
+    gn = torch.Generator().manual_seed(stages)
+    x = torch.randn(g, n, d, generator=gn) * 30
+    ids = torch.randint(0, k, (stages, g, n), generator=gn).to(torch.uint8)
+    cents = (torch.randn(stages, g, k, d, generator=gn) * 30).to(torch.bfloat16)
+    want = x.clone()
+    for s in range(stages):
+        want = want - torch.gather(cents[s].float(), 1, ids[s].long()[..., None].expand(-1, -1, d))
+    from qvg.kernels.compress import residual_bf16
+    got = residual_bf16(x.to(device), ids.to(device), cents.to(device), stages, block_n=16).cpu()
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got.view(torch.int16), want.to(torch.bfloat16).view(torch.int16))

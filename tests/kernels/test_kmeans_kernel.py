@@ -30,12 +30,13 @@ def _margin_ok(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("k", [20, 256, 300])
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
-def test_assign(k, x_dtype, device):
+@pytest.mark.parametrize("packed", [None, False])
+def test_assign(k, x_dtype, packed, device):
     x, centres = _blobs(2, 150 if k <= 256 else 400, 32, min(k, 24), seed=k)
     x = x.to(x_dtype)
     c = torch.cat([centres, torch.randn(2, k - centres.shape[1], 32, generator=gen(1)) * 3], 1)  # K centroids
     with poisoned():
-        ids, dist = kk.assign(x.to(device), c.to(device), want_dist=True)
+        ids, dist = kk.assign(x.to(device), c.to(device), want_dist=True, packed=packed)
     assert ids.dtype == (torch.uint8 if k <= 256 else torch.uint16) and ids.shape == x.shape[:2]
     assert torch.isfinite(dist).all()
     ids, dist = ids.cpu().long(), dist.cpu()
@@ -54,8 +55,16 @@ def test_assign(k, x_dtype, device):
     # the returned distance is the one of the returned centroid, up to the bf16 dot error
     dd = ((x.float() - torch.gather(c, 1, ids[..., None].expand(-1, -1, 32))) ** 2).sum(-1)
     assert ((dist - dd).abs() <= bf16_err + 1e-4 * dd).all()
-    ids2, _ = kk.assign(x.to(device), c.to(device))
+    ids2, _ = kk.assign(x.to(device), c.to(device), packed=packed)
     assert torch.equal(ids2.cpu().long(), ids)
+
+
+def test_assign_packed_ties_go_to_the_lower_id(device):
+    """Duplicated centroids give equal distances: the packed integer min must return the lower id, as torch."""
+    x, centres = _blobs(1, 64, 16, 8, seed=4)
+    c = torch.cat([centres, centres], 1)  # ids j and j + 8 are the same centroid
+    ids, _ = kk.assign(x.to(device), c.to(device), packed=True)
+    assert int(ids.max()) < 8
 
 
 def test_assign_without_dist_and_block_sizes(device):
@@ -70,7 +79,8 @@ def test_assign_without_dist_and_block_sizes(device):
 
 
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
-def test_update(x_dtype, device):
+@pytest.mark.parametrize("method", ["onehot", "sort"])
+def test_update(x_dtype, method, device):
     k = 20
     x, centres = _blobs(2, 150, 32, 12, seed=9)
     x = x.to(x_dtype)
@@ -81,23 +91,39 @@ def test_update(x_dtype, device):
     empty = counts == 0
     assert empty[:, 12:].all() and empty.sum() >= 16
     with poisoned():
-        new = kk.update(x.to(device), ids.to(device), c.to(device))
+        new, cnt = kk.update_with_counts(x.to(device), ids.to(device), c.to(device), method=method)
     new = new.cpu()
+    assert torch.equal(cnt.cpu().long(), counts.long())
     want = ref.update(x.float(), rid, c)
     assert new.dtype == torch.float32 and torch.isfinite(new).all()
     mag = x.float().abs().amax()
     torch.testing.assert_close(new, want, atol=1e-4 * mag.item(), rtol=0)
     assert_bitwise_equal(new[empty], c[empty], "empty clusters keep the old centroid")
-    again = kk.update(x.to(device), ids.to(device), c.to(device)).cpu()
+    again = kk.update(x.to(device), ids.to(device), c.to(device), method=method).cpu()
     assert_bitwise_equal(again, new, "update is deterministic")
 
 
-def test_update_uint16_ids(device):
+def test_update_onehot_splits(device):
+    """Several token splits (summed in a fixed order) and a centroid block that is not full."""
+    k = 40
+    x, _ = _blobs(2, 333, 32, k, seed=12)
+    x = x * 50
+    c = x[:, :k].clone()
+    rid, _ = ref.assign(x, c)
+    new, cnt = kk.update_with_counts(x.to(device), rid.to(torch.uint8).to(device), c.to(device), method="onehot",
+                                     block_k=32, block_n=16, chunk=64)
+    want, wcnt = ref.update_with_counts(x, rid, c)
+    torch.testing.assert_close(new.cpu(), want, atol=1e-5 * x.abs().amax().item(), rtol=0)
+    assert torch.equal(cnt.cpu().float(), wcnt)
+
+
+@pytest.mark.parametrize("method", ["onehot", "sort"])
+def test_update_uint16_ids(method, device):
     k = 300
     x, _ = _blobs(1, 600, 32, 50, seed=2)
     c = x[:, :k].clone()
     rid, _ = ref.assign(x, c)
-    new = kk.update(x.to(device), rid.to(torch.uint16).to(device), c.to(device)).cpu()
+    new = kk.update(x.to(device), rid.to(torch.uint16).to(device), c.to(device), method=method).cpu()
     torch.testing.assert_close(new, ref.update(x, rid, c), atol=1e-4 * x.abs().amax().item(), rtol=0)
 
 

@@ -1,0 +1,124 @@
+"""Where compress's time goes, on the GPU: `python -m qvg.eval.profile_compress [--out DIR] [--sweep]`.
+
+For qvg (S1/B64) and qvg-pro (S4/B16) at the LongCat span [1, 32, 29640, 128], warm-started, 2 iterations:
+end-to-end time, a torch.profiler table of every CUDA kernel (time per compress call, launches), and with --sweep
+the tile configurations of each kernel (assign, update, residual, pack). Writes profile-compress-<gpu>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+
+import torch
+
+from .bench_kernels import _commit, bench, clustered
+
+
+def _profile(fn, calls: int = 5) -> list[dict]:
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None)
+        if t is None:
+            t = e.cuda_time_total
+        if t > 0:
+            rows.append({"kernel": e.key[:90], "us_per_call": t / calls, "launches_per_call": e.count / calls})
+    rows.sort(key=lambda r: -r["us_per_call"])
+    return rows
+
+
+def _sweep(fn_of_cfg, cfgs) -> dict:
+    out = {}
+    for name, kw in cfgs:
+        try:
+            out[name] = bench(lambda: fn_of_cfg(**kw), warmup=5, rep=40)
+        except Exception as e:  # a tile config that does not fit (shared memory, registers) is reported, not fatal
+            out[name] = f"{type(e).__name__}: {str(e)[:80]}"
+    return out
+
+
+def run(shape, sweep: bool) -> list[dict]:
+    import qvg
+    from qvg.compression import resolve_options
+    from qvg.compression.prq import init_centroids
+    from qvg.compression.registry import token_spec
+    from qvg.kernels import kmeans as kk
+    from qvg.kernels.compress import compress_prq, residual_bf16
+    from qvg.kernels.quantize import quantize_packed
+    x0 = clustered(shape, seed=1)
+    x1 = (x0.float() + 0.1 * torch.randn_like(x0.float())).bfloat16()
+    out = []
+    for method in ("qvg", "qvg-pro"):
+        prev = qvg.compress(x0, method)
+        o = resolve_options(method, shape)
+        warm = init_centroids(prev, o, shape)
+        fn = lambda: compress_prq(x1, o, warm, 2)  # noqa: E731
+        row = {"method": method, "shape": list(shape), "ms": bench(fn, warmup=5, rep=30), "kernels": _profile(fn)}
+        print(f"{method}: {row['ms']:.3f} ms", flush=True)
+        for k in row["kernels"][:14]:
+            print(f"   {k['us_per_call']:8.1f} us  x{k['launches_per_call']:.0f}  {k['kernel']}", flush=True)
+        if sweep:
+            xg = x1.view(-1, shape[2], shape[3])
+            c0 = warm[0]
+            ids0, _ = kk.assign(xg, c0)
+            row["assign"] = _sweep(lambda **kw: kk.assign(xg, c0, True, **kw), [
+                (f"{'packed' if p else 'argmin'} {bn}x{bk}w{nw}s{ns}",
+                 dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, packed=p))
+                for p in (True, False) for bn, bk, nw, ns in ((256, 64, 8, 2), (128, 64, 4, 2), (128, 128, 8, 2),
+                                                              (256, 128, 8, 2), (128, 256, 8, 2), (64, 256, 4, 2))])
+            row["update"] = _sweep(lambda **kw: kk.update_with_counts(xg, ids0, c0, **kw), [
+                ("sort", dict(method="sort"))] + [
+                (f"onehot k{bk} n{bn} c{ch} w{nw} s{ns}",
+                 dict(method="onehot", block_k=bk, block_n=bn, chunk=ch, num_warps=nw, num_stages=ns))
+                for bk, bn, ch, nw, ns in ((128, 64, 4096, 8, 3), (128, 32, 4096, 4, 3), (128, 64, 2048, 8, 3),
+                                           (128, 64, 8192, 8, 3), (256, 32, 4096, 8, 3), (256, 64, 4096, 8, 2),
+                                           (128, 128, 4096, 8, 2), (64, 64, 4096, 4, 3), (256, 64, 8192, 16, 2))])
+            ids_t = prev.tensors["ids"].view(o["stages"], -1, shape[2])
+            cents_t = prev.tensors["centroids"].view(o["stages"], -1, o["centroids"], shape[3])
+            if o["stages"] > 1:
+                row["residual"] = _sweep(lambda **kw: residual_bf16(xg, ids_t, cents_t, o["stages"] - 1, **kw),
+                                         [(f"bn{bn}", dict(block_n=bn)) for bn in (32, 64, 128)])
+            row["pack"] = _sweep(lambda **kw: quantize_packed(x1, token_spec(o), prev.tensors["ids"],
+                                                              prev.tensors["centroids"], **kw),
+                                 [(f"bn{bn}w{nw}", dict(block_n=bn, num_warps=nw))
+                                  for bn, nw in ((16, 2), (32, 4), (32, 2), (64, 4), (16, 1), (8, 1))])
+            for part in ("assign", "update", "residual", "pack"):
+                if part in row:
+                    print(f"  {part}: " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"
+                                                    for k, v in row[part].items()), flush=True)
+        out.append(row)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="eval/results")
+    ap.add_argument("--sweep", action="store_true", help="also time the tile configurations of each kernel")
+    ap.add_argument("--quick", action="store_true", help="a small shape (smoke test)")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("profile_compress: needs a CUDA GPU")
+    shape = (1, 32, 29640, 128) if not args.quick else (1, 4, 4680, 128)
+    res = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+        timespec="seconds"), "commit": _commit(), "torch": torch.__version__, "python": platform.python_version(),
+        "command": "python -m qvg.eval.profile_compress " + " ".join(argv if argv is not None else
+                                                                   __import__("sys").argv[1:]),
+        "rows": run(shape, args.sweep)}
+    os.makedirs(args.out, exist_ok=True)
+    name = "profile-compress-" + res["device"].split()[1].lower() + ".json"
+    with open(os.path.join(args.out, name), "w") as f:
+        json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
