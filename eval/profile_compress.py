@@ -36,6 +36,25 @@ def _profile(fn, calls: int = 5) -> list[dict]:
     return rows
 
 
+def _host_profile(fn, calls: int = 3) -> list[dict]:
+    """Host (Python) time of fn: the functions with the largest cumulative time (cProfile), per call."""
+    import cProfile
+    import pstats
+    fn()
+    torch.cuda.synchronize()
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(calls):
+        fn()
+    pr.disable()
+    torch.cuda.synchronize()
+    st = pstats.Stats(pr)
+    rows = [{"function": f"{f[0].split('/')[-1]}:{f[1]}:{f[2]}", "cum_ms_per_call": v[3] * 1e3 / calls,
+             "self_ms_per_call": v[2] * 1e3 / calls, "calls": v[1] / calls} for f, v in st.stats.items()]
+    rows.sort(key=lambda r: -r["cum_ms_per_call"])
+    return rows[:25]
+
+
 def _sweep(fn_of_cfg, cfgs) -> dict:
     out = {}
     for name, kw in cfgs:
@@ -62,8 +81,13 @@ def run(shape, sweep: bool) -> list[dict]:
         o = resolve_options(method, shape)
         warm = init_centroids(prev, o, shape)
         fn = lambda: compress_prq(x1, o, warm, 2)  # noqa: E731
-        row = {"method": method, "shape": list(shape), "ms": bench(fn, warmup=5, rep=30), "kernels": _profile(fn)}
-        print(f"{method}: {row['ms']:.3f} ms", flush=True)
+        row = {"method": method, "shape": list(shape), "ms": bench(fn, warmup=5, rep=30), "kernels": _profile(fn),
+               "host": _host_profile(fn)}
+        print(f"{method}: {row['ms']:.3f} ms; kernels {sum(k['us_per_call'] for k in row['kernels']) / 1e3:.3f} ms",
+              flush=True)
+        for h in row["host"][:12]:
+            print(f"   host {h['cum_ms_per_call']:8.3f} ms cum {h['self_ms_per_call']:8.3f} self x{h['calls']:.0f} "
+                  f"{h['function']}", flush=True)
         for k in row["kernels"][:14]:
             print(f"   {k['us_per_call']:8.1f} us  x{k['launches_per_call']:.0f}  {k['kernel']}", flush=True)
         if sweep:
@@ -73,15 +97,16 @@ def run(shape, sweep: bool) -> list[dict]:
             row["assign"] = _sweep(lambda **kw: kk.assign(xg, c0, True, **kw), [
                 (f"{'packed' if p else 'argmin'} {bn}x{bk}w{nw}s{ns}",
                  dict(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, packed=p))
-                for p in (True, False) for bn, bk, nw, ns in ((256, 64, 8, 2), (128, 64, 4, 2), (128, 128, 8, 2),
-                                                              (256, 128, 8, 2), (128, 256, 8, 2), (64, 256, 4, 2))])
+                for p in (True, False) for bn, bk, nw, ns in ((128, 64, 4, 2), (128, 64, 4, 3), (128, 32, 4, 2),
+                                                              (64, 64, 4, 2), (128, 128, 4, 2), (64, 128, 4, 2))])
             row["update"] = _sweep(lambda **kw: kk.update_with_counts(xg, ids0, c0, **kw), [
                 ("sort", dict(method="sort"))] + [
                 (f"onehot k{bk} n{bn} c{ch} w{nw} s{ns}",
                  dict(method="onehot", block_k=bk, block_n=bn, chunk=ch, num_warps=nw, num_stages=ns))
-                for bk, bn, ch, nw, ns in ((128, 64, 4096, 8, 3), (128, 32, 4096, 4, 3), (128, 64, 2048, 8, 3),
-                                           (128, 64, 8192, 8, 3), (256, 32, 4096, 8, 3), (256, 64, 4096, 8, 2),
-                                           (128, 128, 4096, 8, 2), (64, 64, 4096, 4, 3), (256, 64, 8192, 16, 2))])
+                for bk, bn, ch, nw, ns in ((128, 32, 4096, 4, 3), (128, 16, 4096, 4, 3), (128, 32, 4096, 2, 3),
+                                           (128, 32, 2048, 4, 3), (128, 32, 8192, 4, 3), (64, 32, 4096, 4, 3),
+                                           (64, 32, 4096, 2, 3), (256, 16, 4096, 8, 3), (128, 32, 4096, 4, 4),
+                                           (128, 16, 4096, 2, 4))])
             ids_t = prev.tensors["ids"].view(o["stages"], -1, shape[2])
             cents_t = prev.tensors["centroids"].view(o["stages"], -1, o["centroids"], shape[3])
             if o["stages"] > 1:
@@ -90,7 +115,7 @@ def run(shape, sweep: bool) -> list[dict]:
             row["pack"] = _sweep(lambda **kw: quantize_packed(x1, token_spec(o), prev.tensors["ids"],
                                                               prev.tensors["centroids"], **kw),
                                  [(f"bn{bn}w{nw}", dict(block_n=bn, num_warps=nw))
-                                  for bn, nw in ((16, 2), (32, 4), (32, 2), (64, 4), (16, 1), (8, 1))])
+                                  for bn, nw in ((16, 2), (8, 2), (16, 4), (8, 1), (32, 4))])
             for part in ("assign", "update", "residual", "pack"):
                 if part in row:
                     print(f"  {part}: " + ", ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}"

@@ -31,7 +31,7 @@ def _residual_bf16_kernel(x_ptr, ids_ptr, cent_ptr, out_ptr, N, K, GH, D: tl.con
 
 
 def residual_bf16(x: torch.Tensor, ids: torch.Tensor, cents: torch.Tensor, stages: int,
-                  block_n: int = 64) -> torch.Tensor:
+                  block_n: int = 32) -> torch.Tensor:
     """x [G, N, D]; ids [S', G, N]; cents [S', G, K, D] BF16 -> BF16(x - sum_{s<stages} cents_s[ids_s]) [G, N, D]."""
     g, n, d = x.shape
     out = torch.empty(g, n, d, device=x.device, dtype=torch.bfloat16)

@@ -80,10 +80,10 @@ def _segment_mean_kernel(x_ptr, order_ptr, bounds_ptr, c_old_ptr, c_new_ptr, N, 
     tl.store(c_new_ptr + (g * K + k) * D + dcols, new)
 
 
-def assign(x: torch.Tensor, c: torch.Tensor, want_dist: bool = False, block_n: int = 256, block_k: int = 64,
-           num_warps: int = 8, num_stages: int = 2, packed: bool | None = None):
+def assign(x: torch.Tensor, c: torch.Tensor, want_dist: bool = False, block_n: int = 128, block_k: int = 64,
+           num_warps: int = 4, num_stages: int = 2, packed: bool = False):
     """x [G, N, D] (bf16/fp32), c [G, K, D] fp32 -> (ids [G, N] narrow dtype, squared distance [G, N] or None).
-    packed (default: K <= 256): the argmin is one integer min over (distance with its last 8 mantissa bits
+    packed (K <= 256; measured no faster on an H100, eval/results/profile-compress-h100.json): the argmin is one integer min over (distance with its last 8 mantissa bits
     replaced by the id): ties within 2^-15 relative go to the lower id, the returned distance is that truncated
     value."""
     g, n, d = x.shape
@@ -95,7 +95,7 @@ def assign(x: torch.Tensor, c: torch.Tensor, want_dist: bool = False, block_n: i
     block_n = min(block_n, max(16, triton.next_power_of_2(n)))
     _assign_kernel[(triton.cdiv(n, block_n), g)](x.contiguous(), c, csq, ids, dist, n, k, D=d, BLOCK_N=block_n,
                                                  BLOCK_K=min(block_k, triton.next_power_of_2(k)),
-                                                 WANT_DIST=want_dist, PACKED=(k <= 256) if packed is None else packed, INTERP=INTERPRET,
+                                                 WANT_DIST=want_dist, PACKED=packed and k <= 256, INTERP=INTERPRET,
                                                  num_warps=num_warps,
                                                  num_stages=num_stages)
     return ids, (dist if want_dist else None)
@@ -180,7 +180,7 @@ def update_with_counts(x: torch.Tensor, ids: torch.Tensor, c: torch.Tensor, meth
     raise ValueError(f"unknown update method {method!r}")
 
 
-def _update_onehot(x, ids, c, block_k: int = 128, block_n: int = 64, chunk: int = 4096, num_warps: int = 8,
+def _update_onehot(x, ids, c, block_k: int = 128, block_n: int = 32, chunk: int = 4096, num_warps: int = 4,
                    num_stages: int = 3):
     g, n, d = x.shape
     k = c.shape[1]

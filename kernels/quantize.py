@@ -147,7 +147,7 @@ def _pack_kernel(x_ptr, ids_ptr, cent_ptr, raw_ptr, zero_ptr, tscale_ptr, codes_
 
 
 def quantize_packed(x: torch.Tensor, spec: QuantSpec, ids: torch.Tensor | None = None,
-                    centroids: torch.Tensor | None = None, block_n: int = 32, num_warps: int = 4
+                    centroids: torch.Tensor | None = None, block_n: int = 16, num_warps: int = 2
                     ) -> dict[str, torch.Tensor]:
     """Triton version of `qvg.quant.quantize_packed` for per-token specs. With `ids` [S, B, H, N] and `centroids`
     [S, B, H, K, D] (BF16) it quantizes the PRQ residual x - sum_s centroids_s[ids_s] without materializing it."""
