@@ -40,13 +40,17 @@ def render(d: dict, notes: str = "") -> str:
         out.append("")
     if isinstance(d.get("compress"), list):
         out += ["## Compress (2 warm-started k-means iterations + PRQ + pack)", "",
-                "| shape | method | ms | CUDA-graph replay ms | assign ms | update ms | pack ms | API ms (with input "
-                "checks) | torch ref ms | ids = torch ref | MSE kernels / torch | target |",
-                "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                "| shape | method | ms | CUDA-graph replay ms | assign ms | update ms (sort-based) | residual ms (per stage) | "
+                "pack ms | API ms (with input checks) | torch ref ms | ids = torch ref | MSE kernels / torch | target |",
+                "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in d["compress"]:
             tgt = TARGETS["compress_s1_ms"] if r["method"] == "qvg" else TARGETS["compress_s4_ms"]
-            out.append(f"| {r['shape']} | {r['method']} | {r['ms']:.3f} | {r['cuda_graph_ms']:.3f} | "
-                       f"{r['assign_ms']:.3f} | {r['update_ms']:.3f} | {r['pack_ms']:.3f} | {r['api_ms']:.3f} | "
+            g = r["cuda_graph_ms"]
+            srt = f" ({r['update_sort_ms']:.3f})" if "update_sort_ms" in r else ""
+            res = f"{r['residual_ms']:.3f}" if "residual_ms" in r else "-"
+            out.append(f"| {r['shape']} | {r['method']} | {r['ms']:.3f} | {g:.3f} | " if isinstance(g, float) else
+                       f"| {r['shape']} | {r['method']} | {r['ms']:.3f} | failed: {g} | ")
+            out[-1] += (f"{r['assign_ms']:.3f} | {r['update_ms']:.3f}{srt} | {res} | {r['pack_ms']:.3f} | {r['api_ms']:.3f} | "
                        f"{r['torch_reference_ms']:.2f} | {r['ids_agree_with_reference']:.4f} | "
                        f"{r['mse_kernels']:.4g} / {r['mse_reference']:.4g} | <= {tgt} ms: {_ok(r['ms'] <= tgt)} |")
         out.append("")

@@ -80,7 +80,7 @@ def _segment_mean_kernel(x_ptr, order_ptr, bounds_ptr, c_old_ptr, c_new_ptr, N, 
     tl.store(c_new_ptr + (g * K + k) * D + dcols, new)
 
 
-def assign(x: torch.Tensor, c: torch.Tensor, want_dist: bool = False, block_n: int = 128, block_k: int = 64,
+def assign(x: torch.Tensor, c: torch.Tensor, want_dist: bool = False, block_n: int = 64, block_k: int = 64,
            num_warps: int = 4, num_stages: int = 2, packed: bool = False):
     """x [G, N, D] (bf16/fp32), c [G, K, D] fp32 -> (ids [G, N] narrow dtype, squared distance [G, N] or None).
     packed (K <= 256; measured no faster on an H100, eval/results/profile-compress-h100.json): the argmin is one integer min over (distance with its last 8 mantissa bits
@@ -180,7 +180,7 @@ def update_with_counts(x: torch.Tensor, ids: torch.Tensor, c: torch.Tensor, meth
     raise ValueError(f"unknown update method {method!r}")
 
 
-def _update_onehot(x, ids, c, block_k: int = 128, block_n: int = 32, chunk: int = 4096, num_warps: int = 4,
+def _update_onehot(x, ids, c, block_k: int = 64, block_n: int = 32, chunk: int = 4096, num_warps: int = 4,
                    num_stages: int = 3):
     g, n, d = x.shape
     k = c.shape[1]
