@@ -438,7 +438,7 @@ def _warm_start(xs: list[torch.Tensor], k: int, seed: int, iters: int | None, ba
     WARM_ITERS iterations; beside it a cold k-means++ start on the same tokens. Both are traced for `iters`
     iterations (None: just the production counts, COLD_ITERS cold and WARM_ITERS warm)."""
     b, h, n, d = xs[0].shape
-    g = lambda x: x.float().reshape(b * h, n, d)  # noqa: E731
+    g = lambda x: x.to(torch.bfloat16).float().reshape(b * h, n, d)  # noqa: E731  (k-means reads BF16, as compress)
     stored = lambda c: c.to(torch.bfloat16).float().reshape(b * h, k, d)  # noqa: E731  (what a Packed holds)
     if init0 is None:
         bar.set_description(f"{name}: warm start, chunk 0 (cold)")
