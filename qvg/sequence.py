@@ -52,6 +52,35 @@ class PackedSequence:
             t["centroids"] = torch.stack([c.tensors["centroids"] for c in chunks], 3)
         return cls(t, spec, stages, first.shape[2], first.dtype)
 
+    _TOKEN_DIM = {"codes": 2, "scale": 2, "zero": 2, "tscale": 2, "ids": 3, "centroids": 3}  # the dim that grows
+
+    def append(self, chunk: Packed) -> "PackedSequence":
+        """A new sequence with `chunk` at the end (one copy of the stored bytes; the cache calls it once per commit)."""
+        nxt = PackedSequence.from_chunks([chunk])
+        if (nxt.spec, nxt.stages, nxt.chunk_len, nxt.dtype) != (self.spec, self.stages, self.chunk_len, self.dtype) \
+                or nxt.shape[:2] != self.shape[:2] or nxt.shape[3] != self.shape[3]:
+            raise ValueError("an appended chunk needs the sequence's storage options and shape")
+        return PackedSequence({n: torch.cat([t, nxt.tensors[n]], self._TOKEN_DIM[n]) for n, t in self.tensors.items()},
+                              self.spec, self.stages, self.chunk_len, self.dtype)
+
+    def drop_first(self, count: int) -> "PackedSequence | None":
+        """The sequence without its first `count` chunks (copied, so their bytes are freed), or None if none remain."""
+        if count >= self.num_chunks:
+            return None
+        t = {}
+        for n, v in self.tensors.items():
+            start = count if n in ("tscale", "centroids") else count * self.chunk_len
+            t[n] = v.narrow(self._TOKEN_DIM[n], start, v.shape[self._TOKEN_DIM[n]] - start).contiguous()
+        return PackedSequence(t, self.spec, self.stages, self.chunk_len, self.dtype)
+
+    @property
+    def num_chunks(self) -> int:
+        return self.tensors["codes"].shape[2] // self.chunk_len
+
+    def last_centroids(self) -> torch.Tensor | None:
+        """The last chunk's centroids [S, B, H, K, D] (a view): the next chunk's k-means warm start."""
+        return self.tensors["centroids"][:, :, :, -1] if self.stages else None
+
     @property
     def shape(self) -> tuple[int, int, int, int]:
         b, h, n, w = self.tensors["codes"].shape

@@ -1,0 +1,269 @@
+"""`KVCache`: the one KV cache of every chunk-wise pipeline (and, later, the LLM side).
+
+Per layer, three zones, for keys and values alike ([B, H, tokens, D], H = kv heads):
+
+    | BF16 sink | compressed history (packed units) | BF16 pending | BF16 current |
+      first `sink_frames`   method's packed bytes      committed,     the chunk being denoised
+      frames, never evicted                            not yet packed (written at every step)
+
+- `write(layer, k, v)`: the current chunk's K/V, overwriting the previous write (each denoising step, then the
+  clean re-run at t=0).
+- `commit()` (after the clean re-run): the current chunk becomes history. The first `sink_frames` frames fill the
+  sink; after that chunks wait in the pending zone until `commit_every` of them are there, then they are
+  compressed as one unit (`qvg.compress`; qvg / qvg-pro warm-start k-means from the previous unit's centroids of
+  the same layer: the streaming centroid cache). With a rolling window (`window_frames`) the oldest units are
+  evicted so that at most `window_frames` past frames remain besides the sink.
+- `attend(layer, q)`: attention of q over sink + history + pending + current. On CUDA the history of rtn / qvg /
+  qvg-pro is read by the staged packed-attention kernel (the BF16 history is never allocated); kivi / quarot and
+  CPU decode the history first (the reference path). The BF16 zones are one contiguous buffer, read as a view.
+- `memory()`: bytes by component (codes, scales, ids, centroids, bf16) and in total, next to the BF16 bytes the
+  same tokens would take.
+
+Method "bf16" keeps everything in the BF16 buffer (no compression): the reference every method is compared with.
+Attention has no mask: past chunks are fully visible, the current chunk attends to itself (block-causal).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import compression
+from .attention import attend_reference
+from .packed import COMPONENTS
+from .sequence import PER_TOKEN_METHODS, PackedSequence
+
+CACHE_METHODS = ("bf16", *compression.methods())
+
+
+class _Layer:
+    """One layer's K and V zones."""
+
+    def __init__(self):
+        self.buf: list[torch.Tensor] | None = None  # [K, V] BF16 [B, H, capacity, D]: sink | pending | current
+        self.n_sink = 0  # tokens in the sink
+        self.n_pending = 0  # tokens committed but not packed (bf16: the whole history)
+        self.n_cur = 0  # tokens of the current chunk
+        self.hist: list = [None, None]  # K, V history: PackedSequence (rtn/qvg/qvg-pro) or list[Packed]
+        self.warm: list = [None, None]  # centroids of the last packed unit when no history holds them
+
+    def tail(self, i: int) -> torch.Tensor:
+        return self.buf[i][:, :, :self.n_sink + self.n_pending + self.n_cur]
+
+
+class KVCache:
+    """KV cache of `num_layers` layers. method: "bf16" or a `qvg.methods()` name; options: that method's
+    (`bits`, `block_size`, `stages`, `centroids`, ...). chunk_frames / tokens_per_frame: the chunk layout (every
+    write holds chunk_frames * tokens_per_frame tokens). sink_frames and window_frames are multiples of
+    chunk_frames; window_frames=None keeps the whole history."""
+
+    def __init__(self, num_layers: int, method: str = "qvg", *, chunk_frames: int, tokens_per_frame: int,
+                 sink_frames: int = 0, window_frames: int | None = None, commit_every: int = 1, **options):
+        if method not in CACHE_METHODS:
+            raise ValueError(f"unknown cache method {method!r}; choose one of: {', '.join(CACHE_METHODS)}")
+        for name, v in (("num_layers", num_layers), ("chunk_frames", chunk_frames),
+                        ("tokens_per_frame", tokens_per_frame), ("commit_every", commit_every)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        for name, v in (("sink_frames", sink_frames), ("window_frames", window_frames)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0 or v % chunk_frames):
+                raise ValueError(f"{name} must be a non-negative multiple of chunk_frames ({chunk_frames}), got {v!r}")
+        if method == "bf16" and options:
+            raise ValueError(f"method 'bf16' takes no options, got {', '.join(sorted(options))}")
+        self.method, self.options = method, dict(options)
+        self.chunk_frames, self.tokens_per_frame = chunk_frames, tokens_per_frame
+        self.sink_frames, self.window_frames, self.commit_every = sink_frames, window_frames, commit_every
+        self.num_layers = num_layers
+        self.layers = [_Layer() for _ in range(num_layers)]
+        self.frames = 0  # frames committed so far (the next chunk's start frame: its RoPE time offset)
+        self.commits = 0
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.chunk_frames * self.tokens_per_frame
+
+    # ---- writing ------------------------------------------------------------------------------------------
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the current chunk's K/V [B, H, chunk_tokens, D] of `layer` (overwrites the previous write)."""
+        if k.shape != v.shape or k.dim() != 4 or k.shape[2] != self.chunk_tokens:
+            raise ValueError(f"write expects k and v of shape [B, H, {self.chunk_tokens}, D], got "
+                             f"{tuple(k.shape)} and {tuple(v.shape)}")
+        L = self.layers[layer]
+        if L.buf is not None and (L.buf[0].shape[:2] != k.shape[:2] or L.buf[0].shape[3] != k.shape[3]
+                                  or L.buf[0].device != k.device):
+            if L.n_sink or L.n_pending or L.hist[0] is not None:
+                raise ValueError(f"layer {layer}: K/V of shape {tuple(k.shape)} on {k.device} do not match the "
+                                 f"cached tokens' {tuple(L.buf[0].shape)} on {L.buf[0].device}")
+            L.buf = None
+        start = L.n_sink + L.n_pending
+        need = start + self.chunk_tokens
+        if L.buf is None or L.buf[0].shape[2] < need:  # grows to sink + commit_every chunks (bf16: + history)
+            L.buf = [_grown(L.buf[i] if L.buf else None, start, need, k) for i in range(2)]
+        L.buf[0][:, :, start:need] = k
+        L.buf[1][:, :, start:need] = v
+        L.n_cur = self.chunk_tokens
+
+    def commit(self) -> None:
+        """Make the current chunk history in every layer (fill the sink, pack every `commit_every` chunks, evict
+        outside the window). Every layer must have been written since the last commit."""
+        for i, L in enumerate(self.layers):
+            if not L.n_cur:
+                raise RuntimeError(f"commit: layer {i} has no current chunk (write it first)")
+        for L in self.layers:
+            if L.n_sink < self.sink_frames * self.tokens_per_frame:
+                L.n_sink += L.n_cur
+            else:
+                L.n_pending += L.n_cur
+            L.n_cur = 0
+            if self.method != "bf16" and L.n_pending >= self.commit_every * self.chunk_tokens:
+                self._pack_pending(L)
+            self._evict(L)
+        self.frames += self.chunk_frames
+        self.commits += 1
+
+    def _pack_pending(self, L: _Layer) -> None:
+        a, b = L.n_sink, L.n_sink + L.n_pending
+        for i, role in enumerate(("key", "value")):
+            x = L.buf[i][:, :, a:b]
+            opts = dict(self.options)
+            if self.method == "kivi":  # the pending / current zones are KIVI's full-precision recent window
+                opts = {"role": role, "residual": 0, **opts}
+            warm = self._warm_start(L, i)
+            if warm is not None and "init" not in opts:
+                opts["init"] = warm
+            p = compression.compress(x, self.method, **opts)
+            if self.method in PER_TOKEN_METHODS:
+                L.hist[i] = PackedSequence.from_chunks([p]) if L.hist[i] is None else L.hist[i].append(p)
+            else:
+                L.hist[i] = (L.hist[i] or []) + [p]
+            L.warm[i] = None
+        L.n_pending = 0
+
+    def _warm_start(self, L: _Layer, i: int):
+        if self.method not in ("qvg", "qvg-pro") or self.options.get("stages") == 0:
+            return None
+        if L.hist[i] is not None:
+            return L.hist[i].last_centroids()
+        return L.warm[i]
+
+    def _evict(self, L: _Layer) -> None:
+        """Drop the oldest packed units, then (bf16, or a window shorter than a unit) the oldest pending chunks,
+        until at most window_frames past frames remain besides the sink."""
+        if self.window_frames is None:
+            return
+        limit = self.window_frames * self.tokens_per_frame
+        while L.hist[0] is not None and self._hist_tokens(L) + L.n_pending > limit:
+            for i in range(2):
+                h = L.hist[i]
+                if isinstance(h, PackedSequence):
+                    if h.num_chunks == 1 and h.stages:
+                        L.warm[i] = h.last_centroids().clone()  # the next unit still warm-starts from it
+                    L.hist[i] = h.drop_first(1)
+                else:
+                    L.hist[i] = h[1:] or None
+        over = L.n_pending - limit
+        if over > 0:
+            drop = -(-over // self.chunk_tokens) * self.chunk_tokens
+            keep = L.n_pending - drop
+            a = L.n_sink
+            if keep:
+                for buf in L.buf:
+                    buf[:, :, a:a + keep] = buf[:, :, a + drop:a + drop + keep].clone()
+            L.n_pending = keep
+
+    @staticmethod
+    def _hist_tokens(L: _Layer) -> int:
+        h = L.hist[0]
+        if h is None:
+            return 0
+        if isinstance(h, PackedSequence):
+            return h.shape[2]
+        return sum(p.shape[2] for p in h)
+
+    # ---- reading ------------------------------------------------------------------------------------------
+    def attend(self, layer: int, q: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+        """softmax(q K^T * scale) V over the layer's sink + history + pending + current tokens. q [B, Hq, M, D]
+        (Hq a multiple of the kv heads)."""
+        L = self.layers[layer]
+        if L.buf is None:
+            raise RuntimeError(f"attend: layer {layer} holds nothing (write the current chunk first)")
+        kt, vt = L.tail(0), L.tail(1)
+        kh, vh = L.hist
+        if kh is None:
+            return _sdpa(q, kt, vt, scale)
+        if isinstance(kh, PackedSequence):
+            from .backend import use_kernels
+            if use_kernels(q):
+                from .kernels.attention import staged_attention
+                return staged_attention(q, kh, vh, kt, vt, scale=scale)
+            return attend_reference(q, kh, vh, kt, vt, scale=scale)
+        k = torch.cat([compression.decompress(p).to(kt.dtype) for p in kh] + [kt], 2)
+        v = torch.cat([compression.decompress(p).to(vt.dtype) for p in vh] + [vt], 2)
+        return _sdpa(q, k, v, scale)
+
+    def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's K and V as BF16 [B, H, tokens, D] in attention order (decoded: tests and analyses only)."""
+        L = self.layers[layer]
+        out = []
+        for i in range(2):
+            h = L.hist[i]
+            parts = [L.buf[i][:, :, :L.n_sink]]
+            if isinstance(h, PackedSequence):
+                parts.append(h.decompress())
+            elif h is not None:
+                parts += [compression.decompress(p) for p in h]
+            parts.append(L.buf[i][:, :, L.n_sink:L.n_sink + L.n_pending + L.n_cur])
+            out.append(torch.cat([p.to(torch.bfloat16) for p in parts], 2))
+        return out[0], out[1]
+
+    # ---- accounting ---------------------------------------------------------------------------------------
+    def tokens(self, layer: int = 0) -> int:
+        """Tokens a chunk attends to in `layer` (sink + history + pending + current)."""
+        L = self.layers[layer]
+        return L.n_sink + self._hist_tokens(L) + L.n_pending + L.n_cur
+
+    def memory(self) -> dict:
+        """Bytes held, by component and in total, and the BF16 bytes of the same tokens. `bf16` counts the whole
+        allocated BF16 buffers (sink, pending and current zones, with their reserved room)."""
+        comp = {c: 0 for c in ("codes", "scales", "ids", "centroids", "bf16")}
+        equiv = 0
+        for L in self.layers:
+            if L.buf is None:
+                continue
+            b, h, _, d = L.buf[0].shape
+            comp["bf16"] += sum(t.numel() * t.element_size() for t in L.buf)
+            equiv += 2 * b * h * d * 2 * (L.n_sink + self._hist_tokens(L) + L.n_pending + L.n_cur)
+            for i in range(2):
+                hist = L.hist[i]
+                items = [] if hist is None else hist.tensors.items() if isinstance(hist, PackedSequence) else \
+                    [kv for p in hist for kv in p.tensors.items()]
+                for name, t in items:
+                    c = COMPONENTS.get(name, name)
+                    comp[c] = comp.get(c, 0) + t.numel() * t.element_size()
+                if L.warm[i] is not None:
+                    comp["centroids"] += L.warm[i].numel() * L.warm[i].element_size()
+        total = sum(comp.values())
+        return {**comp, "total": total, "bf16_equivalent": equiv,
+                "compression_ratio": equiv / total if total else 1.0}
+
+    def reset(self) -> None:
+        """Forget everything (a new video)."""
+        self.layers = [_Layer() for _ in range(self.num_layers)]
+        self.frames = 0
+        self.commits = 0
+
+
+def _grown(old: torch.Tensor | None, used: int, need: int, like: torch.Tensor) -> torch.Tensor:
+    """A BF16 [B, H, need, D] buffer holding the first `used` tokens of `old`."""
+    new = torch.empty(*like.shape[:2], need, like.shape[3], dtype=torch.bfloat16, device=like.device)
+    if old is not None and used:
+        new[:, :, :used] = old[:, :, :used]
+    return new
+
+
+def _sdpa(q, k, v, scale):
+    rep = q.shape[1] // k.shape[1]
+    if rep * k.shape[1] != q.shape[1]:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})")
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    return torch.nn.functional.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), scale=scale)
+

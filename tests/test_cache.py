@@ -1,0 +1,172 @@
+"""qvg.cache.KVCache: zones, commit / pack / evict bookkeeping, streaming warm start, attention and accounting."""
+import pytest
+import torch
+
+import qvg.compression
+from qvg.cache import CACHE_METHODS, KVCache
+
+B, H, D, TPF, CF = 1, 2, 64, 16, 2  # batch, kv heads, head dim, tokens per frame, frames per chunk
+T = TPF * CF  # tokens per chunk
+SMALL = {"qvg": dict(centroids=8), "qvg-pro": dict(centroids=8), "kivi": dict(), "rtn": dict(), "quarot": dict(),
+         "bf16": dict()}
+
+
+def _chunk(i, layers=1, scale=1.0):
+    g = torch.Generator().manual_seed(100 + i)
+    base = torch.randn(layers, 2, B, H, 1, D, generator=g) * 2  # a per-chunk offset: tokens cluster
+    x = base + torch.randn(layers, 2, B, H, T, D, generator=g) * scale
+    return x.to(torch.bfloat16)
+
+
+def _run(cache, n_chunks, layers=1):
+    """Commit n_chunks chunks (each written twice: a noisy step, then the clean re-run), return the clean ones."""
+    clean = []
+    for i in range(n_chunks):
+        x = _chunk(i, layers)
+        for layer in range(layers):
+            cache.write(layer, x[layer, 0] + 5, x[layer, 1] - 5)  # a denoising step's K/V, overwritten below
+            cache.write(layer, x[layer, 0], x[layer, 1])
+        cache.commit()
+        clean.append(x)
+    return clean
+
+
+def _full_attention(q, ks, vs):
+    k, v = torch.cat(ks, 2).float(), torch.cat(vs, 2).float()
+    return torch.nn.functional.scaled_dot_product_attention(q.float(), k, v)
+
+
+def test_bf16_cache_equals_attention_over_everything_written():
+    cache = KVCache(2, "bf16", chunk_frames=CF, tokens_per_frame=TPF)
+    clean = _run(cache, 3, layers=2)
+    cur = _chunk(9, layers=2)
+    q = torch.randn(B, H, T, D).to(torch.bfloat16)
+    for layer in range(2):
+        cache.write(layer, cur[layer, 0], cur[layer, 1])
+        want = _full_attention(q, [c[layer, 0] for c in clean] + [cur[layer, 0]],
+                               [c[layer, 1] for c in clean] + [cur[layer, 1]])
+        torch.testing.assert_close(cache.attend(layer, q).float(), want, atol=2e-2, rtol=2e-2)
+        k, v = cache.read(layer)
+        assert torch.equal(k, torch.cat([c[layer, 0] for c in clean] + [cur[layer, 0]], 2))
+    assert cache.frames == 3 * CF and cache.tokens() == 4 * T
+    mem = cache.memory()
+    assert mem["total"] == mem["bf16"] == mem["bf16_equivalent"] and mem["compression_ratio"] == 1.0
+
+
+@pytest.mark.parametrize("method", ["bf16", "qvg"])
+def test_rolling_window_keeps_the_sink_and_the_latest_frames(method):
+    cache = KVCache(1, method, chunk_frames=CF, tokens_per_frame=TPF, sink_frames=CF, window_frames=2 * CF,
+                    **SMALL[method])
+    clean = _run(cache, 6)
+    assert cache.tokens() == T + 2 * T  # sink + window, nothing current
+    k, _ = cache.read(0)
+    want = torch.cat([clean[0][0, 0], clean[4][0, 0], clean[5][0, 0]], 2)
+    assert k.shape == want.shape
+    assert torch.equal(k[:, :, :T], want[:, :, :T])  # the sink stays BF16, exactly
+    err = (k.float() - want.float()).norm() / want.float().norm()
+    assert err < (1e-6 if method == "bf16" else 0.25), err
+    assert cache.frames == 6 * CF
+
+
+def test_commit_every_k_chunks_keeps_them_pending_in_bf16():
+    cache = KVCache(1, "qvg", chunk_frames=CF, tokens_per_frame=TPF, commit_every=2, **SMALL["qvg"])
+    clean = _run(cache, 1)
+    L = cache.layers[0]
+    assert L.hist[0] is None and L.n_pending == T
+    k, _ = cache.read(0)
+    assert torch.equal(k, clean[0][0, 0])  # still exact
+    _run(cache, 1)
+    assert L.n_pending == 0 and L.hist[0].num_chunks == 1 and L.hist[0].chunk_len == 2 * T
+    _run(cache, 3)
+    assert L.hist[0].num_chunks == 2 and L.n_pending == T
+
+
+def test_streaming_warm_start_uses_the_previous_units_centroids(monkeypatch):
+    seen = []
+    real = qvg.compression.compress
+
+    def spy(x, method, **kw):
+        seen.append(kw.get("init"))
+        return real(x, method, **kw)
+    monkeypatch.setattr(qvg.compression, "compress", spy)
+    cache = KVCache(1, "qvg", chunk_frames=CF, tokens_per_frame=TPF, window_frames=CF, **SMALL["qvg"])
+    _run(cache, 1)
+    assert seen == [None, None]  # the first unit starts cold (K and V)
+    first_k = cache.layers[0].hist[0].last_centroids().clone()
+    _run(cache, 1)  # the window holds one chunk: the first unit is evicted, its centroids still warm-start
+    assert seen[2] is not None and torch.equal(seen[2], first_k)
+    assert cache.layers[0].hist[0].num_chunks == 1
+
+
+def test_overwrite_only_the_last_write_is_committed():
+    cache = KVCache(1, "bf16", chunk_frames=CF, tokens_per_frame=TPF)
+    clean = _run(cache, 1)
+    k, v = cache.read(0)
+    assert torch.equal(k, clean[0][0, 0]) and torch.equal(v, clean[0][0, 1])
+
+
+def test_qvg_int8_is_close_to_bf16():
+    ref = KVCache(1, "bf16", chunk_frames=CF, tokens_per_frame=TPF)
+    q8 = KVCache(1, "qvg", chunk_frames=CF, tokens_per_frame=TPF, bits=8, centroids=8)
+    _run(ref, 3)
+    _run(q8, 3)
+    q = torch.randn(B, H, T, D).to(torch.bfloat16)
+    cur = _chunk(7)
+    for c in (ref, q8):
+        c.write(0, cur[0, 0], cur[0, 1])
+    a, b = ref.attend(0, q).float(), q8.attend(0, q).float()
+    assert ((a - b).norm() / a.norm()) < 1e-2
+    assert q8.memory()["compression_ratio"] > 1.2
+
+
+@pytest.mark.parametrize("method", CACHE_METHODS)
+def test_every_method_attends_and_accounts(method):
+    cache = KVCache(1, method, chunk_frames=CF, tokens_per_frame=TPF, sink_frames=CF, **SMALL[method])
+    clean = _run(cache, 3)
+    q = torch.randn(B, H, T, D).to(torch.bfloat16)
+    cur = _chunk(8)
+    cache.write(0, cur[0, 0], cur[0, 1])
+    want = _full_attention(q, [c[0, 0] for c in clean] + [cur[0, 0]], [c[0, 1] for c in clean] + [cur[0, 1]])
+    got = cache.attend(0, q).float()
+    assert got.shape == want.shape and torch.isfinite(got).all()
+    assert ((got - want).norm() / want.norm()) < 0.35, method
+    mem = cache.memory()
+    parts = sum(v for k, v in mem.items() if k in ("codes", "scales", "ids", "centroids", "bf16"))
+    assert parts == mem["total"]
+    L = cache.layers[0]
+    held = sum(t.numel() * t.element_size() for t in L.buf)
+    for h in L.hist:
+        if h is not None:
+            held += h.nbytes if hasattr(h, "nbytes") else sum(p.nbytes for p in h)
+    assert mem["total"] == held
+    assert mem["bf16_equivalent"] == 2 * B * H * D * 2 * 4 * T
+
+
+def test_deterministic():
+    outs = []
+    for _ in range(2):
+        cache = KVCache(1, "qvg", chunk_frames=CF, tokens_per_frame=TPF, **SMALL["qvg"])
+        _run(cache, 2)
+        outs.append(cache.read(0)[0])
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="unknown cache method"):
+        KVCache(1, "fp4", chunk_frames=CF, tokens_per_frame=TPF)
+    with pytest.raises(ValueError, match="multiple of chunk_frames"):
+        KVCache(1, "qvg", chunk_frames=3, tokens_per_frame=TPF, sink_frames=1)
+    with pytest.raises(ValueError, match="positive integer"):
+        KVCache(1, "qvg", chunk_frames=CF, tokens_per_frame=TPF, commit_every=0)
+    with pytest.raises(ValueError, match="takes no options"):
+        KVCache(1, "bf16", chunk_frames=CF, tokens_per_frame=TPF, bits=2)
+    cache = KVCache(1, "qvg", chunk_frames=CF, tokens_per_frame=TPF, **SMALL["qvg"])
+    with pytest.raises(RuntimeError, match="write it first"):
+        cache.commit()
+    with pytest.raises(RuntimeError, match="holds nothing"):
+        cache.attend(0, torch.randn(B, H, T, D))
+    with pytest.raises(ValueError, match="expects k and v"):
+        cache.write(0, torch.randn(B, H, T + 1, D), torch.randn(B, H, T + 1, D))
+    _run(cache, 1)
+    with pytest.raises(ValueError, match="do not match"):
+        cache.write(0, torch.randn(B, H + 1, T, D), torch.randn(B, H + 1, T, D))
