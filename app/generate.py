@@ -1,18 +1,255 @@
-"""`qvg-generate`: the main job's CLI. The chunk-wise generation pipeline lands with issue 4; until then this
-command says so instead of pretending."""
+"""`qvg-generate`: generate a video chunk by chunk with the history in a compressed KV cache; write an mp4 and a
+JSON report (method, options, frames, seconds, KV bytes by component, BF16-equivalent bytes, compression ratio,
+peak GPU memory, device, commit) next to it.
+
+Bad input gives one `qvg-generate: error: ...` line and exit status 2; nothing is left behind (the mp4 and the
+JSON are written to temporary files and renamed into place only when both are complete).
+"""
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import subprocess
 import sys
+import tempfile
+import time
+from pathlib import Path
+
+PIPELINES = ("tiny", "self-forcing")
+DEFAULT_PROMPT = "a red fox running through fresh snow, cinematic"
+
+
+class UsageError(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from qvg.cache import CACHE_METHODS
+    p = _Parser(prog="qvg-generate", description=__doc__.splitlines()[0])
+    p.add_argument("--pipeline", default="tiny", help=f"one of {', '.join(PIPELINES)} (default tiny: the embedded model)")
+    p.add_argument("--checkpoint", default=None, help="checkpoint directory (self-forcing)")
+    p.add_argument("--prompt", default=DEFAULT_PROMPT)
+    p.add_argument("--frames", default="49", help="video frames to write (default 49: about 3 s at 16 fps)")
+    p.add_argument("--method", default="qvg", help=f"KV cache method: {', '.join(CACHE_METHODS)} (default qvg)")
+    p.add_argument("--bits", default=None, help="2, 4 or 8 (default: the method's)")
+    p.add_argument("--stages", default=None, help="k-means stages S (qvg, qvg-pro)")
+    p.add_argument("--block-size", default=None, help="quantization group size (divides the head dim)")
+    p.add_argument("--centroids", default=None, help="k-means centroids K (qvg, qvg-pro)")
+    p.add_argument("--commit-every", default="1", help="compress every k chunks (default 1)")
+    p.add_argument("--history", default="full", help="full, or window:N (keep N past latent frames)")
+    p.add_argument("--sink", default="0", help="latent frames kept in BF16 at the start (a multiple of 3)")
+    p.add_argument("--seed", default="0")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
+    p.add_argument("--out", default="qvg-output.mp4", help="output .mp4 (the .json report goes beside it)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def _int(name: str, value, lo: int | None = None, hi: int | None = None, allow_none: bool = False):
+    if value is None and allow_none:
+        return None
+    try:
+        v = int(str(value), 10)
+    except ValueError:
+        raise UsageError(f"--{name} must be an integer, got {value!r}") from None
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise UsageError(f"--{name} must be {rng}, got {v}")
+    return v
+
+
+def _commit() -> str:
+    try:
+        root = Path(__file__).resolve().parent.parent
+        return subprocess.check_output(["git", "-C", str(root), "rev-parse", "HEAD"], text=True,
+                                       stderr=subprocess.DEVNULL).strip()
+    except Exception:
+        import qvg
+        return f"qvg {qvg.__version__} (no git checkout)"
+
+
+def parse(argv) -> dict:
+    """Check every argument (cheap checks first, before any model is built) -> the run's settings."""
+    import torch
+
+    from qvg.cache import CACHE_METHODS
+    a = build_parser().parse_args(argv)
+    if a.pipeline not in PIPELINES:
+        raise UsageError(f"unknown pipeline {a.pipeline!r}; choose one of: {', '.join(PIPELINES)}")
+    if a.method not in CACHE_METHODS:
+        raise UsageError(f"unknown method {a.method!r}; choose one of: {', '.join(CACHE_METHODS)}")
+    s = {"pipeline": a.pipeline, "method": a.method, "prompt": a.prompt, "quiet": a.quiet,
+         "frames": _int("frames", a.frames, 1, 100000), "seed": _int("seed", a.seed, 0),
+         "commit_every": _int("commit-every", a.commit_every, 1, 1000), "sink": _int("sink", a.sink, 0)}
+    opts = {"bits": _int("bits", a.bits, allow_none=True), "stages": _int("stages", a.stages, 0, 16, True),
+            "block_size": _int("block-size", a.block_size, 1, allow_none=True),
+            "centroids": _int("centroids", a.centroids, 1, 65536, True)}
+    if opts["bits"] is not None and opts["bits"] not in (2, 4, 8):
+        raise UsageError(f"--bits must be 2, 4 or 8, got {opts['bits']}")
+    s["options"] = {k: v for k, v in opts.items() if v is not None}
+    if a.method == "bf16" and s["options"]:
+        raise UsageError(f"--method bf16 stores BF16: {', '.join('--' + k.replace('_', '-') for k in s['options'])}"
+                         " do not apply")
+    if a.history == "full":
+        s["window"] = None
+    elif a.history.startswith("window:"):
+        s["window"] = _int("history window", a.history.split(":", 1)[1], 1)
+    else:
+        raise UsageError(f"--history must be 'full' or 'window:N', got {a.history!r}")
+    dev = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(dev)
+    except (RuntimeError, ValueError):
+        raise UsageError(f"--device: not a device: {a.device!r}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA GPU is available")
+    if dev.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device must be cpu or cuda[:N], got {a.device!r}")
+    s["device"] = dev
+    out = Path(a.out)
+    if out.suffix.lower() != ".mp4":
+        raise UsageError(f"--out must end in .mp4, got {a.out!r}")
+    parent = out.resolve().parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise UsageError(f"--out: cannot write to {str(parent)!r} (no such directory or not writable)")
+    if out.is_dir():
+        raise UsageError(f"--out: {a.out!r} is a directory")
+    s["out"] = out
+    if a.pipeline == "self-forcing":
+        if not a.checkpoint:
+            raise UsageError("--pipeline self-forcing needs --checkpoint DIR")
+        if not Path(a.checkpoint).is_dir():
+            raise UsageError(f"--checkpoint: no such directory: {a.checkpoint!r}")
+    elif a.checkpoint:
+        raise UsageError("--checkpoint applies to --pipeline self-forcing")
+    s["checkpoint"] = a.checkpoint
+    return s
+
+
+def _model(s):
+    if s["pipeline"] == "tiny":
+        from qvg.pipelines import tiny
+        transformer, vae, text = tiny.build_tiny(seed=0, device=s["device"])
+        return transformer, vae, text, tiny.FPS, (8, 8), tiny.latent_frames_for(s["frames"])
+    raise UsageError("--pipeline self-forcing: loading the Self-Forcing / Wan2.1 checkpoint is not implemented yet "
+                     "(use --pipeline tiny)")
+
+
+def _cache(s, transformer, latent_hw):
+    from qvg.cache import KVCache
+    from qvg.compression import resolve_options
+    cf = 3
+    tpf = transformer.tokens_per_latent_frame(*latent_hw)
+    heads, hd = transformer.config.num_attention_heads, transformer.config.attention_head_dim
+    opts = dict(s["options"])
+    unit = cf * tpf * s["commit_every"]
+    if s["method"] in ("qvg", "qvg-pro") and "centroids" not in opts:
+        opts["centroids"] = min(256, max(1, unit // 4))  # the preset's 256, or fewer on small chunks
+    if s["method"] != "bf16":
+        try:
+            resolve_options(s["method"], (1, heads, unit, hd), **opts)
+        except ValueError as e:
+            raise UsageError(f"--method {s['method']}: {e}") from None
+        if opts.get("centroids", 0) > unit:
+            raise UsageError(f"--centroids {opts['centroids']} > tokens per compressed unit ({unit})")
+    for name, frames in (("sink", s["sink"]), ("history window", s["window"])):
+        if frames is not None and frames % cf:
+            raise UsageError(f"--{name} must be a multiple of the chunk size ({cf} latent frames), got {frames}")
+    s["options"] = opts
+    return KVCache(len(transformer.blocks), s["method"], chunk_frames=cf, tokens_per_frame=tpf,
+                   sink_frames=s["sink"], window_frames=s["window"], commit_every=s["commit_every"], **opts)
+
+
+def run(s) -> dict:
+    import numpy as np
+    import torch
+    from tqdm import tqdm
+
+    from qvg.pipelines.self_forcing import SelfForcingPipeline
+    dev = s["device"]
+    transformer, vae, text_encoder, fps, latent_hw, latent_frames = _model(s)
+    cache = _cache(s, transformer, latent_hw)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    pipe = SelfForcingPipeline(transformer, vae)
+    out: Path = s["out"]
+    fd_v, tmp_video = tempfile.mkstemp(prefix=f".{out.stem}.", suffix=".mp4", dir=out.resolve().parent)
+    os.close(fd_v)
+    tmp_json = tmp_video[:-4] + ".json"
+    t0 = time.perf_counter()
+    written, peak_kv = 0, None
+    try:
+        import imageio.v2 as imageio
+        writer = imageio.get_writer(tmp_video, fps=fps, codec="libx264", quality=8, macro_block_size=1)
+        chunks = -(-latent_frames // pipe.chunk_frames)
+        bar = tqdm(total=chunks, desc=f"{s['method']} chunks", unit="chunk", disable=s["quiet"], file=sys.stderr)
+        with writer:
+            for res in pipe.generate(text_encoder(s["prompt"]), latent_frames, latent_hw, cache, seed=s["seed"]):
+                mem = cache.memory()
+                peak_kv = mem if peak_kv is None or mem["total"] > peak_kv["total"] else peak_kv
+                frames = ((res.video[0].permute(1, 2, 3, 0).float().cpu().numpy() + 1) * 127.5).round()
+                for f in frames.clip(0, 255).astype(np.uint8):
+                    if written < s["frames"]:
+                        writer.append_data(f)
+                        written += 1
+                bar.set_postfix(kv=f"{mem['total'] / 2**20:.1f} MiB", ratio=f"{mem['compression_ratio']:.2f}x")
+                bar.update(1)
+        bar.close()
+        seconds = time.perf_counter() - t0
+        mem = peak_kv
+        report = {
+            "method": s["method"], "options": s["options"], "pipeline": s["pipeline"], "prompt": s["prompt"],
+            "seed": s["seed"], "frames": written, "fps": fps, "latent_frames": latent_frames,
+            "history": "full" if s["window"] is None else f"window:{s['window']}", "sink": s["sink"],
+            "commit_every": s["commit_every"], "seconds": round(seconds, 3),
+            "kv_bytes": {k: mem[k] for k in ("codes", "scales", "ids", "centroids", "bf16", "total")},
+            "bf16_equivalent_bytes": mem["bf16_equivalent"], "compression_ratio": round(mem["compression_ratio"], 4),
+            "kv_bytes_note": "the cache at its largest during the run (after the last chunk for full history)",
+            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({os.cpu_count()} cores)",
+            "commit": _commit(),
+        }
+        if dev.type == "cuda":
+            report["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(dev)
+        with open(tmp_json, "w") as f:
+            json.dump(report, f, indent=1)
+        mode = 0o666 & ~_umask()
+        os.chmod(tmp_video, mode)
+        os.chmod(tmp_json, mode)
+        os.replace(tmp_video, out)
+        os.replace(tmp_json, out.with_suffix(".json"))
+        return report
+    finally:
+        for t in (tmp_video, tmp_json):
+            if os.path.exists(t):
+                os.remove(t)
+
+
+def _umask() -> int:
+    m = os.umask(0)
+    os.umask(m)
+    return m
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if any(a in ("-h", "--help") for a in argv):
-        print("usage: qvg-generate [options]\n\nGenerates video chunk by chunk with a QVG-compressed KV cache.\n"
-              "Not yet available: the generation pipeline lands with issue 4.")
-        return 0
-    print("qvg-generate: not yet: the chunk-wise generation pipeline lands with issue 4. The compression core is "
-          "here: try `python -m qvg.eval.kv_analysis` or `import qvg; qvg.compress(...)`.")
+    try:
+        s = parse(argv)
+        report = run(s)
+    except UsageError as e:
+        print(f"qvg-generate: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("qvg-generate: interrupted; nothing written", file=sys.stderr)
+        return 130
+    print(f"wrote {s['out']} ({report['frames']} frames, {report['seconds']:.1f} s; KV cache "
+          f"{report['kv_bytes']['total'] / 2**20:.2f} MiB, {report['compression_ratio']:.2f}x smaller than BF16) "
+          f"and {s['out'].with_suffix('.json')}")
     return 0
 
 

@@ -1,0 +1,115 @@
+"""The Self-Forcing chunk-wise loop (model + cache + loop), and the streaming VAE decode.
+
+Per chunk of `chunk_frames` latent frames, starting from noise: for each of the few denoising steps the causal
+transformer predicts the flow v (= noise - x0) at the step's noise level sigma, x0 = x_t - sigma v, and the next
+step re-noises x0 to its own sigma with fresh noise. After the last step the clean x0 runs once more at t = 0,
+which writes the clean K/V into the cache, and the cache commits the chunk. Steps: the timesteps
+[1000, 750, 500, 250] warped by the flow-matching shift (5.0): sigma = shift s / (1 + (shift - 1) s), s = t/1000.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+
+def flow_sigmas(steps=(1000, 750, 500, 250), shift: float = 5.0, train_steps: int = 1000) -> list[float]:
+    """The denoising steps' noise levels (sigma in (0, 1]) after the shift warp."""
+    out = []
+    for t in steps:
+        s = t / train_steps
+        out.append(shift * s / (1 + (shift - 1) * s))
+    return out
+
+
+@dataclass
+class ChunkResult:
+    index: int  # chunk number
+    first_frame: int  # its first latent frame
+    latents: torch.Tensor  # [B, C, chunk_frames, h, w], the clean prediction
+    video: torch.Tensor | None  # decoded frames [B, 3, frames, H, W] in [-1, 1] (with a VAE)
+
+
+class StreamingVAEDecoder:
+    """Decodes latents chunk by chunk with diffusers' causal Wan VAE, keeping its temporal feature cache between
+    chunks, so every chunk's frames exist as soon as it is done and equal a one-shot decode of all latents."""
+
+    def __init__(self, vae):
+        self.vae = vae
+        cfg = vae.config
+        self.mean = torch.tensor(cfg.latents_mean).view(1, -1, 1, 1, 1)
+        self.std = torch.tensor(cfg.latents_std).view(1, -1, 1, 1, 1)
+        self.reset()
+
+    def reset(self) -> None:
+        self.vae.clear_cache()
+        self.first = True
+
+    @torch.no_grad()
+    def decode(self, z: torch.Tensor, normalized: bool = True) -> torch.Tensor:
+        """z [B, C, f, h, w] (normalized latents, as the transformer makes them) -> frames [B, 3, F, H, W]."""
+        vae = self.vae
+        if normalized:
+            z = z * self.std.to(z) + self.mean.to(z)
+        x = vae.post_quant_conv(z.to(vae.dtype))
+        outs = []
+        for i in range(x.shape[2]):
+            vae._conv_idx = [0]
+            outs.append(vae.decoder(x[:, :, i:i + 1], feat_cache=vae._feat_map, feat_idx=vae._conv_idx,
+                                    first_chunk=self.first))
+            self.first = False
+        out = torch.cat(outs, 2)
+        if getattr(vae.config, "patch_size", None) is not None:
+            from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
+            out = unpatchify(out, patch_size=vae.config.patch_size)
+        return out.clamp(-1.0, 1.0)
+
+
+class SelfForcingPipeline:
+    """transformer: a CausalWanTransformer; vae: a diffusers AutoencoderKLWan or None (latents only)."""
+
+    def __init__(self, transformer, vae=None, *, chunk_frames: int = 3, steps=(1000, 750, 500, 250),
+                 shift: float = 5.0):
+        self.transformer, self.vae = transformer, vae
+        self.chunk_frames = chunk_frames
+        self.sigmas = flow_sigmas(steps, shift)
+
+    @torch.no_grad()
+    def generate(self, text: torch.Tensor, latent_frames: int, latent_hw: tuple[int, int], cache, *, seed: int = 0,
+                 batch: int = 1) -> Iterator[ChunkResult]:
+        """Yield the chunks of a video of `latent_frames` latent frames (the last chunk cut to fit). text:
+        encoder hidden states [B, L, text_dim]; cache: a qvg.cache.KVCache (reset here)."""
+        from .causal_wan import CrossKV
+        if latent_frames < 1:
+            raise ValueError(f"latent_frames must be >= 1, got {latent_frames}")
+        model = self.transformer
+        dev, dtype = model.device, model.dtype
+        cf = self.chunk_frames
+        h, w = latent_hw
+        chunks = -(-latent_frames // cf)
+        cache.reset()
+        cross = CrossKV()
+        decoder = StreamingVAEDecoder(self.vae) if self.vae is not None else None
+        gen = torch.Generator().manual_seed(seed)  # CPU draws: the same noise on every device
+        text = text.to(dev, dtype)
+        shape = (batch, model.config.in_channels, cf, h, w)
+        for c in range(chunks):
+            f0 = c * cf
+            x = torch.randn(shape, generator=gen).to(dev, dtype)
+            x0 = x
+            for i, sigma in enumerate(self.sigmas):
+                t = torch.full((batch,), sigma * 1000.0, device=dev)
+                v = model(x, t, text, frame_offset=f0, cache=cache, cross=cross)
+                x0 = (x.float() - sigma * v.float()).to(dtype)
+                if i + 1 < len(self.sigmas):
+                    nxt = self.sigmas[i + 1]
+                    noise = torch.randn(shape, generator=gen).to(dev, torch.float32)
+                    x = ((1 - nxt) * x0.float() + nxt * noise).to(dtype)
+            if c + 1 < chunks:  # the clean re-run at t = 0 writes the chunk's clean K/V, then it becomes history
+                model(x0, torch.zeros(batch, device=dev), text, frame_offset=f0, cache=cache, cross=cross)
+                cache.commit()
+            keep = min(cf, latent_frames - f0)
+            lat = x0[:, :, :keep]
+            video = decoder.decode(lat.float()) if decoder is not None else None
+            yield ChunkResult(c, f0, lat, video)

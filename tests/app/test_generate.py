@@ -1,0 +1,60 @@
+"""qvg-generate: the mp4 + JSON it writes, and bad input (one error line, exit 2, nothing left behind)."""
+import json
+
+import pytest
+
+from qvg.app.generate import main
+
+KEYS = {"method", "options", "frames", "seconds", "kv_bytes", "bf16_equivalent_bytes", "compression_ratio", "device",
+        "commit"}
+
+
+@pytest.mark.parametrize("method", ["qvg", "bf16"])
+def test_writes_mp4_and_report(tmp_path, method, capsys):
+    out = tmp_path / "v.mp4"
+    assert main(["--frames", "13", "--method", method, "--out", str(out), "--quiet"]) == 0
+    rep = json.loads(out.with_suffix(".json").read_text())
+    assert KEYS <= set(rep) and rep["frames"] == 13 and rep["method"] == method
+    assert set(rep["kv_bytes"]) == {"codes", "scales", "ids", "centroids", "bf16", "total"}
+    assert rep["kv_bytes"]["total"] == sum(v for k, v in rep["kv_bytes"].items() if k != "total")
+    import imageio.v3 as iio
+    frames = iio.imread(out)
+    assert frames.shape == (13, 64, 64, 3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v.json", "v.mp4"]
+    if method == "bf16":
+        assert rep["compression_ratio"] == 1.0
+
+
+BAD = [
+    (["--bits", "3"], "--bits must be 2, 4 or 8"),
+    (["--frames", "0"], "--frames must be in"),
+    (["--frames", "x"], "--frames must be an integer"),
+    (["--method", "fp4"], "unknown method"),
+    (["--pipeline", "ltx"], "unknown pipeline"),
+    (["--block-size", "48"], "not divisible by block_size"),
+    (["--stages", "17"], "--stages must be in"),
+    (["--centroids", "0"], "--centroids must be in"),
+    (["--centroids", "5000"], "centroids (5000) > tokens"),
+    (["--history", "last"], "--history must be"),
+    (["--sink", "2"], "multiple of the chunk size"),
+    (["--pipeline", "self-forcing"], "needs --checkpoint"),
+    (["--pipeline", "self-forcing", "--checkpoint", "/no/such/dir"], "no such directory"),
+    (["--method", "bf16", "--bits", "2"], "do not apply"),
+    (["--device", "tpu"], "--device"),
+    (["--unknown-flag"], "unrecognized arguments"),
+]
+
+
+@pytest.mark.parametrize("args,msg", BAD)
+def test_bad_input_one_line_exit_2_nothing_written(tmp_path, capsys, args, msg):
+    out = tmp_path / "v.mp4"
+    assert main(args + ["--out", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("qvg-generate: error:") and msg in err[0], err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_unwritable_output(tmp_path, capsys):
+    assert main(["--out", str(tmp_path / "missing" / "v.mp4"), "--quiet"]) == 2
+    assert main(["--out", str(tmp_path / "v.avi"), "--quiet"]) == 2
+    assert list(tmp_path.iterdir()) == []
