@@ -85,7 +85,7 @@ def parse(argv) -> dict:
     if a.method not in CACHE_METHODS:
         raise UsageError(f"unknown method {a.method!r}; choose one of: {', '.join(CACHE_METHODS)}")
     s = {"pipeline": a.pipeline, "method": a.method, "prompt": a.prompt, "quiet": a.quiet,
-         "frames": _int("frames", a.frames, 1, 100000), "seed": _int("seed", a.seed, 0),
+         "frames": _int("frames", a.frames, 1, 100000), "seed": _int("seed", a.seed, 0, 2**63 - 1),
          "commit_every": _int("commit-every", a.commit_every, 1, 1000), "sink": _int("sink", a.sink, 0)}
     opts = {"bits": _int("bits", a.bits, allow_none=True), "stages": _int("stages", a.stages, 0, 16, True),
             "block_size": _int("block-size", a.block_size, 1, allow_none=True),
@@ -111,6 +111,8 @@ def parse(argv) -> dict:
         raise UsageError("--device cuda: no CUDA GPU is available")
     if dev.type not in ("cpu", "cuda"):
         raise UsageError(f"--device must be cpu or cuda[:N], got {a.device!r}")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise UsageError(f"--device {a.device}: there are {torch.cuda.device_count()} CUDA devices")
     s["device"] = dev
     out = Path(a.out)
     if out.suffix.lower() != ".mp4":
@@ -118,8 +120,9 @@ def parse(argv) -> dict:
     parent = out.resolve().parent
     if not parent.is_dir() or not os.access(parent, os.W_OK):
         raise UsageError(f"--out: cannot write to {str(parent)!r} (no such directory or not writable)")
-    if out.is_dir():
-        raise UsageError(f"--out: {a.out!r} is a directory")
+    for path in (out, out.with_suffix(".json")):
+        if path.is_dir():
+            raise UsageError(f"--out: {str(path)!r} is a directory")
     s["out"] = out
     if a.pipeline == "self-forcing":
         if not a.checkpoint:
@@ -152,12 +155,19 @@ def _cache(s, transformer, latent_hw):
     if s["method"] in ("qvg", "qvg-pro") and "centroids" not in opts:
         opts["centroids"] = min(256, max(1, unit // 4))  # the preset's 256, or fewer on small chunks
     if s["method"] != "bf16":
-        try:
-            resolve_options(s["method"], (1, heads, unit, hd), **opts)
+        try:  # kivi compresses keys and values with different roles: check both
+            for role in (("key", "value") if s["method"] == "kivi" else (None,)):
+                resolved = resolve_options(s["method"], (1, heads, unit, hd), **opts,
+                                           **({"role": role, "residual": 0} if role else {}))
         except ValueError as e:
             raise UsageError(f"--method {s['method']}: {e}") from None
+        s["resolved_options"] = {k: v for k, v in resolved.items() if k not in ("role", "residual")}
         if opts.get("centroids", 0) > unit:
             raise UsageError(f"--centroids {opts['centroids']} > tokens per compressed unit ({unit})")
+    rope_frames = transformer.config.rope_max_seq_len
+    if s["latent_frames"] > rope_frames:
+        raise UsageError(f"--frames {s['frames']}: {s['latent_frames']} latent frames exceed the model's "
+                         f"{rope_frames}-frame RoPE table")
     for name, frames in (("sink", s["sink"]), ("history window", s["window"])):
         if frames is not None and frames % cf:
             raise UsageError(f"--{name} must be a multiple of the chunk size ({cf} latent frames), got {frames}")
@@ -174,6 +184,7 @@ def run(s) -> dict:
     from qvg.pipelines.self_forcing import SelfForcingPipeline
     dev = s["device"]
     transformer, vae, text_encoder, fps, latent_hw, latent_frames = _model(s)
+    s["latent_frames"] = -(-latent_frames // 3) * 3  # whole chunks are generated
     cache = _cache(s, transformer, latent_hw)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
@@ -204,7 +215,8 @@ def run(s) -> dict:
         seconds = time.perf_counter() - t0
         mem = peak_kv
         report = {
-            "method": s["method"], "options": s["options"], "pipeline": s["pipeline"], "prompt": s["prompt"],
+            "method": s["method"], "options": s.get("resolved_options", {}), "pipeline": s["pipeline"],
+            "prompt": s["prompt"],
             "seed": s["seed"], "frames": written, "fps": fps, "latent_frames": latent_frames,
             "history": "full" if s["window"] is None else f"window:{s['window']}", "sink": s["sink"],
             "commit_every": s["commit_every"], "seconds": round(seconds, 3),
@@ -222,7 +234,11 @@ def run(s) -> dict:
         os.chmod(tmp_video, mode)
         os.chmod(tmp_json, mode)
         os.replace(tmp_video, out)
-        os.replace(tmp_json, out.with_suffix(".json"))
+        try:
+            os.replace(tmp_json, out.with_suffix(".json"))
+        except BaseException:
+            os.remove(out)  # both or neither
+            raise
         return report
     finally:
         for t in (tmp_video, tmp_json):
@@ -247,6 +263,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("qvg-generate: interrupted; nothing written", file=sys.stderr)
         return 130
+    except Exception as e:  # anything else (ffmpeg, disk full, out of memory): one line, nothing left behind
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        print(f"qvg-generate: error: {type(e).__name__}: {msg}; nothing written", file=sys.stderr)
+        return 1
     print(f"wrote {s['out']} ({report['frames']} frames, {report['seconds']:.1f} s; KV cache "
           f"{report['kv_bytes']['total'] / 2**20:.2f} MiB, {report['compression_ratio']:.2f}x smaller than BF16) "
           f"and {s['out'].with_suffix('.json')}")

@@ -56,7 +56,8 @@ class _Context:
 
 
 class CrossKV:
-    """Text K/V per layer, computed at the first forward with a prompt and reused (one per prompt)."""
+    """Text K/V per layer, computed at the first forward and reused: one CrossKV per prompt (a new prompt needs a
+    new CrossKV; the pipeline makes one per `generate` call)."""
 
     def __init__(self):
         self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}

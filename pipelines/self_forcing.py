@@ -106,9 +106,10 @@ class SelfForcingPipeline:
                     nxt = self.sigmas[i + 1]
                     noise = torch.randn(shape, generator=gen).to(dev, torch.float32)
                     x = ((1 - nxt) * x0.float() + nxt * noise).to(dtype)
-            if c + 1 < chunks:  # the clean re-run at t = 0 writes the chunk's clean K/V, then it becomes history
-                model(x0, torch.zeros(batch, device=dev), text, frame_offset=f0, cache=cache, cross=cross)
-                cache.commit()
+            # the clean re-run at t = 0 writes the chunk's clean K/V, then it becomes history (the last chunk too:
+            # the cache then holds the whole video, ready for a continuation)
+            model(x0, torch.zeros(batch, device=dev), text, frame_offset=f0, cache=cache, cross=cross)
+            cache.commit()
             keep = min(cf, latent_frames - f0)
             lat = x0[:, :, :keep]
             video = decoder.decode(lat.float()) if decoder is not None else None

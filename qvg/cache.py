@@ -12,7 +12,8 @@ Per layer, three zones, for keys and values alike ([B, H, tokens, D], H = kv hea
   sink; after that chunks wait in the pending zone until `commit_every` of them are there, then they are
   compressed as one unit (`qvg.compress`; qvg / qvg-pro warm-start k-means from the previous unit's centroids of
   the same layer: the streaming centroid cache). With a rolling window (`window_frames`) the oldest units are
-  evicted so that at most `window_frames` past frames remain besides the sink.
+  evicted while `window_frames` past frames would still remain besides the sink (exactly that many with
+  commit_every = 1; units of several chunks can leave up to a unit less one chunk more).
 - `attend(layer, q)`: attention of q over sink + history + pending + current. On CUDA the history of rtn / qvg /
   qvg-pro is read by the staged packed-attention kernel (the BF16 history is never allocated); kivi / quarot and
   CPU decode the history first (the reference path). The BF16 zones are one contiguous buffer, read as a view.
@@ -145,12 +146,14 @@ class KVCache:
         return L.warm[i]
 
     def _evict(self, L: _Layer) -> None:
-        """Drop the oldest packed units, then (bf16, or a window shorter than a unit) the oldest pending chunks,
-        until at most window_frames past frames remain besides the sink."""
+        """Drop the oldest packed units while at least window_frames past frames (besides the sink) remain
+        without them, then (bf16, or pending chunks beyond the window) the oldest pending chunks. With
+        commit_every = 1 exactly window_frames remain; with larger units up to a unit less one chunk more."""
         if self.window_frames is None:
             return
         limit = self.window_frames * self.tokens_per_frame
-        while L.hist[0] is not None and self._hist_tokens(L) + L.n_pending > limit:
+        unit = self.commit_every * self.chunk_tokens
+        while L.hist[0] is not None and self._hist_tokens(L) + L.n_pending - unit >= limit:
             for i in range(2):
                 h = L.hist[i]
                 if isinstance(h, PackedSequence):
@@ -159,9 +162,9 @@ class KVCache:
                     L.hist[i] = h.drop_first(1)
                 else:
                     L.hist[i] = h[1:] or None
-        over = L.n_pending - limit
-        if over > 0:
-            drop = -(-over // self.chunk_tokens) * self.chunk_tokens
+        over = self._hist_tokens(L) + L.n_pending - limit
+        if over > 0 and L.n_pending and L.hist[0] is None:
+            drop = min(L.n_pending, -(-over // self.chunk_tokens) * self.chunk_tokens)
             keep = L.n_pending - drop
             a = L.n_sink
             if keep:
@@ -222,15 +225,17 @@ class KVCache:
 
     def memory(self) -> dict:
         """Bytes held, by component and in total, and the BF16 bytes of the same tokens. `bf16` counts the whole
-        allocated BF16 buffers (sink, pending and current zones, with their reserved room)."""
+        allocated BF16 buffers (sink, pending and current zones, with their reserved room); the BF16 equivalent
+        counts that room too (a BF16 cache reserves it alike), so method "bf16" is always 1.0x."""
         comp = {c: 0 for c in ("codes", "scales", "ids", "centroids", "bf16")}
         equiv = 0
         for L in self.layers:
             if L.buf is None:
                 continue
-            b, h, _, d = L.buf[0].shape
+            b, h, cap, d = L.buf[0].shape
             comp["bf16"] += sum(t.numel() * t.element_size() for t in L.buf)
-            equiv += 2 * b * h * d * 2 * (L.n_sink + self._hist_tokens(L) + L.n_pending + L.n_cur)
+            room = cap - (L.n_sink + L.n_pending + L.n_cur)  # reserved BF16 room: the same for a BF16 cache
+            equiv += 2 * b * h * d * 2 * (L.n_sink + self._hist_tokens(L) + L.n_pending + L.n_cur + room)
             for i in range(2):
                 hist = L.hist[i]
                 items = [] if hist is None else hist.tensors.items() if isinstance(hist, PackedSequence) else \

@@ -92,10 +92,34 @@ def test_streaming_warm_start_uses_the_previous_units_centroids(monkeypatch):
     cache = KVCache(1, "qvg", chunk_frames=CF, tokens_per_frame=TPF, window_frames=CF, **SMALL["qvg"])
     _run(cache, 1)
     assert seen == [None, None]  # the first unit starts cold (K and V)
-    first_k = cache.layers[0].hist[0].last_centroids().clone()
-    _run(cache, 1)  # the window holds one chunk: the first unit is evicted, its centroids still warm-start
-    assert seen[2] is not None and torch.equal(seen[2], first_k)
+    first = [h.last_centroids().clone() for h in cache.layers[0].hist]
+    _run(cache, 1)  # from the live history
+    assert torch.equal(seen[2], first[0]) and torch.equal(seen[3], first[1])
     assert cache.layers[0].hist[0].num_chunks == 1
+
+
+def test_warm_start_survives_eviction_of_the_whole_history(monkeypatch):
+    seen = []
+    real = qvg.compression.compress
+    monkeypatch.setattr(qvg.compression, "compress", lambda x, m, **kw: seen.append(kw.get("init")) or real(x, m, **kw))
+    cache = KVCache(1, "qvg", chunk_frames=CF, tokens_per_frame=TPF, window_frames=0, **SMALL["qvg"])
+    _run(cache, 1)
+    L = cache.layers[0]
+    assert L.hist[0] is None and L.warm[0] is not None  # evicted at once, its centroids kept (and counted)
+    kept = [w.clone() for w in L.warm]
+    assert cache.memory()["centroids"] == sum(w.numel() * w.element_size() for w in L.warm)
+    _run(cache, 1)
+    assert torch.equal(seen[2], kept[0]) and torch.equal(seen[3], kept[1])
+
+
+def test_window_with_multi_chunk_units_never_drops_below_the_window():
+    cache = KVCache(1, "qvg", chunk_frames=CF, tokens_per_frame=TPF, window_frames=2 * CF, commit_every=2,
+                    **SMALL["qvg"])
+    past = []
+    for i in range(8):
+        _run(cache, 1)
+        past.append(cache.tokens() // T)
+    assert past[:2] == [1, 2] and min(past[2:]) >= 2 and max(past) <= 3, past
 
 
 def test_overwrite_only_the_last_write_is_committed():

@@ -22,7 +22,15 @@ def test_writes_mp4_and_report(tmp_path, method, capsys):
     assert frames.shape == (13, 64, 64, 3)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v.json", "v.mp4"]
     if method == "bf16":
-        assert rep["compression_ratio"] == 1.0
+        assert rep["compression_ratio"] == 1.0 and rep["options"] == {}
+    else:
+        assert {"bits", "block_size", "stages", "centroids"} <= set(rep["options"])
+
+
+def test_bf16_with_a_window_is_still_1x(tmp_path):
+    out = tmp_path / "w.mp4"
+    assert main(["--method", "bf16", "--history", "window:3", "--frames", "29", "--out", str(out), "--quiet"]) == 0
+    assert json.loads(out.with_suffix(".json").read_text())["compression_ratio"] == 1.0
 
 
 BAD = [
@@ -42,6 +50,8 @@ BAD = [
     (["--method", "bf16", "--bits", "2"], "do not apply"),
     (["--device", "tpu"], "--device"),
     (["--unknown-flag"], "unrecognized arguments"),
+    (["--method", "kivi", "--block-size", "128"], "not divisible by block_size"),
+    (["--seed", "99999999999999999999999"], "--seed must be in"),
 ]
 
 
@@ -54,7 +64,25 @@ def test_bad_input_one_line_exit_2_nothing_written(tmp_path, capsys, args, msg):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_unwritable_output(tmp_path, capsys):
-    assert main(["--out", str(tmp_path / "missing" / "v.mp4"), "--quiet"]) == 2
-    assert main(["--out", str(tmp_path / "v.avi"), "--quiet"]) == 2
+@pytest.mark.parametrize("case", ["missing-dir", "avi", "json-is-a-dir"])
+def test_unwritable_output(tmp_path, capsys, case):
+    out = {"missing-dir": tmp_path / "missing" / "v.mp4", "avi": tmp_path / "v.avi", "json-is-a-dir": tmp_path / "v.mp4"}[case]
+    if case == "json-is-a-dir":
+        (tmp_path / "v.json").mkdir()
+    assert main(["--out", str(out), "--quiet", "--frames", "5"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("qvg-generate: error:")
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["v.json"] if case == "json-is-a-dir" else [])
+
+
+def test_failure_after_the_temporary_files_exist_leaves_nothing(tmp_path, capsys, monkeypatch):
+    import qvg.pipelines.self_forcing as sf
+
+    def boom(*a, **k):
+        raise RuntimeError("simulated failure mid-run")
+        yield
+    monkeypatch.setattr(sf.SelfForcingPipeline, "generate", boom)
+    assert main(["--out", str(tmp_path / "v.mp4"), "--quiet"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "simulated failure" in err[0]
     assert list(tmp_path.iterdir()) == []

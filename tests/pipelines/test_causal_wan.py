@@ -108,8 +108,19 @@ def test_loop_is_deterministic_and_cuts_the_last_chunk(tiny):
 
 def test_loop_window_and_sink_bookkeeping(tiny):
     chunks, cache = _generate(tiny, "qvg", frames=18, centroids=8, sink_frames=3, window_frames=6)
-    assert len(chunks) == 6 and cache.frames == 15  # the last chunk is not committed (nothing follows it)
-    assert cache.tokens() == (3 + 6 + 3) * 16  # sink + window + the last chunk, still in the current zone
+    assert len(chunks) == 6 and cache.frames == 18  # every chunk committed (the cache is ready to continue)
+    assert cache.tokens() == (3 + 6) * 16  # sink + window
+
+
+def test_the_clean_rerun_writes_the_cache(tiny):
+    """The committed K/V of chunk 0 are those of the clean prediction at t = 0, not of a denoising step."""
+    tr, _, text = tiny
+    chunks, cache = _generate(tiny, "bf16", frames=6)
+    fresh = KVCache(len(tr.blocks), "bf16", chunk_frames=3, tokens_per_frame=16)
+    with torch.no_grad():
+        tr(chunks[0].latents, torch.zeros(1), text("a prompt"), frame_offset=0, cache=fresh)
+    for layer in (0, len(tr.blocks) - 1):
+        assert torch.equal(cache.read(layer)[0][:, :, :48], fresh.read(layer)[0])
 
 
 def test_streaming_vae_decode_equals_one_shot_decode(tiny):
