@@ -120,11 +120,13 @@ def _attn_kernel(q_ptr, out_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, vcen, t
 
 
 @triton.jit
-def _flash_carry_kernel(q_ptr, k_ptr, v_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, qk_scale, M, T, HQ, HKV,
+def _flash_carry_kernel(q_ptr, k_ptr, v_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, qk_scale, M, T, HQ, HKV, SH,
                         D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CARRY_IN: tl.constexpr,
                         FINAL: tl.constexpr, INTERP: tl.constexpr):
     """Flash attention of q over one BF16 segment [B, Hkv, T, D], continuing the online-softmax state (m, l, acc)
-    of earlier segments (CARRY_IN) and either saving it (not FINAL) or writing the normalized output (FINAL)."""
+    of earlier segments (CARRY_IN) and either saving it (not FINAL) or writing the normalized output (FINAL).
+    SH: elements between consecutive (batch, head) rows of K/V (T * D when contiguous; more for a view of the
+    first T tokens of a longer buffer, such as the cache's BF16 zones)."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // HQ
@@ -143,8 +145,8 @@ def _flash_carry_kernel(q_ptr, k_ptr, v_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, qk_
         m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, D), tl.float32)
-    k_ptr += gh * T * D
-    v_ptr += gh * T * D
+    k_ptr += gh * SH
+    v_ptr += gh * SH
     for n0 in range(0, T, BLOCK_N):
         rows = n0 + tl.arange(0, BLOCK_N)
         valid = rows < T
@@ -161,6 +163,15 @@ def _flash_carry_kernel(q_ptr, k_ptr, v_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, qk_
 
 
 STAGING_BYTES = 32 << 20  # K + V of one staged window: small enough to stay in L2 between the two kernels
+
+
+def _rows_view(x: torch.Tensor) -> torch.Tensor:
+    """x itself if its tokens are contiguous within each (batch, head) and the (batch, head) rows are evenly
+    spaced (the kernel's SH stride), else a contiguous copy."""
+    b, h, t, d = x.shape
+    if x.stride(3) == 1 and x.stride(2) == d and (b == 1 or x.stride(0) == h * x.stride(1)):
+        return x
+    return x.contiguous()
 
 
 def staged_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: PackedSequence | None,
@@ -205,13 +216,16 @@ def staged_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
     scale = d ** -0.5 if scale is None else scale
     grid = (triton.cdiv(m, block_m), bsz * hq)
     for i, seg in enumerate(segs):
-        if seg is None:
-            ks, vs = k_tail.contiguous(), v_tail.contiguous()
+        if seg is None:  # read in place when each (batch, head) row is contiguous (a view of the cache's zones)
+            ks, vs = _rows_view(k_tail), _rows_view(v_tail)
+            if ks.stride() != vs.stride():
+                ks, vs = ks.contiguous(), vs.contiguous()
         else:
             shape = (bsz, hkv, seg[1] - seg[0], d)
             ks = dequantize(k_hist, out=kbuf[:shape[0] * shape[1] * shape[2] * d].view(shape), rows=seg, rope=rope)
             vs = dequantize(v_hist, out=vbuf[:shape[0] * shape[1] * shape[2] * d].view(shape), rows=seg)
         _flash_carry_kernel[grid](q, ks, vs, out, m_buf, l_buf, acc_buf, scale * LOG2E, m, ks.shape[2], hq, hkv,
+                                  ks.stride(1),
                                   D=d, BLOCK_M=block_m, BLOCK_N=block_n, CARRY_IN=i > 0, FINAL=i == len(segs) - 1,
                                   INTERP=INTERPRET, num_warps=num_warps, num_stages=num_stages)
     return out

@@ -25,10 +25,15 @@ def attend_reference(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
         vs.append(v_tail.float())
     if not ks:
         raise ValueError("attention needs a history or a tail")
-    k, v = torch.cat(ks, 2), torch.cat(vs, 2)
+    return sdpa_gqa(q.float(), torch.cat(ks, 2), torch.cat(vs, 2), scale).to(q.dtype)
+
+
+def sdpa_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """SDPA of q [B, Hq, M, D] over k, v [B, Hkv, N, D] (Hq a multiple of Hkv: each kv head serves Hq/Hkv query
+    heads), in q's dtype."""
     rep = q.shape[1] // k.shape[1]
     if rep * k.shape[1] != q.shape[1]:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})")
-    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return torch.nn.functional.scaled_dot_product_attention(q.float(), k, v, scale=scale).to(q.dtype)
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    return torch.nn.functional.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), scale=scale)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from . import compression
-from .attention import attend_reference
+from .attention import attend_reference, sdpa_gqa
 from .packed import COMPONENTS
 from .sequence import PER_TOKEN_METHODS, PackedSequence
 
@@ -130,7 +130,7 @@ class KVCache:
             warm = self._warm_start(L, i)
             if warm is not None and "init" not in opts:
                 opts["init"] = warm
-            p = compression.compress(x, self.method, **opts)
+            p = compression.compress(x, self.method, check_finite=False, **opts)  # no host sync per layer
             if self.method in PER_TOKEN_METHODS:
                 L.hist[i] = PackedSequence.from_chunks([p]) if L.hist[i] is None else L.hist[i].append(p)
             else:
@@ -191,7 +191,7 @@ class KVCache:
         kt, vt = L.tail(0), L.tail(1)
         kh, vh = L.hist
         if kh is None:
-            return _sdpa(q, kt, vt, scale)
+            return sdpa_gqa(q, kt, vt, scale)
         if isinstance(kh, PackedSequence):
             from .backend import use_kernels
             if use_kernels(q):
@@ -200,7 +200,7 @@ class KVCache:
             return attend_reference(q, kh, vh, kt, vt, scale=scale)
         k = torch.cat([compression.decompress(p).to(kt.dtype) for p in kh] + [kt], 2)
         v = torch.cat([compression.decompress(p).to(vt.dtype) for p in vh] + [vt], 2)
-        return _sdpa(q, k, v, scale)
+        return sdpa_gqa(q, k, v, scale)
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's K and V as BF16 [B, H, tokens, D] in attention order (decoded: tests and analyses only)."""
@@ -237,10 +237,7 @@ class KVCache:
             room = cap - (L.n_sink + L.n_pending + L.n_cur)  # reserved BF16 room: the same for a BF16 cache
             equiv += 2 * b * h * d * 2 * (L.n_sink + self._hist_tokens(L) + L.n_pending + L.n_cur + room)
             for i in range(2):
-                hist = L.hist[i]
-                items = [] if hist is None else hist.tensors.items() if isinstance(hist, PackedSequence) else \
-                    [kv for p in hist for kv in p.tensors.items()]
-                for name, t in items:
+                for name, t in _stored(L.hist[i]):
                     c = COMPONENTS.get(name, name)
                     comp[c] = comp.get(c, 0) + t.numel() * t.element_size()
                 if L.warm[i] is not None:
@@ -256,19 +253,18 @@ class KVCache:
         self.commits = 0
 
 
+def _stored(hist) -> list:
+    """(name, tensor) pairs a history holds: a PackedSequence's, or each Packed unit's."""
+    if hist is None:
+        return []
+    if isinstance(hist, PackedSequence):
+        return list(hist.tensors.items())
+    return [kv for p in hist for kv in p.tensors.items()]
+
+
 def _grown(old: torch.Tensor | None, used: int, need: int, like: torch.Tensor) -> torch.Tensor:
     """A BF16 [B, H, need, D] buffer holding the first `used` tokens of `old`."""
     new = torch.empty(*like.shape[:2], need, like.shape[3], dtype=torch.bfloat16, device=like.device)
     if old is not None and used:
         new[:, :, :used] = old[:, :, :used]
     return new
-
-
-def _sdpa(q, k, v, scale):
-    rep = q.shape[1] // k.shape[1]
-    if rep * k.shape[1] != q.shape[1]:
-        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})")
-    if rep > 1:
-        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    return torch.nn.functional.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), scale=scale)
-

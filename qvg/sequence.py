@@ -18,6 +18,26 @@ from .packed import Packed
 from .quant import QuantSpec, dequantize_packed
 
 PER_TOKEN_METHODS = ("rtn", "qvg", "qvg-pro")
+_TOKEN_DIM = {"codes": 2, "scale": 2, "zero": 2, "tscale": 2, "ids": 3, "centroids": 3}  # the dim chunks extend
+
+
+def _layout(p: Packed) -> tuple:
+    """(spec, stages, chunk length, dtype, (B, H, D)) of a chunk; chunks of one sequence share it."""
+    from .compression.registry import token_spec
+    if p.method not in PER_TOKEN_METHODS:
+        raise ValueError(f"packed attention reads {PER_TOKEN_METHODS}, not {p.method!r}")
+    b, h, n, d = p.shape
+    return token_spec(p.meta), p.meta.get("stages", 0), n, p.dtype, (b, h, d)
+
+
+def _chunk_tensors(p: Packed) -> dict[str, torch.Tensor]:
+    """A chunk's stored tensors as a one-chunk sequence's: per-chunk tscale and centroid tables get a chunk axis."""
+    t = {name: p.tensors[name] for name in ("codes", "scale", "zero", "ids") if name in p.tensors}
+    if "tscale" in p.tensors:
+        t["tscale"] = p.tensors["tscale"].unsqueeze(2)
+    if "centroids" in p.tensors:
+        t["centroids"] = p.tensors["centroids"].unsqueeze(3)
+    return t
 
 
 @dataclass
@@ -32,35 +52,20 @@ class PackedSequence:
     def from_chunks(cls, chunks: list[Packed]) -> "PackedSequence":
         if not chunks:
             raise ValueError("a packed sequence needs at least one chunk")
-        from .compression.registry import token_spec
-        first = chunks[0]
-        if first.method not in PER_TOKEN_METHODS:
-            raise ValueError(f"packed attention reads {PER_TOKEN_METHODS}, not {first.method!r}")
-        spec = token_spec(first.meta)
-        stages = first.meta.get("stages", 0)
-
-        def layout(p: Packed):
-            return token_spec(p.meta), p.meta.get("stages", 0), p.meta.get("centroids"), p.shape, p.dtype
-        if any(layout(c) != layout(first) for c in chunks[1:]):
+        lay = _layout(chunks[0])
+        if any(_layout(c) != lay for c in chunks[1:]):
             raise ValueError("all chunks of a packed sequence need the same storage options and shape")
-        t = {name: torch.cat([c.tensors[name] for c in chunks], 2) for name in ("codes", "scale", "zero")
-             if name in first.tensors}
-        if "tscale" in first.tensors:
-            t["tscale"] = torch.stack([c.tensors["tscale"] for c in chunks], 2)
-        if stages:
-            t["ids"] = torch.cat([c.tensors["ids"] for c in chunks], 3)
-            t["centroids"] = torch.stack([c.tensors["centroids"] for c in chunks], 3)
-        return cls(t, spec, stages, first.shape[2], first.dtype)
-
-    _TOKEN_DIM = {"codes": 2, "scale": 2, "zero": 2, "tscale": 2, "ids": 3, "centroids": 3}  # the dim that grows
+        parts = [_chunk_tensors(c) for c in chunks]
+        t = {name: torch.cat([p[name] for p in parts], _TOKEN_DIM[name]) for name in parts[0]}
+        return cls(t, *lay[:4])
 
     def append(self, chunk: Packed) -> "PackedSequence":
         """A new sequence with `chunk` at the end (one copy of the stored bytes; the cache calls it once per commit)."""
-        nxt = PackedSequence.from_chunks([chunk])
-        if (nxt.spec, nxt.stages, nxt.chunk_len, nxt.dtype) != (self.spec, self.stages, self.chunk_len, self.dtype) \
-                or nxt.shape[:2] != self.shape[:2] or nxt.shape[3] != self.shape[3]:
+        b, h, _, d = self.shape
+        if _layout(chunk) != (self.spec, self.stages, self.chunk_len, self.dtype, (b, h, d)):
             raise ValueError("an appended chunk needs the sequence's storage options and shape")
-        return PackedSequence({n: torch.cat([t, nxt.tensors[n]], self._TOKEN_DIM[n]) for n, t in self.tensors.items()},
+        nxt = _chunk_tensors(chunk)
+        return PackedSequence({n: torch.cat([t, nxt[n]], _TOKEN_DIM[n]) for n, t in self.tensors.items()},
                               self.spec, self.stages, self.chunk_len, self.dtype)
 
     def drop_first(self, count: int) -> "PackedSequence | None":
@@ -70,7 +75,7 @@ class PackedSequence:
         t = {}
         for n, v in self.tensors.items():
             start = count if n in ("tscale", "centroids") else count * self.chunk_len
-            t[n] = v.narrow(self._TOKEN_DIM[n], start, v.shape[self._TOKEN_DIM[n]] - start).contiguous()
+            t[n] = v.narrow(_TOKEN_DIM[n], start, v.shape[_TOKEN_DIM[n]] - start).contiguous()
         return PackedSequence(t, self.spec, self.stages, self.chunk_len, self.dtype)
 
     @property

@@ -18,6 +18,10 @@ def _chunk(i, layers=1, scale=1.0):
     return x.to(torch.bfloat16)
 
 
+def _query(seed=7):
+    return torch.randn(B, H, T, D, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
 def _run(cache, n_chunks, layers=1):
     """Commit n_chunks chunks (each written twice: a noisy step, then the clean re-run), return the clean ones."""
     clean = []
@@ -40,7 +44,7 @@ def test_bf16_cache_equals_attention_over_everything_written():
     cache = KVCache(2, "bf16", chunk_frames=CF, tokens_per_frame=TPF)
     clean = _run(cache, 3, layers=2)
     cur = _chunk(9, layers=2)
-    q = torch.randn(B, H, T, D).to(torch.bfloat16)
+    q = _query()
     for layer in range(2):
         cache.write(layer, cur[layer, 0], cur[layer, 1])
         want = _full_attention(q, [c[layer, 0] for c in clean] + [cur[layer, 0]],
@@ -134,7 +138,7 @@ def test_qvg_int8_is_close_to_bf16():
     q8 = KVCache(1, "qvg", chunk_frames=CF, tokens_per_frame=TPF, bits=8, centroids=8)
     _run(ref, 3)
     _run(q8, 3)
-    q = torch.randn(B, H, T, D).to(torch.bfloat16)
+    q = _query()
     cur = _chunk(7)
     for c in (ref, q8):
         c.write(0, cur[0, 0], cur[0, 1])
@@ -147,7 +151,7 @@ def test_qvg_int8_is_close_to_bf16():
 def test_every_method_attends_and_accounts(method):
     cache = KVCache(1, method, chunk_frames=CF, tokens_per_frame=TPF, sink_frames=CF, **SMALL[method])
     clean = _run(cache, 3)
-    q = torch.randn(B, H, T, D).to(torch.bfloat16)
+    q = _query()
     cur = _chunk(8)
     cache.write(0, cur[0, 0], cur[0, 1])
     want = _full_attention(q, [c[0, 0] for c in clean] + [cur[0, 0]], [c[0, 1] for c in clean] + [cur[0, 1]])

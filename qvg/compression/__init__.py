@@ -68,7 +68,7 @@ def _check_options(m: Method, o: dict, shape) -> None:
             raise ValueError(f"unknown seeding {o['seeding']!r}; choose one of {SEEDINGS}")
 
 
-def _check_input(x) -> None:
+def _check_input(x, finite: bool = True) -> None:
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"x must be a torch.Tensor of shape [B, H, N, D], got {type(x).__name__}")
     if x.dim() != 4:
@@ -77,23 +77,24 @@ def _check_input(x) -> None:
         raise ValueError(f"x must be a floating-point tensor, got {x.dtype}")
     if x.numel() == 0:
         raise ValueError(f"x is empty (shape {tuple(x.shape)})")
-    if not bool(torch.isfinite(x).all()):
+    if finite and not bool(torch.isfinite(x).all()):
         raise ValueError("x holds non-finite values (NaN or inf)")
 
 
 def compress(x: torch.Tensor, method: str = "qvg", *, bits: int | None = None, block_size: int | None = None,
              stages: int | None = None, centroids: int | None = None, seed: int | None = None, init=None,
-             **options) -> Packed:
+             check_finite: bool = True, **options) -> Packed:
     """Compress x [B, H, N, D] with `method` -> a `Packed` (real packed storage; `.nbytes` is what it holds).
 
     None means the method's preset (qvg: bits=2, block_size=64, stages=1, centroids=256; qvg-pro: block_size=16,
     stages=4). `init` warm-starts k-means (qvg, qvg-pro) with a previous chunk's centroids: pass its Packed or a
     [S, B, H, K, D] tensor. Further options: grid ("midrise" | "sym" | "asym"), scale_dtype ("fp8" | "bf16"),
     iters, seeding (qvg*), signs (quarot), role ("key" | "value") and residual (kivi). Raises ValueError naming
-    the problem for bad input.
+    the problem for bad input. check_finite=False skips the NaN/inf scan (a full pass over x and a host sync):
+    for callers whose inputs are model activations on the hot path, such as the KV cache's commit.
     """
     m = get_method(method)
-    _check_input(x)
+    _check_input(x, check_finite)
     x = x.detach()  # stored tensors never keep an autograd graph (and what it holds) alive
     o = resolve_options(method, tuple(x.shape), bits=bits, block_size=block_size, stages=stages,
                         centroids=centroids, seed=seed, **options)

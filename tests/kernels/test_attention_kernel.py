@@ -165,3 +165,18 @@ def test_history_is_never_materialized():
         del out
     assert transient["fused"] < bf16_bytes / 4, (transient, bf16_bytes)
     assert transient["staged"] < bf16_bytes / 2, (transient, bf16_bytes)
+
+
+@pytest.mark.parametrize("b", [1, 2])
+def test_staged_reads_a_tail_view_in_place(b, device):
+    """The tail as a view of the first tokens of a longer buffer (the cache's BF16 zones) gives the same result
+    as a contiguous tail."""
+    kh, vh = _history("qvg", b=b, seed=5)
+    q, kt, vt = _qkv(b=b, m=20, t=12, seed=6)
+    room = torch.zeros(b, kt.shape[1], 7, kt.shape[3], dtype=kt.dtype)
+    kbuf, vbuf = torch.cat([kt, room], 2), torch.cat([vt, room], 2)
+    view_k, view_v = kbuf[:, :, :12], vbuf[:, :, :12]
+    assert not view_k.is_contiguous()
+    got = _run("staged", device, q, kh, vh, view_k, view_v)
+    want = _run("staged", device, q, kh, vh, kt, vt)
+    assert torch.equal(got, want)
