@@ -1,0 +1,117 @@
+"""Where a real-size chunk's time goes, per cache method (GPU): `python -m qvg.eval.profile_pipeline [--out DIR]
+[--history 21,60] [--methods bf16,qvg]`.
+
+Same set-up as bench_pipeline (Wan2.1-1.3B config, random weights, 480x832, the cache filled with synthetic
+committed chunks, a rolling window of that history). For one chunk: wall time, GPU busy time (sum of kernel
+times; wall - busy = time the GPU waited for the host), the forwards and the commit timed apart, the CUDA kernels
+by total time, and the host functions by cumulative time (cProfile). Writes profile-pipeline-<gpu>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+
+import torch
+
+from .bench_pipeline import LATENT_HW, WAN_1_3B, _fill, chunk_runner
+from .profile_compress import _host_profile, _profile
+
+
+def _events(fn) -> float:
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b)
+
+
+def sdpa_backends(keys_list=(37440, 98280)) -> list[dict]:
+    """ms of one self-attention call (12 heads x 128, 4680 queries) per torch SDPA backend: which one the BF16
+    cache gets by default, and what the packed path must match."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+    out = []
+    for keys in keys_list:
+        q = torch.randn(1, 12, 4680, 128, device="cuda", dtype=torch.bfloat16)
+        k, v = torch.randn(2, 1, 12, keys, 128, device="cuda", dtype=torch.bfloat16)
+        row = {"keys": keys, "default": sorted(_events(lambda: sdpa(q, k, v)) for _ in range(5))[2]}
+        for name in ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
+            try:
+                with sdpa_kernel(getattr(SDPBackend, name)):
+                    sdpa(q, k, v)
+                    row[name] = sorted(_events(lambda: sdpa(q, k, v)) for _ in range(5))[2]
+            except RuntimeError as e:
+                row[name] = f"unavailable: {str(e).splitlines()[0][:80]}"
+        print("sdpa", row, flush=True)
+        out.append(row)
+    return out
+
+
+def run(histories, methods, options) -> list[dict]:
+    from qvg.cache import KVCache
+    from qvg.pipelines.causal_wan import CausalWanTransformer
+    torch.manual_seed(0)
+    model = CausalWanTransformer(**WAN_1_3B).to("cuda", torch.bfloat16).eval()
+    tpf = model.tokens_per_latent_frame(*LATENT_HW)
+    rows = []
+    for hist in histories:
+        for method in methods:
+            cache = KVCache(30, method, chunk_frames=3, tokens_per_frame=tpf, window_frames=hist,
+                            **(options if method != "bf16" else {}))
+            _fill(cache, hist, 12)
+            forwards, commit = chunk_runner(model, cache)
+
+            def chunk():
+                forwards()
+                commit()
+            with torch.no_grad():
+                chunk()
+                wall = sorted(_events(chunk) for _ in range(3))[1]
+                fwd = sorted(_events(forwards) for _ in range(3))[1]  # (re-writes the current chunk: same work)
+                for _ in range(3):
+                    commit_ms = _events(commit)
+                    forwards()
+                kernels = _profile(chunk, calls=2)
+                host = _host_profile(chunk, calls=2)
+            busy = sum(r["us_per_call"] for r in kernels) / 1e3
+            row = {"history_frames": hist, "method": method, "chunk_ms": wall, "forwards_ms": fwd,
+                   "commit_ms": commit_ms, "gpu_busy_ms": busy, "gpu_idle_ms": wall - busy,
+                   "kernels": kernels[:25], "host": host}
+            print(f"history {hist} {method}: chunk {wall:.1f} ms (forwards {fwd:.1f}, commit {commit_ms:.1f}); GPU "
+                  f"busy {busy:.1f} ms", flush=True)
+            for r in kernels[:12]:
+                print(f"   {r['us_per_call'] / 1e3:8.2f} ms  x{r['launches_per_call']:6.0f}  {r['kernel']}")
+            for r in host[:12]:
+                print(f"   host {r['cum_ms_per_call']:8.2f} ms cum {r['self_ms_per_call']:8.2f} self "
+                      f"x{r['calls']:6.0f}  {r['function']}")
+            rows.append(row)
+            cache = forwards = commit = chunk = None  # (the closures hold the cache)
+            torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="eval/results")
+    ap.add_argument("--history", default="21,60")
+    ap.add_argument("--methods", default="bf16,qvg")
+    ap.add_argument("--options", default="{}", help="JSON cache options for the compressed methods")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("profile_pipeline: needs a CUDA GPU")
+    res = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+        timespec="seconds"), "commit": os.environ.get("QVG_COMMIT", "unknown"), "torch": torch.__version__,
+        "command": "python -m qvg.eval.profile_pipeline " + " ".join(argv or []),
+        "sdpa_ms": sdpa_backends(),
+        "rows": run([int(h) for h in args.history.split(",")], args.methods.split(","), json.loads(args.options))}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "profile-pipeline-" + res["device"].split()[1].lower() + ".json"), "w") as f:
+        json.dump(res, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
