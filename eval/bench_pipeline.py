@@ -36,9 +36,11 @@ def _fill(cache, frames: int, heads: int, seed: int = 0):
         cache.commit()
 
 
-def chunk_runner(model, cache):
+def chunk_runner(model, cache, commit_layers: bool = True):
     """(forwards, commit): the 4 denoising steps + the clean re-run at t = 0 of one chunk at the cache's next
-    frame, and its commit (fixed inputs: the cache's time and memory do not depend on the values)."""
+    frame (each layer committed right after its re-run attention, as the pipeline does, unless not
+    commit_layers), and the final commit (fixed inputs: the cache's time and memory do not depend on the
+    values)."""
     from qvg.pipelines.causal_wan import CrossKV
     from qvg.pipelines.self_forcing import flow_sigmas
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -48,12 +50,13 @@ def chunk_runner(model, cache):
 
     def forwards():
         f0 = cache.frames
-        for sigma in (*flow_sigmas(), 0.0):
+        for sigma in flow_sigmas():
             model(x, torch.full((1,), sigma * 1000, device="cuda"), text, frame_offset=f0, cache=cache, cross=cross)
+        model(x, torch.zeros(1, device="cuda"), text, frame_offset=f0, cache=cache, cross=cross, commit=commit_layers)
     return forwards, cache.commit
 
 
-def run(histories, methods) -> list[dict]:
+def run(histories, methods, options) -> list[dict]:
     from qvg.cache import KVCache
     from qvg.pipelines.causal_wan import CausalWanTransformer
     torch.manual_seed(0)
@@ -64,7 +67,8 @@ def run(histories, methods) -> list[dict]:
         for method in methods:
             torch.cuda.synchronize()
             before = torch.cuda.memory_allocated()
-            cache = KVCache(30, method, chunk_frames=3, tokens_per_frame=tpf, window_frames=hist)
+            cache = KVCache(30, method, chunk_frames=3, tokens_per_frame=tpf, window_frames=hist,
+                            **({} if method == "bf16" else options))
             _fill(cache, hist, 12)
             torch.cuda.synchronize()
             delta = torch.cuda.memory_allocated() - before
@@ -102,20 +106,137 @@ def run(histories, methods) -> list[dict]:
     return rows
 
 
+def _install(cache, frames: int, heads: int, seed: int = 0) -> None:
+    """Give every layer `frames` committed frames at once (for the max-history search: thousands of frames would
+    take minutes through commit()). Compressed methods: one synthetic chunk compressed per layer, repeated into
+    a PackedSequence of the right length (the layout and bytes of a real history; values do not change the
+    time or memory). bf16: the BF16 buffer sized as commit() would leave it (history + one chunk of room)."""
+    from qvg import compression
+    from qvg.sequence import PackedSequence
+    t, n_chunks = cache.chunk_tokens, frames // cache.chunk_frames
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    for L in cache.layers:
+        if cache.method == "bf16":
+            L.buf = [torch.empty(1, heads, (n_chunks + 1) * t, 128, device="cuda", dtype=torch.bfloat16).normal_(
+                generator=g) for _ in range(2)]
+            L.n_pending = n_chunks * t
+            continue
+        hist = []
+        for _ in range(2):
+            centres = torch.randn(1, heads, 64, 128, device="cuda", generator=g) * 3
+            ids = torch.randint(0, 64, (t,), device="cuda", generator=g)
+            x = (centres[:, :, ids] + torch.randn(1, heads, t, 128, device="cuda", generator=g)).bfloat16()
+            p = compression.compress(x, cache.method, **cache.options)
+            hist.append(PackedSequence.from_chunks([p] * n_chunks))
+            del p
+        L.hist = hist
+    cache.frames = frames
+    cache.commits = n_chunks
+
+
+def _fits(model, method: str, frames: int, options: dict) -> dict | None:
+    """Peak memory of one chunk (4 steps + clean re-run + commit, window = frames) over `frames` past frames, or
+    None if it ran out of memory."""
+    from qvg.cache import KVCache
+    cache = forwards = commit = None
+    torch.cuda.empty_cache()
+    try:
+        cache = KVCache(30, method, chunk_frames=3, tokens_per_frame=model.tokens_per_latent_frame(*LATENT_HW),
+                        window_frames=frames, **options)
+        _install(cache, frames, 12)
+        kv = cache.memory()
+        forwards, commit = chunk_runner(model, cache)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.no_grad():
+            a.record()
+            forwards()
+            commit()
+            b.record()
+        torch.cuda.synchronize()
+        return {"frames": frames, "peak_bytes": torch.cuda.max_memory_allocated(), "chunk_ms": a.elapsed_time(b),
+                "kv_bytes_accounted": kv["total"], "compression_ratio": kv["compression_ratio"], "kv": kv}
+    except torch.OutOfMemoryError:
+        return None
+    finally:
+        cache = forwards = commit = None
+        torch.cuda.empty_cache()
+
+
+def max_history(model, method: str, options: dict, guess: int) -> dict:
+    """The largest history (a multiple of 3 latent frames) for which one more chunk still runs: gallop from
+    `guess` to a fitting / failing pair 3 frames apart (bisection in between)."""
+    lo, hi, trials = None, None, []
+    n = max(3, guess // 3 * 3)
+    while hi is None or lo is None or hi - lo > 3:
+        r = _fits(model, method, n, options)
+        trials.append({"frames": n, "fits": r is not None, **(r or {})})
+        print(f"  max-history {method}: {n} frames -> {'fits' if r else 'out of memory'}"
+              + (f" (peak {r['peak_bytes'] / 2**30:.2f} GiB, chunk {r['chunk_ms'] / 1e3:.1f} s)" if r else ""),
+              flush=True)
+        if r is not None:
+            lo, best = n, r
+        else:
+            hi = n
+        if lo is not None and hi is not None:
+            n = (lo + hi) // 6 * 3
+            if n <= lo:
+                n = lo + 3
+            if n >= hi:
+                break
+        elif lo is None:
+            n = max(3, (n * 19 // 20) // 3 * 3)
+        else:
+            n = (n * 21 // 20 + 3) // 3 * 3
+    if lo is None:
+        return {"method": method, "options": options, "max_history_frames": 0, "trials": trials}
+    return {"method": method, "options": options, "max_history_frames": lo, "at_max": best, "trials": trials}
+
+
+def run_max_history(methods_opts: list[tuple[str, dict]]) -> list[dict]:
+    """max_history for each (method, options), the first guess from the bytes per frame and the free memory."""
+    from qvg.pipelines.causal_wan import CausalWanTransformer
+    torch.manual_seed(0)
+    model = CausalWanTransformer(**WAN_1_3B).to("cuda", torch.bfloat16).eval()
+    total = torch.cuda.get_device_properties(0).total_memory
+    out = []
+    for method, opts in methods_opts:
+        small = _fits(model, method, 21, opts)  # bytes per frame and the fixed part, from a small history
+        kv = small["kv"]  # bf16: 21 past + 3 current frames in BF16; else 21 packed frames + the BF16 zone
+        per_frame = kv["total"] / 24 if method == "bf16" else (kv["total"] - kv["bf16"]) / 21
+        guess = int((total * 0.97 - small["peak_bytes"]) / per_frame) + 21
+        print(f"max-history {method} {opts}: {per_frame / 2**20:.1f} MiB per frame, first guess {guess}", flush=True)
+        out.append({**max_history(model, method, opts, guess), "bytes_per_frame_estimate": per_frame,
+                    "gpu_total_bytes": total})
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="eval/results")
     ap.add_argument("--history", default="21,60")
     ap.add_argument("--methods", default="bf16,qvg,qvg-pro")
+    ap.add_argument("--options", default='{"centroids": 64}', help="JSON options of the compressed methods")
+    ap.add_argument("--max-history", default=None, metavar="M1,M2",
+                    help="instead: the largest history that still runs one chunk, for these methods (e.g. bf16,qvg)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_pipeline: needs a CUDA GPU")
     res = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec="seconds"), "commit": os.environ.get("QVG_COMMIT", "unknown"), "torch": torch.__version__,
         "command": "python -m qvg.eval.bench_pipeline " + " ".join(argv or []),
-        "rows": run([int(h) for h in args.history.split(",")], args.methods.split(","))}
+        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
+    opts = json.loads(args.options)
+    if args.max_history:
+        res["max_history"] = run_max_history([(m, {} if m == "bf16" else opts) for m in args.max_history.split(",")])
+        name = "max-history-"
+    else:
+        res["options"] = opts
+        res["rows"] = run([int(h) for h in args.history.split(",")], args.methods.split(","), opts)
+        name = "pipeline-"
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "pipeline-" + res["device"].split()[1].lower() + ".json"), "w") as f:
+    with open(os.path.join(args.out, name + res["device"].split()[1].lower() + ".json"), "w") as f:
         json.dump(res, f, indent=1)
     return 0
 

@@ -53,6 +53,7 @@ class _Context:
         self.cache = None  # qvg.cache.KVCache, or None
         self.block_tokens = None  # without a cache: tokens per causal block (None: full attention)
         self.cross = None  # CrossKV, or None
+        self.commit = False  # commit each layer's chunk right after its attention (the clean re-run)
 
 
 class CrossKV:
@@ -83,6 +84,8 @@ class _SelfAttention:
         if cache is not None:
             cache.write(self.layer, k, v)
             out = cache.attend(self.layer, q)
+            if self.ctx.commit:
+                cache.commit_layer(self.layer)
         else:
             mask = None
             if self.ctx.block_tokens:
@@ -132,20 +135,25 @@ class CausalWanTransformer(WanTransformer3DModel):
 
     def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
                 *, frame_offset: int = 0, cache=None, cross: CrossKV | None = None, chunk_frames: int | None = None,
-                **kwargs) -> torch.Tensor:
+                commit: bool = False, **kwargs) -> torch.Tensor:
         """hidden_states [B, C, F, H, W] (one chunk with a cache; any number of frames without), timestep [B]
         -> the model output [B, C, F, H, W]. frame_offset: the first frame's time index. cache: a KVCache to
-        write into and attend over (`cache.commit()` is the caller's). chunk_frames (without a cache): attend
-        block-causally in chunks of that many frames."""
+        write into and attend over. commit: each layer commits the chunk right after its attention
+        (`cache.commit_layer`; the clean re-run), so compression overlaps the forward; the caller still calls
+        `cache.commit()` after it. chunk_frames (without a cache): attend block-causally in chunks of that many
+        frames."""
         if cache is not None and chunk_frames is not None:
             raise ValueError("chunk_frames is for the cache-free (full-sequence) forward")
+        if commit and cache is None:
+            raise ValueError("commit needs a cache")
         _, _, frames, height, width = hidden_states.shape
         self.rope.frame_offset = frame_offset
         ctx = self._ctx
-        ctx.cache, ctx.cross = cache, cross
+        ctx.cache, ctx.cross, ctx.commit = cache, cross, commit
         ctx.block_tokens = None if chunk_frames is None else chunk_frames * self.tokens_per_latent_frame(height, width)
         try:
             return super().forward(hidden_states, timestep, encoder_hidden_states, return_dict=False, **kwargs)[0]
         finally:
             self.rope.frame_offset = 0
             ctx.cache = ctx.cross = ctx.block_tokens = None
+            ctx.commit = False

@@ -108,7 +108,7 @@ class SelfForcingPipeline:
                     x = ((1 - nxt) * x0.float() + nxt * noise).to(dtype)
             # the clean re-run at t = 0 writes the chunk's clean K/V, then it becomes history (the last chunk too:
             # the cache then holds the whole video, ready for a continuation)
-            model(x0, torch.zeros(batch, device=dev), text, frame_offset=f0, cache=cache, cross=cross)
+            model(x0, torch.zeros(batch, device=dev), text, frame_offset=f0, cache=cache, cross=cross, commit=True)
             cache.commit()
             keep = min(cf, latent_frames - f0)
             lat = x0[:, :, :keep]

@@ -14,8 +14,11 @@ Per layer, three zones, for keys and values alike ([B, H, tokens, D], H = kv hea
   the same layer: the streaming centroid cache). With a rolling window (`window_frames`) the oldest units are
   evicted while `window_frames` past frames would still remain besides the sink (exactly that many with
   commit_every = 1; units of several chunks can leave up to a unit less one chunk more).
+- `commit_layer(layer)`: the same for one layer, called by the model right after that layer's last attention of
+  the chunk (the clean re-run), so compression interleaves with the forward; `commit()` then finishes the rest.
 - `attend(layer, q)`: attention of q over sink + history + pending + current. On CUDA the history of rtn / qvg /
-  qvg-pro is read by the staged packed-attention kernel (the BF16 history is never allocated); kivi / quarot and
+  qvg-pro is decoded window by window (<= 256 MiB of one layer's BF16 K + V, never the whole history) and
+  attended by torch's SDPA (cuDNN), windows merged by log-sum-exp (kernels/windowed_sdpa.py); kivi / quarot and
   CPU decode the history first (the reference path). The BF16 zones are one contiguous buffer, read as a view.
 - `memory()`: bytes by component (codes, scales, ids, centroids, bf16) and in total, next to the BF16 bytes the
   same tokens would take.
@@ -45,6 +48,7 @@ class _Layer:
         self.n_cur = 0  # tokens of the current chunk
         self.hist: list = [None, None]  # K, V history: PackedSequence (rtn/qvg/qvg-pro) or list[Packed]
         self.warm: list = [None, None]  # centroids of the last packed unit when no history holds them
+        self.committed = False  # committed by commit_layer since the last commit()
 
     def tail(self, i: int) -> torch.Tensor:
         return self.buf[i][:, :, :self.n_sink + self.n_pending + self.n_cur]
@@ -88,6 +92,9 @@ class KVCache:
             raise ValueError(f"write expects k and v of shape [B, H, {self.chunk_tokens}, D], got "
                              f"{tuple(k.shape)} and {tuple(v.shape)}")
         L = self.layers[layer]
+        if L.committed:
+            raise RuntimeError(f"write: layer {layer} was committed by commit_layer; call commit() before the next "
+                               "chunk")
         if L.buf is not None and (L.buf[0].shape[:2] != k.shape[:2] or L.buf[0].shape[3] != k.shape[3]
                                   or L.buf[0].device != k.device):
             if L.n_sink or L.n_pending or L.hist[0] is not None:
@@ -104,21 +111,37 @@ class KVCache:
 
     def commit(self) -> None:
         """Make the current chunk history in every layer (fill the sink, pack every `commit_every` chunks, evict
-        outside the window). Every layer must have been written since the last commit."""
+        outside the window) and advance the frame count. Every layer must have been written since the last commit
+        (layers already committed by `commit_layer` are done)."""
         for i, L in enumerate(self.layers):
-            if not L.n_cur:
+            if not L.n_cur and not L.committed:
                 raise RuntimeError(f"commit: layer {i} has no current chunk (write it first)")
         for L in self.layers:
-            if L.n_sink < self.sink_frames * self.tokens_per_frame:
-                L.n_sink += L.n_cur
-            else:
-                L.n_pending += L.n_cur
-            L.n_cur = 0
-            if self.method != "bf16" and L.n_pending >= self.commit_every * self.chunk_tokens:
-                self._pack_pending(L)
-            self._evict(L)
+            if not L.committed:
+                self._commit(L)
+            L.committed = False
         self.frames += self.chunk_frames
         self.commits += 1
+
+    def commit_layer(self, layer: int) -> None:
+        """Commit one layer now (its compression is queued right behind that layer's last attention, while the
+        GPU still runs the layers before it: the host's launch work hides behind the forward). `commit()` must
+        still follow once every layer is done; until then the layer takes no new write."""
+        L = self.layers[layer]
+        if L.committed or not L.n_cur:
+            raise RuntimeError(f"commit_layer: layer {layer} has no current chunk (write it first)")
+        self._commit(L)
+        L.committed = True
+
+    def _commit(self, L: _Layer) -> None:
+        if L.n_sink < self.sink_frames * self.tokens_per_frame:
+            L.n_sink += L.n_cur
+        else:
+            L.n_pending += L.n_cur
+        L.n_cur = 0
+        if self.method != "bf16" and L.n_pending >= self.commit_every * self.chunk_tokens:
+            self._pack_pending(L)
+        self._evict(L)
 
     def _pack_pending(self, L: _Layer) -> None:
         a, b = L.n_sink, L.n_sink + L.n_pending
@@ -167,9 +190,10 @@ class KVCache:
             drop = min(L.n_pending, -(-over // self.chunk_tokens) * self.chunk_tokens)
             keep = L.n_pending - drop
             a = L.n_sink
-            if keep:
-                for buf in L.buf:
-                    buf[:, :, a:a + keep] = buf[:, :, a + drop:a + drop + keep].clone()
+            for buf in L.buf:  # shift left in place, `drop` tokens per copy (no slice overlaps its source)
+                for s in range(0, keep, drop):
+                    w = min(drop, keep - s)
+                    buf[:, :, a + s:a + s + w] = buf[:, :, a + drop + s:a + drop + s + w]
             L.n_pending = keep
 
     @staticmethod
@@ -195,8 +219,8 @@ class KVCache:
         if isinstance(kh, PackedSequence):
             from .backend import use_kernels
             if use_kernels(q):
-                from .kernels.attention import staged_attention
-                return staged_attention(q, kh, vh, kt, vt, scale=scale)
+                from .kernels.windowed_sdpa import windowed_attention
+                return windowed_attention(q, kh, vh, kt, vt, scale=scale)
             return attend_reference(q, kh, vh, kt, vt, scale=scale)
         k = torch.cat([compression.decompress(p).to(kt.dtype) for p in kh] + [kt], 2)
         v = torch.cat([compression.decompress(p).to(vt.dtype) for p in vh] + [vt], 2)

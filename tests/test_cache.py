@@ -126,6 +126,31 @@ def test_window_with_multi_chunk_units_never_drops_below_the_window():
     assert past[:2] == [1, 2] and min(past[2:]) >= 2 and max(past) <= 3, past
 
 
+@pytest.mark.parametrize("method", ["bf16", "qvg"])
+def test_commit_layer_then_commit_equals_commit(method):
+    """Committing each layer right after its last write (as the model's clean re-run does) leaves the same cache
+    as one commit() at the end, with a window so that eviction runs too; a committed layer takes no new write
+    until commit(), and commits once."""
+    kw = dict(chunk_frames=CF, tokens_per_frame=TPF, sink_frames=CF, window_frames=2 * CF, **SMALL[method])
+    a, b = KVCache(2, method, **kw), KVCache(2, method, **kw)
+    _run(a, 5, layers=2)
+    for i in range(5):
+        x = _chunk(i, layers=2)
+        for layer in range(2):
+            b.write(layer, x[layer, 0], x[layer, 1])
+            b.commit_layer(layer)
+            with pytest.raises(RuntimeError, match="commit_layer"):
+                b.write(layer, x[layer, 0], x[layer, 1])
+            with pytest.raises(RuntimeError, match="no current chunk"):
+                b.commit_layer(layer)
+        b.commit()
+    assert (a.frames, a.commits, a.tokens(1)) == (b.frames, b.commits, b.tokens(1))
+    assert a.memory() == b.memory()
+    for layer in range(2):
+        for x, y in zip(a.read(layer), b.read(layer)):
+            assert torch.equal(x, y)
+
+
 def test_overwrite_only_the_last_write_is_committed():
     cache = KVCache(1, "bf16", chunk_frames=CF, tokens_per_frame=TPF)
     clean = _run(cache, 1)

@@ -1,0 +1,102 @@
+"""Attention over a packed history plus a BF16 tail through torch's best SDPA backend (cuDNN on Hopper): the
+history is decoded window by window by the Triton dequant kernel into a bounded BF16 staging buffer, each window
+is attended by SDPA returning its log-sum-exp, and the windows are merged exactly (softmax over the union).
+
+Why beside `attention.staged_attention` (the same staging with our Triton flash kernel): on the H100 cuDNN's flash
+attention runs at ~1.4x our kernel's throughput (eval/results/profile-pipeline-h100.json), and the decode is a
+small part of the call, so this is the cache's default GPU path. The BF16 history of the whole cache never
+exists: the transient is one window of one layer (`WINDOW_BYTES` of K + V), whatever the history length.
+
+When the history and the tail fit one window (the common case: a rolling window of a few dozen latent frames),
+the tail is copied behind the decoded history and one plain SDPA call does it all (no merge).
+Reference: qvg.attention.attend_reference (tests/kernels/test_windowed_sdpa.py).
+"""
+from __future__ import annotations
+
+import torch
+
+from qvg.attention import sdpa_gqa
+from qvg.rope import RopeTables
+from qvg.sequence import PackedSequence
+
+WINDOW_BYTES = 256 << 20  # BF16 K + V of one staging window (per layer call, reused window to window)
+
+
+def sdpa_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(softmax(q k^T scale) v in q's dtype, its natural log-sum-exp [B, H, M] fp32); k, v with q's heads."""
+    if q.is_cuda:
+        for op in (_cudnn_lse, _flash_lse):
+            try:
+                return op(q, k, v, scale)
+            except (RuntimeError, NotImplementedError):
+                continue
+    s = torch.einsum("bhmd,bhnd->bhmn", q.float(), k.float()) * scale
+    lse = torch.logsumexp(s, -1)
+    return torch.einsum("bhmn,bhnd->bhmd", torch.exp(s - lse[..., None]), v.float()).to(q.dtype), lse
+
+
+def _cudnn_lse(q, k, v, scale):
+    out = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, False, False, scale=scale)
+    return out[0], out[1].reshape(q.shape[:3]).float()
+
+
+def _flash_lse(q, k, v, scale):
+    out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)
+    return out[0], out[1].reshape(q.shape[:3]).float()
+
+
+def merge_lse(acc: torch.Tensor | None, lse: torch.Tensor | None, out: torch.Tensor, out_lse: torch.Tensor):
+    """Fold one window's (out, lse) into the running (acc fp32, lse): attention over the union of the keys."""
+    if acc is None:
+        return out.float(), out_lse
+    new = torch.logaddexp(lse, out_lse)
+    acc = acc * torch.exp(lse - new)[..., None] + out.float() * torch.exp(out_lse - new)[..., None]
+    return acc, new
+
+
+def windowed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: PackedSequence | None,
+                       k_tail: torch.Tensor | None = None, v_tail: torch.Tensor | None = None,
+                       scale: float | None = None, window_bytes: int = WINDOW_BYTES,
+                       rope: RopeTables | None = None) -> torch.Tensor:
+    """softmax(q [history; tail]^T * scale) [history; tail]. q [B, Hq, M, D]; histories: PackedSequence with Hkv
+    heads (Hq a multiple of Hkv); tails [B, Hkv, T, D] BF16 (views are fine). `rope`: the history keys were stored
+    before RoPE and are rotated as they are decoded."""
+    from .dequant import dequantize
+    if k_hist is None and k_tail is None:
+        raise ValueError("attention needs a history or a tail")
+    bsz, hq, m, d = q.shape
+    hkv = (k_hist if k_hist is not None else k_tail).shape[1]
+    if hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv})")
+    scale = d ** -0.5 if scale is None else scale
+    n = 0 if k_hist is None else k_hist.shape[2]
+    t = 0 if k_tail is None else k_tail.shape[2]
+    if n == 0:
+        return sdpa_gqa(q, k_tail, v_tail, scale)
+    cap = max(1, window_bytes // (2 * bsz * hkv * d * 2))  # tokens per window
+    bounds = [(r0, min(n, r0 + cap)) for r0 in range(0, n, cap)]
+    tail_inline = t and bounds[-1][1] - bounds[-1][0] + t <= cap  # the tail rides in the last window
+    acc = lse = None
+    for i, (r0, r1) in enumerate(bounds):
+        extra = t if tail_inline and i == len(bounds) - 1 else 0
+        ks = torch.empty(bsz, hkv, r1 - r0 + extra, d, device=q.device, dtype=torch.bfloat16)
+        vs = torch.empty_like(ks)
+        dequantize(k_hist, out=ks, rows=(r0, r1), rope=rope)
+        dequantize(v_hist, out=vs, rows=(r0, r1))
+        if extra:
+            ks[:, :, r1 - r0:] = k_tail
+            vs[:, :, r1 - r0:] = v_tail
+        if len(bounds) == 1 and (tail_inline or not t):
+            return sdpa_gqa(q, ks, vs, scale)
+        acc, lse = merge_lse(acc, lse, *sdpa_lse(q, *_heads(ks, vs, hq), scale))
+        del ks, vs  # (the next window reuses the memory)
+    if t and not tail_inline:
+        acc, lse = merge_lse(acc, lse, *sdpa_lse(q, *_heads(k_tail.contiguous(), v_tail.contiguous(), hq), scale))
+    return acc.to(q.dtype)
+
+
+def _heads(k: torch.Tensor, v: torch.Tensor, hq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rep = hq // k.shape[1]
+    if rep > 1:
+        return k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    return k, v

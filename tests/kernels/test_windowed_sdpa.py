@@ -1,0 +1,82 @@
+"""`windowed_attention` (packed history decoded window by window, SDPA with log-sum-exp, exact merge) against
+`qvg.attention.attend_reference` (torch, fp32), and its merge against one softmax over the union."""
+import pytest
+import torch
+
+from kernel_helpers import gen, poisoned, rel_err
+from qvg.attention import attend_reference
+from qvg.kernels.windowed_sdpa import merge_lse, sdpa_lse, windowed_attention
+from test_attention_kernel import HKV, TOL, _history, _qkv, _to
+
+
+def _bytes(tokens: int, b: int = 1, d: int = 64) -> int:
+    """window_bytes holding `tokens` tokens of K + V."""
+    return tokens * 2 * b * HKV * d * 2
+
+
+def _run(device, q, kh, vh, kt, vt, **kw):
+    args = (q.to(device), _to(kh, device), _to(vh, device), None if kt is None else kt.to(device),
+            None if vt is None else vt.to(device))
+    with poisoned():  # staging buffers start as NaN: every row read must have been written
+        out = windowed_attention(*args, **kw)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.device.type == device
+    assert torch.isfinite(out).all()
+    return out
+
+
+@pytest.mark.parametrize("tokens", [8, 50, 119, 120, 130, 144, 10 ** 6])
+@pytest.mark.parametrize("name", ["qvg", "qvg-pro", "rtn-int4"])
+def test_windows_and_tail(name, tokens, device):
+    """History of 120 tokens + a 24-token tail; windows smaller than a chunk, ragged, exactly the history, the
+    history with part / all of the tail (inline), and everything in one window."""
+    kh, vh = _history(name)
+    q, kt, vt = _qkv()
+    ref = attend_reference(q, kh, vh, kt, vt)
+    err = rel_err(_run(device, q, kh, vh, kt, vt, window_bytes=_bytes(tokens)), ref)
+    assert err < TOL, f"{name} window {tokens}: {err:.4f}"
+
+
+@pytest.mark.parametrize("tokens", [16, 10 ** 6])
+def test_history_only_gqa_batch2_scale(tokens, device):
+    kh, vh = _history("qvg", b=2, chunks=2, seed=5)
+    q, _, _ = _qkv(b=2, m=40, t=0, seed=6)  # Hq = 2 Hkv
+    ref = attend_reference(q, kh, vh, scale=0.3)
+    err = rel_err(_run(device, q, kh, vh, None, None, scale=0.3, window_bytes=_bytes(tokens, b=2)), ref)
+    assert err < TOL, err
+
+
+def test_tail_only_and_tail_view(device):
+    q, kt, vt = _qkv(m=33, t=45, seed=7)
+    assert rel_err(_run(device, q, None, None, kt, vt), attend_reference(q, None, None, kt, vt)) < TOL
+    kh, vh = _history("qvg", seed=5)
+    room = torch.zeros(1, HKV, 7, kt.shape[3], dtype=kt.dtype)
+    view_k, view_v = torch.cat([kt, room], 2)[:, :, :45], torch.cat([vt, room], 2)[:, :, :45]
+    ref = attend_reference(q, kh, vh, kt, vt)
+    for tokens in (30, 10 ** 6):  # the tail as a separate window and inline
+        assert rel_err(_run(device, q, kh, vh, view_k, view_v, window_bytes=_bytes(tokens)), ref) < TOL
+
+
+def test_input_errors(device):
+    kh, vh = _history("rtn-int4", chunks=1)
+    q, kt, vt = _qkv(m=8, t=4)
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        windowed_attention(q[:, :3].to(device), _to(kh, device), _to(vh, device), kt.to(device), vt.to(device))
+    with pytest.raises(ValueError, match="history or a tail"):
+        windowed_attention(q.to(device), None, None)
+
+
+def test_lse_merge_is_the_softmax_of_the_union(device):
+    g = gen(3)
+    q = torch.randn(2, 3, 17, 32, generator=g).to(device)
+    k = torch.randn(2, 3, 50, 32, generator=g).to(device)
+    v = torch.randn(2, 3, 50, 32, generator=g).to(device)
+    dt = torch.bfloat16 if device == "cuda" else torch.float32  # the fused backends take BF16
+    q, k, v = q.to(dt), k.to(dt), v.to(dt)
+    whole, whole_lse = sdpa_lse(q, k, v, 0.2)
+    ref_lse = torch.logsumexp(torch.einsum("bhmd,bhnd->bhmn", q.float(), k.float()) * 0.2, -1)
+    assert torch.allclose(whole_lse, ref_lse, atol=1e-2, rtol=1e-3)
+    acc = lse = None
+    for a, b in ((0, 7), (7, 31), (31, 50)):
+        acc, lse = merge_lse(acc, lse, *sdpa_lse(q, k[:, :, a:b], v[:, :, a:b], 0.2))
+    assert torch.allclose(lse, whole_lse, atol=1e-2, rtol=1e-3)
+    assert rel_err(acc.to(dt), whole) < TOL
