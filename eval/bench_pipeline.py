@@ -94,6 +94,7 @@ def run(histories, methods, options) -> list[dict]:
                    "accounting_error": (acc["total"] - delta) / delta, "kv_components": acc,
                    "peak_bytes_during_chunk": torch.cuda.max_memory_allocated()}
             print(f"history {hist} {method}: chunk {row['chunk_ms']:.1f} ms; KV {delta / 2**20:.1f} MiB allocator vs "
+                  f"(workspace {acc['workspace'] / 2**20:.1f} MiB) "
                   f"{acc['total'] / 2**20:.1f} accounted ({100 * row['accounting_error']:+.2f}%), "
                   f"ratio {acc['compression_ratio']:.2f}x", flush=True)
             rows.append(row)

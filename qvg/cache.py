@@ -20,8 +20,8 @@ Per layer, three zones, for keys and values alike ([B, H, tokens, D], H = kv hea
   qvg-pro is decoded window by window (<= 256 MiB of one layer's BF16 K + V, never the whole history) and
   attended by torch's SDPA (cuDNN), windows merged by log-sum-exp (kernels/windowed_sdpa.py); kivi / quarot and
   CPU decode the history first (the reference path). The BF16 zones are one contiguous buffer, read as a view.
-- `memory()`: bytes by component (codes, scales, ids, centroids, bf16) and in total, next to the BF16 bytes the
-  same tokens would take.
+- `memory()`: bytes by component (codes, scales, ids, centroids, bf16, and workspace: the compression graphs'
+  static tensors) and in total, next to the BF16 bytes the same tokens would take.
 
 Method "bf16" keeps everything in the BF16 buffer (no compression): the reference every method is compared with.
 Attention has no mask: past chunks are fully visible, the current chunk attends to itself (block-causal).
@@ -32,6 +32,7 @@ import torch
 
 from . import compression
 from .attention import attend_reference, sdpa_gqa
+from .compression.graphed import GraphedCompress
 from .packed import COMPONENTS
 from .sequence import PER_TOKEN_METHODS, PackedSequence
 
@@ -58,10 +59,12 @@ class KVCache:
     """KV cache of `num_layers` layers. method: "bf16" or a `qvg.methods()` name; options: that method's
     (`bits`, `block_size`, `stages`, `centroids`, ...). chunk_frames / tokens_per_frame: the chunk layout (every
     write holds chunk_frames * tokens_per_frame tokens). sink_frames and window_frames are multiples of
-    chunk_frames; window_frames=None keeps the whole history."""
+    chunk_frames; window_frames=None keeps the whole history. cuda_graphs: on CUDA, warm-started compression
+    replays a captured graph (qvg.compression.graphed; same result, a fraction of the host time)."""
 
     def __init__(self, num_layers: int, method: str = "qvg", *, chunk_frames: int, tokens_per_frame: int,
-                 sink_frames: int = 0, window_frames: int | None = None, commit_every: int = 1, **options):
+                 sink_frames: int = 0, window_frames: int | None = None, commit_every: int = 1,
+                 cuda_graphs: bool = True, **options):
         if method not in CACHE_METHODS:
             raise ValueError(f"unknown cache method {method!r}; choose one of: {', '.join(CACHE_METHODS)}")
         for name, v in (("num_layers", num_layers), ("chunk_frames", chunk_frames),
@@ -80,6 +83,7 @@ class KVCache:
         self.layers = [_Layer() for _ in range(num_layers)]
         self.frames = 0  # frames committed so far (the next chunk's start frame: its RoPE time offset)
         self.commits = 0
+        self._graphed = GraphedCompress() if cuda_graphs and method != "bf16" else None
 
     @property
     def chunk_tokens(self) -> int:
@@ -150,10 +154,11 @@ class KVCache:
             opts = dict(self.options)
             if self.method == "kivi":  # the pending / current zones are KIVI's full-precision recent window
                 opts = {"role": role, "residual": 0, **opts}
-            warm = self._warm_start(L, i)
-            if warm is not None and "init" not in opts:
-                opts["init"] = warm
-            p = compression.compress(x, self.method, check_finite=False, **opts)  # no host sync per layer
+            warm = self._warm_start(L, i) if "init" not in opts else None
+            if self._graphed is not None and self._graphed.supports(x, self.method, warm, opts):
+                p = self._graphed(x, self.method, warm, **opts)  # one graph replay (copied into the history below)
+            else:
+                p = compression.compress(x, self.method, check_finite=False, init=warm, **opts)  # no host sync
             if self.method in PER_TOKEN_METHODS:
                 L.hist[i] = PackedSequence.from_chunks([p]) if L.hist[i] is None else L.hist[i].append(p)
             else:
@@ -251,7 +256,7 @@ class KVCache:
         """Bytes held, by component and in total, and the BF16 bytes of the same tokens. `bf16` counts the whole
         allocated BF16 buffers (sink, pending and current zones, with their reserved room); the BF16 equivalent
         counts that room too (a BF16 cache reserves it alike), so method "bf16" is always 1.0x."""
-        comp = {c: 0 for c in ("codes", "scales", "ids", "centroids", "bf16")}
+        comp = {c: 0 for c in ("codes", "scales", "ids", "centroids", "bf16", "workspace")}
         equiv = 0
         for L in self.layers:
             if L.buf is None:
@@ -266,6 +271,7 @@ class KVCache:
                     comp[c] = comp.get(c, 0) + t.numel() * t.element_size()
                 if L.warm[i] is not None:
                     comp["centroids"] += L.warm[i].numel() * L.warm[i].element_size()
+        comp["workspace"] = self._graphed.nbytes if self._graphed is not None else 0  # the graphs' static tensors
         total = sum(comp.values())
         return {**comp, "total": total, "bf16_equivalent": equiv,
                 "compression_ratio": equiv / total if total else 1.0}

@@ -184,7 +184,7 @@ def test_every_method_attends_and_accounts(method):
     assert got.shape == want.shape and torch.isfinite(got).all()
     assert ((got - want).norm() / want.norm()) < 0.35, method
     mem = cache.memory()
-    parts = sum(v for k, v in mem.items() if k in ("codes", "scales", "ids", "centroids", "bf16"))
+    parts = sum(v for k, v in mem.items() if k in ("codes", "scales", "ids", "centroids", "bf16", "workspace"))
     assert parts == mem["total"]
     L = cache.layers[0]
     held = sum(t.numel() * t.element_size() for t in L.buf)
