@@ -19,7 +19,7 @@ from qvg.attention import sdpa_gqa
 from qvg.rope import RopeTables
 from qvg.sequence import PackedSequence
 
-WINDOW_BYTES = 256 << 20  # BF16 K + V of one staging window (per layer call, reused window to window)
+WINDOW_BYTES = 1 << 30  # BF16 K + V of one staging window (per layer call; Wan-1.3B: 174k tokens, 112 latent frames)
 
 
 def sdpa_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:

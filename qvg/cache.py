@@ -17,7 +17,7 @@ Per layer, three zones, for keys and values alike ([B, H, tokens, D], H = kv hea
 - `commit_layer(layer)`: the same for one layer, called by the model right after that layer's last attention of
   the chunk (the clean re-run), so compression interleaves with the forward; `commit()` then finishes the rest.
 - `attend(layer, q)`: attention of q over sink + history + pending + current. On CUDA the history of rtn / qvg /
-  qvg-pro is decoded window by window (<= 256 MiB of one layer's BF16 K + V, never the whole history) and
+  qvg-pro is decoded window by window (<= 1 GiB of one layer's BF16 K + V, never the whole history) and
   attended by torch's SDPA (cuDNN), windows merged by log-sum-exp (kernels/windowed_sdpa.py); kivi / quarot and
   CPU decode the history first (the reference path). The BF16 zones are one contiguous buffer, read as a view.
 - `memory()`: bytes by component (codes, scales, ids, centroids, bf16, and workspace: the compression graphs'
@@ -293,8 +293,15 @@ def _stored(hist) -> list:
 
 
 def _grown(old: torch.Tensor | None, used: int, need: int, like: torch.Tensor) -> torch.Tensor:
-    """A BF16 [B, H, need, D] buffer holding the first `used` tokens of `old`."""
-    new = torch.empty(*like.shape[:2], need, like.shape[3], dtype=torch.bfloat16, device=like.device)
+    """A BF16 [B, H, cap, D] buffer (cap >= need) holding the first `used` tokens of `old`. On CUDA, cap fills the
+    allocator's 2 MiB granule: the caching allocator hands out (and `memory_allocated` counts) a block of a large
+    size rounded up to 2 MiB anyway; as buffer room those bytes are usable and accounted, not hidden slack."""
+    cap = need
+    if like.is_cuda:
+        per_token = like.shape[0] * like.shape[1] * like.shape[3] * 2
+        if need * per_token >= 1 << 20:
+            cap = -(-need * per_token // (2 << 20)) * (2 << 20) // per_token
+    new = torch.empty(*like.shape[:2], cap, like.shape[3], dtype=torch.bfloat16, device=like.device)
     if old is not None and used:
         new[:, :, :used] = old[:, :, :used]
     return new
