@@ -167,10 +167,11 @@ def _fits(model, method: str, frames: int, options: dict) -> dict | None:
 
 def max_history(model, method: str, options: dict, guess: int) -> dict:
     """The largest history (a multiple of 3 latent frames) for which one more chunk still runs: gallop from
-    `guess` to a fitting / failing pair 3 frames apart (bisection in between)."""
+    `guess` in 2.5% steps to a fitting / failing pair, then bisect until they are 3 frames or 1% apart (`lo`
+    fits, `hi` does not)."""
     lo, hi, trials = None, None, []
     n = max(3, guess // 3 * 3)
-    while hi is None or lo is None or hi - lo > 3:
+    while hi is None or lo is None or hi - lo > max(3, lo // 300 * 3):
         r = _fits(model, method, n, options)
         trials.append({"frames": n, "fits": r is not None, **(r or {})})
         print(f"  max-history {method}: {n} frames -> {'fits' if r else 'out of memory'}"
@@ -187,12 +188,13 @@ def max_history(model, method: str, options: dict, guess: int) -> dict:
             if n >= hi:
                 break
         elif lo is None:
-            n = max(3, (n * 19 // 20) // 3 * 3)
+            n = max(3, (n * 39 // 40) // 3 * 3)
         else:
-            n = (n * 21 // 20 + 3) // 3 * 3
+            n = (n * 41 // 40 + 3) // 3 * 3
     if lo is None:
         return {"method": method, "options": options, "max_history_frames": 0, "trials": trials}
-    return {"method": method, "options": options, "max_history_frames": lo, "at_max": best, "trials": trials}
+    return {"method": method, "options": options, "max_history_frames": lo, "fails_at_frames": hi, "at_max": best,
+            "trials": trials}
 
 
 def run_max_history(methods_opts: list[tuple[str, dict]]) -> list[dict]:
@@ -206,7 +208,8 @@ def run_max_history(methods_opts: list[tuple[str, dict]]) -> list[dict]:
         small = _fits(model, method, 21, opts)  # bytes per frame and the fixed part, from a small history
         kv = small["kv"]  # bf16: 21 past + 3 current frames in BF16; else 21 packed frames + the BF16 zone
         per_frame = kv["total"] / 24 if method == "bf16" else (kv["total"] - kv["bf16"]) / 21
-        guess = int((total * 0.97 - small["peak_bytes"]) / per_frame) + 21
+        from qvg.kernels.windowed_sdpa import WINDOW_BYTES  # the staging window grows to its cap on long histories
+        guess = int((total * 0.97 - small["peak_bytes"] - (WINDOW_BYTES if method != "bf16" else 0)) / per_frame) + 21
         print(f"max-history {method} {opts}: {per_frame / 2**20:.1f} MiB per frame, first guess {guess}", flush=True)
         out.append({**max_history(model, method, opts, guess), "bytes_per_frame_estimate": per_frame,
                     "gpu_total_bytes": total})
