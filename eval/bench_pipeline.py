@@ -160,6 +160,10 @@ def _fits(model, method: str, frames: int, options: dict) -> dict | None:
                 "kv_bytes_accounted": kv["total"], "compression_ratio": kv["compression_ratio"], "kv": kv}
     except torch.OutOfMemoryError:
         return None
+    except RuntimeError as e:  # cuDNN / cuBLAS report an allocation failure as their own error
+        if "out of memory" in str(e).lower() or "alloc" in str(e).lower():
+            return None
+        raise
     finally:
         cache = forwards = commit = None
         torch.cuda.empty_cache()
