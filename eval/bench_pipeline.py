@@ -145,7 +145,6 @@ def _fits(model, method: str, frames: int, options: dict) -> dict | None:
         cache = KVCache(30, method, chunk_frames=3, tokens_per_frame=model.tokens_per_latent_frame(*LATENT_HW),
                         window_frames=frames, **options)
         _install(cache, frames, 12)
-        kv = cache.memory()
         forwards, commit = chunk_runner(model, cache)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -156,6 +155,7 @@ def _fits(model, method: str, frames: int, options: dict) -> dict | None:
             commit()
             b.record()
         torch.cuda.synchronize()
+        kv = cache.memory()  # after the chunk: the history, the BF16 zone and the compression graph
         return {"frames": frames, "peak_bytes": torch.cuda.max_memory_allocated(), "chunk_ms": a.elapsed_time(b),
                 "kv_bytes_accounted": kv["total"], "compression_ratio": kv["compression_ratio"], "kv": kv}
     except torch.OutOfMemoryError:
@@ -211,7 +211,7 @@ def run_max_history(methods_opts: list[tuple[str, dict]]) -> list[dict]:
     for method, opts in methods_opts:
         small = _fits(model, method, 21, opts)  # bytes per frame and the fixed part, from a small history
         kv = small["kv"]  # bf16: 21 past + 3 current frames in BF16; else 21 packed frames + the BF16 zone
-        per_frame = kv["total"] / 24 if method == "bf16" else (kv["total"] - kv["bf16"]) / 21
+        per_frame = kv["total"] / 24 if method == "bf16" else (kv["total"] - kv["bf16"] - kv["workspace"]) / 21
         from qvg.kernels.windowed_sdpa import WINDOW_BYTES  # the staging window grows to its cap on long histories
         guess = int((total * 0.97 - small["peak_bytes"] - (WINDOW_BYTES if method != "bf16" else 0)) / per_frame) + 21
         print(f"max-history {method} {opts}: {per_frame / 2**20:.1f} MiB per frame, first guess {guess}", flush=True)

@@ -259,11 +259,16 @@ class KVCache:
         comp = {c: 0 for c in ("codes", "scales", "ids", "centroids", "bf16", "workspace")}
         equiv = 0
         for L in self.layers:
-            if L.buf is None:
+            if L.buf is not None:
+                b, h, cap, d = L.buf[0].shape
+                comp["bf16"] += sum(t.numel() * t.element_size() for t in L.buf)
+                room = cap - (L.n_sink + L.n_pending + L.n_cur)  # reserved BF16 room: the same for a BF16 cache
+            elif L.hist[0] is not None:  # a history installed before any write (benchmarks)
+                h0 = L.hist[0]
+                b, h, _, d = h0.shape if isinstance(h0, PackedSequence) else h0[0].shape
+                room = 0
+            else:
                 continue
-            b, h, cap, d = L.buf[0].shape
-            comp["bf16"] += sum(t.numel() * t.element_size() for t in L.buf)
-            room = cap - (L.n_sink + L.n_pending + L.n_cur)  # reserved BF16 room: the same for a BF16 cache
             equiv += 2 * b * h * d * 2 * (L.n_sink + self._hist_tokens(L) + L.n_pending + L.n_cur + room)
             for i in range(2):
                 for name, t in _stored(L.hist[i]):
