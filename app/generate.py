@@ -136,12 +136,22 @@ def parse(argv) -> dict:
 
 
 def _model(s):
+    import torch
+
+    from qvg.pipelines import tiny
     if s["pipeline"] == "tiny":
-        from qvg.pipelines import tiny
         transformer, vae, text = tiny.build_tiny(seed=0, device=s["device"])
         return transformer, vae, text, tiny.FPS, (8, 8), tiny.latent_frames_for(s["frames"])
-    raise UsageError("--pipeline self-forcing: loading the Self-Forcing / Wan2.1 checkpoint is not implemented yet "
-                     "(use --pipeline tiny)")
+    from qvg.pipelines.checkpoints import load_self_forcing
+    from qvg.pipelines.state_dicts import CheckpointError
+    from qvg.pipelines.umt5 import MissingDependency
+    try:  # Self-Forcing runs its generator in BF16; layout and checks: pipelines/checkpoints.py
+        m = load_self_forcing(s["checkpoint"], s["device"], torch.bfloat16)
+    except (CheckpointError, MissingDependency) as e:
+        raise UsageError(f"--checkpoint: {e}") from None
+    s["checkpoint_sources"] = m.sources
+    # Wan2.1-T2V-1.3B's 480 x 832 at 16 fps: 60 x 104 latents (the VAE's 8x), the same frame rule as tiny
+    return m.transformer, m.vae, m.text_encoder, tiny.FPS, (60, 104), tiny.latent_frames_for(s["frames"])
 
 
 def _cache(s, transformer, latent_hw):
@@ -186,6 +196,7 @@ def run(s) -> dict:
     transformer, vae, text_encoder, fps, latent_hw, latent_frames = _model(s)
     s["latent_frames"] = -(-latent_frames // 3) * 3  # whole chunks are generated
     cache = _cache(s, transformer, latent_hw)
+    text = text_encoder(s["prompt"])  # before the peak-memory window: a real text encoder is freed after it
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     pipe = SelfForcingPipeline(transformer, vae)
@@ -201,7 +212,7 @@ def run(s) -> dict:
         chunks = -(-latent_frames // pipe.chunk_frames)
         bar = tqdm(total=chunks, desc=f"{s['method']} chunks", unit="chunk", disable=s["quiet"], file=sys.stderr)
         with writer:
-            for res in pipe.generate(text_encoder(s["prompt"]), latent_frames, latent_hw, cache, seed=s["seed"]):
+            for res in pipe.generate(text, latent_frames, latent_hw, cache, seed=s["seed"]):
                 mem = cache.memory()
                 peak_kv = mem if peak_kv is None or mem["total"] > peak_kv["total"] else peak_kv
                 frames = ((res.video[0].permute(1, 2, 3, 0).float().cpu().numpy() + 1) * 127.5).round()
@@ -226,6 +237,8 @@ def run(s) -> dict:
             "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({os.cpu_count()} cores)",
             "commit": _commit(),
         }
+        if "checkpoint_sources" in s:
+            report["checkpoint"] = s["checkpoint_sources"]
         if dev.type == "cuda":
             report["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(dev)
         with open(tmp_json, "w") as f:

@@ -86,3 +86,16 @@ def test_failure_after_the_temporary_files_exist_leaves_nothing(tmp_path, capsys
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "simulated failure" in err[0]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_self_forcing_checkpoint_dir_without_checkpoints(tmp_path, capsys):
+    """An existing but empty --checkpoint directory: one line saying what was looked for (the loader's own cases
+    are in tests/pipelines/test_checkpoints.py)."""
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    ckpt.mkdir()
+    out.mkdir()
+    assert main(["--pipeline", "self-forcing", "--checkpoint", str(ckpt), "--device", "cpu", "--out",
+                 str(out / "v.mp4"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no Self-Forcing generator checkpoint" in err[0] and "self_forcing_dmd.pt" in err[0]
+    assert list(out.iterdir()) == []

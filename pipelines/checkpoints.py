@@ -1,0 +1,225 @@
+"""Self-Forcing on Wan2.1-T2V-1.3B from a local directory: the generator, the Wan VAE and the umT5 text encoder.
+
+    load_self_forcing(DIR, device, dtype=torch.bfloat16) -> (transformer, vae, text_encoder, sources)
+
+The directory (`qvg-generate --pipeline self-forcing --checkpoint DIR`) is laid out as the Self-Forcing repository
+downloads it, or flatter:
+
+    DIR/
+      self_forcing_dmd.pt            or DIR/checkpoints/self_forcing_dmd.pt, or the only *.pt in DIR or DIR/checkpoints
+      wan_models/Wan2.1-T2V-1.3B/    or DIR/Wan2.1-T2V-1.3B/, or these files directly in DIR:
+        Wan2.1_VAE.pth
+        models_t5_umt5-xxl-enc-bf16.pth
+        google/umt5-xxl/             the tokenizer
+        config.json                  optional: Wan's transformer config (default: Wan2.1-T2V-1.3B's)
+
+or, in place of the Wan2.1-T2V-1.3B folder, the diffusers layout (Wan2.1-T2V-1.3B-Diffusers: vae/, text_encoder/,
+tokenizer/, and transformer/config.json, optional; the transformer's weights come from the generator).
+
+The generator file holds {'generator': state dict, 'generator_ema': state dict, ...} with Wan's own key names
+under Self-Forcing's wrapper prefix `model.`; loaded with `weights_only=True` (never unpickled arbitrarily),
+memory-mapped. `ema=None` (default) takes 'generator_ema' where present (what Self-Forcing's `--use_ema`
+inference uses), else 'generator'; True / False insist on one. Keys are converted to diffusers' names by
+diffusers' own converters, and every component is loaded strictly (state_dicts.load_strict): a wrong, incomplete
+or corrupt file raises one CheckpointError naming the file and the keys at fault.
+
+Architectures: the transformer's from config.json (Wan's names: dim, num_heads, ffn_dim, ...; missing entries
+take the 1.3B values); the VAE is Wan2.1's (4 stages, 2 residual blocks each) with its base width read from the
+file (96 in Wan2.1_VAE.pth); the text encoder is umT5-XXL's (24 layers) with its widths read from the file.
+Dtypes: the transformer's weights in `dtype`, as Self-Forcing runs it (its RoPE tables stay FP32: they are
+computed, not loaded, and Self-Forcing too keeps them out of its BF16 cast); the VAE in `vae_dtype` (FP32, Wan's
+default); the text encoder in `text_dtype` (BF16, its file's dtype), its output cast to `dtype`. Nothing is
+randomly initialised on the way: models are built with their parameters on the meta device and take the file's
+tensors (memory-mapped, so a CPU load in the file's dtype copies nothing).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from .state_dicts import CheckpointError, check_tensors, empty_init, first_line, load_strict, read_json, \
+    read_safetensors, read_torch
+
+GENERATOR_FILE = "self_forcing_dmd.pt"
+WAN_FOLDERS = ("Wan2.1-T2V-1.3B", "Wan2.1-T2V-1.3B-Diffusers")
+VAE_FILE, T5_FILE, TOKENIZER_FOLDER = "Wan2.1_VAE.pth", "models_t5_umt5-xxl-enc-bf16.pth", "google/umt5-xxl"
+WRAPPER_PREFIX = "model."  # Self-Forcing's WanDiffusionWrapper holds the Wan model as `.model`
+TRAINING_WRAPPERS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")  # FSDP, checkpointing, compile
+WAN_T2V_1_3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16,
+                    out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
+                    qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
+# Wan's config.json names -> diffusers' (dim and num_heads become heads x head dim)
+WAN_CONFIG_NAMES = {"in_dim": "in_channels", "out_dim": "out_channels", "ffn_dim": "ffn_dim", "freq_dim": "freq_dim",
+                    "text_dim": "text_dim", "num_layers": "num_layers", "eps": "eps", "cross_attn_norm": "cross_attn_norm"}
+
+
+class WanFiles(NamedTuple):
+    generator: Path
+    wan: Path  # the Wan2.1-T2V-1.3B folder
+    diffusers: bool  # its layout
+
+
+class SelfForcingModel(NamedTuple):
+    transformer: torch.nn.Module  # CausalWanTransformer
+    vae: torch.nn.Module  # diffusers AutoencoderKLWan
+    text_encoder: object  # umt5.UMT5TextEncoder: prompt -> [1, 512, text_dim]
+    sources: dict  # what was loaded from where (for reports)
+
+
+def find_files(root) -> WanFiles:
+    """The files of the layout in the module docstring; a CheckpointError listing what was looked for."""
+    root = Path(root)
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: no such directory")
+    gen = next((p for p in (root / GENERATOR_FILE, root / "checkpoints" / GENERATOR_FILE) if p.is_file()), None)
+    if gen is None:
+        found = sorted(p for d in (root, root / "checkpoints") if d.is_dir() for p in d.glob("*.pt") if p.is_file())
+        if not found:
+            raise CheckpointError(f"{root}: no Self-Forcing generator checkpoint (looked for {GENERATOR_FILE} or "
+                                  f"one *.pt file in {root} and {root / 'checkpoints'})")
+        if len(found) > 1:
+            raise CheckpointError(f"{root}: {len(found)} candidate generator checkpoints "
+                                  f"({', '.join(p.name for p in found)}): name the one to use {GENERATOR_FILE}")
+        gen = found[0]
+    folders = [root / "wan_models" / n for n in WAN_FOLDERS] + [root / n for n in WAN_FOLDERS] + [root]
+    for wan in folders:
+        if (wan / VAE_FILE).is_file() or (wan / "vae" / "config.json").is_file():
+            diffusers = not (wan / VAE_FILE).is_file()
+            need = ["vae/config.json", "text_encoder/config.json", "tokenizer"] if diffusers else \
+                [T5_FILE, TOKENIZER_FOLDER]
+            missing = [n for n in need if not (wan / n).exists()]
+            if missing:
+                raise CheckpointError(f"{wan}: incomplete Wan2.1-T2V-1.3B folder: missing {', '.join(missing)}")
+            return WanFiles(gen, wan, diffusers)
+    raise CheckpointError(f"{root}: no Wan2.1-T2V-1.3B files (looked for {VAE_FILE}, or vae/config.json in the "
+                          f"diffusers layout, in: {', '.join(str(f) for f in folders)})")
+
+
+def transformer_config(files: WanFiles) -> tuple[dict, str]:
+    """(CausalWanTransformer kwargs, where they came from)."""
+    import inspect
+
+    from diffusers import WanTransformer3DModel
+    path = files.wan / ("transformer/config.json" if files.diffusers else "config.json")
+    if not path.is_file():
+        return dict(WAN_T2V_1_3B), "built-in Wan2.1-T2V-1.3B config"
+    cfg = read_json(path)
+    if files.diffusers:  # diffusers' names already
+        params = inspect.signature(WanTransformer3DModel.__init__).parameters
+        return dict(WAN_T2V_1_3B, **{k: v for k, v in cfg.items() if k in params}), str(path)
+    try:
+        return _from_wan_config(cfg, path), str(path)
+    except CheckpointError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: unusable transformer config ({first_line(e)})") from None
+
+
+def _from_wan_config(cfg: dict, path: Path) -> dict:
+    if cfg.get("model_type", "t2v") != "t2v" or list(cfg.get("window_size", (-1, -1))) != [-1, -1]:
+        raise CheckpointError(f"{path}: only text-to-video Wan models with full attention are supported "
+                              f"(model_type {cfg.get('model_type')!r}, window_size {cfg.get('window_size')})")
+    out = dict(WAN_T2V_1_3B, **{WAN_CONFIG_NAMES[k]: v for k, v in cfg.items() if k in WAN_CONFIG_NAMES})
+    dim, heads = cfg.get("dim", 1536), cfg.get("num_heads", 12)
+    if not isinstance(dim, int) or not isinstance(heads, int) or heads < 1 or dim % heads:
+        raise CheckpointError(f"{path}: dim {dim!r} is not a multiple of num_heads {heads!r}")
+    out.update(num_attention_heads=heads, attention_head_dim=dim // heads)
+    if "patch_size" in cfg:
+        out["patch_size"] = tuple(cfg["patch_size"])
+    if "qk_norm" in cfg:
+        out["qk_norm"] = "rms_norm_across_heads" if cfg["qk_norm"] else None
+    return out
+
+
+def _renamed(sd: dict, converted: dict) -> dict[str, str]:
+    """new key -> the file's key, for a converter that renames without copying tensors."""
+    by_id = {id(t): k for k, t in sd.items()}
+    return {k: by_id.get(id(t), k) for k, t in converted.items()}
+
+
+def read_generator(path: Path, ema: bool | None = None) -> tuple[dict, dict, str]:
+    """(state dict in diffusers' names, new key -> key in the file, 'generator_ema' or 'generator')."""
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+    obj = read_torch(path)
+    wanted = ("generator_ema", "generator") if ema is None else ("generator_ema",) if ema else ("generator",)
+    which = next((k for k in wanted if k in obj), None)
+    if which is None or not isinstance(obj[which], dict):
+        found = ", ".join(repr(k) for k in list(obj)[:5]) + (", ..." if len(obj) > 5 else "") or "none"
+        raise CheckpointError(f"{path}: not a Self-Forcing checkpoint: no {' or '.join(map(repr, wanted))} state "
+                              f"dict (top-level keys: {found})")
+    sd = check_tensors(obj[which], f"{path} [{which}]")
+    stripped = {}
+    for key, t in sd.items():
+        k = key
+        for part in TRAINING_WRAPPERS:
+            k = k.replace(part, "")
+        stripped[k[len(WRAPPER_PREFIX):] if k.startswith(WRAPPER_PREFIX) else k] = t
+    converted = convert_wan_transformer_to_diffusers(dict(stripped))
+    return converted, _renamed(sd, converted), which
+
+
+def _build(source, what, ctor, **kwargs):
+    try:
+        with empty_init():
+            return ctor(**kwargs)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{source}: unusable {what} config ({first_line(e)})") from None
+
+
+def load_vae(files: WanFiles, device="cpu", dtype=torch.float32):
+    """diffusers' AutoencoderKLWan from Wan2.1_VAE.pth (Wan's names, converted) or the diffusers vae/ folder."""
+    from diffusers import AutoencoderKLWan
+    from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
+    if files.diffusers:
+        folder = files.wan / "vae"
+        cfg = read_json(folder / "config.json")
+        vae = _build(folder, "VAE", AutoencoderKLWan.from_config, config=cfg)
+        return load_strict(vae, read_safetensors(folder), folder, what="Wan VAE", device=device, dtype=dtype)
+    path = files.wan / VAE_FILE
+    sd = check_tensors(read_torch(path), path)
+    conv1 = sd.get("encoder.conv1.weight")
+    base_dim = conv1.shape[0] if conv1 is not None and conv1.dim() == 5 else 96
+    converted = convert_wan_vae_to_diffusers(sd)
+    vae = _build(path, "VAE", AutoencoderKLWan, base_dim=base_dim)
+    return load_strict(vae, converted, path, what="Wan2.1 VAE", file_names=_renamed(sd, converted), device=device,
+                       dtype=dtype)
+
+
+def load_text_encoder(files: WanFiles, text_dim: int, device="cpu", dtype=torch.bfloat16, out_dtype=None):
+    """umt5.UMT5TextEncoder from Wan's T5 file + google/umt5-xxl, or the diffusers text_encoder/ + tokenizer/."""
+    from . import umt5
+    if files.diffusers:
+        source, tokenizer = files.wan / "text_encoder", files.wan / "tokenizer"
+        config, sd, names = umt5.read_hf_t5(source)
+    else:
+        source, tokenizer = files.wan / T5_FILE, files.wan / TOKENIZER_FOLDER
+        config, sd, names = umt5.read_wan_t5(source)
+    if config.get("d_model") != text_dim:
+        raise CheckpointError(f"{source}: text encoder width {config.get('d_model')} does not match the "
+                              f"transformer's text_dim {text_dim}")
+    return umt5.UMT5TextEncoder(config, sd, tokenizer, source, names=names, device=device, dtype=dtype,
+                                out_dtype=out_dtype)
+
+
+def load_self_forcing(checkpoint_dir, device="cpu", dtype=torch.bfloat16, *, ema: bool | None = None,
+                      vae_dtype=torch.float32, text_dtype=torch.bfloat16) -> SelfForcingModel:
+    """Everything `SelfForcingPipeline` and a prompt need, from the layout in the module docstring."""
+    from . import umt5
+    from .causal_wan import CausalWanTransformer
+    for package in ("transformers", "ftfy"):  # the `wan` extra: fail before reading gigabytes
+        umt5.require(package)
+    files = find_files(checkpoint_dir)
+    config, config_source = transformer_config(files)
+    sd, names, which = read_generator(files.generator, ema)
+    model = _build(config_source, "transformer", CausalWanTransformer, **config)
+    c = model.config
+    what = f"Wan transformer ({c.num_layers} layers, dim {c.num_attention_heads * c.attention_head_dim})"
+    transformer = load_strict(model, sd, f"{files.generator} [{which}]", what=what, file_names=names, device=device,
+                              dtype=dtype)
+    vae = load_vae(files, device, vae_dtype)
+    text = load_text_encoder(files, c.text_dim, device, text_dtype, out_dtype=dtype)
+    sources = {"generator": str(files.generator), "weights": which, "wan": str(files.wan),
+               "layout": "diffusers" if files.diffusers else "original", "transformer_config": config_source}
+    return SelfForcingModel(transformer, vae, text, sources)

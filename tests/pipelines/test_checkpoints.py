@@ -1,0 +1,379 @@
+"""Loading Self-Forcing / Wan2.1 checkpoints (pipelines/checkpoints.py) from tiny checkpoints written here in the
+original formats: the generator .pt ({'generator', 'generator_ema'} with Wan's key names under `model.`), the Wan
+VAE .pth, Wan's umT5 .pth and a tokenizer folder. The original-format dicts are made from seeded diffusers /
+transformers models through inverse key tables written out below, so loading them back proves the converters."""
+import json
+import re
+import shutil
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from transformers import UMT5Config, UMT5EncoderModel  # noqa: E402
+
+from qvg.pipelines.causal_wan import CausalWanTransformer  # noqa: E402
+from qvg.pipelines.checkpoints import load_self_forcing  # noqa: E402
+from qvg.pipelines.state_dicts import CheckpointError  # noqa: E402
+
+WAN_CONFIG = {"_class_name": "WanModel", "model_type": "t2v", "dim": 128, "num_heads": 2, "ffn_dim": 256,
+              "freq_dim": 64, "text_dim": 32, "num_layers": 2, "in_dim": 16, "out_dim": 16, "text_len": 512,
+              "eps": 1e-6}
+TRANSFORMER = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=64, in_channels=16, out_channels=16,
+                   text_dim=32, freq_dim=64, ffn_dim=256, num_layers=2)
+T5 = dict(vocab_size=40, d_model=32, d_kv=8, d_ff=64, num_heads=4, num_layers=24, relative_attention_num_buckets=32,
+          relative_attention_max_distance=128, feed_forward_proj="gated-gelu", layer_norm_epsilon=1e-6,
+          dropout_rate=0.0, tie_word_embeddings=False)
+WORDS = "a red fox running through fresh snow cinematic the cat".split()
+WAN = "wan_models/Wan2.1-T2V-1.3B"
+F32 = dict(dtype=torch.float32, text_dtype=torch.float32)
+
+
+# --- inverse key tables: diffusers / transformers names -> the original (Wan) names ---------------------------------
+
+def wan_transformer_key(k: str) -> str:
+    if k == "scale_shift_table":
+        return "head.modulation"
+    for new, old in [("condition_embedder.time_embedder.linear_", "time_embedding.L"),
+                     ("condition_embedder.text_embedder.linear_", "text_embedding.L"),
+                     ("condition_embedder.time_proj", "time_projection.1"), ("proj_out", "head.head"),
+                     ("scale_shift_table", "modulation"), ("attn1.", "self_attn."), ("attn2.", "cross_attn."),
+                     (".to_out.0.", ".o."), (".to_q.", ".q."), (".to_k.", ".k."), (".to_v.", ".v."),
+                     ("ffn.net.0.proj", "ffn.0"), ("ffn.net.2", "ffn.2"), (".norm2.", ".norm3.")]:
+        k = k.replace(new, old)
+    return k.replace("embedding.L1", "embedding.0").replace("embedding.L2", "embedding.2")
+
+
+RESNET = {"norm1.gamma": "residual.0.gamma", "conv1.weight": "residual.2.weight", "conv1.bias": "residual.2.bias",
+          "norm2.gamma": "residual.3.gamma", "conv2.weight": "residual.6.weight", "conv2.bias": "residual.6.bias",
+          "conv_shortcut.weight": "shortcut.weight", "conv_shortcut.bias": "shortcut.bias"}
+
+
+def wan_vae_key(k: str) -> str:
+    top = {"quant_conv": "conv1", "post_quant_conv": "conv2"}
+    if k.split(".")[0] in top:
+        return top[k.split(".")[0]] + k[k.index("."):]
+    side, rest = k.split(".", 1)
+    rules = [(r"conv_in\.(.+)", lambda m: f"conv1.{m[1]}"), (r"norm_out\.gamma", lambda m: "head.0.gamma"),
+             (r"conv_out\.(.+)", lambda m: f"head.2.{m[1]}"),
+             (r"mid_block\.resnets\.(\d)\.(.+)", lambda m: f"middle.{2 * int(m[1])}.{RESNET[m[2]]}"),
+             (r"mid_block\.attentions\.0\.(.+)", lambda m: f"middle.1.{m[1]}"),
+             (r"down_blocks\.(\d+)\.(.+)", lambda m: f"downsamples.{m[1]}.{RESNET.get(m[2], m[2])}"),
+             # 3 residual blocks and 1 upsampler per decoder stage
+             (r"up_blocks\.(\d)\.resnets\.(\d)\.(.+)", lambda m: f"upsamples.{4 * int(m[1]) + int(m[2])}.{RESNET[m[3]]}"),
+             (r"up_blocks\.(\d)\.upsamplers\.0\.(.+)", lambda m: f"upsamples.{4 * int(m[1]) + 3}.{m[2]}")]
+    for pattern, fn in rules:
+        m = re.fullmatch(pattern, rest)
+        if m:
+            return f"{side}.{fn(m)}"
+    raise AssertionError(f"no Wan name for {k}")
+
+
+T5_BLOCK = {"layer.0.layer_norm.weight": "norm1.weight", "layer.0.SelfAttention.q.weight": "attn.q.weight",
+            "layer.0.SelfAttention.k.weight": "attn.k.weight", "layer.0.SelfAttention.v.weight": "attn.v.weight",
+            "layer.0.SelfAttention.o.weight": "attn.o.weight",
+            "layer.0.SelfAttention.relative_attention_bias.weight": "pos_embedding.embedding.weight",
+            "layer.1.layer_norm.weight": "norm2.weight", "layer.1.DenseReluDense.wi_0.weight": "ffn.gate.0.weight",
+            "layer.1.DenseReluDense.wi_1.weight": "ffn.fc1.weight", "layer.1.DenseReluDense.wo.weight": "ffn.fc2.weight"}
+
+
+def wan_t5_dict(model) -> dict:
+    out = {}
+    for k, v in model.state_dict().items():
+        if k == "encoder.embed_tokens.weight":
+            continue  # the tied alias of shared.weight
+        m = re.fullmatch(r"encoder\.block\.(\d+)\.(.+)", k)
+        name = {"shared.weight": "token_embedding.weight", "encoder.final_layer_norm.weight": "norm.weight"}.get(k) \
+            or f"blocks.{m[1]}.{T5_BLOCK[m[2]]}"
+        out[name] = v.clone()
+    return out
+
+
+# --- the tiny checkpoint directory ----------------------------------------------------------------------------------
+
+def _seeded(seed, ctor):
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = ctor()
+        for p in model.parameters():  # non-trivial norms and biases too
+            p.data.add_(0.05 * torch.randn_like(p))
+        return model.eval()
+
+
+def _generator_dict(model) -> dict:
+    return {"model." + wan_transformer_key(k): v.clone() for k, v in model.state_dict().items()}
+
+
+def write_tokenizer(folder):
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    folder.mkdir(parents=True)
+    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, **{w: i + 3 for i, w in enumerate(WORDS)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "pad_token": "<pad>", "eos_token": "</s>",
+        "unk_token": "<unk>", "model_max_length": 512}))
+
+
+@pytest.fixture(scope="module")
+def src():
+    """The seeded source models."""
+    from diffusers import AutoencoderKLWan
+    return {"ema": _seeded(1, lambda: CausalWanTransformer(**TRANSFORMER)),
+            "raw": _seeded(2, lambda: CausalWanTransformer(**TRANSFORMER)),
+            "vae": _seeded(3, lambda: AutoencoderKLWan(base_dim=8)),
+            "t5": _seeded(4, lambda: UMT5EncoderModel(UMT5Config(**T5)))}
+
+
+@pytest.fixture(scope="module")
+def ckpt(src, tmp_path_factory):
+    """DIR/checkpoints/self_forcing_dmd.pt + DIR/wan_models/Wan2.1-T2V-1.3B/ as Self-Forcing lays them out."""
+    root = tmp_path_factory.mktemp("sf")
+    (root / "checkpoints").mkdir()
+    torch.save({"generator": _generator_dict(src["raw"]), "generator_ema": _generator_dict(src["ema"])},
+               root / "checkpoints" / "self_forcing_dmd.pt")
+    wan = root / WAN
+    wan.mkdir(parents=True)
+    (wan / "config.json").write_text(json.dumps(WAN_CONFIG))
+    torch.save({wan_vae_key(k): v.clone() for k, v in src["vae"].state_dict().items()}, wan / "Wan2.1_VAE.pth")
+    torch.save(wan_t5_dict(src["t5"]), wan / "models_t5_umt5-xxl-enc-bf16.pth")
+    write_tokenizer(wan / "google" / "umt5-xxl")
+    return root
+
+
+@pytest.fixture(scope="module")
+def loaded(ckpt):
+    return load_self_forcing(ckpt, "cpu", **F32)
+
+
+def _same_weights(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), k
+
+
+def _t5_reference(t5, n_tokens, ids):
+    mask = torch.zeros(1, 512, dtype=torch.long)
+    mask[:, :n_tokens] = 1
+    full = torch.zeros(1, 512, dtype=torch.long)
+    full[0, :n_tokens] = torch.tensor(ids)
+    with torch.no_grad():
+        ref = t5(input_ids=full, attention_mask=mask).last_hidden_state
+    ref[:, n_tokens:] = 0
+    return ref
+
+
+def test_original_layout_round_trip(src, loaded):
+    transformer, vae, text, sources = loaded
+    assert isinstance(transformer, CausalWanTransformer) and sources["weights"] == "generator_ema"
+    assert sources["layout"] == "original" and sources["transformer_config"].endswith("config.json")
+    _same_weights(transformer, src["ema"])
+    _same_weights(vae, src["vae"])
+    x = torch.randn(1, 16, 3, 4, 4, generator=torch.Generator().manual_seed(0))
+    ctx = torch.randn(1, 512, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(transformer(x, torch.tensor([500.0]), ctx), src["ema"](x, torch.tensor([500.0]), ctx))
+    # Wan's embedding: cleaned prompt, </s> appended, padded to 512, the rows past the tokens zero
+    emb = text("  a red   fox &amp; snow ")
+    ids = [WORDS.index(w) + 3 for w in "a red fox".split()] + [2, WORDS.index("snow") + 3, 1]  # '&' is <unk>
+    assert emb.shape == (1, 512, 32) and emb.dtype == torch.float32
+    assert torch.allclose(emb, _t5_reference(src["t5"], len(ids), ids), atol=1e-6)
+    assert emb[0, len(ids) - 1].abs().sum() > 0 and emb[0, len(ids):].abs().sum() == 0
+    t5 = text.cpu_model  # the tied embedding is one tensor, loaded once
+    assert t5.shared.weight.data_ptr() == t5.encoder.embed_tokens.weight.data_ptr()
+
+
+@pytest.mark.parametrize("ema,weights", [(False, "generator"), (True, "generator_ema"), (None, "generator_ema")])
+def test_ema_selection(src, ckpt, ema, weights):
+    m = load_self_forcing(ckpt, "cpu", **F32, ema=ema)
+    assert m.sources["weights"] == weights
+    _same_weights(m.transformer, src["raw" if weights == "generator" else "ema"])
+
+
+def _variant(ckpt, tmp_path, edit=None):
+    """A copy of the checkpoint directory (files linked), with `edit(root)` applied."""
+    root = tmp_path / "ckpt"
+    shutil.copytree(ckpt, root, copy_function=lambda s, d: __import__("os").symlink(s, d))
+    if edit:
+        edit(root)
+    return root
+
+
+def _rewrite(rel, change):
+    def edit(root):
+        path = root / rel
+        obj = torch.load(path, weights_only=True)
+        path.unlink()
+        out = change(obj)
+        if isinstance(out, bytes):
+            path.write_bytes(out)
+        elif out is not None:
+            torch.save(out, path)
+    return edit
+
+
+GEN = "checkpoints/self_forcing_dmd.pt"
+
+
+def _drop(key):
+    def change(obj):
+        del obj["generator_ema"][key]
+        return obj
+    return change
+
+
+def _add(key, value):
+    def change(obj):
+        obj["generator_ema"][key] = value
+        return obj
+    return change
+
+
+def _two_generators(root):
+    (root / GEN).rename(root / "checkpoints" / "a.pt")
+    (root / "other.pt").write_bytes(b"")
+
+
+def _reshape(obj):
+    obj["generator_ema"]["model.blocks.1.self_attn.q.weight"] = torch.zeros(128, 64)
+    return obj
+
+
+BAD = [
+    ("missing-key", _rewrite(GEN, _drop("model.blocks.1.ffn.2.bias")), ["1 missing key", "blocks.1.ffn.net.2.bias"]),
+    ("unexpected-key", _rewrite(GEN, _add("model.blocks.0.extra.weight", torch.zeros(3))),
+     ["1 unexpected key", "model.blocks.0.extra.weight"]),
+    ("wrong-shape", _rewrite(GEN, _reshape), ["wrong shape", "model.blocks.1.self_attn.q.weight [128, 64]",
+                                              "expected [128, 128]"]),
+    ("top-level", _rewrite(GEN, lambda o: {"model": o["generator"]}), ["no 'generator_ema' or 'generator'",
+                                                                      "top-level keys: 'model'"]),
+    ("not-a-dict", _rewrite(GEN, lambda o: {"generator_ema": {"model.x": 3}}), ["not a state dict", "model.x"]),
+    ("garbage", _rewrite(GEN, lambda o: b"not a checkpoint at all"), ["not a readable PyTorch checkpoint"]),
+    ("no-generator", lambda r: (r / GEN).unlink(), ["no Self-Forcing generator checkpoint", "self_forcing_dmd.pt"]),
+    ("two-generators", _two_generators, ["2 candidate generator checkpoints", "a.pt, other.pt"]),
+    ("no-vae", lambda r: (r / WAN / "Wan2.1_VAE.pth").unlink(), ["no Wan2.1-T2V-1.3B files", "Wan2.1_VAE.pth"]),
+    ("no-t5", lambda r: (r / WAN / "models_t5_umt5-xxl-enc-bf16.pth").unlink(),
+     ["incomplete Wan2.1-T2V-1.3B folder", "missing models_t5_umt5-xxl-enc-bf16.pth"]),
+    ("vae-missing-key", _rewrite(f"{WAN}/Wan2.1_VAE.pth", lambda o: {k: v for k, v in o.items()
+                                                                     if k != "decoder.head.2.bias"}),
+     ["Wan2.1_VAE.pth: not a Wan2.1 VAE checkpoint", "decoder.conv_out.bias"]),
+    ("t5-unexpected-key", _rewrite(f"{WAN}/models_t5_umt5-xxl-enc-bf16.pth",
+                                   lambda o: {**o, "blocks.24.norm1.weight": torch.ones(32)}),
+     ["not a umT5 encoder checkpoint", "1 unexpected key", "blocks.24.norm1.weight"]),
+    ("t5-width", _rewrite(f"{WAN}/models_t5_umt5-xxl-enc-bf16.pth",
+                          lambda o: {k: v[..., :16] if k == "token_embedding.weight" else v for k, v in o.items()}),
+     ["text encoder width 16 does not match the transformer's text_dim 32"]),
+    ("tokenizer", lambda r: shutil.rmtree(r / WAN / "google" / "umt5-xxl") or (r / WAN / "google" / "umt5-xxl").mkdir(),
+     ["not a readable tokenizer folder"]),
+    ("config", lambda r: (r / WAN / "config.json").unlink() or (r / WAN / "config.json").write_text("{dim: 3"),
+     ["config.json: not a readable JSON config"]),
+    ("config-heads", lambda r: (r / WAN / "config.json").unlink() or (r / WAN / "config.json").write_text(
+        json.dumps({**WAN_CONFIG, "num_heads": 3})), ["config.json: dim 128 is not a multiple of num_heads 3"]),
+    ("config-type", lambda r: (r / WAN / "config.json").unlink() or (r / WAN / "config.json").write_text(
+        json.dumps({**WAN_CONFIG, "patch_size": 2})), ["config.json: unusable transformer config"]),
+    ("config-i2v", lambda r: (r / WAN / "config.json").unlink() or (r / WAN / "config.json").write_text(
+        json.dumps({**WAN_CONFIG, "model_type": "i2v"})), ["only text-to-video Wan models"]),
+]
+
+
+@pytest.mark.parametrize("case,edit,needles", BAD, ids=[b[0] for b in BAD])
+def test_bad_checkpoint_one_clear_error(ckpt, tmp_path, case, edit, needles):
+    root = _variant(ckpt, tmp_path, edit)
+    with pytest.raises(CheckpointError) as e:
+        load_self_forcing(root, "cpu", **F32)
+    msg = str(e.value)
+    assert "\n" not in msg and all(n in msg for n in needles), msg
+
+
+def test_ema_required_but_absent(ckpt, tmp_path):
+    root = _variant(ckpt, tmp_path, _rewrite(GEN, lambda o: {"generator": o["generator"]}))
+    with pytest.raises(CheckpointError, match="no 'generator_ema' state dict"):
+        load_self_forcing(root, "cpu", **F32, ema=True)
+    assert load_self_forcing(root, "cpu", **F32).sources["weights"] == "generator"  # default: falls back
+
+
+def test_flat_layout_and_default_config(src, ckpt, tmp_path):
+    """The generator as the only *.pt in DIR, the Wan files directly in DIR; without config.json the 1.3B config
+    is expected, so the tiny generator is reported as the wrong shape."""
+    root = tmp_path / "flat"
+    root.mkdir()
+    (root / "mine.pt").symlink_to(ckpt / GEN)
+    for f in (ckpt / WAN).iterdir():
+        (root / f.name).symlink_to(f)
+    m = load_self_forcing(root, "cpu", **F32)
+    assert m.sources["generator"].endswith("mine.pt") and m.sources["wan"] == str(root)
+    _same_weights(m.transformer, src["ema"])
+    (root / "config.json").unlink()
+    with pytest.raises(CheckpointError, match=r"not a Wan transformer \(30 layers, dim 1536\) checkpoint"):
+        load_self_forcing(root, "cpu", **F32)
+
+
+def test_diffusers_layout(src, ckpt, tmp_path):
+    root = tmp_path / "d"
+    (root / "checkpoints").mkdir(parents=True)
+    (root / GEN).symlink_to(ckpt / GEN)
+    wan = root / "Wan2.1-T2V-1.3B-Diffusers"
+    src["vae"].save_pretrained(wan / "vae")
+    src["t5"].save_pretrained(wan / "text_encoder")
+    shutil.copytree(ckpt / WAN / "google" / "umt5-xxl", wan / "tokenizer")
+    (wan / "transformer").mkdir()
+    (wan / "transformer" / "config.json").write_text(json.dumps({"_class_name": "WanTransformer3DModel",
+                                                                  **TRANSFORMER}))
+    m = load_self_forcing(root, "cpu", **F32)
+    assert m.sources["layout"] == "diffusers"
+    _same_weights(m.transformer, src["ema"])
+    _same_weights(m.vae, src["vae"])
+    ids = [WORDS.index("cat") + 3, 1]
+    assert torch.allclose(m.text_encoder("cat"), _t5_reference(src["t5"], 2, ids), atol=1e-6)
+
+
+def test_missing_transformers_is_one_clear_error(ckpt, monkeypatch):
+    from qvg.pipelines.umt5 import MissingDependency
+    monkeypatch.setitem(__import__("sys").modules, "transformers", None)
+    with pytest.raises(MissingDependency, match=r"needs the 'transformers' package: pip install 'qvg\[wan\]'"):
+        load_self_forcing(ckpt, "cpu", **F32)
+
+
+# --- qvg-generate on the tiny checkpoint ----------------------------------------------------------------------------
+
+def test_cli_self_forcing_end_to_end(ckpt, tmp_path):
+    from qvg.app.generate import main
+    out = tmp_path / "sf.mp4"
+    assert main(["--pipeline", "self-forcing", "--checkpoint", str(ckpt), "--frames", "1", "--device", "cpu",
+                 "--method", "qvg", "--out", str(out), "--quiet"]) == 0
+    rep = json.loads(out.with_suffix(".json").read_text())
+    assert rep["pipeline"] == "self-forcing" and rep["frames"] == 1 and rep["fps"] == 16
+    assert rep["checkpoint"]["weights"] == "generator_ema" and rep["checkpoint"]["generator"].endswith(GEN)
+    import imageio.v3 as iio
+    assert iio.imread(out).shape == (1, 480, 832, 3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sf.json", "sf.mp4"]
+
+
+CLI_BAD = [BAD[0], BAD[5], BAD[6], BAD[9]]
+
+
+@pytest.mark.parametrize("case,edit,needles", CLI_BAD, ids=[b[0] for b in CLI_BAD])
+def test_cli_bad_checkpoint_exit_2_nothing_written(ckpt, tmp_path, capsys, case, edit, needles):
+    from qvg.app.generate import main
+    root = _variant(ckpt, tmp_path, edit)
+    out = tmp_path / "out"
+    out.mkdir()
+    assert main(["--pipeline", "self-forcing", "--checkpoint", str(root), "--device", "cpu",
+                 "--out", str(out / "v.mp4"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("qvg-generate: error: --checkpoint: "), err
+    assert all(n in err[0] for n in needles), err
+    assert list(out.iterdir()) == []
+
+
+def test_our_modules_import_transformers_lazily():
+    """transformers is the `wan` extra's: importing the CLI and the loaders does not import it (diffusers itself
+    may, where it is installed)."""
+    import subprocess
+    import sys
+    code = ("import sys; import qvg.app.generate, qvg.pipelines.checkpoints, qvg.pipelines.umt5, "
+            "qvg.pipelines.state_dicts; assert 'transformers' not in sys.modules, 'transformers imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
