@@ -205,7 +205,9 @@ def run_max_history(methods_opts: list[tuple[str, dict]]) -> list[dict]:
     """max_history for each (method, options), the first guess from the bytes per frame and the free memory."""
     from qvg.pipelines.causal_wan import CausalWanTransformer
     torch.manual_seed(0)
-    model = CausalWanTransformer(**WAN_1_3B).to("cuda", torch.bfloat16).eval()
+    # histories past 1024 frames put the chunk's RoPE index past Wan's 1024-frame table: a longer table (8 MB)
+    # for the memory search only (it holds the same for every method)
+    model = CausalWanTransformer(**{**WAN_1_3B, "rope_max_seq_len": 8192}).to("cuda", torch.bfloat16).eval()
     total = torch.cuda.get_device_properties(0).total_memory
     out = []
     for method, opts in methods_opts:
