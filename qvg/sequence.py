@@ -10,6 +10,7 @@ that chunk's tscale. Tensors ([B, H] = batch x kv heads, C chunks, N = C * L):
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,25 @@ def _layout(p: Packed) -> tuple:
     return token_spec(p.meta), p.meta.get("stages", 0), n, p.dtype, (b, h, d)
 
 
+_ALIGN = 256  # bytes: every array of a sequence starts aligned in the shared allocation
+
+
+def _carve(like: dict[str, torch.Tensor], sizes: dict[str, int], device) -> dict[str, torch.Tensor]:
+    """Empty arrays shaped like `like` except along their token dim (`sizes`), all views of ONE allocation: the
+    CUDA caching allocator may round each large block up by as much as 1 MiB, so a sequence pays that once, not
+    once per array (codes, scales and ids are each over 1 MiB for a few frames of history)."""
+    shapes, offs, total = {}, {}, 0
+    for name, t in like.items():
+        shape = list(t.shape)
+        shape[_TOKEN_DIM[name]] = sizes[name]
+        shapes[name] = shape
+        offs[name] = total
+        total += -(-math.prod(shape) * t.element_size() // _ALIGN) * _ALIGN
+    buf = torch.empty(total, dtype=torch.uint8, device=device)
+    return {name: buf[offs[name]:offs[name] + math.prod(shapes[name]) * like[name].element_size()]
+            .view(like[name].dtype).view(shapes[name]) for name in like}
+
+
 def _chunk_tensors(p: Packed) -> dict[str, torch.Tensor]:
     """A chunk's stored tensors as a one-chunk sequence's: per-chunk tscale and centroid tables get a chunk axis."""
     t = {name: p.tensors[name] for name in ("codes", "scale", "zero", "ids") if name in p.tensors}
@@ -38,6 +58,19 @@ def _chunk_tensors(p: Packed) -> dict[str, torch.Tensor]:
     if "centroids" in p.tensors:
         t["centroids"] = p.tensors["centroids"].unsqueeze(3)
     return t
+
+
+def _joined(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The parts' arrays concatenated along their token dims, into one allocation (`_carve`)."""
+    first = parts[0]
+    sizes = {n: sum(p[n].shape[_TOKEN_DIM[n]] for p in parts) for n in first}
+    out = _carve(first, sizes, next(iter(first.values())).device)
+    for n, dest in out.items():
+        if len(parts) == 1:
+            dest.copy_(first[n])
+        else:
+            torch.cat([p[n] for p in parts], _TOKEN_DIM[n], out=dest)
+    return out
 
 
 @dataclass
@@ -56,27 +89,25 @@ class PackedSequence:
         if any(_layout(c) != lay for c in chunks[1:]):
             raise ValueError("all chunks of a packed sequence need the same storage options and shape")
         parts = [_chunk_tensors(c) for c in chunks]
-        t = {name: torch.cat([p[name] for p in parts], _TOKEN_DIM[name]) for name in parts[0]}
-        return cls(t, *lay[:4])
+        return cls(_joined(parts), *lay[:4])
 
     def append(self, chunk: Packed) -> "PackedSequence":
         """A new sequence with `chunk` at the end (one copy of the stored bytes; the cache calls it once per commit)."""
         b, h, _, d = self.shape
         if _layout(chunk) != (self.spec, self.stages, self.chunk_len, self.dtype, (b, h, d)):
             raise ValueError("an appended chunk needs the sequence's storage options and shape")
-        nxt = _chunk_tensors(chunk)
-        return PackedSequence({n: torch.cat([t, nxt[n]], _TOKEN_DIM[n]) for n, t in self.tensors.items()},
-                              self.spec, self.stages, self.chunk_len, self.dtype)
+        return PackedSequence(_joined([self.tensors, _chunk_tensors(chunk)]), self.spec, self.stages,
+                              self.chunk_len, self.dtype)
 
     def drop_first(self, count: int) -> "PackedSequence | None":
         """The sequence without its first `count` chunks (copied, so their bytes are freed), or None if none remain."""
         if count >= self.num_chunks:
             return None
-        t = {}
+        kept = {}
         for n, v in self.tensors.items():
             start = count if n in ("tscale", "centroids") else count * self.chunk_len
-            t[n] = v.narrow(_TOKEN_DIM[n], start, v.shape[_TOKEN_DIM[n]] - start).contiguous()
-        return PackedSequence(t, self.spec, self.stages, self.chunk_len, self.dtype)
+            kept[n] = v.narrow(_TOKEN_DIM[n], start, v.shape[_TOKEN_DIM[n]] - start)
+        return PackedSequence(_joined([kept]), self.spec, self.stages, self.chunk_len, self.dtype)
 
     @property
     def num_chunks(self) -> int:
