@@ -10,6 +10,7 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
+pytest.importorskip("ftfy")  # (the `wan` extra: CI has it; the bare GPU image does not)
 from transformers import UMT5Config, UMT5EncoderModel  # noqa: E402
 
 from qvg.pipelines.causal_wan import CausalWanTransformer  # noqa: E402
