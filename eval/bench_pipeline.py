@@ -14,6 +14,7 @@ import argparse
 import datetime
 import json
 import os
+import sys
 
 import torch
 
@@ -235,7 +236,7 @@ def main(argv=None) -> int:
         raise SystemExit("bench_pipeline: needs a CUDA GPU")
     res = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec="seconds"), "commit": os.environ.get("QVG_COMMIT", "unknown"), "torch": torch.__version__,
-        "command": "python -m qvg.eval.bench_pipeline " + " ".join(argv or []),
+        "command": "python -m qvg.eval.bench_pipeline " + " ".join(sys.argv[1:] if argv is None else argv),
         "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
     opts = json.loads(args.options)
     if args.max_history:

@@ -13,6 +13,7 @@ import argparse
 import datetime
 import json
 import os
+import sys
 
 import torch
 
@@ -104,7 +105,7 @@ def main(argv=None) -> int:
         raise SystemExit("profile_pipeline: needs a CUDA GPU")
     res = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec="seconds"), "commit": os.environ.get("QVG_COMMIT", "unknown"), "torch": torch.__version__,
-        "command": "python -m qvg.eval.profile_pipeline " + " ".join(argv or []),
+        "command": "python -m qvg.eval.profile_pipeline " + " ".join(sys.argv[1:] if argv is None else argv),
         "sdpa_ms": sdpa_backends(),
         "rows": run([int(h) for h in args.history.split(",")], args.methods.split(","), json.loads(args.options))}
     os.makedirs(args.out, exist_ok=True)
