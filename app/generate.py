@@ -154,6 +154,15 @@ def _model(s):
     return m.transformer, m.vae, m.text_encoder, tiny.FPS, (60, 104), tiny.latent_frames_for(s["frames"])
 
 
+def default_centroids(unit_tokens: int) -> int:
+    """K per compressed unit: the largest power of two <= tokens / 64 (centroids then cost <= 0.25 bit per
+    element: 16 K / N), at most 256; units under 256 tokens (the tiny model) take tokens / 4. Self-Forcing's
+    4,680-token chunk gets K = 64: 2.41 bits per element, a 6.6x history (eval/results/pipeline-h100.md)."""
+    if unit_tokens < 256:
+        return max(1, unit_tokens // 4)
+    return min(256, 1 << (unit_tokens // 64).bit_length() - 1)
+
+
 def _cache(s, transformer, latent_hw):
     from qvg.cache import KVCache
     from qvg.compression import resolve_options
@@ -163,7 +172,7 @@ def _cache(s, transformer, latent_hw):
     opts = dict(s["options"])
     unit = cf * tpf * s["commit_every"]
     if s["method"] in ("qvg", "qvg-pro") and "centroids" not in opts:
-        opts["centroids"] = min(256, max(1, unit // 4))  # the preset's 256, or fewer on small chunks
+        opts["centroids"] = default_centroids(unit)
     if s["method"] != "bf16":
         try:  # kivi compresses keys and values with different roles: check both
             for role in (("key", "value") if s["method"] == "kivi" else (None,)):
@@ -231,7 +240,7 @@ def run(s) -> dict:
             "seed": s["seed"], "frames": written, "fps": fps, "latent_frames": latent_frames,
             "history": "full" if s["window"] is None else f"window:{s['window']}", "sink": s["sink"],
             "commit_every": s["commit_every"], "seconds": round(seconds, 3),
-            "kv_bytes": {k: mem[k] for k in ("codes", "scales", "ids", "centroids", "bf16", "total")},
+            "kv_bytes": {k: mem[k] for k in ("codes", "scales", "ids", "centroids", "bf16", "workspace", "total")},
             "bf16_equivalent_bytes": mem["bf16_equivalent"], "compression_ratio": round(mem["compression_ratio"], 4),
             "kv_bytes_note": "the cache at its largest during the run (after the last chunk for full history)",
             "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({os.cpu_count()} cores)",

@@ -15,7 +15,7 @@ def test_writes_mp4_and_report(tmp_path, method, capsys):
     assert main(["--frames", "13", "--method", method, "--out", str(out), "--quiet"]) == 0
     rep = json.loads(out.with_suffix(".json").read_text())
     assert KEYS <= set(rep) and rep["frames"] == 13 and rep["method"] == method
-    assert set(rep["kv_bytes"]) == {"codes", "scales", "ids", "centroids", "bf16", "total"}
+    assert set(rep["kv_bytes"]) == {"codes", "scales", "ids", "centroids", "bf16", "workspace", "total"}
     assert rep["kv_bytes"]["total"] == sum(v for k, v in rep["kv_bytes"].items() if k != "total")
     import imageio.v3 as iio
     frames = iio.imread(out)
@@ -99,3 +99,12 @@ def test_self_forcing_checkpoint_dir_without_checkpoints(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no Self-Forcing generator checkpoint" in err[0] and "self_forcing_dmd.pt" in err[0]
     assert list(out.iterdir()) == []
+
+
+def test_default_centroids_keep_the_centroid_cost_low():
+    from qvg.app.generate import default_centroids
+    assert default_centroids(4680) == 64  # Self-Forcing's chunk: 16 * 64 / 4680 = 0.22 bit per element
+    assert default_centroids(48) == 12  # the tiny model's chunk
+    assert default_centroids(10 ** 6) == 256
+    for n in (256, 300, 4680, 20000):
+        assert 16 * default_centroids(n) / n <= 0.25
