@@ -24,6 +24,30 @@ WAN_1_3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim
 LATENT_HW = (60, 104)  # 480 x 832 / 8
 
 
+def wan_model(**config):
+    """The Wan2.1-1.3B causal transformer (config overrides allowed), seeded random weights, bf16 on CUDA."""
+    from qvg.pipelines.causal_wan import CausalWanTransformer
+    torch.manual_seed(0)
+    return CausalWanTransformer(**{**WAN_1_3B, **config}).to("cuda", torch.bfloat16).eval()
+
+
+def new_cache(model, method: str, window: int, options: dict):
+    """A 30-layer cache of 3-frame chunks with a rolling window (options apply to the compressed methods)."""
+    from qvg.cache import KVCache
+    return KVCache(30, method, chunk_frames=3, tokens_per_frame=model.tokens_per_latent_frame(*LATENT_HW),
+                   window_frames=window, **({} if method == "bf16" else options))
+
+
+def cuda_ms(fn) -> float:
+    """Milliseconds of fn() between two CUDA events (synchronized)."""
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b)
+
+
 def _fill(cache, frames: int, heads: int, seed: int = 0):
     """Commit synthetic chunks until `frames` past frames are held (clustered, like real K/V)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -38,10 +62,10 @@ def _fill(cache, frames: int, heads: int, seed: int = 0):
 
 
 def chunk_runner(model, cache, commit_layers: bool = True):
-    """(forwards, commit): the 4 denoising steps + the clean re-run at t = 0 of one chunk at the cache's next
-    frame (each layer committed right after its re-run attention, as the pipeline does, unless not
-    commit_layers), and the final commit (fixed inputs: the cache's time and memory do not depend on the
-    values)."""
+    """(chunk, forwards): one whole chunk at the cache's next frame (forwards + the final commit), and its
+    forwards alone: the 4 denoising steps + the clean re-run at t = 0, each layer committed right after its
+    re-run attention as the pipeline does unless not commit_layers (fixed inputs: the cache's time and memory do
+    not depend on the values)."""
     from qvg.pipelines.causal_wan import CrossKV
     from qvg.pipelines.self_forcing import flow_sigmas
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -54,42 +78,30 @@ def chunk_runner(model, cache, commit_layers: bool = True):
         for sigma in flow_sigmas():
             model(x, torch.full((1,), sigma * 1000, device="cuda"), text, frame_offset=f0, cache=cache, cross=cross)
         model(x, torch.zeros(1, device="cuda"), text, frame_offset=f0, cache=cache, cross=cross, commit=commit_layers)
-    return forwards, cache.commit
+
+    def chunk():
+        forwards()
+        cache.commit()
+    return chunk, forwards
 
 
 def run(histories, methods, options) -> list[dict]:
-    from qvg.cache import KVCache
-    from qvg.pipelines.causal_wan import CausalWanTransformer
-    torch.manual_seed(0)
-    model = CausalWanTransformer(**WAN_1_3B).to("cuda", torch.bfloat16).eval()
-    tpf = model.tokens_per_latent_frame(*LATENT_HW)
+    model = wan_model()
     rows = []
     for hist in histories:
         for method in methods:
             torch.cuda.synchronize()
             before = torch.cuda.memory_allocated()
-            cache = KVCache(30, method, chunk_frames=3, tokens_per_frame=tpf, window_frames=hist,
-                            **({} if method == "bf16" else options))
+            cache = new_cache(model, method, hist, options)
             _fill(cache, hist, 12)
             torch.cuda.synchronize()
             delta = torch.cuda.memory_allocated() - before
             acc = cache.memory()
-            forwards, commit = chunk_runner(model, cache)
-
-            def chunk():
-                forwards()
-                commit()
+            chunk, _ = chunk_runner(model, cache)
             with torch.no_grad():
                 chunk()  # warm-up (compiles kernels, fills the text K/V)
-                times = []
-                for _ in range(3):
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    torch.cuda.reset_peak_memory_stats()
-                    a.record()
-                    chunk()
-                    b.record()
-                    torch.cuda.synchronize()
-                    times.append(a.elapsed_time(b))
+                torch.cuda.reset_peak_memory_stats()
+                times = [cuda_ms(chunk) for _ in range(3)]
             row = {"history_frames": hist, "method": method, "chunk_ms": sorted(times)[1], "chunk_ms_all": times,
                    "kv_bytes_allocator_delta": delta, "kv_bytes_accounted": acc["total"],
                    "accounting_error": (acc["total"] - delta) / delta, "kv_components": acc,
@@ -99,7 +111,7 @@ def run(histories, methods, options) -> list[dict]:
                   f"{acc['total'] / 2**20:.1f} accounted ({100 * row['accounting_error']:+.2f}%), "
                   f"ratio {acc['compression_ratio']:.2f}x", flush=True)
             rows.append(row)
-            cache = forwards = commit = chunk = None  # (the closures hold the cache)
+            cache = chunk = None  # (the closure holds the cache)
             torch.cuda.empty_cache()
         base = next(r for r in rows if r["history_frames"] == hist and r["method"] == "bf16")
         for r in rows:
@@ -139,25 +151,18 @@ def _install(cache, frames: int, heads: int, seed: int = 0) -> None:
 def _fits(model, method: str, frames: int, options: dict) -> dict | None:
     """Peak memory of one chunk (4 steps + clean re-run + commit, window = frames) over `frames` past frames, or
     None if it ran out of memory."""
-    from qvg.cache import KVCache
-    cache = forwards = commit = None
+    cache = chunk = None
     torch.cuda.empty_cache()
     try:
-        cache = KVCache(30, method, chunk_frames=3, tokens_per_frame=model.tokens_per_latent_frame(*LATENT_HW),
-                        window_frames=frames, **options)
+        cache = new_cache(model, method, frames, options)
         _install(cache, frames, 12)
-        forwards, commit = chunk_runner(model, cache)
+        chunk, _ = chunk_runner(model, cache)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.no_grad():
-            a.record()
-            forwards()
-            commit()
-            b.record()
-        torch.cuda.synchronize()
+            ms = cuda_ms(chunk)
         kv = cache.memory()  # after the chunk: the history, the BF16 zone and the compression graph
-        return {"frames": frames, "peak_bytes": torch.cuda.max_memory_allocated(), "chunk_ms": a.elapsed_time(b),
+        return {"frames": frames, "peak_bytes": torch.cuda.max_memory_allocated(), "chunk_ms": ms,
                 "kv_bytes_accounted": kv["total"], "compression_ratio": kv["compression_ratio"], "kv": kv}
     except torch.OutOfMemoryError:
         return None
@@ -166,7 +171,7 @@ def _fits(model, method: str, frames: int, options: dict) -> dict | None:
             return None
         raise
     finally:
-        cache = forwards = commit = None
+        cache = chunk = None
         torch.cuda.empty_cache()
 
 
@@ -204,11 +209,9 @@ def max_history(model, method: str, options: dict, guess: int) -> dict:
 
 def run_max_history(methods_opts: list[tuple[str, dict]]) -> list[dict]:
     """max_history for each (method, options), the first guess from the bytes per frame and the free memory."""
-    from qvg.pipelines.causal_wan import CausalWanTransformer
-    torch.manual_seed(0)
     # histories past 1024 frames put the chunk's RoPE index past Wan's 1024-frame table: a longer table (8 MB)
     # for the memory search only (it holds the same for every method)
-    model = CausalWanTransformer(**{**WAN_1_3B, "rope_max_seq_len": 8192}).to("cuda", torch.bfloat16).eval()
+    model = wan_model(rope_max_seq_len=8192)
     total = torch.cuda.get_device_properties(0).total_memory
     out = []
     for method, opts in methods_opts:

@@ -17,17 +17,8 @@ import sys
 
 import torch
 
-from .bench_pipeline import LATENT_HW, WAN_1_3B, _fill, chunk_runner
+from .bench_pipeline import _fill, chunk_runner, cuda_ms, new_cache, wan_model
 from .profile_compress import _host_profile, _profile
-
-
-def _events(fn) -> float:
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b)
 
 
 def sdpa_backends(keys_list=(37440, 98280)) -> list[dict]:
@@ -39,12 +30,12 @@ def sdpa_backends(keys_list=(37440, 98280)) -> list[dict]:
     for keys in keys_list:
         q = torch.randn(1, 12, 4680, 128, device="cuda", dtype=torch.bfloat16)
         k, v = torch.randn(2, 1, 12, keys, 128, device="cuda", dtype=torch.bfloat16)
-        row = {"keys": keys, "default": sorted(_events(lambda: sdpa(q, k, v)) for _ in range(5))[2]}
+        row = {"keys": keys, "default": sorted(cuda_ms(lambda: sdpa(q, k, v)) for _ in range(5))[2]}
         for name in ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
             try:
                 with sdpa_kernel(getattr(SDPBackend, name)):
                     sdpa(q, k, v)
-                    row[name] = sorted(_events(lambda: sdpa(q, k, v)) for _ in range(5))[2]
+                    row[name] = sorted(cuda_ms(lambda: sdpa(q, k, v)) for _ in range(5))[2]
             except RuntimeError as e:
                 row[name] = f"unavailable: {str(e).splitlines()[0][:80]}"
         print("sdpa", row, flush=True)
@@ -53,28 +44,19 @@ def sdpa_backends(keys_list=(37440, 98280)) -> list[dict]:
 
 
 def run(histories, methods, options) -> list[dict]:
-    from qvg.cache import KVCache
-    from qvg.pipelines.causal_wan import CausalWanTransformer
-    torch.manual_seed(0)
-    model = CausalWanTransformer(**WAN_1_3B).to("cuda", torch.bfloat16).eval()
-    tpf = model.tokens_per_latent_frame(*LATENT_HW)
+    model = wan_model()
     rows = []
     for hist in histories:
         for method in methods:
-            cache = KVCache(30, method, chunk_frames=3, tokens_per_frame=tpf, window_frames=hist,
-                            **(options if method != "bf16" else {}))
+            cache = new_cache(model, method, hist, options)
             _fill(cache, hist, 12)
-            forwards, commit = chunk_runner(model, cache)
-            plain, _ = chunk_runner(model, cache, commit_layers=False)  # the forwards apart from the commit
-
-            def chunk():
-                forwards()
-                commit()
+            chunk, _ = chunk_runner(model, cache)
+            _, plain = chunk_runner(model, cache, commit_layers=False)  # the forwards apart from the commit
             with torch.no_grad():
                 chunk()
-                wall = sorted(_events(chunk) for _ in range(3))[1]
-                fwd = sorted(_events(plain) for _ in range(3))[1]  # (re-writes the current chunk: same work)
-                commit_ms = _events(commit)
+                wall = sorted(cuda_ms(chunk) for _ in range(3))[1]
+                fwd = sorted(cuda_ms(plain) for _ in range(3))[1]  # (re-writes the current chunk: same work)
+                commit_ms = cuda_ms(cache.commit)
                 kernels = _profile(chunk, calls=2)
                 host = _host_profile(chunk, calls=2)
             busy = sum(r["us_per_call"] for r in kernels) / 1e3
@@ -89,7 +71,7 @@ def run(histories, methods, options) -> list[dict]:
                 print(f"   host {r['cum_ms_per_call']:8.2f} ms cum {r['self_ms_per_call']:8.2f} self "
                       f"x{r['calls']:6.0f}  {r['function']}")
             rows.append(row)
-            cache = forwards = plain = commit = chunk = None  # (the closures hold the cache)
+            cache = plain = chunk = None  # (the closures hold the cache)
             torch.cuda.empty_cache()
     return rows
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from qvg.attention import sdpa_gqa
+from qvg.attention import repeat_kv, sdpa_gqa
 from qvg.rope import RopeTables
 from qvg.sequence import PackedSequence
 
@@ -88,15 +88,9 @@ def windowed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: P
             vs[:, :, r1 - r0:] = v_tail
         if len(bounds) == 1 and (tail_inline or not t):
             return sdpa_gqa(q, ks, vs, scale)
-        acc, lse = merge_lse(acc, lse, *sdpa_lse(q, *_heads(ks, vs, hq), scale))
+        acc, lse = merge_lse(acc, lse, *sdpa_lse(q, *repeat_kv(ks, vs, hq), scale))
         del ks, vs  # (the next window reuses the memory)
     if t and not tail_inline:
-        acc, lse = merge_lse(acc, lse, *sdpa_lse(q, *_heads(k_tail.contiguous(), v_tail.contiguous(), hq), scale))
+        acc, lse = merge_lse(acc, lse, *sdpa_lse(q, *repeat_kv(k_tail.contiguous(), v_tail.contiguous(), hq), scale))
     return acc.to(q.dtype)
 
-
-def _heads(k: torch.Tensor, v: torch.Tensor, hq: int) -> tuple[torch.Tensor, torch.Tensor]:
-    rep = hq // k.shape[1]
-    if rep > 1:
-        return k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    return k, v

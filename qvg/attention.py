@@ -28,12 +28,18 @@ def attend_reference(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
     return sdpa_gqa(q.float(), torch.cat(ks, 2), torch.cat(vs, 2), scale).to(q.dtype)
 
 
+def repeat_kv(k: torch.Tensor, v: torch.Tensor, hq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """k, v [B, Hkv, N, D] with each kv head repeated for its hq / Hkv query heads (GQA); themselves if equal."""
+    rep = hq // k.shape[1]
+    if rep * k.shape[1] != hq:
+        raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({k.shape[1]})")
+    if rep > 1:
+        return k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    return k, v
+
+
 def sdpa_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """SDPA of q [B, Hq, M, D] over k, v [B, Hkv, N, D] (Hq a multiple of Hkv: each kv head serves Hq/Hkv query
     heads), in q's dtype."""
-    rep = q.shape[1] // k.shape[1]
-    if rep * k.shape[1] != q.shape[1]:
-        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})")
-    if rep > 1:
-        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    k, v = repeat_kv(k, v, q.shape[1])
     return torch.nn.functional.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), scale=scale)
