@@ -183,10 +183,6 @@ def _cache(s, transformer, latent_hw):
         s["resolved_options"] = {k: v for k, v in resolved.items() if k not in ("role", "residual")}
         if opts.get("centroids", 0) > unit:
             raise UsageError(f"--centroids {opts['centroids']} > tokens per compressed unit ({unit})")
-    rope_frames = transformer.config.rope_max_seq_len
-    if s["latent_frames"] > rope_frames:
-        raise UsageError(f"--frames {s['frames']}: {s['latent_frames']} latent frames exceed the model's "
-                         f"{rope_frames}-frame RoPE table")
     for name, frames in (("sink", s["sink"]), ("history window", s["window"])):
         if frames is not None and frames % cf:
             raise UsageError(f"--{name} must be a multiple of the chunk size ({cf} latent frames), got {frames}")

@@ -17,22 +17,41 @@ from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
 
 
 class OffsetRotaryPosEmbed(WanRotaryPosEmbed):
-    """Wan's factorized 3D RoPE with the time index shifted by `frame_offset` (set per call by the model)."""
+    """Wan's factorized 3D RoPE with the time index shifted by `frame_offset`, or given per frame by `frame_ids`
+    (both set per call by the model). The time table grows on demand past `max_seq_len` (Wan's 1024 frames), so
+    any video length works; the first `max_seq_len` rows are Wan's own."""
 
     frame_offset = 0
+    frame_ids: torch.Tensor | None = None  # [frames] time index of each frame (training's clean + noisy copies)
+
+    def _time_table(self, table: torch.Tensor, which: int, need: int) -> torch.Tensor:
+        ft = table[:, :self.t_dim]
+        if need <= ft.shape[0]:
+            return ft
+        from diffusers.models.embeddings import get_1d_rotary_pos_embed
+        grown = getattr(self, "_grown", None)
+        if grown is None or grown[0].shape[0] < need or grown[0].device != ft.device:
+            n = max(need, 2 * ft.shape[0])
+            cos, sin = get_1d_rotary_pos_embed(self.t_dim, n, 10000.0, use_real=True, repeat_interleave_real=True,
+                                               freqs_dtype=torch.float64)
+            self._grown = grown = (cos.to(ft), sin.to(ft))
+        return grown[which]
 
     def forward(self, hidden_states: torch.Tensor):
         _, _, frames, height, width = hidden_states.shape
         pt, ph, pw = self.patch_size
         f, h, w = frames // pt, height // ph, width // pw
-        t0 = self.frame_offset
-        if t0 + f > self.max_seq_len:
-            raise ValueError(f"frames {t0}..{t0 + f} exceed the RoPE table ({self.max_seq_len} frames: "
-                             f"rope_max_seq_len in the config)")
+        ids = self.frame_ids
+        if ids is None:
+            ids = torch.arange(self.frame_offset, self.frame_offset + f)
+        elif ids.numel() != f:
+            raise ValueError(f"frame_ids has {ids.numel()} entries for {f} frames")
+        need = int(ids.max()) + 1
         out = []
-        for table in (self.freqs_cos, self.freqs_sin):
-            ft, fh, fw = table.split([self.t_dim, self.h_dim, self.w_dim], dim=1)
-            grid = torch.cat([ft[t0:t0 + f].view(f, 1, 1, -1).expand(f, h, w, -1),
+        for which, table in enumerate((self.freqs_cos, self.freqs_sin)):
+            _, fh, fw = table.split([self.t_dim, self.h_dim, self.w_dim], dim=1)
+            ft = self._time_table(table, which, need)[ids.to(table.device)]
+            grid = torch.cat([ft.view(f, 1, 1, -1).expand(f, h, w, -1),
                               fh[:h].view(1, h, 1, -1).expand(f, h, w, -1),
                               fw[:w].view(1, 1, w, -1).expand(f, h, w, -1)], dim=-1)
             out.append(grid.reshape(1, f * h * w, 1, -1))
@@ -52,6 +71,7 @@ class _Context:
     def __init__(self):
         self.cache = None  # qvg.cache.KVCache, or None
         self.block_tokens = None  # without a cache: tokens per causal block (None: full attention)
+        self.attn_mask = None  # without a cache: an explicit [N, N] boolean mask (True: may attend)
         self.cross = None  # CrossKV, or None
         self.commit = False  # commit each layer's chunk right after its attention (the clean re-run)
 
@@ -87,7 +107,7 @@ class _SelfAttention:
             if self.ctx.commit:
                 cache.commit_layer(self.layer)
         else:
-            mask = None
+            mask = self.ctx.attn_mask
             if self.ctx.block_tokens:
                 blk = torch.arange(q.shape[2], device=q.device) // self.ctx.block_tokens
                 mask = blk[None, :] <= blk[:, None]  # block-causal: a chunk sees itself and earlier chunks
@@ -135,25 +155,31 @@ class CausalWanTransformer(WanTransformer3DModel):
 
     def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
                 *, frame_offset: int = 0, cache=None, cross: CrossKV | None = None, chunk_frames: int | None = None,
-                commit: bool = False, **kwargs) -> torch.Tensor:
+                commit: bool = False, frame_ids: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
+                **kwargs) -> torch.Tensor:
         """hidden_states [B, C, F, H, W] (one chunk with a cache; any number of frames without), timestep [B]
         -> the model output [B, C, F, H, W]. frame_offset: the first frame's time index. cache: a KVCache to
         write into and attend over. commit: each layer commits the chunk right after its attention
         (`cache.commit_layer`; the clean re-run), so compression overlaps the forward; the caller still calls
         `cache.commit()` after it. chunk_frames (without a cache): attend block-causally in chunks of that many
-        frames."""
-        if cache is not None and chunk_frames is not None:
-            raise ValueError("chunk_frames is for the cache-free (full-sequence) forward")
+        frames. attn_mask (without a cache): an explicit boolean [N, N] token mask, True where a query may attend
+        (e.g. a rolling window's reference, or training's clean + noisy copies); frame_ids: each input frame's
+        RoPE time index (instead of frame_offset + 0, 1, ...). timestep may be [B] or per token [B, N]
+        (diffusers' Wan 2.2 path)."""
+        if cache is not None and (chunk_frames is not None or attn_mask is not None):
+            raise ValueError("chunk_frames and attn_mask are for the cache-free (full-sequence) forward")
+        if chunk_frames is not None and attn_mask is not None:
+            raise ValueError("give chunk_frames or attn_mask, not both")
         if commit and cache is None:
             raise ValueError("commit needs a cache")
         _, _, frames, height, width = hidden_states.shape
-        self.rope.frame_offset = frame_offset
+        self.rope.frame_offset, self.rope.frame_ids = frame_offset, frame_ids
         ctx = self._ctx
-        ctx.cache, ctx.cross, ctx.commit = cache, cross, commit
+        ctx.cache, ctx.cross, ctx.commit, ctx.attn_mask = cache, cross, commit, attn_mask
         ctx.block_tokens = None if chunk_frames is None else chunk_frames * self.tokens_per_latent_frame(height, width)
         try:
             return super().forward(hidden_states, timestep, encoder_hidden_states, return_dict=False, **kwargs)[0]
         finally:
-            self.rope.frame_offset = 0
-            ctx.cache = ctx.cross = ctx.block_tokens = None
+            self.rope.frame_offset, self.rope.frame_ids = 0, None
+            ctx.cache = ctx.cross = ctx.block_tokens = ctx.attn_mask = None
             ctx.commit = False

@@ -66,9 +66,36 @@ def test_rope_offset_shifts_the_time_index(model):
         model.rope.frame_offset = 0
     for a, b in zip(part, whole):
         assert torch.equal(a, b[:, 5 * TPF:])
+
+
+def test_rope_table_grows_past_its_configured_length(model):
+    """Wan's table stops at rope_max_seq_len (64 here); frames past it get the same formula, computed on demand,
+    and the rows inside it are Wan's own."""
+    from diffusers.models.embeddings import get_1d_rotary_pos_embed
+    rope = model.rope
+    x = torch.zeros(1, 4, 2, 8, 8)
+    rope.frame_ids = torch.tensor([62, 100])
+    try:
+        cos, sin = rope(x)
+    finally:
+        rope.frame_ids = None
+    ref_cos, ref_sin = get_1d_rotary_pos_embed(rope.t_dim, 101, 10000.0, use_real=True,
+                                               repeat_interleave_real=True, freqs_dtype=torch.float64)
+    for got, ref in ((cos, ref_cos), (sin, ref_sin)):
+        t = got.view(2, TPF, -1)[:, 0, :rope.t_dim]
+        assert torch.allclose(t[0], ref[62].to(t), atol=1e-6) and torch.allclose(t[1], ref[100].to(t), atol=1e-6)
     x, t, txt = _inputs(2)
-    with pytest.raises(ValueError, match="RoPE table"):
-        model(x, t, txt, frame_offset=63)
+    with torch.no_grad():
+        assert torch.isfinite(model(x, t, txt, frame_offset=200)).all()
+
+
+def test_explicit_mask_and_frame_ids_reproduce_the_block_causal_forward(model):
+    x, t, txt = _inputs()
+    blk = torch.arange(6 * TPF) // (CF * TPF)
+    with torch.no_grad():
+        ref = model(x, t, txt, chunk_frames=CF)
+        got = model(x, t, txt, attn_mask=blk[None, :] <= blk[:, None], frame_ids=torch.arange(6))
+    assert torch.equal(ref, got)
 
 
 def test_cross_attention_kv_is_computed_once_per_prompt(model):
