@@ -10,6 +10,8 @@ converter loads the original key names, pipelines/checkpoints.py). Three changes
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 from diffusers import WanTransformer3DModel
@@ -111,9 +113,24 @@ class _SelfAttention:
             if self.ctx.block_tokens:
                 blk = torch.arange(q.shape[2], device=q.device) // self.ctx.block_tokens
                 mask = blk[None, :] <= blk[:, None]  # block-causal: a chunk sees itself and earlier chunks
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            if mask is not None and not isinstance(mask, torch.Tensor):  # a flex-attention BlockMask (training)
+                out = _flex_attention()(q, k, v, block_mask=mask)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         out = out.transpose(1, 2).flatten(2).type_as(hidden_states)
         return attn.to_out[1](attn.to_out[0](out))
+
+
+_FLEX = None
+
+
+def _flex_attention():
+    """torch's flex attention, compiled once (it is only fast compiled)."""
+    global _FLEX
+    if _FLEX is None:
+        from torch.nn.attention.flex_attention import flex_attention
+        _FLEX = torch.compile(flex_attention, dynamic=False)
+    return _FLEX
 
 
 class _CrossAttention:
@@ -149,6 +166,10 @@ class CausalWanTransformer(WanTransformer3DModel):
             block.attn1.set_processor(_SelfAttention(i, self._ctx))
             block.attn2.set_processor(_CrossAttention(i, self._ctx))
 
+    # diffusers takes a model's config keys from its __init__ signature (from_config / from_pretrained): with
+    # `*args, **kwargs` alone it would drop every key of a saved config and build Wan's default model
+    __init__.__signature__ = inspect.signature(WanTransformer3DModel.__init__)
+
     def tokens_per_latent_frame(self, height: int, width: int) -> int:
         _, ph, pw = self.config.patch_size
         return (height // ph) * (width // pw)
@@ -162,7 +183,8 @@ class CausalWanTransformer(WanTransformer3DModel):
         write into and attend over. commit: each layer commits the chunk right after its attention
         (`cache.commit_layer`; the clean re-run), so compression overlaps the forward; the caller still calls
         `cache.commit()` after it. chunk_frames (without a cache): attend block-causally in chunks of that many
-        frames. attn_mask (without a cache): an explicit boolean [N, N] token mask, True where a query may attend
+        frames. attn_mask (without a cache): an explicit boolean [N, N] token mask, True where a query may attend, or a
+        flex-attention BlockMask
         (e.g. a rolling window's reference, or training's clean + noisy copies); frame_ids: each input frame's
         RoPE time index (instead of frame_offset + 0, 1, ...). timestep may be [B] or per token [B, N]
         (diffusers' Wan 2.2 path)."""

@@ -1,0 +1,178 @@
+"""The embedded world model: a tiny causal Wan transformer in pixel space, conditioned on a start image and on
+camera actions, trained by this project (pipelines/world_train.py) and shipped in assets/world/.
+
+It is the same `CausalWanTransformer` the Self-Forcing pipeline runs, so the same loop, cache, kernels, CLI and
+UI run it unchanged. Two additions, both outside Wan's modules: an action embedding added to the timestep
+embedding (WorldPlay-style; one action per chunk at sampling, per token in training), and pixels as "latents"
+(3 channels in [-1, 1], 4 x 4 patches; `PixelDecoder` stands in for the VAE). The start image is the first chunk
+(`chunk_frames` copies, action "stay"), run clean at t = 0 into the cache before the first generated chunk.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from diffusers.models.embeddings import TimestepEmbedding
+
+from .causal_wan import CausalWanTransformer
+
+ACTIONS = ("stay", "left", "right", "up", "down", "zoom_in", "zoom_out")
+WORLD_DIR = Path(__file__).resolve().parent.parent / "assets" / "world"
+
+# the shipped model's settings (assets/world/config.json holds the ones it was trained with)
+DEFAULT_CONFIG = {
+    "transformer": dict(patch_size=(1, 4, 4), num_attention_heads=4, attention_head_dim=64, in_channels=3,
+                        out_channels=3, text_dim=32, freq_dim=64, ffn_dim=1024, num_layers=6, rope_max_seq_len=1024),
+    "actions": list(ACTIONS),
+    "frame_size": 64,  # pixels, square
+    "fps": 8,
+    "chunk_frames": 3,
+    "steps": [1000, 750, 500, 250],
+    "shift": 1.0,
+    "pan_pixels": 4.0,  # view pixels the camera moves per frame (left/right/up/down)
+    "zoom_factor": 1.05,  # view scale change per frame (zoom_in / zoom_out)
+}
+
+
+class ActionTimestepEmbedding(TimestepEmbedding):
+    """Wan's timestep MLP plus a learned embedding of the camera action, added to its output (zero-initialised, so
+    a fresh model starts as plain Wan). `actions` is set per call: [B] (one per chunk) or [B, N] (per token, with
+    a per-token timestep)."""
+
+    def __init__(self, base: TimestepEmbedding, num_actions: int):
+        super().__init__(base.linear_1.in_features, base.linear_1.out_features)
+        self.load_state_dict(base.state_dict())
+        self.action_embedding = torch.nn.Embedding(num_actions, base.linear_1.out_features)
+        torch.nn.init.zeros_(self.action_embedding.weight)
+        self.actions: torch.Tensor | None = None
+
+    def forward(self, sample, condition=None):
+        out = super().forward(sample, condition)
+        if self.actions is not None:
+            a = self.action_embedding(self.actions.to(out.device))
+            if a.dim() < out.dim():
+                a = a.unsqueeze(1)
+            out = out + a.to(out.dtype)
+        return out
+
+
+class WorldModel(CausalWanTransformer):
+    """CausalWanTransformer + camera actions. forward(..., actions=LongTensor [B] or [B, N]) (default: stay)."""
+
+    def __init__(self, num_actions: int = len(ACTIONS), **wan_config):
+        super().__init__(**wan_config)
+        emb = self.condition_embedder
+        emb.time_embedder = ActionTimestepEmbedding(emb.time_embedder, num_actions)
+        self.num_actions = num_actions
+
+    def forward(self, hidden_states, timestep, encoder_hidden_states, *, actions: torch.Tensor | None = None,
+                **kwargs):
+        if actions is None:
+            actions = torch.zeros(hidden_states.shape[0], dtype=torch.long)
+        if actions.min() < 0 or actions.max() >= self.num_actions:
+            raise ValueError(f"actions must be in [0, {self.num_actions}), got {actions.unique().tolist()}")
+        te = self.condition_embedder.time_embedder
+        te.actions = actions
+        try:
+            return super().forward(hidden_states, timestep, encoder_hidden_states, **kwargs)
+        finally:
+            te.actions = None
+
+    def null_text(self, batch: int = 1) -> torch.Tensor:
+        """The model is not text-conditioned: its cross-attention reads one zero token."""
+        return torch.zeros(batch, 1, self.config.text_dim, device=self.device, dtype=self.dtype)
+
+
+class PixelDecoder:
+    """The world model works on pixels: 'decoding' is clamping to [-1, 1] (the StreamingVAEDecoder interface)."""
+
+    def reset(self) -> None:
+        pass
+
+    def decode(self, z: torch.Tensor) -> torch.Tensor:
+        return z.clamp(-1.0, 1.0)
+
+
+class WorldModelError(ValueError):
+    pass
+
+
+def build_world(config: dict | None = None, seed: int = 0) -> WorldModel:
+    cfg = config or DEFAULT_CONFIG
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return WorldModel(num_actions=len(cfg["actions"]), **cfg["transformer"])
+
+
+def save_world(model: WorldModel, config: dict, directory, *, dtype=torch.float16, card: dict | None = None) -> None:
+    """Weights as safetensors (`dtype`, default FP16: half the bytes, well inside its range) + config.json."""
+    from safetensors.torch import save_file
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    sd = {k: v.detach().to("cpu", dtype if v.is_floating_point() else v.dtype).contiguous()
+          for k, v in model.state_dict().items()}
+    save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
+    cfg = dict(config, **({"training": card} if card else {}))
+    (d / "config.json").write_text(json.dumps(cfg, indent=1, default=list))
+
+
+def load_world(directory=None, device="cpu", dtype=torch.float32) -> tuple[WorldModel, dict]:
+    """(model in eval mode, config) from a directory holding config.json + model.safetensors (default: the shipped
+    one). Strict: missing / unexpected / misshapen keys raise WorldModelError naming them."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    d = Path(directory) if directory is not None else WORLD_DIR
+    try:
+        cfg = json.loads((d / "config.json").read_text())
+        model = build_world(cfg)
+    except FileNotFoundError:
+        raise WorldModelError(f"no world model in {str(d)!r} (config.json missing)") from None
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise WorldModelError(f"{d / 'config.json'}: not a world-model config ({e})") from None
+    try:
+        sd = load_file(str(d / "model.safetensors"))
+    except FileNotFoundError:
+        raise WorldModelError(f"no weights in {str(d)!r} (model.safetensors missing)") from None
+    except (SafetensorError, OSError) as e:
+        raise WorldModelError(f"{d / 'model.safetensors'}: unreadable ({e})") from None
+    own = model.state_dict()
+    missing = sorted(set(own) - set(sd))
+    unexpected = sorted(set(sd) - set(own))
+    shapes = sorted(k for k in set(own) & set(sd) if own[k].shape != sd[k].shape)
+    if missing or unexpected or shapes:
+        parts = [f"{n}: {', '.join(ks[:5])}{' ...' if len(ks) > 5 else ''}"
+                 for n, ks in (("missing", missing), ("unexpected", unexpected), ("wrong shape", shapes)) if ks]
+        raise WorldModelError(f"{d / 'model.safetensors'} does not match its config ({'; '.join(parts)})")
+    model.load_state_dict({k: v.float() for k, v in sd.items()})
+    return model.to(device=device, dtype=dtype).eval(), cfg
+
+
+def action_ids(names, config: dict | None = None) -> list[int]:
+    acts = (config or DEFAULT_CONFIG)["actions"]
+    out = []
+    for n in names:
+        if n not in acts:
+            raise WorldModelError(f"unknown action {n!r}; choose from: {', '.join(acts)}")
+        out.append(acts.index(n))
+    return out
+
+
+def parse_actions(text: str, config: dict | None = None) -> list[int]:
+    """'right*4,left*4,stay' -> one action id per chunk."""
+    names = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        name, _, times = part.partition("*")
+        try:
+            n = int(times) if times else 1
+        except ValueError:
+            raise WorldModelError(f"bad repeat count in action {part!r} (use NAME or NAME*N)") from None
+        if n < 1:
+            raise WorldModelError(f"repeat count must be >= 1 in action {part!r}")
+        names += [name.strip()] * n
+    if not names:
+        raise WorldModelError("no actions given")
+    return action_ids(names, config)

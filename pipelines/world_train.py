@@ -1,0 +1,239 @@
+"""Train the embedded world model (pipelines/world_model.py) on procedurally generated camera trajectories
+(pipelines/world_data.py): teacher forcing on clean context.
+
+Each training sequence is `chunks` chunks of `chunk_frames` frames; chunk 0 is the still start view. One forward
+runs the clean copy of every frame and a noisy copy of every generated chunk (chunks 1..), with a per-token
+timestep (0 for the clean copy, the chunk's own noise level for the noisy one), per-token actions, and a mask: a
+clean chunk sees the clean chunks up to itself (block-causal, as the cache holds them after the t = 0 re-run), a
+noisy chunk sees the clean chunks before it and itself. Both copies of frame f take RoPE index f. The loss is
+flow matching (the model predicts v = noise - x0 at x_t = (1 - sigma) x0 + sigma noise, as the sampler uses it),
+with half the noise levels drawn from the sampler's own steps. Half the sequences get a blurred, slightly noisy
+clean context after the start chunk, as the model's own generated frames will be at sampling.
+
+Resumable: `--ckpt DIR` holds the state (FP32 weights and BF16 Adam moments as sharded safetensors, each under
+16 MB, plus state.json with the step, the settings and the log); a run continues from it and stops after
+`--minutes`. `--export DIR` writes the shippable model (FP16 safetensors + config.json with the training card).
+
+    python -m qvg.pipelines.world_train --ckpt runs/world --minutes 8 --total-steps 4000
+    python -m qvg.pipelines.world_train --ckpt runs/world --export assets/world
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .self_forcing import flow_sigmas
+from .world_data import WorldData
+from .world_model import DEFAULT_CONFIG, build_world, save_world
+
+SHARD_BYTES = 15 * 2**20
+DEFAULTS = dict(chunks=11, batch=16, lr=3e-4, warmup=200, weight_decay=0.01, grad_clip=1.0, seed=0,
+                total_steps=4000, step_sigma_fraction=0.5, degrade_fraction=0.5)
+
+
+def token_layout(chunks: int, cf: int, tpf: int, device="cpu"):
+    """Per token of [clean frames of all chunks, noisy frames of chunks 1..]: (copy 0/1, chunk index)."""
+    clean = torch.arange(chunks * cf * tpf, device=device) // (cf * tpf)
+    noisy = 1 + torch.arange((chunks - 1) * cf * tpf, device=device) // (cf * tpf)
+    copy = torch.cat([torch.zeros_like(clean), torch.ones_like(noisy)])
+    return copy, torch.cat([clean, noisy])
+
+
+def dense_mask(copy: torch.Tensor, chunk: torch.Tensor) -> torch.Tensor:
+    """[N, N] boolean: True where query token i may attend key token j (module docstring)."""
+    cq, ck = copy[:, None], copy[None, :]
+    bq, bk = chunk[:, None], chunk[None, :]
+    clean_q = (ck == 0) & (bk <= bq)
+    noisy_q = ((ck == 0) & (bk < bq)) | ((ck == 1) & (bk == bq))
+    return torch.where(cq == 0, clean_q, noisy_q)
+
+
+def block_mask(copy: torch.Tensor, chunk: torch.Tensor):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def mod(b, h, q, k):
+        clean_q = (copy[k] == 0) & (chunk[k] <= chunk[q])
+        noisy_q = ((copy[k] == 0) & (chunk[k] < chunk[q])) | ((copy[k] == 1) & (chunk[k] == chunk[q]))
+        return torch.where(copy[q] == 0, clean_q, noisy_q)
+
+    n = copy.numel()
+    return create_block_mask(mod, None, None, n, n, device=copy.device)
+
+
+def degrade(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """Blur (down + up by 2) and a little noise: what the model's own generated frames look like."""
+    b, c, f, h, w = x.shape
+    y = x.transpose(1, 2).reshape(b * f, c, h, w)
+    y = F.interpolate(F.avg_pool2d(y, 2), size=(h, w), mode="bilinear", align_corners=False)
+    y = y.reshape(b, f, c, h, w).transpose(1, 2)
+    return y + 0.03 * torch.randn(y.shape, generator=gen).to(y)
+
+
+class Trainer:
+    def __init__(self, args: dict, cfg: dict = DEFAULT_CONFIG, device="cpu", attention: str = "auto"):
+        self.args, self.cfg, self.device = dict(DEFAULTS, **args), cfg, torch.device(device)
+        a = self.args
+        self.model = build_world(cfg, seed=a["seed"]).to(self.device).train()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=a["lr"], betas=(0.9, 0.99),
+                                     weight_decay=a["weight_decay"])
+        self.step, self.elapsed, self.log = 0, 0.0, []
+        cf, size = cfg["chunk_frames"], cfg["frame_size"]
+        tpf = (size // cfg["transformer"]["patch_size"][1]) ** 2
+        self.copy, self.chunk = token_layout(a["chunks"], cf, tpf, self.device)
+        use_flex = attention == "flex" or (attention == "auto" and self.device.type == "cuda")
+        self.mask = block_mask(self.copy, self.chunk) if use_flex else dense_mask(self.copy, self.chunk)
+        self.frame_ids = torch.cat([torch.arange(a["chunks"] * cf), torch.arange(cf, a["chunks"] * cf)])
+        self.sigmas = torch.tensor(flow_sigmas(cfg["steps"], cfg["shift"]))
+        self.gen = torch.Generator().manual_seed(a["seed"] + 1)
+
+    def lr_at(self, step: int) -> float:
+        a = self.args
+        if step < a["warmup"]:
+            return a["lr"] * (step + 1) / a["warmup"]
+        p = min(1.0, (step - a["warmup"]) / max(1, a["total_steps"] - a["warmup"]))
+        return a["lr"] * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * p)))
+
+    def loss(self, frames: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
+        """frames [B, 3, F, S, S] in [-1, 1], actions [B, chunks] -> the flow-matching loss of one batch."""
+        a, cf = self.args, self.cfg["chunk_frames"]
+        b, gen = frames.shape[0], self.gen
+        dev = frames.device
+        gen_chunks = a["chunks"] - 1
+        pick = torch.randint(0, len(self.sigmas), (b, gen_chunks), generator=gen)
+        sig = torch.where(torch.rand(b, gen_chunks, generator=gen) < a["step_sigma_fraction"], self.sigmas[pick],
+                          torch.rand(b, gen_chunks, generator=gen)).to(dev)
+        x0 = frames[:, :, cf:]
+        noise = torch.randn(x0.shape, generator=gen).to(dev)
+        s = sig.repeat_interleave(cf, 1)[:, None, :, None, None]
+        xt = (1 - s) * x0 + s * noise
+        clean = frames.clone()
+        bad = torch.rand(b, generator=gen).to(dev) < a["degrade_fraction"]
+        if bad.any():
+            clean[bad, :, cf:] = degrade(frames[bad, :, cf:], gen).clamp(-1, 1)
+        inp = torch.cat([clean, xt], 2)
+        tok_sigma = torch.where(self.copy[None] == 0, torch.zeros((), device=dev),
+                                sig.gather(1, (self.chunk - 1).clamp(min=0)[None].expand(b, -1)))
+        tok_action = actions.gather(1, self.chunk[None].expand(b, -1))
+        model = self.model
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+            out = model(inp, tok_sigma * 1000.0, model.null_text(b).float(), actions=tok_action,
+                        frame_ids=self.frame_ids, attn_mask=self.mask)
+        v = out[:, :, a["chunks"] * cf:].float()
+        return F.mse_loss(v, noise - x0)
+
+    def train(self, data: WorldData, minutes: float, log_every: int = 50, max_steps: int | None = None) -> None:
+        a = self.args
+        t0 = time.perf_counter()
+        run_start = self.step
+        while self.step < a["total_steps"] and (max_steps is None or self.step - run_start < max_steps):
+            if time.perf_counter() - t0 > minutes * 60:
+                break
+            for g in self.opt.param_groups:
+                g["lr"] = self.lr_at(self.step)
+            frames, actions = data.batch(a["batch"])
+            loss = self.loss(frames, actions)
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), a["grad_clip"])
+            self.opt.step()
+            self.step += 1
+            if self.step % log_every == 0 or self.step == run_start + 1:
+                el = self.elapsed + time.perf_counter() - t0
+                rec = {"step": self.step, "loss": round(loss.item(), 5), "grad_norm": round(float(gn), 3),
+                       "lr": self.lr_at(self.step - 1), "seconds": round(el, 1)}
+                self.log.append(rec)
+                print(json.dumps(rec), flush=True)
+        self.elapsed += time.perf_counter() - t0
+
+    # state: sharded safetensors (FP32 weights, BF16 Adam moments) + state.json
+    def save(self, directory) -> None:
+        from safetensors.torch import save_file
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        tensors = {f"model.{k}": v.detach().float().cpu() for k, v in self.model.state_dict().items()}
+        names = dict(self.model.named_parameters())
+        for k, p in names.items():
+            st = self.opt.state.get(p)
+            if st:
+                tensors[f"adam_m.{k}"] = st["exp_avg"].to(torch.bfloat16).cpu()
+                tensors[f"adam_v.{k}"] = st["exp_avg_sq"].to(torch.bfloat16).cpu()
+        shards, cur, size = [], {}, 0
+        for k in sorted(tensors):
+            nb = tensors[k].numel() * tensors[k].element_size()
+            if cur and size + nb > SHARD_BYTES:
+                shards.append(cur)
+                cur, size = {}, 0
+            cur[k], size = tensors[k].contiguous(), size + nb
+        shards.append(cur)
+        for old in d.glob("state-*.safetensors"):
+            old.unlink()
+        files = []
+        for i, sh in enumerate(shards):
+            name = f"state-{i + 1:02d}-of-{len(shards):02d}.safetensors"
+            save_file(sh, str(d / name))
+            files.append(name)
+        meta = {"step": self.step, "elapsed_seconds": round(self.elapsed, 1), "args": self.args,
+                "config": self.cfg, "files": files, "log": self.log}
+        (d / "state.json").write_text(json.dumps(meta, indent=1, default=list))
+
+    def load(self, directory) -> bool:
+        from safetensors.torch import load_file
+        d = Path(directory)
+        if not (d / "state.json").is_file():
+            return False
+        meta = json.loads((d / "state.json").read_text())
+        tensors = {}
+        for name in meta["files"]:
+            tensors.update(load_file(str(d / name)))
+        self.model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model.")})
+        step = meta["step"]
+        for k, p in self.model.named_parameters():
+            if f"adam_m.{k}" in tensors:
+                self.opt.state[p] = {"step": torch.tensor(float(step)),
+                                     "exp_avg": tensors[f"adam_m.{k}"].float().to(p.device),
+                                     "exp_avg_sq": tensors[f"adam_v.{k}"].float().to(p.device)}
+        self.step, self.elapsed, self.log = step, meta["elapsed_seconds"], meta["log"]
+        return True
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m qvg.pipelines.world_train", description=__doc__.splitlines()[0])
+    p.add_argument("--ckpt", required=True, help="state directory (created; resumed when it holds a state)")
+    p.add_argument("--minutes", type=float, default=8.0, help="stop (and save) after this much training")
+    p.add_argument("--export", default=None, help="write the shippable model here from the state and exit")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--attention", default="auto", choices=("auto", "flex", "dense"))
+    p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps in this run")
+    for k, v in DEFAULTS.items():
+        p.add_argument(f"--{k.replace('_', '-')}", type=type(v), default=None, help=f"default {v}")
+    a = p.parse_args(argv)
+    given = {k: getattr(a, k) for k in DEFAULTS if getattr(a, k) is not None}
+    if a.export:
+        meta = json.loads((Path(a.ckpt) / "state.json").read_text())
+        tr = Trainer(dict(meta["args"], **given), meta["config"], "cpu", attention="dense")
+        tr.load(a.ckpt)
+        card = {"steps": tr.step, "seconds": tr.elapsed, "args": tr.args, "final_log": tr.log[-3:]}
+        save_world(tr.model, tr.cfg, a.export, card=card)
+        print(f"exported step {tr.step} to {a.export}")
+        return 0
+    torch.backends.cuda.matmul.allow_tf32 = True
+    ck = Path(a.ckpt)
+    prior = json.loads((ck / "state.json").read_text())["args"] if (ck / "state.json").is_file() else {}
+    tr = Trainer(dict(prior, **given), DEFAULT_CONFIG, a.device, attention=a.attention)
+    resumed = tr.load(ck)
+    print(f"{'resumed at step ' + str(tr.step) if resumed else 'new run'}; {json.dumps(tr.args)}", flush=True)
+    data = WorldData(tr.args["seed"] * 1000003 + tr.step, tr.args["chunks"], tr.cfg, "train", a.device)
+    tr.train(data, a.minutes, max_steps=a.max_steps)
+    tr.save(ck)
+    print(f"saved step {tr.step} ({tr.elapsed:.0f} s of training) to {ck}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
