@@ -1,11 +1,12 @@
 """The causal Wan transformer and the Self-Forcing loop on tiny configs (CPU): chunk-wise cached forward vs the
-full-sequence block-causal forward, QVG at 8 bits vs BF16, RoPE offsets, cross-attention K/V reuse, the loop's
+full-sequence block-causal forward, and vs a masked full forward for the rolling window with and without a sink
+(24 frames), QVG at 8 bits vs BF16, RoPE offsets, cross-attention K/V reuse, save / from_pretrained, the loop's
 determinism and window bookkeeping, and the streaming VAE decode vs a one-shot decode."""
 import pytest
 import torch
 
 from qvg.cache import KVCache
-from qvg.pipelines.causal_wan import CausalWanTransformer, CrossKV
+from qvg.pipelines.causal_wan import CausalWanTransformer, CrossKV, OffsetRotaryPosEmbed, _SelfAttention
 from qvg.pipelines.self_forcing import SelfForcingPipeline, flow_sigmas
 from qvg.pipelines.tiny import build_tiny
 
@@ -25,11 +26,11 @@ def _inputs(frames=6):
     return torch.randn(1, 4, frames, 8, 8, generator=g), torch.tensor([500.0]), torch.randn(1, 7, 32, generator=g)
 
 
-def _chunkwise(model, x, t, txt, cache):
+def _chunkwise(model, x, t, txt, cache, cf=CF):
     outs = []
     with torch.no_grad():
-        for c in range(x.shape[2] // CF):
-            outs.append(model(x[:, :, c * CF:(c + 1) * CF], t, txt, frame_offset=c * CF, cache=cache))
+        for c in range(x.shape[2] // cf):
+            outs.append(model(x[:, :, c * cf:(c + 1) * cf], t, txt, frame_offset=c * cf, cache=cache))
             cache.commit()
     return torch.cat(outs, 2)
 
@@ -96,6 +97,100 @@ def test_explicit_mask_and_frame_ids_reproduce_the_block_causal_forward(model):
         ref = model(x, t, txt, chunk_frames=CF)
         got = model(x, t, txt, attn_mask=blk[None, :] <= blk[:, None], frame_ids=torch.arange(6))
     assert torch.equal(ref, got)
+
+
+WCF, WCHUNKS = 3, 8  # the window tests: 8 chunks of 3 latent frames (24 frames, past Self-Forcing's 21)
+
+
+def _window_mask(sink_frames, window_frames):
+    """The [N, N] token mask of what KVCache holds while each chunk is denoised (commit_every = 1): the first
+    sink_frames / WCF chunks committed fill the sink and stay; every later chunk is kept while it is among the
+    last window_frames / WCF committed (`KVCache._evict`; None: all). So a query of chunk i sees chunk i, the sink
+    chunks before it, and the chunks j with i - window <= j < i."""
+    s = sink_frames // WCF
+    w = WCHUNKS if window_frames is None else window_frames // WCF
+    i, j = torch.arange(WCHUNKS)[:, None], torch.arange(WCHUNKS)[None, :]
+    blocks = (j == i) | ((j < i) & ((j < s) | (j >= i - w)))
+    tok = torch.arange(WCHUNKS * WCF * TPF) // (WCF * TPF)
+    return blocks[tok[:, None], tok[None, :]]
+
+
+@pytest.mark.parametrize("sink,window", [(0, None), (0, 6), (3, 6)])
+def test_chunkwise_bf16_window_equals_masked_full_forward_past_21_frames(model, sink, window):
+    """The rolling window (with and without a sink) and the full history over 24 frames: the chunk-wise cached
+    forward equals the full-sequence forward under the mask of what the cache holds, up to the cache's BF16
+    storage (~4e-5 of the max here; the bound is 10x tighter than the block-causal test's, since the tiny model's
+    attention is nearly uniform: a wrong mask moves the output by only 5e-3 to 1e-2 of the max, checked below)."""
+    x, t, txt = _inputs(WCHUNKS * WCF)
+    with torch.no_grad():
+        full = model(x, t, txt, attn_mask=_window_mask(sink, window))
+    cache = KVCache(2, "bf16", chunk_frames=WCF, tokens_per_frame=TPF, sink_frames=sink, window_frames=window)
+    got = _chunkwise(model, x, t, txt, cache, cf=WCF)
+    assert (got - full).abs().max() < 2e-4 * full.abs().max()
+    assert cache.frames == WCHUNKS * WCF
+    assert cache.tokens() == (WCHUNKS * WCF if window is None else sink + window) * TPF
+    if window is not None:  # the window reference is not the block-causal one: late chunks see less
+        with torch.no_grad():
+            causal = model(x, t, txt, chunk_frames=WCF)
+        assert (full - causal)[:, :, -WCF:].abs().max() > 2e-3 * full.abs().max()
+
+
+def test_qvg_int8_window_with_sink_is_close_to_the_masked_reference(model):
+    """The same rule holds when the window evicts packed units (QVG at 8 bits, commit_every = 1)."""
+    x, t, txt = _inputs(WCHUNKS * WCF)
+    with torch.no_grad():
+        full = model(x, t, txt, attn_mask=_window_mask(3, 6))
+    cache = KVCache(2, "qvg", chunk_frames=WCF, tokens_per_frame=TPF, sink_frames=3, window_frames=6, bits=8,
+                    centroids=8)
+    got = _chunkwise(model, x, t, txt, cache, cf=WCF)
+    assert ((got - full).norm() / full.norm()) < 1e-2
+
+
+def test_the_sink_changes_what_late_chunks_see(model):
+    """Window of 2 chunks with and without a 1-chunk sink: the first 3 chunks see the same tokens (bitwise the same
+    output); from chunk 3 on the sink keeps chunk 0 in view, and the outputs differ by 10x the window parity bound
+    (the tiny model's attention is nearly uniform: ~5e-3 of the max)."""
+    x, t, txt = _inputs(WCHUNKS * WCF)
+    out = [_chunkwise(model, x, t, txt, KVCache(2, "bf16", chunk_frames=WCF, tokens_per_frame=TPF, sink_frames=sink,
+                                                 window_frames=6), cf=WCF) for sink in (0, 3)]
+    n = 3 * WCF
+    assert torch.equal(out[0][:, :, :n], out[1][:, :, :n])
+    for c in range(3, WCHUNKS):
+        a, b = (o[:, :, c * WCF:(c + 1) * WCF] for o in out)
+        assert (a - b).abs().max() > 2e-3 * b.abs().max(), c
+
+
+def test_save_pretrained_and_from_pretrained_round_trip(model, tmp_path):
+    """A saved CausalWanTransformer loads back with its config, weights, RoPE with offsets and causal processors:
+    the same outputs, full-sequence and chunk-wise over a cache."""
+    pytest.importorskip("accelerate", reason="diffusers' from_pretrained of Wan (fp32 modules) needs accelerate")
+    model.save_pretrained(tmp_path)
+    loaded = CausalWanTransformer.from_pretrained(tmp_path).eval()
+    assert loaded.config.num_layers == CFG["num_layers"] and loaded.config.ffn_dim == CFG["ffn_dim"]
+    assert isinstance(loaded.rope, OffsetRotaryPosEmbed)
+    assert all(isinstance(b.attn1.processor, _SelfAttention) for b in loaded.blocks)
+    x, t, txt = _inputs()
+    with torch.no_grad():
+        assert torch.equal(loaded(x, t, txt, chunk_frames=CF), model(x, t, txt, chunk_frames=CF))
+    a, b = (_chunkwise(m, x, t, txt, KVCache(2, "bf16", chunk_frames=CF, tokens_per_frame=TPF))
+            for m in (model, loaded))
+    assert torch.equal(a, b)
+
+
+def test_from_pretrained_loads_a_diffusers_wan_checkpoint(model, tmp_path):
+    """A checkpoint saved by diffusers' own WanTransformer3DModel (its class name in the config) loads into the
+    causal model, whose full-attention forward then matches diffusers' forward."""
+    pytest.importorskip("accelerate", reason="diffusers' from_pretrained of Wan (fp32 modules) needs accelerate")
+    from diffusers import WanTransformer3DModel
+    wan = WanTransformer3DModel(**CFG).eval()
+    wan.load_state_dict(model.state_dict())
+    wan.save_pretrained(tmp_path)
+    loaded = CausalWanTransformer.from_pretrained(tmp_path).eval()
+    x, t, txt = _inputs()
+    with torch.no_grad():
+        want = wan(x, t, txt, return_dict=False)[0]
+        got = loaded(x, t, txt)
+    assert (got - want).abs().max() < 1e-4 * want.abs().max()
 
 
 def test_cross_attention_kv_is_computed_once_per_prompt(model):
