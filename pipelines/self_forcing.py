@@ -8,7 +8,7 @@ which writes the clean K/V into the cache, and the cache commits the chunk. Step
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -67,19 +67,26 @@ class StreamingVAEDecoder:
 
 
 class SelfForcingPipeline:
-    """transformer: a CausalWanTransformer; vae: a diffusers AutoencoderKLWan or None (latents only)."""
+    """transformer: a CausalWanTransformer; vae: a diffusers AutoencoderKLWan or None (latents only); decoder: any
+    object with reset() and decode(latents) -> frames in [-1, 1], used instead of the VAE (the world model's
+    PixelDecoder)."""
 
     def __init__(self, transformer, vae=None, *, chunk_frames: int = 3, steps=(1000, 750, 500, 250),
-                 shift: float = 5.0):
-        self.transformer, self.vae = transformer, vae
+                 shift: float = 5.0, decoder=None, context_sigma: float = 0.0):
+        self.transformer, self.vae, self.decoder = transformer, vae, decoder
+        self.context_sigma = context_sigma  # Self-Forcing's context noise: the clean re-run at this noise level
         self.chunk_frames = chunk_frames
         self.sigmas = flow_sigmas(steps, shift)
 
     @torch.no_grad()
     def generate(self, text: torch.Tensor, latent_frames: int, latent_hw: tuple[int, int], cache, *, seed: int = 0,
-                 batch: int = 1) -> Iterator[ChunkResult]:
+                 batch: int = 1, context: torch.Tensor | None = None,
+                 chunk_inputs: Callable[[int], dict] | None = None) -> Iterator[ChunkResult]:
         """Yield the chunks of a video of `latent_frames` latent frames (the last chunk cut to fit). text:
-        encoder hidden states [B, L, text_dim]; cache: a qvg.cache.KVCache (reset here)."""
+        encoder hidden states [B, L, text_dim]; cache: a qvg.cache.KVCache (reset here). context: clean latents
+        [B, C, chunk_frames, h, w] that come first (the world model's start image): run once at t = 0 into the
+        cache as chunk 0, not yielded; the generated chunks follow it. chunk_inputs(c): extra model inputs for
+        chunk c (counting the context chunk), e.g. the world model's action."""
         from .causal_wan import CrossKV
         if latent_frames < 1:
             raise ValueError(f"latent_frames must be >= 1, got {latent_frames}")
@@ -90,17 +97,29 @@ class SelfForcingPipeline:
         chunks = -(-latent_frames // cf)
         cache.reset()
         cross = CrossKV()
-        decoder = StreamingVAEDecoder(self.vae) if self.vae is not None else None
+        decoder = self.decoder or (StreamingVAEDecoder(self.vae) if self.vae is not None else None)
+        if decoder is not None:
+            decoder.reset()
         gen = torch.Generator().manual_seed(seed)  # CPU draws: the same noise on every device
         text = text.to(dev, dtype)
         shape = (batch, model.config.in_channels, cf, h, w)
+        extra = chunk_inputs or (lambda c: {})
+        first = 0
+        if context is not None:
+            if tuple(context.shape) != shape:
+                raise ValueError(f"context must be {list(shape)}, got {list(context.shape)}")
+            model(context.to(dev, dtype), torch.zeros(batch, device=dev), text, frame_offset=0, cache=cache,
+                  cross=cross, commit=True, **extra(0))
+            cache.commit()
+            first = 1
         for c in range(chunks):
-            f0 = c * cf
+            f0 = (c + first) * cf
+            kw = extra(c + first)
             x = torch.randn(shape, generator=gen).to(dev, dtype)
             x0 = x
             for i, sigma in enumerate(self.sigmas):
                 t = torch.full((batch,), sigma * 1000.0, device=dev)
-                v = model(x, t, text, frame_offset=f0, cache=cache, cross=cross)
+                v = model(x, t, text, frame_offset=f0, cache=cache, cross=cross, **kw)
                 x0 = (x.float() - sigma * v.float()).to(dtype)
                 if i + 1 < len(self.sigmas):
                     nxt = self.sigmas[i + 1]
@@ -108,9 +127,13 @@ class SelfForcingPipeline:
                     x = ((1 - nxt) * x0.float() + nxt * noise).to(dtype)
             # the clean re-run at t = 0 writes the chunk's clean K/V, then it becomes history (the last chunk too:
             # the cache then holds the whole video, ready for a continuation)
-            model(x0, torch.zeros(batch, device=dev), text, frame_offset=f0, cache=cache, cross=cross, commit=True)
+            xc, cs = x0, self.context_sigma
+            if cs > 0:
+                xc = ((1 - cs) * x0.float() + cs * torch.randn(shape, generator=gen).to(dev)).to(dtype)
+            model(xc, torch.full((batch,), cs * 1000.0, device=dev), text, frame_offset=f0, cache=cache, cross=cross,
+                  commit=True, **kw)
             cache.commit()
-            keep = min(cf, latent_frames - f0)
+            keep = min(cf, latent_frames - c * cf)
             lat = x0[:, :, :keep]
             video = decoder.decode(lat.float()) if decoder is not None else None
             yield ChunkResult(c, f0, lat, video)

@@ -190,10 +190,11 @@ def augment(canvas: torch.Tensor, rng: random.Random) -> torch.Tensor:
 
 class WorldData:
     """Batches of (frames [B, 3, F, S, S] in [-1, 1], actions [B, chunks] as ids) from a seeded stream.
-    split 'train': the training photos + procedural textures; 'eval': the held-out photos (no augmentation)."""
+    split 'train': the training photos + procedural textures; 'eval': the held-out photos (no augmentation).
+    revisit: True / False for every sequence, a fraction, or None (half)."""
 
     def __init__(self, seed: int, chunks: int, cfg: dict = DEFAULT_CONFIG, split: str = "train", device="cpu",
-                 procedural: float = 0.25, revisit: bool | None = None):
+                 procedural: float = 0.25, revisit: bool | float | None = None):
         self.rng = random.Random(seed)
         self.gen = torch.Generator().manual_seed(seed)
         self.chunks, self.cfg, self.split, self.device = chunks, cfg, split, device
@@ -210,7 +211,10 @@ class WorldData:
     def sample(self):
         """One sequence: (frames [3, F, S, S], action ids [chunks], start camera, canvas)."""
         canvas = self.canvas()
-        start, acts = random_trajectory(self.rng, tuple(canvas.shape[-2:]), self.chunks, self.cfg, self.revisit)
+        rv = self.revisit
+        if isinstance(rv, float):  # a fraction of the sequences
+            rv = self.rng.random() < rv
+        start, acts = random_trajectory(self.rng, tuple(canvas.shape[-2:]), self.chunks, self.cfg, rv)
         cams = cameras_for(start, acts, self.cfg["chunk_frames"], self.cfg)
         frames = render(canvas, cams, self.cfg["frame_size"])
         ids = torch.tensor([self.cfg["actions"].index(a) for a in acts])

@@ -30,6 +30,7 @@ DEFAULT_CONFIG = {
     "chunk_frames": 3,
     "steps": [1000, 750, 500, 250],
     "shift": 1.0,
+    "context_sigma": 0.0,  # the clean re-run's noise level (trained for 0 .. 0.2)
     "pan_pixels": 4.0,  # view pixels the camera moves per frame (left/right/up/down)
     "zoom_factor": 1.05,  # view scale change per frame (zoom_in / zoom_out)
 }
@@ -145,7 +146,8 @@ def load_world(directory=None, device="cpu", dtype=torch.float32) -> tuple[World
                  for n, ks in (("missing", missing), ("unexpected", unexpected), ("wrong shape", shapes)) if ks]
         raise WorldModelError(f"{d / 'model.safetensors'} does not match its config ({'; '.join(parts)})")
     model.load_state_dict({k: v.float() for k, v in sd.items()})
-    return model.to(device=device, dtype=dtype).eval(), cfg
+    model = model.to(device) if dtype == torch.float32 else model.to(device=device, dtype=dtype)
+    return model.eval(), cfg
 
 
 def action_ids(names, config: dict | None = None) -> list[int]:
@@ -176,3 +178,32 @@ def parse_actions(text: str, config: dict | None = None) -> list[int]:
     if not names:
         raise WorldModelError("no actions given")
     return action_ids(names, config)
+
+
+def image_frame(image: torch.Tensor, size: int) -> torch.Tensor:
+    """An RGB image [3, H, W] in [-1, 1] -> a start frame [3, size, size]: centre square, area-resized."""
+    import torch.nn.functional as F
+    h, w = image.shape[-2:]
+    s = min(h, w)
+    sq = image[:, (h - s) // 2:(h - s) // 2 + s, (w - s) // 2:(w - s) // 2 + s]
+    mode = "area" if s >= size else "bilinear"
+    return F.interpolate(sq[None].float(), size=(size, size), mode=mode)[0].clamp(-1, 1)
+
+
+def world_pipeline(model: WorldModel, config: dict):
+    """The Self-Forcing loop with the world model's schedule and pixel 'decoder'."""
+    from .self_forcing import SelfForcingPipeline
+    return SelfForcingPipeline(model, chunk_frames=config["chunk_frames"], steps=config["steps"],
+                               shift=config["shift"], decoder=PixelDecoder(),
+                               context_sigma=config.get("context_sigma", 0.0))
+
+
+def rollout(model: WorldModel, config: dict, start: torch.Tensor, actions: list[int], cache, *, seed: int = 0):
+    """Generate one chunk per action from a start frame [3, S, S] in [-1, 1]: yields ChunkResult (video [1, 3,
+    chunk_frames, S, S]). The start frame, repeated, is the context chunk (action 'stay')."""
+    cf, size = config["chunk_frames"], config["frame_size"]
+    pipe = world_pipeline(model, config)
+    ctx = start.reshape(1, 3, 1, size, size).expand(1, 3, cf, size, size)
+    acts = [0] + list(actions)
+    return pipe.generate(model.null_text(1), len(actions) * cf, (size, size), cache, seed=seed, context=ctx,
+                         chunk_inputs=lambda c: {"actions": torch.tensor([acts[c]])})

@@ -7,8 +7,9 @@ timestep (0 for the clean copy, the chunk's own noise level for the noisy one), 
 clean chunk sees the clean chunks up to itself (block-causal, as the cache holds them after the t = 0 re-run), a
 noisy chunk sees the clean chunks before it and itself. Both copies of frame f take RoPE index f. The loss is
 flow matching (the model predicts v = noise - x0 at x_t = (1 - sigma) x0 + sigma noise, as the sampler uses it),
-with half the noise levels drawn from the sampler's own steps. Half the sequences get a blurred, slightly noisy
-clean context after the start chunk, as the model's own generated frames will be at sampling.
+with half the noise levels drawn from the sampler's own steps. The context after the start chunk is, per
+sequence, clean, or blurred with a little noise (as the model's own frames will be), or re-noised to a small level
+with that timestep (Self-Forcing's context noise; the sampler's clean re-run uses `context_sigma`).
 
 Resumable: `--ckpt DIR` holds the state (FP32 weights and BF16 Adam moments as sharded safetensors, each under
 16 MB, plus state.json with the step, the settings and the log); a run continues from it and stops after
@@ -34,7 +35,7 @@ from .world_model import DEFAULT_CONFIG, build_world, save_world
 
 SHARD_BYTES = 15 * 2**20
 DEFAULTS = dict(chunks=11, batch=16, lr=3e-4, warmup=200, weight_decay=0.01, grad_clip=1.0, seed=0,
-                total_steps=4000, step_sigma_fraction=0.5, degrade_fraction=0.5)
+                total_steps=4000, step_sigma_fraction=0.5, context_sigma_max=0.2, revisit_fraction=0.7)
 
 
 def token_layout(chunks: int, cf: int, tpf: int, device="cpu"):
@@ -91,6 +92,10 @@ class Trainer:
         self.frame_ids = torch.cat([torch.arange(a["chunks"] * cf), torch.arange(cf, a["chunks"] * cf)])
         self.sigmas = torch.tensor(flow_sigmas(cfg["steps"], cfg["shift"]))
         self.gen = torch.Generator().manual_seed(a["seed"] + 1)
+        self.compiled = None  # torch.compile(model) when asked: fuses Wan's many FP32 elementwise ops
+
+    def compile(self) -> None:
+        self.compiled = torch.compile(self.model)
 
     def lr_at(self, step: int) -> float:
         a = self.args
@@ -112,15 +117,23 @@ class Trainer:
         noise = torch.randn(x0.shape, generator=gen).to(dev)
         s = sig.repeat_interleave(cf, 1)[:, None, :, None, None]
         xt = (1 - s) * x0 + s * noise
+        # the generated chunks' clean context: a third as is, a third degraded (blurred, a little noise, t = 0),
+        # a third re-noised to a small level ctx_sigma with that timestep (Self-Forcing's context noise)
         clean = frames.clone()
-        bad = torch.rand(b, generator=gen).to(dev) < a["degrade_fraction"]
+        mode = torch.randint(0, 3, (b,), generator=gen).to(dev)
+        bad = mode == 1
         if bad.any():
             clean[bad, :, cf:] = degrade(frames[bad, :, cf:], gen).clamp(-1, 1)
+        csig = torch.rand(b, gen_chunks, generator=gen).to(dev) * a["context_sigma_max"]
+        csig = torch.where((mode == 2)[:, None], csig, torch.zeros_like(csig))
+        cs = csig.repeat_interleave(cf, 1)[:, None, :, None, None]
+        clean[:, :, cf:] = (1 - cs) * clean[:, :, cf:] + cs * torch.randn(x0.shape, generator=gen).to(dev)
         inp = torch.cat([clean, xt], 2)
-        tok_sigma = torch.where(self.copy[None] == 0, torch.zeros((), device=dev),
+        ctx_sig = torch.cat([torch.zeros(b, 1, device=dev), csig], 1)  # the start chunk stays clean
+        tok_sigma = torch.where(self.copy[None] == 0, ctx_sig.gather(1, self.chunk[None].expand(b, -1)),
                                 sig.gather(1, (self.chunk - 1).clamp(min=0)[None].expand(b, -1)))
         tok_action = actions.gather(1, self.chunk[None].expand(b, -1))
-        model = self.model
+        model = self.compiled or self.model
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
             out = model(inp, tok_sigma * 1000.0, model.null_text(b).float(), actions=tok_action,
                         frame_ids=self.frame_ids, attn_mask=self.mask)
@@ -129,15 +142,26 @@ class Trainer:
 
     def train(self, data: WorldData, minutes: float, log_every: int = 50, max_steps: int | None = None) -> None:
         a = self.args
+        from concurrent.futures import ThreadPoolExecutor
         t0 = time.perf_counter()
         run_start = self.step
+        pool = ThreadPoolExecutor(1)  # the next batch is drawn while this one trains
+        nxt = pool.submit(data.batch, a["batch"])
         while self.step < a["total_steps"] and (max_steps is None or self.step - run_start < max_steps):
             if time.perf_counter() - t0 > minutes * 60:
                 break
             for g in self.opt.param_groups:
                 g["lr"] = self.lr_at(self.step)
-            frames, actions = data.batch(a["batch"])
-            loss = self.loss(frames, actions)
+            frames, actions = nxt.result()
+            nxt = pool.submit(data.batch, a["batch"])
+            try:
+                loss = self.loss(frames, actions)
+            except Exception as e:  # a compile failure must not lose the run: go on eagerly
+                if self.compiled is None:
+                    raise
+                print(f"torch.compile failed ({type(e).__name__}: {str(e)[:200]}); training eagerly", flush=True)
+                self.compiled = None
+                loss = self.loss(frames, actions)
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
             gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), a["grad_clip"])
@@ -149,6 +173,7 @@ class Trainer:
                        "lr": self.lr_at(self.step - 1), "seconds": round(el, 1)}
                 self.log.append(rec)
                 print(json.dumps(rec), flush=True)
+        pool.shutdown(wait=True, cancel_futures=True)
         self.elapsed += time.perf_counter() - t0
 
     # state: sharded safetensors (FP32 weights, BF16 Adam moments) + state.json
@@ -209,6 +234,7 @@ def main(argv=None) -> int:
     p.add_argument("--export", default=None, help="write the shippable model here from the state and exit")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--attention", default="auto", choices=("auto", "flex", "dense"))
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (CUDA)")
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps in this run")
     for k, v in DEFAULTS.items():
         p.add_argument(f"--{k.replace('_', '-')}", type=type(v), default=None, help=f"default {v}")
@@ -227,8 +253,11 @@ def main(argv=None) -> int:
     prior = json.loads((ck / "state.json").read_text())["args"] if (ck / "state.json").is_file() else {}
     tr = Trainer(dict(prior, **given), DEFAULT_CONFIG, a.device, attention=a.attention)
     resumed = tr.load(ck)
+    if a.compile:
+        tr.compile()
     print(f"{'resumed at step ' + str(tr.step) if resumed else 'new run'}; {json.dumps(tr.args)}", flush=True)
-    data = WorldData(tr.args["seed"] * 1000003 + tr.step, tr.args["chunks"], tr.cfg, "train", a.device)
+    data = WorldData(tr.args["seed"] * 1000003 + tr.step, tr.args["chunks"], tr.cfg, "train", a.device,
+                     revisit=tr.args["revisit_fraction"])
     tr.train(data, a.minutes, max_steps=a.max_steps)
     tr.save(ck)
     print(f"saved step {tr.step} ({tr.elapsed:.0f} s of training) to {ck}", flush=True)
