@@ -21,7 +21,8 @@ Per layer, three zones, for keys and values alike ([B, H, tokens, D], H = kv hea
   attended by torch's SDPA (cuDNN), windows merged by log-sum-exp (kernels/windowed_sdpa.py); kivi / quarot and
   CPU decode the history first (the reference path). The BF16 zones are one contiguous buffer, read as a view.
 - `memory()`: bytes by component (codes, scales, ids, centroids, bf16, and workspace: the compression graphs'
-  static tensors) and in total, next to the BF16 bytes the same tokens would take.
+  static tensors and private memory pools) and in total, next to the BF16 bytes the same tokens would take; `bf16`
+  is also split by zone (bf16_sink, bf16_pending, bf16_current, bf16_residual), which sum to it exactly.
 
 Method "bf16" keeps everything in the BF16 buffer (no compression): the reference every method is compared with.
 Attention has no mask: past chunks are fully visible, the current chunk attends to itself (block-causal).
@@ -253,15 +254,30 @@ class KVCache:
         return L.n_sink + self._hist_tokens(L) + L.n_pending + L.n_cur
 
     def memory(self) -> dict:
-        """Bytes held, by component and in total, and the BF16 bytes of the same tokens. `bf16` counts the whole
-        allocated BF16 buffers (sink, pending and current zones, with their reserved room); the BF16 equivalent
-        counts that room too (a BF16 cache reserves it alike), so method "bf16" is always 1.0x."""
+        """Bytes held, by component and in total, and the BF16 bytes of the same tokens. Components (they sum to
+        `total`): codes, scales, ids, centroids, bf16, workspace. `bf16` counts the whole allocated BF16 buffers
+        (sink, pending and current zones, with their reserved room) and any full-precision tokens a method keeps
+        inside its packed history; the BF16 equivalent counts the room too (a BF16 cache reserves it alike), so
+        method "bf16" is always 1.0x. `bf16` split by zone (not components: they sum to `bf16` exactly, not
+        counted again in `total`):
+        - bf16_sink: the sink's tokens;
+        - bf16_pending: the committed chunks not packed yet (method "bf16": its whole history past the sink);
+        - bf16_current: the rest of the buffers: the current chunk's slot (held between chunks too) and the
+          buffers' reserved room (room for `commit_every` chunks; on CUDA, the allocator granule's rounding);
+        - bf16_residual: full-precision tokens inside the packed history (kivi's key tail that fills no token
+          group; 0 for the other methods)."""
         comp = {c: 0 for c in ("codes", "scales", "ids", "centroids", "bf16", "workspace")}
+        zones = {z: 0 for z in ("bf16_sink", "bf16_pending", "bf16_current", "bf16_residual")}
         equiv = 0
         for L in self.layers:
             if L.buf is not None:
                 b, h, cap, d = L.buf[0].shape
-                comp["bf16"] += sum(t.numel() * t.element_size() for t in L.buf)
+                held = sum(t.numel() * t.element_size() for t in L.buf)
+                comp["bf16"] += held
+                per_token = held // cap  # K + V bytes of one token
+                zones["bf16_sink"] += L.n_sink * per_token
+                zones["bf16_pending"] += L.n_pending * per_token
+                zones["bf16_current"] += (cap - L.n_sink - L.n_pending) * per_token
                 room = cap - (L.n_sink + L.n_pending + L.n_cur)  # reserved BF16 room: the same for a BF16 cache
             elif L.hist[0] is not None:  # a history installed before any write (benchmarks)
                 h0 = L.hist[0]
@@ -274,18 +290,23 @@ class KVCache:
                 for name, t in _stored(L.hist[i]):
                     c = COMPONENTS.get(name, name)
                     comp[c] = comp.get(c, 0) + t.numel() * t.element_size()
+                    if c == "bf16":
+                        zones["bf16_residual"] += t.numel() * t.element_size()
                 if L.warm[i] is not None:
                     comp["centroids"] += L.warm[i].numel() * L.warm[i].element_size()
-        comp["workspace"] = self._graphed.nbytes if self._graphed is not None else 0  # the graphs' static tensors
+        comp["workspace"] = self._graphed.nbytes if self._graphed is not None else 0  # the compression graphs
         total = sum(comp.values())
-        return {**comp, "total": total, "bf16_equivalent": equiv,
+        return {**comp, **zones, "total": total, "bf16_equivalent": equiv,
                 "compression_ratio": equiv / total if total else 1.0}
 
     def reset(self) -> None:
-        """Forget everything (a new video)."""
+        """Forget everything (a new video), the compression graphs and their memory too: a reset cache holds no
+        bytes (the next video captures its graphs again, at its first warm-started commit)."""
         self.layers = [_Layer() for _ in range(self.num_layers)]
         self.frames = 0
         self.commits = 0
+        if self._graphed is not None:
+            self._graphed.clear()
 
 
 def _stored(hist) -> list:

@@ -11,6 +11,10 @@ SMALL = {"qvg": dict(centroids=8), "qvg-pro": dict(centroids=8), "kivi": dict(),
          "bf16": dict()}
 
 
+COMPONENTS = ("codes", "scales", "ids", "centroids", "bf16", "workspace")  # memory()'s parts of total
+ZONES = ("bf16_sink", "bf16_pending", "bf16_current", "bf16_residual")  # memory()'s parts of bf16
+
+
 def _chunk(i, layers=1, scale=1.0):
     g = torch.Generator().manual_seed(100 + i)
     base = torch.randn(layers, 2, B, H, 1, D, generator=g) * 2  # a per-chunk offset: tokens cluster
@@ -184,8 +188,9 @@ def test_every_method_attends_and_accounts(method):
     assert got.shape == want.shape and torch.isfinite(got).all()
     assert ((got - want).norm() / want.norm()) < 0.35, method
     mem = cache.memory()
-    parts = sum(v for k, v in mem.items() if k in ("codes", "scales", "ids", "centroids", "bf16", "workspace"))
+    parts = sum(v for k, v in mem.items() if k in COMPONENTS)
     assert parts == mem["total"]
+    assert sum(mem[z] for z in ZONES) == mem["bf16"]
     L = cache.layers[0]
     held = sum(t.numel() * t.element_size() for t in L.buf)
     for h in L.hist:
@@ -193,6 +198,59 @@ def test_every_method_attends_and_accounts(method):
             held += h.nbytes if hasattr(h, "nbytes") else sum(p.nbytes for p in h)
     assert mem["total"] == held
     assert mem["bf16_equivalent"] == 2 * B * H * D * 2 * 4 * T
+
+
+def test_memory_splits_bf16_by_zone():
+    """bf16_sink: the sink's tokens; bf16_pending: the chunks waiting for commit_every; bf16_current: the rest of
+    the buffers (the current chunk's slot, and the room left when a unit is packed). They sum to bf16 exactly, and
+    total stays the sum of the components alone."""
+    per_token = 2 * B * H * D * 2  # K and V in BF16
+    cache = KVCache(1, "qvg", chunk_frames=CF, tokens_per_frame=TPF, sink_frames=CF, commit_every=2, **SMALL["qvg"])
+    _run(cache, 2)  # chunk 0 fills the sink, chunk 1 waits for a second chunk
+    cur = _chunk(9)
+    cache.write(0, cur[0, 0], cur[0, 1])
+    mem = cache.memory()
+    assert [mem[z] for z in ZONES] == [T * per_token, T * per_token, T * per_token, 0]
+    assert sum(mem[z] for z in ZONES) == mem["bf16"] and sum(mem[c] for c in COMPONENTS) == mem["total"]
+    cache.commit()  # chunks 1 and 2 packed as one unit: the buffers keep their room for two chunks
+    mem = cache.memory()
+    assert [mem[z] for z in ZONES] == [T * per_token, 0, 2 * T * per_token, 0] and mem["codes"] > 0
+    assert sum(mem[z] for z in ZONES) == mem["bf16"] and sum(mem[c] for c in COMPONENTS) == mem["total"]
+
+
+def test_memory_counts_kivis_full_precision_tail_as_bf16_residual():
+    """KIVI keeps the key tokens that fill no token group (here 40 per chunk, groups of 32) in 16 bits inside its
+    packed units: part of bf16, in its own zone."""
+    cache = KVCache(1, "kivi", chunk_frames=2, tokens_per_frame=20)
+    for i in range(2):
+        x = torch.randn(2, B, H, 40, D, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
+        cache.write(0, x[0], x[1])
+        cache.commit()
+    mem = cache.memory()
+    residual = sum(p.tensors["residual"].nbytes for p in cache.layers[0].hist[0])
+    assert mem["bf16_residual"] == residual == 2 * B * H * 8 * D * 2  # 2 units x 8 key tokens (values: none)
+    assert sum(mem[z] for z in ZONES) == mem["bf16"] and sum(mem[c] for c in COMPONENTS) == mem["total"]
+
+
+def test_reset_holds_no_bytes_and_starts_over():
+    """reset() forgets the zones, the history and the compression graphs' workspace (on CPU there are no graphs:
+    a stand-in entry checks that reset drops them and their bytes); the reset cache then works like a new one."""
+    kw = dict(chunk_frames=CF, tokens_per_frame=TPF, sink_frames=CF, window_frames=2 * CF, commit_every=2,
+              **SMALL["qvg"])
+    cache = KVCache(1, "qvg", **kw)
+    _run(cache, 5)
+    cache._graphed._graphs["stand-in"], cache._graphed.nbytes = {}, 4096
+    assert cache.memory()["workspace"] == 4096 and cache.memory()["total"] > 4096
+    cache.reset()
+    mem = cache.memory()
+    assert all(mem[k] == 0 for k in (*COMPONENTS, *ZONES, "total", "bf16_equivalent")), mem
+    assert not cache._graphed._graphs and (cache.frames, cache.commits, cache.tokens()) == (0, 0, 0)
+    fresh = KVCache(1, "qvg", **kw)
+    _run(cache, 3)
+    _run(fresh, 3)
+    assert cache.memory() == fresh.memory()
+    for a, b in zip(cache.read(0), fresh.read(0)):
+        assert torch.equal(a, b)
 
 
 def test_deterministic():

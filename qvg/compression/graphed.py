@@ -9,7 +9,9 @@ Graphs exist only where compress has no host-side work to replay: rtn, and qvg /
 previous unit's centroids (the cold first unit seeds k-means++ from a CPU generator and runs eagerly). One graph
 per (method, options, shape, warm-start shape); the input and the warm start are copied into the graph's static
 tensors. The returned Packed holds the graph's static outputs: valid until the next call with the same key (the
-cache copies them into its history at once). `nbytes`: what the graphs keep allocated (static inputs, outputs).
+cache copies them into its history at once). `nbytes`: the memory the graphs hold: their static inputs and their
+private memory pools, outputs and the captured intermediates' blocks alike (reserved for the replays, usable by no
+other allocation). `clear()` drops every graph and its memory (the cache's `reset`).
 """
 from __future__ import annotations
 
@@ -23,6 +25,13 @@ GRAPHED_METHODS = ("rtn", "qvg", "qvg-pro")
 class GraphedCompress:
     def __init__(self):
         self._graphs: dict = {}
+        self.nbytes = 0
+
+    def clear(self) -> None:
+        """Drop every graph. Their static tensors and private pools go back to the caching allocator once no
+        output of theirs is referenced (the cache holds copies); `torch.cuda.empty_cache` returns them to the
+        device."""
+        self._graphs.clear()
         self.nbytes = 0
 
     @staticmethod
@@ -62,5 +71,21 @@ class GraphedCompress:
         with torch.cuda.graph(graph):
             out = call()
         torch.cuda.synchronize(x.device)
-        self.nbytes += torch.cuda.memory_allocated(x.device) - before
+        # allocated since `before`: the static inputs and outputs (the outputs live in the graph's pool); plus the
+        # pool's free blocks: the intermediates', which memory_allocated no longer counts but the pool keeps
+        self.nbytes += torch.cuda.memory_allocated(x.device) - before + _pool_free_bytes(graph, x.device)
         return {"graph": graph, "x": sx, "init": si, "out": out}
+
+
+def _pool_free_bytes(graph: torch.cuda.CUDAGraph, device: torch.device) -> int:
+    """Bytes that `graph`'s private memory pool reserves beyond its live tensors. torch exposes a pool's size only
+    through the allocator's snapshot, whose segments name their pool; read once per capture (the pool neither
+    grows at replay nor is released by `empty_cache` while the graph lives). 0 where the snapshot has no pool ids
+    or the allocator keeps none (the cudaMallocAsync backend)."""
+    pool = tuple(graph.pool())
+    try:
+        segments = torch.cuda.memory_snapshot()
+    except RuntimeError:
+        return 0
+    return sum(s["total_size"] - s["allocated_size"] for s in segments
+               if s.get("device") == device.index and tuple(s.get("segment_pool_id", ())) == pool)
