@@ -245,7 +245,8 @@ def main(argv=None) -> int:
         tr = Trainer(dict(meta["args"], **given), meta["config"], "cpu", attention="dense")
         tr.load(a.ckpt)
         card = {"steps": tr.step, "seconds": tr.elapsed, "args": tr.args, "final_log": tr.log[-3:]}
-        save_world(tr.model, tr.cfg, a.export, card=card)
+        cfg = dict(tr.cfg, context_sigma=DEFAULT_CONFIG["context_sigma"])  # a sampler setting, chosen after training
+        save_world(tr.model, cfg, a.export, card=card)
         print(f"exported step {tr.step} to {a.export}")
         return 0
     torch.backends.cuda.matmul.allow_tf32 = True

@@ -1,0 +1,239 @@
+"""Evaluate the embedded world model on held-out photos (issue 5's evidence), with seed-variance floors.
+
+1. quality: start image + actions on held-out trajectories -> PSNR / SSIM per chunk against the true camera views,
+   next to a copy-the-last-frame baseline (the start image, the last true frame the model is given);
+2. memory: revisit trajectories (go m chunks one way, come straight back): PSNR on the returning views with the full
+   history in BF16 vs a short rolling window that has forgotten the region;
+3. QVG: at equal KV bytes, QVG INT2 with a ~6x longer window vs BF16 with the short window; at equal (full) history,
+   QVG INT2 vs BF16, with RTN / KIVI / QuaRot INT2 beside it.
+Every number is a mean over trajectories and sampling seeds; `floor` is the spread of the same configuration over
+seeds (the std over seeds of the per-seed mean), the smallest difference worth reading.
+
+    python -m qvg.eval.world_eval --out eval/results/world-eval            # .json, .md and .png
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from ..pipelines.world_data import REVERSE, Camera, _valid, cameras_for, load_photo, photo_names, random_trajectory, render
+from ..pipelines.world_model import action_ids, load_world, rollout
+from .metrics import psnr, ssim
+
+SHORT = 3  # the short window (latent frames): one chunk of history
+
+
+def configs(cfg) -> dict:
+    """name -> (method, window frames or None, options)."""
+    long = 6 * SHORT
+    return {
+        "bf16 full": ("bf16", None, {}),
+        f"bf16 window:{SHORT}": ("bf16", SHORT, {}),
+        f"qvg int2 window:{long}": ("qvg", long, {"bits": 2}),
+        "qvg int2 full": ("qvg", None, {"bits": 2}),
+        "qvg int4 full": ("qvg", None, {"bits": 4}),
+        "rtn int2 full": ("rtn", None, {"bits": 2}),
+        "kivi int2 full": ("kivi", None, {"bits": 2}),
+        "quarot int2 full": ("quarot", None, {"bits": 2}),
+    }
+
+
+def revisit_trajectory(rng: random.Random, hw, m: int, cfg) -> tuple[Camera, list[str]]:
+    """Start, then m chunks one way and m straight back (the last m chunks return over views already seen)."""
+    size, cf = cfg["frame_size"], cfg["chunk_frames"]
+    for _ in range(1000):
+        z = rng.uniform(0.8, 1.3)
+        half = z * size / 2
+        start = Camera(rng.uniform(half, hw[1] - half), rng.uniform(half, hw[0] - half), z)
+        dirs = list(REVERSE)  # pans and zooms: zooming in loses the periphery, zooming back out needs it
+        rng.shuffle(dirs)
+        for d in dirs:
+            if _valid(start, d, m * cf, hw, cfg):
+                return start, ["stay"] + [d] * m + [REVERSE[d]] * m
+    raise RuntimeError("no revisit trajectory fits the canvas")
+
+
+def cases(kind: str, n: int, chunks: int, m: int, cfg, seed: int = 1234):
+    """[(name, ground-truth views [3, F, S, S], actions)] on the held-out photos."""
+    out = []
+    for photo in photo_names("eval"):
+        canvas = load_photo(photo)
+        rng = random.Random(f"{seed}-{kind}-{photo}")
+        for i in range(n):
+            if kind == "revisit":
+                start, acts = revisit_trajectory(rng, tuple(canvas.shape[-2:]), m, cfg)
+            else:
+                start, acts = random_trajectory(rng, tuple(canvas.shape[-2:]), chunks, cfg, revisit=False)
+            out.append((f"{photo}-{i}", render(canvas, cameras_for(start, acts, cfg["chunk_frames"], cfg),
+                                               cfg["frame_size"]), acts))
+    return out
+
+
+def run_case(model, cfg, gt, acts, method, window, opts, seed, device):
+    from qvg.app.generate import default_centroids
+    from qvg.cache import KVCache
+    cf, size = cfg["chunk_frames"], cfg["frame_size"]
+    tpf = model.tokens_per_latent_frame(size, size)
+    opts = dict(opts)
+    if method in ("qvg", "qvg-pro"):
+        opts.setdefault("centroids", default_centroids(cf * tpf))
+    cache = KVCache(len(model.blocks), method, chunk_frames=cf, tokens_per_frame=tpf, window_frames=window, **opts)
+    start = gt[:, 0].to(device)
+    vids, mem = [], None
+    for r in rollout(model, cfg, start, action_ids(acts[1:], cfg), cache, seed=seed):
+        vids.append(r.video[0].float().cpu())
+        m = cache.memory()
+        mem = m if mem is None or m["total"] > mem["total"] else mem
+    return torch.cat(vids, 1), mem
+
+
+def per_chunk(video, gt, cf):
+    """PSNR / SSIM per generated chunk (gt holds the start chunk first)."""
+    n = video.shape[1] // cf
+    return ([psnr(video[:, c * cf:(c + 1) * cf], gt[:, (c + 1) * cf:(c + 2) * cf]) for c in range(n)],
+            [ssim(video[:, c * cf:(c + 1) * cf], gt[:, (c + 1) * cf:(c + 2) * cf]) for c in range(n)])
+
+
+def summarize(values_by_seed: list[list[float]]) -> dict:
+    """values_by_seed[s] = the values of seed s (over trajectories / chunks) -> mean and the seed floor."""
+    per_seed = [statistics.fmean(v) for v in values_by_seed]
+    return {"mean": round(statistics.fmean(per_seed), 3),
+            "floor": round(statistics.stdev(per_seed), 3) if len(per_seed) > 1 else None}
+
+
+def report(res: dict, out: Path) -> None:
+    """Markdown (out.md) and a plot (out.png, needs matplotlib) from the results dict."""
+    q, rv = res["quality"], res["revisit"]
+    st = res["settings"]
+    lines = [f"# Embedded world model: evaluation on held-out photos ({res['device']})", "",
+             f"- date {res['date']}; commit `{res['commit']}`; model trained {res['model']} steps; "
+             f"{res['seconds']} s",
+             f"- command: `python -m qvg.eval.world_eval {' '.join(res.get('argv', []))}`",
+             f"- {st['trajectories']} trajectories per held-out photo ({', '.join(photo_names('eval'))}) and kind, "
+             f"{st['seeds']} sampling seeds; `floor` = std over seeds of the per-seed mean (same configuration)", "",
+             f"## 1. Quality vs the true views (first {st['first']} chunks of {st['chunks']})", "",
+             "| | PSNR dB | floor | SSIM | floor |", "|---|---|---|---|---|"]
+    for k, d in q.items():
+        lines.append(f"| {k} | {d['psnr']['mean']:.2f} | {d['psnr']['floor']} | {d['ssim']['mean']:.3f} | "
+                     f"{d['ssim']['floor']} |")
+    lines += ["", "PSNR per generated chunk (mean over trajectories and seeds): " + "; ".join(
+        f"{k}: {', '.join(f'{v:.1f}' for v in vs)}" for k, vs in res["quality_per_chunk_psnr"].items()), "",
+        f"## 2-3. Revisits (go {st['m']} chunks, come back {st['m']}): PSNR on the returning views", "",
+        "| cache | returning PSNR dB | floor | all chunks PSNR | KV bytes at the end (history + current) | ratio |",
+        "|---|---|---|---|---|---|"]
+    for k, d in rv.items():
+        lines.append(f"| {k} | {d['returning_psnr']['mean']:.2f} | {d['returning_psnr']['floor']} | "
+                     f"{d['all_chunks_psnr']['mean']:.2f} | {d['kv_bytes_at_end']['total']:,} | "
+                     f"{d['compression_ratio']:.2f}x |")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    for k, vs in res["quality_per_chunk_psnr"].items():
+        ax[0].plot(range(1, len(vs) + 1), vs, marker="o", label=k)
+    ax[0].set(xlabel="generated chunk", ylabel="PSNR vs true views (dB)", title="held-out trajectories")
+    ax[0].legend()
+    names = list(rv)
+    ax[1].barh(names, [rv[k]["returning_psnr"]["mean"] for k in names],
+               xerr=[rv[k]["returning_psnr"]["floor"] or 0 for k in names])
+    ax[1].set(xlabel="PSNR on returning views (dB)", title="revisits")
+    ax[1].invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=110)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m qvg.eval.world_eval", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="world model directory (default: the shipped assets/world)")
+    p.add_argument("--out", default="eval/results/world-eval", help="output path without extension")
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--trajectories", type=int, default=4, help="per held-out photo and kind")
+    p.add_argument("--chunks", type=int, default=8, help="generated chunks of the quality trajectories")
+    p.add_argument("--m", type=int, default=4, help="revisit: chunks away before coming back")
+    p.add_argument("--first", type=int, default=4, help="quality: chunks averaged (the first ones)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--report", default=None, help="only render .md / .png from this results JSON")
+    a = p.parse_args(argv)
+    if a.report:
+        report(json.loads(Path(a.report).read_text()), Path(a.report))
+        return 0
+    t0 = time.time()
+    model, cfg = load_world(a.model, device=a.device)
+    cf = cfg["chunk_frames"]
+    import sys
+    res = {"settings": vars(a), "argv": sys.argv[1:] if argv is None else argv, "device": torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu",
+           "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "model": cfg.get("training", {}).get("steps")}
+    try:
+        res["commit"] = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
+    except Exception:
+        res["commit"] = None
+
+    # 1. quality vs ground truth, next to copy-the-last-frame
+    quality = cases("quality", a.trajectories, a.chunks + 1, a.m, cfg)
+    q = {"bf16 full": {"psnr": [], "ssim": []}, "copy last frame": {"psnr": [], "ssim": []}}
+    curves = {"bf16 full": [], "copy last frame": []}
+    for s in range(a.seeds):
+        ps, ss, bp, bs, cur = [], [], [], [], []
+        for name, gt, acts in quality:
+            vid, _ = run_case(model, cfg, gt, acts, "bf16", None, {}, s, a.device)
+            cp, cs = per_chunk(vid, gt, cf)
+            copy = gt[:, :1].expand(-1, vid.shape[1], -1, -1)
+            kp, ks = per_chunk(copy, gt, cf)
+            ps += cp[:a.first]
+            ss += cs[:a.first]
+            bp += kp[:a.first]
+            bs += ks[:a.first]
+            cur.append((cp, kp))
+        q["bf16 full"]["psnr"].append(ps)
+        q["bf16 full"]["ssim"].append(ss)
+        q["copy last frame"]["psnr"].append(bp)
+        q["copy last frame"]["ssim"].append(bs)
+        curves["bf16 full"].append([statistics.fmean(c[0][i] for c in cur) for i in range(a.chunks)])
+        curves["copy last frame"].append([statistics.fmean(c[1][i] for c in cur) for i in range(a.chunks)])
+    res["quality"] = {k: {m: summarize(v) for m, v in d.items()} for k, d in q.items()}
+    res["quality_per_chunk_psnr"] = {k: [round(statistics.fmean(c[i] for c in v), 3) for i in range(a.chunks)]
+                                     for k, v in curves.items()}
+
+    # 2 + 3. revisits: PSNR on the returning views (the last m chunks), per cache configuration
+    revisit = cases("revisit", a.trajectories, 2 * a.m + 1, a.m, cfg)
+    rv = {}
+    for cname, (method, window, opts) in configs(cfg).items():
+        by_seed, all_seed, mem = [], [], None
+        for s in range(a.seeds):
+            ret, every = [], []
+            for name, gt, acts in revisit:
+                vid, m = run_case(model, cfg, gt, acts, method, window, opts, s, a.device)
+                cp, _ = per_chunk(vid, gt, cf)
+                ret += cp[a.m:]
+                every += cp
+                mem = m
+            by_seed.append(ret)
+            all_seed.append(every)
+        hist = {k: v for k, v in mem.items() if k not in ("compression_ratio",)}
+        rv[cname] = {"returning_psnr": summarize(by_seed), "all_chunks_psnr": summarize(all_seed),
+                     "method": method, "window": window, "options": opts,
+                     "kv_bytes_at_end": hist, "compression_ratio": round(mem["compression_ratio"], 3)}
+        print(cname, rv[cname]["returning_psnr"], flush=True)
+    res["revisit"] = rv
+    res["seconds"] = round(time.time() - t0, 1)
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(res, indent=1))
+    report(res, out)
+    print(json.dumps(res["quality"]), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
