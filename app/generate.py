@@ -18,6 +18,8 @@ from pathlib import Path
 
 PIPELINES = ("tiny", "self-forcing")
 DEFAULT_PROMPT = "a red fox running through fresh snow, cinematic"
+DEFAULT_IMAGE = "astronaut"
+DEFAULT_ACTIONS = "right*3,down*2,left*3,up*2"  # a loop: the camera comes back to where it started
 
 
 class UsageError(Exception):
@@ -34,8 +36,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="qvg-generate", description=__doc__.splitlines()[0])
     p.add_argument("--pipeline", default="tiny", help=f"one of {', '.join(PIPELINES)} (default tiny: the embedded model)")
     p.add_argument("--checkpoint", default=None, help="checkpoint directory (self-forcing)")
-    p.add_argument("--prompt", default=DEFAULT_PROMPT)
-    p.add_argument("--frames", default="49", help="video frames to write (default 49: about 3 s at 16 fps)")
+    p.add_argument("--prompt", default=None, help="text prompt (self-forcing; the embedded model has no text input)")
+    p.add_argument("--image", default=None, help="tiny: start image, a bundled photo's name or an image file "
+                   f"(default {DEFAULT_IMAGE})")
+    p.add_argument("--actions", default=None, help="tiny: camera action per chunk of 3 frames, e.g. 'right*4,left*4' "
+                   "(stay, left, right, up, down, zoom_in, zoom_out; repeated to fill the video; default "
+                   f"'{DEFAULT_ACTIONS}')")
+    p.add_argument("--frames", default=None, help="video frames to write (default: about 4 s; tiny 31 at 8 fps, "
+                   "self-forcing 49 at 16 fps)")
     p.add_argument("--method", default="qvg", help=f"KV cache method: {', '.join(CACHE_METHODS)} (default qvg)")
     p.add_argument("--bits", default=None, help="2, 4 or 8 (default: the method's)")
     p.add_argument("--stages", default=None, help="k-means stages S (qvg, qvg-pro)")
@@ -84,8 +92,10 @@ def parse(argv) -> dict:
         raise UsageError(f"unknown pipeline {a.pipeline!r}; choose one of: {', '.join(PIPELINES)}")
     if a.method not in CACHE_METHODS:
         raise UsageError(f"unknown method {a.method!r}; choose one of: {', '.join(CACHE_METHODS)}")
-    s = {"pipeline": a.pipeline, "method": a.method, "prompt": a.prompt, "quiet": a.quiet,
-         "frames": _int("frames", a.frames, 1, 100000), "seed": _int("seed", a.seed, 0, 2**63 - 1),
+    tiny = a.pipeline == "tiny"
+    frames = a.frames if a.frames is not None else ("31" if tiny else "49")
+    s = {"pipeline": a.pipeline, "method": a.method, "quiet": a.quiet,
+         "frames": _int("frames", frames, 1, 100000), "seed": _int("seed", a.seed, 0, 2**63 - 1),
          "commit_every": _int("commit-every", a.commit_every, 1, 1000), "sink": _int("sink", a.sink, 0)}
     opts = {"bits": _int("bits", a.bits, allow_none=True), "stages": _int("stages", a.stages, 0, 16, True),
             "block_size": _int("block-size", a.block_size, 1, allow_none=True),
@@ -132,16 +142,65 @@ def parse(argv) -> dict:
     elif a.checkpoint:
         raise UsageError("--checkpoint applies to --pipeline self-forcing")
     s["checkpoint"] = a.checkpoint
+    if tiny:
+        if a.prompt is not None:
+            raise UsageError("--prompt: the embedded world model is not text-conditioned; steer it with --image and "
+                             "--actions")
+        s.update(_world_inputs(a.image or DEFAULT_IMAGE, a.actions or DEFAULT_ACTIONS))
+    else:
+        for name in ("image", "actions"):
+            if getattr(a, name) is not None:
+                raise UsageError(f"--{name} applies to --pipeline tiny (the embedded world model)")
+        s["prompt"] = a.prompt or DEFAULT_PROMPT
     return s
 
 
+def _world_inputs(image: str, actions: str) -> dict:
+    """The start image ([3, H, W] in [-1, 1]) and per-chunk action ids of the embedded world model."""
+    from qvg.pipelines.world_data import load_photo, photo_names
+    from qvg.pipelines.world_model import WorldModelError, parse_actions
+    try:
+        ids = parse_actions(actions)
+    except WorldModelError as e:
+        raise UsageError(f"--actions: {e}") from None
+    if image in photo_names("all"):
+        img, source = load_photo(image), f"bundled photo {image!r}"
+    else:
+        path = Path(image)
+        if not path.is_file():
+            raise UsageError(f"--image: {image!r} is neither a bundled photo ({', '.join(photo_names('all'))}) nor "
+                             "a file")
+        try:
+            import imageio.v2 as imageio
+            import numpy as np
+            import torch
+            a = np.asarray(imageio.imread(path))
+            if a.ndim == 2:
+                a = np.repeat(a[..., None], 3, -1)
+            if a.ndim != 3 or a.shape[-1] < 3 or min(a.shape[:2]) < 16 or a.dtype != np.uint8:
+                raise ValueError(f"shape {a.shape} dtype {a.dtype}")
+            img = torch.from_numpy(a[..., :3].copy()).permute(2, 0, 1).float() / 127.5 - 1
+        except Exception as e:
+            raise UsageError(f"--image: cannot read {image!r} as an 8-bit RGB image "
+                             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+        source = str(path)
+    return {"image": img, "image_source": source, "actions": ids, "actions_text": actions}
+
+
 def _model(s):
+    """(transformer, vae or None, text encoder or None, fps, latent (h, w), latent frames to generate)."""
     import torch
 
     from qvg.pipelines import tiny
     if s["pipeline"] == "tiny":
-        transformer, vae, text = tiny.build_tiny(seed=0, device=s["device"])
-        return transformer, vae, text, tiny.FPS, (8, 8), tiny.latent_frames_for(s["frames"])
+        from qvg.pipelines.world_model import WorldModelError, load_world
+        try:
+            model, cfg = load_world(device=s["device"])
+        except WorldModelError as e:
+            raise UsageError(f"the embedded model: {e}") from None
+        s["world_config"] = cfg
+        size = cfg["frame_size"]
+        return model, None, None, cfg["fps"], (size, size), max(1, s["frames"] - 1)  # frame 0 is the start image
     from qvg.pipelines.checkpoints import load_self_forcing
     from qvg.pipelines.state_dicts import CheckpointError
     from qvg.pipelines.umt5 import MissingDependency
@@ -152,6 +211,22 @@ def _model(s):
     s["checkpoint_sources"] = m.sources
     # Wan2.1-T2V-1.3B's 480 x 832 at 16 fps: 60 x 104 latents (the VAE's 8x), the same frame rule as tiny
     return m.transformer, m.vae, m.text_encoder, tiny.FPS, (60, 104), tiny.latent_frames_for(s["frames"])
+
+
+def _chunks(s, transformer, vae, text_encoder, latent_hw, latent_frames, cache):
+    """The pipeline's chunks (ChunkResult), and the frames [3, F, H, W] in [-1, 1] that come before them."""
+    if s["pipeline"] == "tiny":
+        from qvg.pipelines.world_model import image_frame, rollout
+        cfg = s["world_config"]
+        start = image_frame(s["image"], cfg["frame_size"]).to(s["device"])
+        n = -(-latent_frames // cfg["chunk_frames"])
+        acts = [s["actions"][i % len(s["actions"])] for i in range(n)]
+        s["chunk_actions"] = [cfg["actions"][a] for a in acts]
+        return rollout(transformer, cfg, start, acts, cache, seed=s["seed"]), start[:, None]
+    from qvg.pipelines.self_forcing import SelfForcingPipeline
+    text = text_encoder(s["prompt"])
+    pipe = SelfForcingPipeline(transformer, vae)
+    return pipe.generate(text, latent_frames, latent_hw, cache, seed=s["seed"]), None
 
 
 def default_centroids(unit_tokens: int) -> int:
@@ -196,35 +271,42 @@ def run(s) -> dict:
     import torch
     from tqdm import tqdm
 
-    from qvg.pipelines.self_forcing import SelfForcingPipeline
     dev = s["device"]
     transformer, vae, text_encoder, fps, latent_hw, latent_frames = _model(s)
-    s["latent_frames"] = -(-latent_frames // 3) * 3  # whole chunks are generated
+    cf = 3
+    s["latent_frames"] = -(-latent_frames // cf) * cf  # whole chunks are generated
     cache = _cache(s, transformer, latent_hw)
-    text = text_encoder(s["prompt"])  # before the peak-memory window: a real text encoder is freed after it
+    # the text is encoded before the peak-memory window: a real text encoder is freed after it
+    chunks, lead = _chunks(s, transformer, vae, text_encoder, latent_hw, latent_frames, cache)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    pipe = SelfForcingPipeline(transformer, vae)
     out: Path = s["out"]
     fd_v, tmp_video = tempfile.mkstemp(prefix=f".{out.stem}.", suffix=".mp4", dir=out.resolve().parent)
     os.close(fd_v)
     tmp_json = tmp_video[:-4] + ".json"
     t0 = time.perf_counter()
-    written, peak_kv = 0, None
+    written, peak_kv, writer = 0, None, None
     try:
         import imageio.v2 as imageio
         writer = imageio.get_writer(tmp_video, fps=fps, codec="libx264", quality=8, macro_block_size=1)
-        chunks = -(-latent_frames // pipe.chunk_frames)
-        bar = tqdm(total=chunks, desc=f"{s['method']} chunks", unit="chunk", disable=s["quiet"], file=sys.stderr)
+
+        def put(video):  # [3, F, H, W] in [-1, 1]
+            nonlocal written
+            frames = ((video.permute(1, 2, 3, 0).float().cpu().numpy() + 1) * 127.5).round()
+            for f in frames.clip(0, 255).astype(np.uint8):
+                if written < s["frames"]:
+                    writer.append_data(f)
+                    written += 1
+
+        bar = tqdm(total=-(-latent_frames // cf), desc=f"{s['method']} chunks", unit="chunk", disable=s["quiet"],
+                   file=sys.stderr)
         with writer:
-            for res in pipe.generate(text, latent_frames, latent_hw, cache, seed=s["seed"]):
+            if lead is not None:
+                put(lead)
+            for res in chunks:
                 mem = cache.memory()
                 peak_kv = mem if peak_kv is None or mem["total"] > peak_kv["total"] else peak_kv
-                frames = ((res.video[0].permute(1, 2, 3, 0).float().cpu().numpy() + 1) * 127.5).round()
-                for f in frames.clip(0, 255).astype(np.uint8):
-                    if written < s["frames"]:
-                        writer.append_data(f)
-                        written += 1
+                put(res.video[0])
                 bar.set_postfix(kv=f"{mem['total'] / 2**20:.1f} MiB", ratio=f"{mem['compression_ratio']:.2f}x")
                 bar.update(1)
         bar.close()
@@ -232,11 +314,14 @@ def run(s) -> dict:
         mem = peak_kv
         report = {
             "method": s["method"], "options": s.get("resolved_options", {}), "pipeline": s["pipeline"],
-            "prompt": s["prompt"],
+            **({"image": s["image_source"], "actions": s["chunk_actions"]} if s["pipeline"] == "tiny"
+               else {"prompt": s["prompt"]}),
             "seed": s["seed"], "frames": written, "fps": fps, "latent_frames": latent_frames,
             "history": "full" if s["window"] is None else f"window:{s['window']}", "sink": s["sink"],
             "commit_every": s["commit_every"], "seconds": round(seconds, 3),
             "kv_bytes": {k: mem[k] for k in ("codes", "scales", "ids", "centroids", "bf16", "workspace", "total")},
+            "bf16_zones": {k[5:]: mem[k] for k in ("bf16_sink", "bf16_pending", "bf16_current", "bf16_residual")
+                           if k in mem},
             "bf16_equivalent_bytes": mem["bf16_equivalent"], "compression_ratio": round(mem["compression_ratio"], 4),
             "kv_bytes_note": "the cache at its largest during the run (after the last chunk for full history)",
             "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({os.cpu_count()} cores)",
@@ -259,6 +344,13 @@ def run(s) -> dict:
             raise
         return report
     finally:
+        # imageio's writer does not close (and ffmpeg does not write the file) when its `with` block raises: close
+        # it here, before the temporary files go, or ffmpeg writes the mp4 later
+        if writer is not None and not writer.closed:
+            try:
+                writer.close()
+            except Exception:
+                pass
         for t in (tmp_video, tmp_json):
             if os.path.exists(t):
                 os.remove(t)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -39,6 +40,7 @@ def configs(cfg) -> dict:
         f"qvg int2 window:{long}": ("qvg", long, {"bits": 2}),
         "qvg int2 full": ("qvg", None, {"bits": 2}),
         "qvg int4 full": ("qvg", None, {"bits": 4}),
+        "qvg-pro int2 full": ("qvg-pro", None, {"bits": 2}),
         "rtn int2 full": ("rtn", None, {"bits": 2}),
         "kivi int2 full": ("kivi", None, {"bits": 2}),
         "quarot int2 full": ("quarot", None, {"bits": 2}),
@@ -69,8 +71,10 @@ def cases(kind: str, n: int, chunks: int, m: int, cfg, seed: int = 1234):
         for i in range(n):
             if kind == "revisit":
                 start, acts = revisit_trajectory(rng, tuple(canvas.shape[-2:]), m, cfg)
-            else:
+            else:  # the camera always moves (while it stays, copying the last frame is exact: nothing to measure)
                 start, acts = random_trajectory(rng, tuple(canvas.shape[-2:]), chunks, cfg, revisit=False)
+                while "stay" in acts[1:]:
+                    start, acts = random_trajectory(rng, tuple(canvas.shape[-2:]), chunks, cfg, revisit=False)
             out.append((f"{photo}-{i}", render(canvas, cameras_for(start, acts, cfg["chunk_frames"], cfg),
                                                cfg["frame_size"]), acts))
     return out
@@ -174,10 +178,12 @@ def main(argv=None) -> int:
     import sys
     res = {"settings": vars(a), "argv": sys.argv[1:] if argv is None else argv, "device": torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu",
            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "model": cfg.get("training", {}).get("steps")}
-    try:
-        res["commit"] = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
-    except Exception:
-        res["commit"] = None
+    res["commit"] = os.environ.get("QVG_COMMIT")  # a copied checkout's git metadata may lag: pass it in
+    if not res["commit"]:
+        try:
+            res["commit"] = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
+        except Exception:
+            res["commit"] = None
 
     # 1. quality vs ground truth, next to copy-the-last-frame
     quality = cases("quality", a.trajectories, a.chunks + 1, a.m, cfg)

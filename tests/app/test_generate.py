@@ -17,6 +17,8 @@ def test_writes_mp4_and_report(tmp_path, method, capsys):
     assert KEYS <= set(rep) and rep["frames"] == 13 and rep["method"] == method
     assert set(rep["kv_bytes"]) == {"codes", "scales", "ids", "centroids", "bf16", "workspace", "total"}
     assert rep["kv_bytes"]["total"] == sum(v for k, v in rep["kv_bytes"].items() if k != "total")
+    assert sum(rep["bf16_zones"].values()) == rep["kv_bytes"]["bf16"]
+    assert rep["image"] == "bundled photo 'astronaut'" and len(rep["actions"]) == 4
     import imageio.v3 as iio
     frames = iio.imread(out)
     assert frames.shape == (13, 64, 64, 3)
@@ -52,6 +54,11 @@ BAD = [
     (["--unknown-flag"], "unrecognized arguments"),
     (["--method", "kivi", "--block-size", "128"], "not divisible by block_size"),
     (["--seed", "99999999999999999999999"], "--seed must be in"),
+    (["--actions", "fly*2"], "unknown action"),
+    (["--actions", "left*x"], "bad repeat count"),
+    (["--image", "/no/such/photo.png"], "neither a bundled photo"),
+    (["--prompt", "a fox"], "not text-conditioned"),
+    (["--pipeline", "self-forcing", "--checkpoint", ".", "--actions", "left"], "applies to --pipeline tiny"),
 ]
 
 
@@ -108,3 +115,30 @@ def test_default_centroids_keep_the_centroid_cost_low():
     assert default_centroids(10 ** 6) == 256
     for n in (256, 300, 4680, 20000):
         assert 16 * default_centroids(n) / n <= 0.25
+
+
+def test_start_image_from_a_file(tmp_path):
+    """--image FILE: its centre square, resized to 64 x 64, is the video's first frame."""
+    import imageio.v3 as iio
+    import numpy as np
+    img = np.zeros((90, 120, 3), np.uint8)
+    img[:, :60] = (200, 30, 30)
+    img[:, 60:] = (20, 40, 220)
+    iio.imwrite(tmp_path / "start.png", img)
+    out = tmp_path / "v.mp4"
+    assert main(["--image", str(tmp_path / "start.png"), "--actions", "stay", "--frames", "4", "--method", "bf16",
+                 "--out", str(out), "--quiet"]) == 0
+    first = iio.imread(out)[0].astype(float)
+    assert abs(first[32, 8] - (200, 30, 30)).max() < 40 and abs(first[32, 56] - (20, 40, 220)).max() < 40
+    rep = json.loads(out.with_suffix(".json").read_text())
+    assert rep["image"] == str(tmp_path / "start.png") and rep["actions"] == ["stay"]
+
+
+def test_unreadable_start_image(tmp_path, capsys):
+    (tmp_path / "x.png").write_text("not an image")
+    out = tmp_path / "o"
+    out.mkdir()
+    assert main(["--image", str(tmp_path / "x.png"), "--out", str(out / "v.mp4"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot read" in err[0]
+    assert list(out.iterdir()) == []

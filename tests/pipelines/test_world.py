@@ -1,0 +1,139 @@
+"""The embedded world model: data (camera trajectories, rendering), the action-conditioned model, its strict
+loader, the teacher-forcing trainer (mask, resumable state) and the shipped weights (CPU)."""
+import copy
+import json
+import random
+
+import pytest
+import torch
+
+from qvg.pipelines.world_data import (HELD_OUT, Camera, WorldData, cameras_for, load_photo, photo_names,
+                                      random_trajectory, render)
+from qvg.pipelines.world_model import (ACTIONS, DEFAULT_CONFIG, WORLD_DIR, WorldModelError, build_world, load_world,
+                                       parse_actions, rollout, save_world)
+from qvg.pipelines.world_train import Trainer, dense_mask, token_layout
+
+SMALL = copy.deepcopy(DEFAULT_CONFIG)
+SMALL["transformer"].update(num_layers=1, ffn_dim=64, num_attention_heads=2)
+SMALL["frame_size"] = 32
+
+
+def test_held_out_photos_are_not_in_training():
+    train, held = photo_names("train"), photo_names("eval")
+    assert sorted(held) == sorted(HELD_OUT) and not set(train) & set(held) and len(train) >= 10
+
+
+def test_a_pan_shifts_the_view_by_whole_pixels():
+    canvas = load_photo("astronaut")
+    cams = cameras_for(Camera(150.0, 160.0, 1.0), ["stay", "right"], 3)
+    v = render(canvas, cams)
+    step = int(DEFAULT_CONFIG["pan_pixels"])
+    assert torch.allclose(v[:, 3, :, :-step], v[:, 2, :, step:], atol=1e-5)  # content moved left by `step`
+    assert torch.equal(v[:, 0], v[:, 2])  # the start chunk is still
+
+
+def test_trajectories_stay_inside_and_revisits_come_back():
+    rng = random.Random(0)
+    for _ in range(50):
+        start, acts = random_trajectory(rng, (256, 384), 11, revisit=True)
+        assert acts[0] == "stay" and len(acts) == 11 and set(acts) <= set(ACTIONS)
+        cams = cameras_for(start, acts, 3)
+        assert all(c.inside(256, 384, 64) for c in cams)
+    start, acts = random_trajectory(random.Random(3), (256, 384), 9, revisit=True)
+    cams = cameras_for(start, acts, 3)
+    seen = {(round(c.x, 3), round(c.y, 3), round(c.z, 5)) for c in cams[:len(cams) // 2]}
+    assert any((round(c.x, 3), round(c.y, 3), round(c.z, 5)) in seen for c in cams[len(cams) // 2 + 3:])
+
+
+def test_data_stream_is_seeded():
+    a = WorldData(5, 3).batch(2)
+    b = WorldData(5, 3).batch(2)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert a[0].shape == (2, 3, 9, 64, 64) and a[0].abs().max() <= 1 and (a[1][:, 0] == 0).all()
+
+
+def test_action_embedding_starts_at_zero_and_conditions_the_output():
+    m = build_world(SMALL).eval()
+    x = torch.randn(1, 3, 3, 32, 32)
+    t = torch.tensor([500.0])
+    with torch.no_grad():
+        a = m(x, t, m.null_text(), actions=torch.tensor([1]))
+        b = m(x, t, m.null_text(), actions=torch.tensor([2]))
+        assert torch.equal(a, b)  # zero-initialised: no effect yet
+        m.condition_embedder.time_embedder.action_embedding.weight.normal_()
+        a = m(x, t, m.null_text(), actions=torch.tensor([1]))
+        b = m(x, t, m.null_text(), actions=torch.tensor([2]))
+    assert not torch.allclose(a, b)
+    with pytest.raises(ValueError, match="actions must be in"):
+        m(x, t, m.null_text(), actions=torch.tensor([7]))
+
+
+def test_save_and_strict_load(tmp_path):
+    m = build_world(SMALL, seed=3)
+    save_world(m, SMALL, tmp_path / "w")
+    got, cfg = load_world(tmp_path / "w")
+    assert cfg["frame_size"] == 32
+    for k, v in m.state_dict().items():
+        assert torch.allclose(got.state_dict()[k], v, atol=1e-3 * (1 + v.abs().max()))  # FP16 storage
+    with pytest.raises(WorldModelError, match="config.json missing"):
+        load_world(tmp_path / "nothing")
+    bad = dict(SMALL, transformer=dict(SMALL["transformer"], num_layers=2))
+    (tmp_path / "w" / "config.json").write_text(json.dumps(bad, default=list))
+    with pytest.raises(WorldModelError, match="missing: blocks.1"):
+        load_world(tmp_path / "w")
+    (tmp_path / "w" / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(WorldModelError, match="unreadable"):
+        load_world(tmp_path / "w")
+
+
+def test_parse_actions():
+    assert parse_actions("right*2, left,stay") == [2, 2, 1, 0]
+    for bad, msg in (("fly", "unknown action"), ("left*x", "bad repeat"), ("left*0", ">= 1"), (" , ", "no actions")):
+        with pytest.raises(WorldModelError, match=msg):
+            parse_actions(bad)
+
+
+def test_training_mask():
+    copy_, chunk = token_layout(3, 1, 2)  # 3 chunks of one frame of 2 tokens: clean 0,1,2 then noisy 1,2
+    m = dense_mask(copy_, chunk)
+    tok = {(int(c), int(b)): i for i, (c, b) in enumerate(zip(copy_, chunk))}
+    assert m[tok[(0, 2)], tok[(0, 1)]] and m[tok[(0, 1)], tok[(0, 1)]] and not m[tok[(0, 1)], tok[(0, 2)]]
+    assert m[tok[(1, 2)], tok[(0, 1)]] and m[tok[(1, 2)], tok[(1, 2)]]
+    assert not m[tok[(1, 2)], tok[(0, 2)]]  # a noisy chunk never sees its own clean copy
+    assert not m[tok[(1, 2)], tok[(1, 1)]] and not m[tok[(0, 2)], tok[(1, 2)]]
+
+
+def test_trainer_steps_and_resumes(tmp_path):
+    args = dict(chunks=3, batch=2, warmup=2, total_steps=10)
+    tr = Trainer(args, SMALL, "cpu", attention="dense")
+    data = WorldData(0, 3, SMALL, revisit=0.7)
+    tr.train(data, minutes=5, max_steps=2, log_every=1)
+    assert tr.step == 2 and all(torch.isfinite(torch.tensor(r["loss"])) for r in tr.log)
+    tr.save(tmp_path / "ck")
+    files = sorted(p.name for p in (tmp_path / "ck").iterdir())
+    assert files[-1] == "state.json" and all((tmp_path / "ck" / f).stat().st_size < 16 * 2**20 for f in files)
+    tr2 = Trainer(args, SMALL, "cpu", attention="dense")
+    assert tr2.load(tmp_path / "ck") and tr2.step == 2 and len(tr2.log) == len(tr.log)
+    for (k, v), w in zip(tr.model.state_dict().items(), tr2.model.state_dict().values()):
+        assert torch.equal(v, w), k
+    p = next(tr.model.parameters())
+    p2 = next(tr2.model.parameters())
+    assert torch.allclose(tr.opt.state[p]["exp_avg"], tr2.opt.state[p2]["exp_avg"], rtol=1e-2, atol=1e-8)
+    tr2.train(data, minutes=5, max_steps=1)
+    assert tr2.step == 3
+
+
+@pytest.mark.skipif(not (WORLD_DIR / "model.safetensors").is_file(), reason="the embedded model is not built")
+def test_shipped_model_beats_copying_the_start_frame_on_a_held_out_photo():
+    from qvg.cache import KVCache
+    from qvg.eval.metrics import psnr
+    model, cfg = load_world()
+    canvas = load_photo(HELD_OUT[0])
+    acts = ["stay", "right", "right"]
+    gt = render(canvas, cameras_for(Camera(190.0, 128.0, 1.0), acts, 3, cfg))
+    cache = KVCache(len(model.blocks), "bf16", chunk_frames=3, tokens_per_frame=256)
+    vid = torch.cat([r.video[0] for r in rollout(model, cfg, gt[:, 0], [2, 2], cache, seed=0)], 1)
+    assert vid.shape == (3, 6, 64, 64)
+    ours = psnr(vid, gt[:, 3:])
+    copy_ = psnr(gt[:, :1].expand(-1, 6, -1, -1), gt[:, 3:])
+    assert ours > copy_ + 2, (ours, copy_)
