@@ -283,7 +283,7 @@ def run(s) -> dict:
 
     dev = s["device"]
     transformer, vae, text_encoder, fps, latent_hw, latent_frames = _model(s)
-    cf = 3
+    cf = s.get("world_config", {}).get("chunk_frames", 3)
     s["latent_frames"] = -(-latent_frames // cf) * cf  # whole chunks are generated
     cache = _cache(s, transformer, latent_hw)
     # the text is encoded before the peak-memory window: a real text encoder is freed after it

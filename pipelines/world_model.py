@@ -71,7 +71,7 @@ class WorldModel(CausalWanTransformer):
                 **kwargs):
         if actions is None:
             actions = torch.zeros(hidden_states.shape[0], dtype=torch.long)
-        if actions.min() < 0 or actions.max() >= self.num_actions:
+        if not actions.is_cuda and (actions.min() < 0 or actions.max() >= self.num_actions):  # (no GPU sync)
             raise ValueError(f"actions must be in [0, {self.num_actions}), got {actions.unique().tolist()}")
         te = self.condition_embedder.time_embedder
         te.actions = actions

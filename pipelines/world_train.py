@@ -224,6 +224,7 @@ class Trainer:
                                      "exp_avg": tensors[f"adam_m.{k}"].float().to(p.device),
                                      "exp_avg_sq": tensors[f"adam_v.{k}"].float().to(p.device)}
         self.step, self.elapsed, self.log = step, meta["elapsed_seconds"], meta["log"]
+        self.gen.manual_seed(self.args["seed"] + 1 + step)  # a resumed run draws new noise, not the first run's
         return True
 
 
