@@ -168,13 +168,9 @@ def _world_inputs(image: str, actions: str) -> dict:
     except WorldModelError as e:
         raise UsageError(f"--actions: {e}") from None
     if image in photo_names("all"):  # the view at the photo's centre at scale 1, as the model saw them in training
-        from qvg.pipelines.world_data import Camera, render
-        from qvg.pipelines.world_model import DEFAULT_CONFIG
-        canvas = load_photo(image)
-        size = DEFAULT_CONFIG["frame_size"]
-        h, w = canvas.shape[-2:]
-        img = render(canvas, [Camera(w / 2, h / 2, 1.0)], size)[:, 0]
-        source = f"bundled photo {image!r} (the {size} x {size} view at its centre)"
+        from qvg.pipelines.world_data import centre_view
+        img = centre_view(load_photo(image))
+        source = f"bundled photo {image!r} (the {img.shape[-1]} x {img.shape[-1]} view at its centre)"
     else:
         path = Path(image)
         if not path.is_file():
@@ -239,17 +235,8 @@ def _chunks(s, transformer, vae, text_encoder, latent_hw, latent_frames, cache):
     return pipe.generate(text, latent_frames, latent_hw, cache, seed=s["seed"]), None
 
 
-def default_centroids(unit_tokens: int) -> int:
-    """K per compressed unit: the largest power of two <= tokens / 64 (centroids then cost <= 0.25 bit per
-    element: 16 K / N), at most 256; units under 256 tokens (the tiny model) take tokens / 4. Self-Forcing's
-    4,680-token chunk gets K = 64: 2.41 bits per element, a 6.6x history (eval/results/pipeline-h100.md)."""
-    if unit_tokens < 256:
-        return max(1, unit_tokens // 4)
-    return min(256, 1 << (unit_tokens // 64).bit_length() - 1)
-
-
 def _cache(s, transformer, latent_hw):
-    from qvg.cache import KVCache
+    from qvg.cache import KVCache, default_centroids
     from qvg.compression import resolve_options
     cf = 3
     tpf = transformer.tokens_per_latent_frame(*latent_hw)

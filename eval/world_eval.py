@@ -81,8 +81,7 @@ def cases(kind: str, n: int, chunks: int, m: int, cfg, seed: int = 1234):
 
 
 def run_case(model, cfg, gt, acts, method, window, opts, seed, device):
-    from qvg.app.generate import default_centroids
-    from qvg.cache import KVCache
+    from qvg.cache import KVCache, default_centroids
     cf, size = cfg["chunk_frames"], cfg["frame_size"]
     tpf = model.tokens_per_latent_frame(size, size)
     opts = dict(opts)

@@ -170,6 +170,12 @@ def render(canvas: torch.Tensor, cams: list[Camera], size: int = 64) -> torch.Te
     return F.avg_pool2d(out, 2).permute(1, 0, 2, 3)
 
 
+def centre_view(canvas: torch.Tensor, size: int = DEFAULT_CONFIG["frame_size"], z: float = 1.0) -> torch.Tensor:
+    """The view [3, size, size] at the canvas's centre, at scale z (the start frame for a bundled photo)."""
+    h, w = canvas.shape[-2:]
+    return render(canvas, [Camera(w / 2, h / 2, z)], size)[:, 0]
+
+
 def augment(canvas: torch.Tensor, rng: random.Random) -> torch.Tensor:
     """Flips, channel permutation, contrast / brightness and a tint for grey images."""
     if rng.random() < 0.5:

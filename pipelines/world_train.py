@@ -46,22 +46,25 @@ def token_layout(chunks: int, cf: int, tpf: int, device="cpu"):
     return copy, torch.cat([clean, noisy])
 
 
+def _may_attend(copy_q, chunk_q, copy_k, chunk_k):
+    """The training mask's rule (module docstring), on broadcastable token labels: a clean query sees the clean
+    chunks up to its own; a noisy query sees the clean chunks before its own and its own noisy chunk."""
+    clean_q = (copy_k == 0) & (chunk_k <= chunk_q)
+    noisy_q = ((copy_k == 0) & (chunk_k < chunk_q)) | ((copy_k == 1) & (chunk_k == chunk_q))
+    return torch.where(copy_q == 0, clean_q, noisy_q)
+
+
 def dense_mask(copy: torch.Tensor, chunk: torch.Tensor) -> torch.Tensor:
-    """[N, N] boolean: True where query token i may attend key token j (module docstring)."""
-    cq, ck = copy[:, None], copy[None, :]
-    bq, bk = chunk[:, None], chunk[None, :]
-    clean_q = (ck == 0) & (bk <= bq)
-    noisy_q = ((ck == 0) & (bk < bq)) | ((ck == 1) & (bk == bq))
-    return torch.where(cq == 0, clean_q, noisy_q)
+    """[N, N] boolean: True where query token i may attend key token j."""
+    return _may_attend(copy[:, None], chunk[:, None], copy[None, :], chunk[None, :])
 
 
 def block_mask(copy: torch.Tensor, chunk: torch.Tensor):
+    """The same mask as a flex-attention BlockMask (fully masked blocks are skipped)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def mod(b, h, q, k):
-        clean_q = (copy[k] == 0) & (chunk[k] <= chunk[q])
-        noisy_q = ((copy[k] == 0) & (chunk[k] < chunk[q])) | ((copy[k] == 1) & (chunk[k] == chunk[q]))
-        return torch.where(copy[q] == 0, clean_q, noisy_q)
+        return _may_attend(copy[q], chunk[q], copy[k], chunk[k])
 
     n = copy.numel()
     return create_block_mask(mod, None, None, n, n, device=copy.device)

@@ -331,3 +331,12 @@ def _grown(old: torch.Tensor | None, used: int, need: int, like: torch.Tensor) -
     if old is not None and used:
         new[:, :, :used] = old[:, :, :used]
     return new
+
+
+def default_centroids(unit_tokens: int) -> int:
+    """K per compressed unit: the largest power of two <= tokens / 64 (centroids then cost <= 0.25 bit per
+    element: 16 K / N), at most 256; units under 256 tokens (the tiny model) take tokens / 4. Self-Forcing's
+    4,680-token chunk gets K = 64: 2.41 bits per element, a 6.6x history (eval/results/pipeline-h100.md)."""
+    if unit_tokens < 256:
+        return max(1, unit_tokens // 4)
+    return min(256, 1 << (unit_tokens // 64).bit_length() - 1)

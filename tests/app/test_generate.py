@@ -109,7 +109,7 @@ def test_self_forcing_checkpoint_dir_without_checkpoints(tmp_path, capsys):
 
 
 def test_default_centroids_keep_the_centroid_cost_low():
-    from qvg.app.generate import default_centroids
+    from qvg.cache import default_centroids
     assert default_centroids(4680) == 64  # Self-Forcing's chunk: 16 * 64 / 4680 = 0.22 bit per element
     assert default_centroids(48) == 12  # the tiny model's chunk
     assert default_centroids(10 ** 6) == 256
