@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from ..pipelines.world_data import REVERSE, Camera, _valid, cameras_for, load_photo, photo_names, random_trajectory, render
-from ..pipelines.world_model import action_ids, load_world, rollout
+from ..pipelines.world_model import DEFAULT_CONFIG, action_ids, load_world, rollout
 from .metrics import psnr, ssim
 
 SHORT = 3  # the short window (latent frames): one chunk of history
@@ -113,28 +113,39 @@ def summarize(values_by_seed: list[list[float]]) -> dict:
 
 def report(res: dict, out: Path) -> None:
     """Markdown (out.md) and a plot (out.png, needs matplotlib) from the results dict."""
-    q, rv = res["quality"], res["revisit"]
+    q, rv = res.get("quality"), res["revisit"]
     st = res["settings"]
     lines = [f"# Embedded world model: evaluation on held-out photos ({res['device']})", "",
              f"- date {res['date']}; commit `{res['commit']}`; model trained {res['model']} steps; "
              f"{res['seconds']} s",
              f"- command: `python -m qvg.eval.world_eval {' '.join(res.get('argv', []))}`",
              f"- {st['trajectories']} trajectories per held-out photo ({', '.join(photo_names('eval'))}) and kind, "
-             f"{st['seeds']} sampling seeds; `floor` = std over seeds of the per-seed mean (same configuration)", "",
-             f"## 1. Quality vs the true views (first {st['first']} chunks of {st['chunks']})", "",
-             "| | PSNR dB | floor | SSIM | floor |", "|---|---|---|---|---|"]
-    for k, d in q.items():
-        lines.append(f"| {k} | {d['psnr']['mean']:.2f} | {d['psnr']['floor']} | {d['ssim']['mean']:.3f} | "
-                     f"{d['ssim']['floor']} |")
-    lines += ["", "PSNR per generated chunk (mean over trajectories and seeds): " + "; ".join(
-        f"{k}: {', '.join(f'{v:.1f}' for v in vs)}" for k, vs in res["quality_per_chunk_psnr"].items()), "",
-        f"## 2-3. Revisits (go {st['m']} chunks, come back {st['m']}): PSNR on the returning views", "",
-        "| cache | returning PSNR dB | floor | all chunks PSNR | KV bytes at the end (history + current) | ratio |",
-        "|---|---|---|---|---|---|"]
+             f"{st['seeds']} sampling seeds; `floor` = std over seeds of the per-seed mean (same configuration)", ""]
+    if q:
+        lines += [f"## 1. Quality vs the true views (first {st['first']} chunks of {st['chunks']})", "",
+                  "| | PSNR dB | floor | SSIM | floor |", "|---|---|---|---|---|"]
+        for k, d in q.items():
+            lines.append(f"| {k} | {d['psnr']['mean']:.2f} | {d['psnr']['floor']} | {d['ssim']['mean']:.3f} | "
+                         f"{d['ssim']['floor']} |")
+        lines += ["", "PSNR per generated chunk (mean over trajectories and seeds): " + "; ".join(
+            f"{k}: {', '.join(f'{v:.1f}' for v in vs)}" for k, vs in res["quality_per_chunk_psnr"].items()), ""]
+    lines += [f"## 2-3. Revisits (go {st['m']} chunks, come back {st['m']}): PSNR on the returning views", "",
+              "`returning` compares the returning views with the true views; `consistency` compares them with the "
+              "model's own views at the same camera on the way out (the start image for the last frame).", "",
+              "| cache | returning PSNR dB | floor | consistency PSNR dB | floor | all chunks PSNR | "
+              "KV bytes at the end (history + current) | ratio |", "|---|---|---|---|---|---|---|---|"]
     for k, d in rv.items():
+        c = d.get("consistency_psnr", {"mean": float("nan"), "floor": None})
         lines.append(f"| {k} | {d['returning_psnr']['mean']:.2f} | {d['returning_psnr']['floor']} | "
-                     f"{d['all_chunks_psnr']['mean']:.2f} | {d['kv_bytes_at_end']['total']:,} | "
-                     f"{d['compression_ratio']:.2f}x |")
+                     f"{c['mean']:.2f} | {c['floor']} | {d['all_chunks_psnr']['mean']:.2f} | "
+                     f"{d['kv_bytes_at_end']['total']:,} | {d['compression_ratio']:.2f}x |")
+    if any("returning_psnr_per_chunk" in d for d in rv.values()):
+        lines += ["", "Per returning chunk (first to last; the last is back at the start view), returning / "
+                  "consistency PSNR:", ""]
+        for k, d in rv.items():
+            if "returning_psnr_per_chunk" in d:
+                lines.append(f"- {k}: " + ", ".join(f"{a:.1f} / {b:.1f}" for a, b in zip(
+                    d["returning_psnr_per_chunk"], d["consistency_psnr_per_chunk"])))
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib
@@ -143,10 +154,16 @@ def report(res: dict, out: Path) -> None:
     except ImportError:
         return
     fig, ax = plt.subplots(1, 2, figsize=(11, 4))
-    for k, vs in res["quality_per_chunk_psnr"].items():
-        ax[0].plot(range(1, len(vs) + 1), vs, marker="o", label=k)
-    ax[0].set(xlabel="generated chunk", ylabel="PSNR vs true views (dB)", title="held-out trajectories")
-    ax[0].legend()
+    if q:
+        for k, vs in res["quality_per_chunk_psnr"].items():
+            ax[0].plot(range(1, len(vs) + 1), vs, marker="o", label=k)
+        ax[0].set(xlabel="generated chunk", ylabel="PSNR vs true views (dB)", title="held-out trajectories")
+    else:
+        for k, d in rv.items():
+            if "returning_psnr_per_chunk" in d:
+                ax[0].plot(range(1, st["m"] + 1), d["returning_psnr_per_chunk"], marker="o", label=k)
+        ax[0].set(xlabel="returning chunk", ylabel="PSNR vs true views (dB)", title="revisits, per returning chunk")
+    ax[0].legend(fontsize=7)
     names = list(rv)
     ax[1].barh(names, [rv[k]["returning_psnr"]["mean"] for k in names],
                xerr=[rv[k]["returning_psnr"]["floor"] or 0 for k in names])
@@ -156,35 +173,24 @@ def report(res: dict, out: Path) -> None:
     fig.savefig(out.with_suffix(".png"), dpi=110)
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m qvg.eval.world_eval", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="world model directory (default: the shipped assets/world)")
-    p.add_argument("--out", default="eval/results/world-eval", help="output path without extension")
-    p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--trajectories", type=int, default=4, help="per held-out photo and kind")
-    p.add_argument("--chunks", type=int, default=8, help="generated chunks of the quality trajectories")
-    p.add_argument("--m", type=int, default=4, help="revisit: chunks away before coming back")
-    p.add_argument("--first", type=int, default=4, help="quality: chunks averaged (the first ones)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--report", default=None, help="only render .md / .png from this results JSON")
-    a = p.parse_args(argv)
-    if a.report:
-        report(json.loads(Path(a.report).read_text()), Path(a.report))
-        return 0
-    t0 = time.time()
-    model, cfg = load_world(a.model, device=a.device)
-    cf = cfg["chunk_frames"]
-    import sys
-    res = {"settings": vars(a), "argv": sys.argv[1:] if argv is None else argv, "device": torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu",
-           "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "model": cfg.get("training", {}).get("steps")}
-    res["commit"] = os.environ.get("QVG_COMMIT")  # a copied checkout's git metadata may lag: pass it in
-    if not res["commit"]:
-        try:
-            res["commit"] = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
-        except Exception:
-            res["commit"] = None
+def consistency(video, start, m, cf) -> list[float]:
+    """Revisit self-consistency per returning chunk: PSNR of each returning frame against the model's own frame at
+    the same camera on the way out (the start image for the last one). It measures what the model remembers of
+    its own past, hallucinated parts included, which PSNR against the true views cannot see."""
+    out = []
+    for c in range(m):
+        got, ref = [], []
+        for j in range(cf):
+            o = m * cf - (c * cf + j + 1)  # the camera's offset (in frames of motion) from the start
+            got.append(video[:, (m + c) * cf + j])
+            ref.append(video[:, o - 1] if o > 0 else start)
+        out.append(psnr(torch.stack(got, 1), torch.stack(ref, 1)))
+    return out
 
-    # 1. quality vs ground truth, next to copy-the-last-frame
+
+def quality_part(model, cfg, a) -> dict:
+    """1. Held-out trajectories: PSNR / SSIM of the first chunks vs the true views, beside copy-the-last-frame."""
+    cf = cfg["chunk_frames"]
     quality = cases("quality", a.trajectories, a.chunks + 1, a.m, cfg)
     q = {"bf16 full": {"psnr": [], "ssim": []}, "copy last frame": {"psnr": [], "ssim": []}}
     curves = {"bf16 full": [], "copy last frame": []}
@@ -206,37 +212,89 @@ def main(argv=None) -> int:
         q["copy last frame"]["ssim"].append(bs)
         curves["bf16 full"].append([statistics.fmean(c[0][i] for c in cur) for i in range(a.chunks)])
         curves["copy last frame"].append([statistics.fmean(c[1][i] for c in cur) for i in range(a.chunks)])
-    res["quality"] = {k: {m: summarize(v) for m, v in d.items()} for k, d in q.items()}
-    res["quality_per_chunk_psnr"] = {k: [round(statistics.fmean(c[i] for c in v), 3) for i in range(a.chunks)]
-                                     for k, v in curves.items()}
+    return {"quality": {k: {m: summarize(v) for m, v in d.items()} for k, d in q.items()},
+            "quality_per_chunk_psnr": {k: [round(statistics.fmean(c[i] for c in v), 3) for i in range(a.chunks)]
+                                       for k, v in curves.items()}}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m qvg.eval.world_eval", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="world model directory (default: the shipped assets/world)")
+    p.add_argument("--out", default="eval/results/world-eval", help="output path without extension")
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--trajectories", type=int, default=4, help="per held-out photo and kind")
+    p.add_argument("--chunks", type=int, default=8, help="generated chunks of the quality trajectories")
+    p.add_argument("--m", type=int, default=4, help="revisit: chunks away before coming back")
+    p.add_argument("--first", type=int, default=4, help="quality: chunks averaged (the first ones)")
+    p.add_argument("--configs", default=None,
+                   help="revisit cache configurations to run, comma-separated names (default: all): "
+                        + "; ".join(configs(DEFAULT_CONFIG)))
+    p.add_argument("--skip-quality", action="store_true", help="only the revisit part (2-3)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--report", default=None, help="only render .md / .png from this results JSON")
+    a = p.parse_args(argv)
+    if a.report:
+        report(json.loads(Path(a.report).read_text()), Path(a.report))
+        return 0
+    t0 = time.time()
+    model, cfg = load_world(a.model, device=a.device)
+    cf = cfg["chunk_frames"]
+    import sys
+    res = {"settings": vars(a), "argv": sys.argv[1:] if argv is None else argv, "device": torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu",
+           "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "model": cfg.get("training", {}).get("steps")}
+    res["commit"] = os.environ.get("QVG_COMMIT")  # a copied checkout's git metadata may lag: pass it in
+    if not res["commit"]:
+        try:
+            res["commit"] = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
+        except Exception:
+            res["commit"] = None
+
+    # 1. quality vs ground truth, next to copy-the-last-frame
+    if not a.skip_quality:
+        res.update(quality_part(model, cfg, a))
 
     # 2 + 3. revisits: PSNR on the returning views (the last m chunks), per cache configuration
     revisit = cases("revisit", a.trajectories, 2 * a.m + 1, a.m, cfg)
+    names = list(configs(cfg)) if a.configs is None else [c.strip() for c in a.configs.split(",")]
+    unknown = [c for c in names if c not in configs(cfg)]
+    if unknown:
+        p.error(f"unknown --configs {unknown}; choose from: {'; '.join(configs(cfg))}")
     rv = {}
-    for cname, (method, window, opts) in configs(cfg).items():
-        by_seed, all_seed, mem = [], [], None
+    for cname in names:
+        method, window, opts = configs(cfg)[cname]
+        by_seed, all_seed, cons_seed, curve, cons_curve, mem = [], [], [], [], [], None
         for s in range(a.seeds):
-            ret, every = [], []
+            ret, every, cons = [], [], []
             for name, gt, acts in revisit:
                 vid, m = run_case(model, cfg, gt, acts, method, window, opts, s, a.device)
                 cp, _ = per_chunk(vid, gt, cf)
+                cc = consistency(vid, gt[:, 0], a.m, cf)
                 ret += cp[a.m:]
                 every += cp
+                cons += cc
+                curve.append(cp[a.m:])
+                cons_curve.append(cc)
                 mem = m
             by_seed.append(ret)
             all_seed.append(every)
+            cons_seed.append(cons)
         hist = {k: v for k, v in mem.items() if k not in ("compression_ratio",)}
         rv[cname] = {"returning_psnr": summarize(by_seed), "all_chunks_psnr": summarize(all_seed),
+                     "consistency_psnr": summarize(cons_seed),
+                     "returning_psnr_per_chunk": [round(statistics.fmean(c[i] for c in curve), 3)
+                                                  for i in range(a.m)],
+                     "consistency_psnr_per_chunk": [round(statistics.fmean(c[i] for c in cons_curve), 3)
+                                                    for i in range(a.m)],
                      "method": method, "window": window, "options": opts,
                      "kv_bytes_at_end": hist, "compression_ratio": round(mem["compression_ratio"], 3)}
-        print(cname, rv[cname]["returning_psnr"], flush=True)
+        print(cname, rv[cname]["returning_psnr"], rv[cname]["consistency_psnr"], flush=True)
     res["revisit"] = rv
     res["seconds"] = round(time.time() - t0, 1)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(res, indent=1))
     report(res, out)
-    print(json.dumps(res["quality"]), flush=True)
+    print(json.dumps(res.get("quality")), flush=True)
     return 0
 
 

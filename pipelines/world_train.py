@@ -87,6 +87,7 @@ class Trainer:
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=a["lr"], betas=(0.9, 0.99),
                                      weight_decay=a["weight_decay"])
         self.step, self.elapsed, self.log = 0, 0.0, []
+        self.init = None  # the exported model a fine-tune started from: its directory and training card
         cf, size = cfg["chunk_frames"], cfg["frame_size"]
         tpf = (size // cfg["transformer"]["patch_size"][1]) ** 2
         self.copy, self.chunk = token_layout(a["chunks"], cf, tpf, self.device)
@@ -208,7 +209,16 @@ class Trainer:
             files.append(name)
         meta = {"step": self.step, "elapsed_seconds": round(self.elapsed, 1), "args": self.args,
                 "config": self.cfg, "files": files, "log": self.log}
+        if self.init:
+            meta["init"] = self.init
         (d / "state.json").write_text(json.dumps(meta, indent=1, default=list))
+
+    def init_from(self, directory) -> None:
+        """Start from an exported model's weights (FP16 -> FP32), with a fresh optimizer: a fine-tune."""
+        from .world_model import load_world
+        model, cfg = load_world(directory, device="cpu")
+        self.model.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+        self.init = {"from": str(directory), "training": cfg.get("training")}
 
     def load(self, directory) -> bool:
         from safetensors.torch import load_file
@@ -227,6 +237,7 @@ class Trainer:
                                      "exp_avg": tensors[f"adam_m.{k}"].float().to(p.device),
                                      "exp_avg_sq": tensors[f"adam_v.{k}"].float().to(p.device)}
         self.step, self.elapsed, self.log = step, meta["elapsed_seconds"], meta["log"]
+        self.init = meta.get("init")
         self.gen.manual_seed(self.args["seed"] + 1 + step)  # a resumed run draws new noise, not the first run's
         return True
 
@@ -240,6 +251,7 @@ def main(argv=None) -> int:
     p.add_argument("--attention", default="auto", choices=("auto", "flex", "dense"))
     p.add_argument("--compile", action="store_true", help="torch.compile the model (CUDA)")
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps in this run")
+    p.add_argument("--init", default=None, help="a new run starts from this exported model's weights (fine-tune)")
     for k, v in DEFAULTS.items():
         p.add_argument(f"--{k.replace('_', '-')}", type=type(v), default=None, help=f"default {v}")
     a = p.parse_args(argv)
@@ -249,6 +261,8 @@ def main(argv=None) -> int:
         tr = Trainer(dict(meta["args"], **given), meta["config"], "cpu", attention="dense")
         tr.load(a.ckpt)
         card = {"steps": tr.step, "seconds": tr.elapsed, "args": tr.args, "final_log": tr.log[-3:]}
+        if "init" in meta:
+            card["init"] = meta["init"]
         cfg = dict(tr.cfg, context_sigma=DEFAULT_CONFIG["context_sigma"])  # a sampler setting, chosen after training
         save_world(tr.model, cfg, a.export, card=card)
         print(f"exported step {tr.step} to {a.export}")
@@ -258,6 +272,8 @@ def main(argv=None) -> int:
     prior = json.loads((ck / "state.json").read_text())["args"] if (ck / "state.json").is_file() else {}
     tr = Trainer(dict(prior, **given), DEFAULT_CONFIG, a.device, attention=a.attention)
     resumed = tr.load(ck)
+    if not resumed and a.init:
+        tr.init_from(a.init)
     if a.compile:
         tr.compile()
     print(f"{'resumed at step ' + str(tr.step) if resumed else 'new run'}; {json.dumps(tr.args)}", flush=True)
