@@ -26,28 +26,38 @@ from qvg.rope import apply_rope, grid_angles
 METHODS = [("rtn", {}), ("quarot", {}), ("qvg", {}), ("qvg-pro", {})]
 
 
-def run(chunks: int = 4, frames: int = 3, height: int = 30, width: int = 52, heads: int = 12, bits=(2, 4),
-        seed: int = 0) -> dict:
+def storage_rows(chunks, bits=(2, 4), methods=METHODS) -> list[dict]:
+    """MSE (in post-RoPE space) of keys stored before RoPE (rotated on read) vs after it. chunks: [(pre-RoPE keys
+    [B, H, N, D], rope: keys -> keys rotated at that chunk's positions)] in stream order (qvg / qvg-pro warm-start
+    along it, as the cache does)."""
     rows = []
     for b in bits:
-        for method, kw in METHODS:
+        for method, kw in methods:
             prev = {"pre": None, "post": None}
-            for c in range(chunks):
-                k, _ = synthetic_kv(frames=frames, height=height, width=width, heads=heads, t0=c * frames, seed=seed)
-                ang = grid_angles(frames, height, width, k.shape[-1], t0=c * frames)
-                k_post = apply_rope(k, ang)
+            for c, (k, rope) in enumerate(chunks):
+                k_post = rope(k)
                 row = {"bits": b, "method": method, "chunk": c}
                 for where, x in (("pre", k), ("post", k_post)):
                     init = prev[where] if qvg.compression.get_method(method).warm_start else None
                     p = qvg.compress(x, method, bits=b, init=init, **kw)
                     y = qvg.decompress(p)
                     if where == "pre":
-                        y = apply_rope(y, ang)  # RoPE on read
+                        y = rope(y)  # RoPE on read
                     row[f"mse_{where}"] = float((y - k_post).pow(2).mean())
                     prev[where] = p
                 row["ratio_post_over_pre"] = row["mse_post"] / row["mse_pre"]
                 rows.append(row)
-    return {"rows": rows, "rms_k": float(k.pow(2).mean().sqrt())}
+    return rows
+
+
+def run(chunks: int = 4, frames: int = 3, height: int = 30, width: int = 52, heads: int = 12, bits=(2, 4),
+        seed: int = 0) -> dict:
+    data = []
+    for c in range(chunks):
+        k, _ = synthetic_kv(frames=frames, height=height, width=width, heads=heads, t0=c * frames, seed=seed)
+        ang = grid_angles(frames, height, width, k.shape[-1], t0=c * frames)
+        data.append((k, lambda x, ang=ang: apply_rope(x, ang)))
+    return {"rows": storage_rows(data, bits), "rms_k": float(k.pow(2).mean().sqrt())}
 
 
 def _commit() -> str:

@@ -1,0 +1,50 @@
+"""What makes a saved result reproducible: the exact command, the git commit (and whether the tree was dirty), the
+date, the device, torch / python versions. Every qvg-eval JSON carries this dict under "meta"."""
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def git_commit() -> tuple[str, bool | None]:
+    """(commit, dirty). QVG_COMMIT overrides the commit (a copied checkout's git metadata may lag)."""
+    env = os.environ.get("QVG_COMMIT")
+    if env:
+        return env, None
+    try:
+        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10)
+        if head.returncode:
+            return "unknown", None
+        st = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+                            capture_output=True, text=True, timeout=10)
+        return head.stdout.strip(), (bool(st.stdout.strip()) if st.returncode == 0 else None)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown", None
+
+
+def device_name(device) -> str:
+    d = torch.device(device)
+    if d.type == "cuda":
+        return torch.cuda.get_device_name(d)
+    return f"cpu ({platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
+
+
+def command_line(prog: str, argv: list[str] | None) -> str:
+    return " ".join([prog, *(shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))])
+
+
+def meta(command: str, device="cpu", **extra) -> dict:
+    commit, dirty = git_commit()
+    return {"command": command, "git_commit": commit, "git_dirty": dirty,
+            "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "device": device_name(device),
+            "torch": torch.__version__, "python": platform.python_version(), **extra}

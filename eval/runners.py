@@ -1,0 +1,142 @@
+"""Make videos for the sweep and the analyses: one call = one video of a pipeline with one KV-cache method.
+
+- `EmbeddedRunner` rolls out the embedded world model (`qvg.pipelines.world_model`, or any WorldModel + config)
+  in memory: start image (a bundled photo's centre view or an image file) + camera actions, the cache built as
+  `qvg-generate` builds it (`qvg.cache.KVCache`, K = `default_centroids` for qvg / qvg-pro).
+- `GenerateRunner` runs any `qvg-generate` pipeline (`--pipeline self-forcing --checkpoint DIR` ...) through its
+  own code (`qvg.app.generate.parse` + `run`), writing the mp4 + JSON into a work folder and reading them back
+  (the mp4's 8-bit H.264 coding is then part of what every video holds, reference and test alike).
+
+`run(input, seed, method, options, chunks)` -> `Video(video [3, F, H, W] in [-1, 1] on the CPU, memory: the
+cache's bytes by component at its largest, seconds)`.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DEFAULT_ACTIONS = "right*3,down*2,left*3,up*2"  # qvg-generate's default loop
+
+
+@dataclass
+class Video:
+    video: torch.Tensor
+    memory: dict
+    seconds: float
+
+
+def cache_options(method: str, options: dict, unit_tokens: int) -> dict:
+    """options + the cache's default K for the k-means methods (as qvg-generate sets it)."""
+    from qvg.cache import default_centroids
+    o = dict(options)
+    if method in ("qvg", "qvg-pro"):
+        o.setdefault("centroids", default_centroids(unit_tokens))
+    return o
+
+
+class EmbeddedRunner:
+    kind = "embedded"
+
+    def __init__(self, model=None, config: dict | None = None, device="cpu", actions: str = DEFAULT_ACTIONS):
+        from qvg.pipelines.world_model import load_world, parse_actions
+        if model is None:
+            model, config = load_world(device=device)
+        self.model, self.config, self.device = model, config, torch.device(device)
+        self.actions_text = actions
+        self.actions = parse_actions(actions, config)
+        cf, size = config["chunk_frames"], config["frame_size"]
+        self.lead, self.first, self.chunk = 1, cf, cf
+        self.tokens_per_frame = model.tokens_per_latent_frame(size, size)
+        self.fps = config.get("fps", 8)
+
+    def describe(self) -> dict:
+        c = self.model.config
+        return {"pipeline": "embedded world model", "layers": c.num_layers, "heads": c.num_attention_heads,
+                "head_dim": c.attention_head_dim, "frame_size": self.config["frame_size"],
+                "chunk_frames": self.config["chunk_frames"], "tokens_per_chunk": self.unit_tokens,
+                "actions": self.actions_text, "parameters": sum(p.numel() for p in self.model.parameters()),
+                "trained_steps": self.config.get("training", {}).get("steps")}
+
+    @property
+    def unit_tokens(self) -> int:
+        return self.config["chunk_frames"] * self.tokens_per_frame
+
+    def start_frame(self, image: str) -> torch.Tensor:
+        from qvg.pipelines.world_data import centre_view, load_photo, photo_names
+        from qvg.pipelines.world_model import image_frame
+        size = self.config["frame_size"]
+        if image in photo_names("all"):
+            return centre_view(load_photo(image), size)
+        from .video import read_video  # an image file: its centre square, resized (as qvg-generate --image)
+        return image_frame(read_video(image)[:, 0], size)
+
+    def frames(self, chunks: int) -> int:
+        return self.lead + chunks * self.chunk
+
+    def run(self, image: str, seed: int, method: str, options: dict, chunks: int, capture=None) -> Video:
+        """One rollout of `chunks` generated chunks (plus the start frame); `capture`: a `KVCapture` on this model,
+        entered for this rollout only (it records this video's K/V)."""
+        from qvg.cache import KVCache
+        from qvg.pipelines.world_model import rollout
+        cf = self.config["chunk_frames"]
+        opts = cache_options(method, options, self.unit_tokens)
+        cache = KVCache(len(self.model.blocks), method, chunk_frames=cf, tokens_per_frame=self.tokens_per_frame,
+                        **opts)
+        start = self.start_frame(image).to(self.device)
+        acts = [self.actions[i % len(self.actions)] for i in range(chunks)]
+        t0 = time.perf_counter()
+        vids, mem = [start[:, None].float().cpu()], None
+        with torch.no_grad(), (capture if capture is not None else contextlib.nullcontext()):
+            for r in rollout(self.model, self.config, start, acts, cache, seed=seed):
+                vids.append(r.video[0].float().cpu())
+                m = cache.memory()
+                mem = m if mem is None or m["total"] > mem["total"] else mem
+        return Video(torch.cat(vids, 1), mem, time.perf_counter() - t0)
+
+
+class GenerateRunner:
+    """Any qvg-generate pipeline, through its CLI code. Inputs are prompts (self-forcing) or images (tiny)."""
+    kind = "qvg-generate"
+
+    def __init__(self, pipeline: str, checkpoint: str | None, device: str, workdir: str | Path,
+                 frames_per_chunk: tuple[int, int, int] | None = None):
+        from .compare import LAYOUTS
+        self.pipeline, self.checkpoint, self.device = pipeline, checkpoint, device
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        lay = LAYOUTS.get(pipeline, LAYOUTS["self-forcing"])
+        self.lead, self.first, self.chunk = frames_per_chunk or (lay["lead"], lay["first"], lay["chunk"])
+        self.fps = None
+        self._n = 0
+
+    def describe(self) -> dict:
+        return {"pipeline": self.pipeline, "checkpoint": self.checkpoint}
+
+    def frames(self, chunks: int) -> int:
+        return self.lead + self.first + (chunks - 1) * self.chunk
+
+    def run(self, text: str, seed: int, method: str, options: dict, chunks: int, capture=None) -> Video:
+        from qvg.app import generate
+        from .video import read_video
+        if capture is not None:
+            raise ValueError("KV capture needs the in-memory embedded runner")
+        self._n += 1
+        out = self.workdir / f"run{self._n}.mp4"
+        argv = ["--pipeline", self.pipeline, "--method", method, "--seed", str(seed), "--frames",
+                str(self.frames(chunks)), "--out", str(out), "--quiet", "--device", str(self.device)]
+        if self.checkpoint:
+            argv += ["--checkpoint", self.checkpoint]
+        argv += ["--image", text] if self.pipeline == "tiny" else ["--prompt", text]
+        for k, v in options.items():
+            argv += [f"--{k.replace('_', '-')}", str(v)]
+        t0 = time.perf_counter()
+        rep = generate.run(generate.parse(argv))
+        video = read_video(out)
+        self.fps = rep.get("fps")
+        mem = {**rep["kv_bytes"], "bf16_equivalent": rep["bf16_equivalent_bytes"],
+               "compression_ratio": rep["compression_ratio"]}
+        return Video(video, mem, time.perf_counter() - t0)

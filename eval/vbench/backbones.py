@@ -1,0 +1,113 @@
+"""The VBench backbones as transformers models, from local files only (`qvg.eval.weights`):
+
+- DINO ViT-B/16 -> `transformers.ViTModel` (no pooler); its feature is the final-LayerNorm CLS token, what DINO's
+  own VisionTransformer returns. Read from the weights folder's `dino-vitb16/`: either a Hugging Face folder
+  (config.json + weights, e.g. facebook/dino-vitb16) or VBench's `dino_vitbase16_pretrain.pth` (DINO's own key
+  names: converted by `dino_to_vit`; the configuration is read from the tensors' shapes, heads = width / 64 as in
+  every DINO ViT).
+- CLIP ViT-B/32 and ViT-L/14 -> `transformers.CLIPVisionModelWithProjection` from a Hugging Face folder
+  (openai/clip-vit-base-patch32, openai/clip-vit-large-patch14); `image_embeds` = the projected post-LayerNorm CLS
+  token, what OpenAI CLIP's `encode_image` returns.
+- LAION aesthetic head: `nn.Linear(768, 1)` from sa_0_4_vit_l_14_linear.pth (keys weight, bias).
+
+Every loader takes `config=` to build the same class with random weights instead (tests).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from ..weights import MissingWeights, read_state_dict, weight_path
+
+DINO_FILE = "dino_vitbase16_pretrain.pth"
+
+
+def dino_to_vit(sd: dict) -> tuple[dict, dict]:
+    """DINO's VisionTransformer state dict -> (transformers ViTModel state dict, ViTConfig kwargs)."""
+    sd = {k: v for k, v in sd.items() if not k.startswith("head")}
+    width = sd["cls_token"].shape[-1]
+    layers = 1 + max(int(k.split(".")[1]) for k in sd if k.startswith("blocks."))
+    patch = sd["patch_embed.proj.weight"].shape[-1]
+    grid = int(round((sd["pos_embed"].shape[1] - 1) ** 0.5))
+    cfg = dict(hidden_size=width, num_hidden_layers=layers, num_attention_heads=width // 64,
+               intermediate_size=sd["blocks.0.mlp.fc1.weight"].shape[0], patch_size=patch, image_size=grid * patch,
+               qkv_bias=True, layer_norm_eps=1e-6, hidden_act="gelu")
+    out = {"embeddings.cls_token": sd["cls_token"], "embeddings.position_embeddings": sd["pos_embed"],
+           "embeddings.patch_embeddings.projection.weight": sd["patch_embed.proj.weight"],
+           "embeddings.patch_embeddings.projection.bias": sd["patch_embed.proj.bias"],
+           "layernorm.weight": sd["norm.weight"], "layernorm.bias": sd["norm.bias"]}
+    names = {"norm1": "layernorm_before", "norm2": "layernorm_after", "attn.proj": "attention.output.dense",
+             "mlp.fc1": "intermediate.dense", "mlp.fc2": "output.dense"}
+    for i in range(layers):
+        b, o = f"blocks.{i}.", f"encoder.layer.{i}."
+        for src, dst in names.items():
+            for p in ("weight", "bias"):
+                out[o + dst + "." + p] = sd[b + src + "." + p]
+        for p in ("weight", "bias"):
+            q, k, v = sd[b + "attn.qkv." + p].chunk(3)
+            for name, t in (("query", q), ("key", k), ("value", v)):
+                out[o + f"attention.attention.{name}.{p}"] = t
+    return out, cfg
+
+
+def _hf_folder(path: Path) -> bool:
+    return path.is_dir() and (path / "config.json").is_file()
+
+
+def load_dino(weights=None, device="cpu", config=None) -> nn.Module:
+    from transformers import ViTConfig, ViTModel
+    if config is not None:
+        return ViTModel(ViTConfig(**config) if isinstance(config, dict) else config, add_pooling_layer=False) \
+            .eval().to(device)
+    p = weight_path("dino", weights)
+    if _hf_folder(p):
+        return ViTModel.from_pretrained(str(p), add_pooling_layer=False, local_files_only=True).eval().to(device)
+    f = p / DINO_FILE if p.is_dir() else p
+    if not f.is_file():
+        raise MissingWeights(f"missing {f} (DINO ViT-B/16: VBench's {DINO_FILE}) and {p} is not a Hugging Face "
+                             "folder (no config.json)")
+    sd, cfg = dino_to_vit(read_state_dict(f))
+    model = ViTModel(ViTConfig(**cfg), add_pooling_layer=False)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{f}: not a DINO ViT checkpoint (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    return model.eval().to(device)
+
+
+def dino_features(model, pixels: torch.Tensor) -> torch.Tensor:
+    """[N, 3, H, W] (normalized) -> [N, C]: the final-LayerNorm CLS token (position embeddings interpolated when
+    the frame is not the model's image size, as DINO does)."""
+    size = model.config.image_size
+    interp = tuple(pixels.shape[-2:]) != (size, size)
+    return model(pixel_values=pixels, interpolate_pos_encoding=interp).last_hidden_state[:, 0]
+
+
+def load_clip(key: str, weights=None, device="cpu", config=None) -> nn.Module:
+    """key: "clip-b32" or "clip-l14" (`qvg.eval.weights.FILES`)."""
+    from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection
+    if config is not None:
+        cfg = CLIPVisionConfig(**config) if isinstance(config, dict) else config
+        return CLIPVisionModelWithProjection(cfg).eval().to(device)
+    p = weight_path(key, weights)
+    if not _hf_folder(p):
+        raise MissingWeights(f"missing {p / 'config.json'}: {p} must be a Hugging Face CLIP folder")
+    return CLIPVisionModelWithProjection.from_pretrained(str(p), local_files_only=True).eval().to(device)
+
+
+def clip_features(model, pixels: torch.Tensor) -> torch.Tensor:
+    return model(pixel_values=pixels).image_embeds
+
+
+def load_aesthetic_head(weights=None, device="cpu", dim: int | None = None) -> nn.Module:
+    """LAION's linear aesthetic head; dim= builds a random one of that input width instead."""
+    head = nn.Linear(dim or 768, 1)
+    if dim is None:
+        p = weight_path("laion-aesthetic", weights)
+        sd = read_state_dict(p)
+        if set(sd) != {"weight", "bias"} or tuple(sd["weight"].shape) != (1, 768):
+            raise ValueError(f"{p}: expected the LAION linear head (weight [1, 768], bias [1]), got "
+                             f"{ {k: list(v.shape) for k, v in sd.items()} }")
+        head.load_state_dict({k: v.float() for k, v in sd.items()})
+    return head.eval().to(device)

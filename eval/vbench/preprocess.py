@@ -1,0 +1,59 @@
+"""VBench's frame preprocessing in pure torch (VBench uses torchvision transforms on uint8 frame tensors; the
+same operations here, so nothing imports torchvision):
+
+- frames: the video's 8-bit frames ([-1, 1] -> uint8 as the mp4 writer rounds);
+- `resize_short(x, n, mode)`: torchvision `Resize(n, antialias=False)` on a uint8 tensor: the short side -> n,
+  the long side -> int(n * long / short); `F.interpolate(mode, align_corners=False, antialias=False)` in float,
+  then rounded and clamped back to uint8 (torchvision casts a uint8 input back to uint8);
+- `center_crop(x, n)`: torchvision's CenterCrop (offsets int(round((H - n) / 2)));
+- `normalize(x, mean, std)`: x / 255, then (x - mean) / std per channel.
+
+DINO (subject consistency): resize_short(224, bilinear), /255, ImageNet mean/std, no crop.
+CLIP (background consistency, aesthetic quality): resize_short(224, bicubic), center_crop(224), /255, CLIP's
+mean/std.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+CLIP_MEAN, CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
+
+
+def frames_uint8(video: torch.Tensor) -> torch.Tensor:
+    """[3, F, H, W] in [-1, 1] -> [F, 3, H, W] uint8."""
+    from ..video import to_uint8
+    return to_uint8(video)
+
+
+def resize_short(x: torch.Tensor, n: int, mode: str) -> torch.Tensor:
+    h, w = x.shape[-2:]
+    if h <= w:
+        size = (n, int(n * w / h))
+    else:
+        size = (int(n * h / w), n)
+    if (h, w) == size:
+        return x
+    y = F.interpolate(x.float(), size=size, mode=mode, align_corners=False, antialias=False)
+    return y.round().clamp(0, 255).to(torch.uint8)
+
+
+def center_crop(x: torch.Tensor, n: int) -> torch.Tensor:
+    h, w = x.shape[-2:]
+    top, left = int(round((h - n) / 2.0)), int(round((w - n) / 2.0))
+    return x[..., top:top + n, left:left + n]
+
+
+def normalize(x: torch.Tensor, mean, std) -> torch.Tensor:
+    m = torch.tensor(mean).view(1, 3, 1, 1)
+    s = torch.tensor(std).view(1, 3, 1, 1)
+    return (x.float() / 255.0 - m) / s
+
+
+def dino_input(video: torch.Tensor, n: int = 224) -> torch.Tensor:
+    return normalize(resize_short(frames_uint8(video), n, "bilinear"), IMAGENET_MEAN, IMAGENET_STD)
+
+
+def clip_input(video: torch.Tensor, n: int = 224) -> torch.Tensor:
+    return normalize(center_crop(resize_short(frames_uint8(video), n, "bicubic"), n), CLIP_MEAN, CLIP_STD)

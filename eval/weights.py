@@ -1,0 +1,91 @@
+"""Where the evaluation's pretrained weights live. Nothing is downloaded: every file is read from a local folder,
+
+    --weights DIR  (the qvg-eval flag)  >  $QVG_WEIGHTS  >  ~/.cache/qvg/weights
+
+under the names in `FILES` (a file, or a Hugging Face model folder). A missing file raises `MissingWeights`, whose
+message is one line naming the file, where it is looked for and where it comes from. Files are opened with
+`torch.load(weights_only=True)` (no arbitrary unpickling) or safetensors.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+ENV = "QVG_WEIGHTS"
+
+
+@dataclass(frozen=True)
+class WeightFile:
+    name: str  # file or folder name under the weights folder
+    what: str  # what it is and where it comes from
+
+
+FILES = {
+    "alexnet": WeightFile("alexnet-owt-7be5be79.pth", "torchvision's ImageNet AlexNet "
+                          "(https://download.pytorch.org/models/alexnet-owt-7be5be79.pth; LPIPS backbone)"),
+    "vgg16": WeightFile("vgg16-397923af.pth", "torchvision's ImageNet VGG16 "
+                        "(https://download.pytorch.org/models/vgg16-397923af.pth; LPIPS-vgg backbone)"),
+    "lpips-alex": WeightFile("lpips/alex.pth", "the lpips package's lpips/weights/v0.1/alex.pth (in its wheel: "
+                             "`pip download lpips --no-deps` and unzip; never imported)"),
+    "lpips-vgg": WeightFile("lpips/vgg.pth", "the lpips package's lpips/weights/v0.1/vgg.pth (in its wheel)"),
+    "dino": WeightFile("dino-vitb16", "DINO ViT-B/16: VBench's dino_vitbase16_pretrain.pth placed in this folder, "
+                       "or the Hugging Face facebook/dino-vitb16 folder (config.json + weights)"),
+    "clip-b32": WeightFile("clip-vit-base-patch32", "CLIP ViT-B/32 as a Hugging Face folder "
+                           "(openai/clip-vit-base-patch32: config.json + weights)"),
+    "clip-l14": WeightFile("clip-vit-large-patch14", "CLIP ViT-L/14 as a Hugging Face folder "
+                           "(openai/clip-vit-large-patch14: config.json + weights)"),
+    "laion-aesthetic": WeightFile("sa_0_4_vit_l_14_linear.pth", "the LAION aesthetic predictor's linear head "
+                                  "(LAION-AI/aesthetic-predictor: sa_0_4_vit_l_14_linear.pth)"),
+    "musiq": WeightFile("musiq_spaq_ckpt-358bb6af.pth", "pyiqa's MUSIQ trained on SPAQ (VBench's imaging quality)"),
+}
+
+
+class MissingWeights(FileNotFoundError):
+    """A pretrained file is not where it is looked for (str(e) is one line naming it)."""
+
+
+def weights_dir(explicit: str | os.PathLike | None = None) -> Path:
+    if explicit:
+        return Path(explicit)
+    if os.environ.get(ENV):
+        return Path(os.environ[ENV])
+    return Path.home() / ".cache" / "qvg" / "weights"
+
+
+def weight_path(key: str, directory: str | os.PathLike | None = None) -> Path:
+    """The path of weight `key` (a FILES key), or MissingWeights naming the file and its source."""
+    f = FILES[key]
+    p = weights_dir(directory) / f.name
+    if not p.exists():
+        raise MissingWeights(f"missing {p} ({f.what}); put it there, or point --weights / ${ENV} at the folder "
+                             f"that holds {f.name}")
+    return p
+
+
+def available(key: str, directory=None) -> bool:
+    try:
+        weight_path(key, directory)
+        return True
+    except MissingWeights:
+        return False
+
+
+def read_state_dict(path: str | os.PathLike) -> dict:
+    """A flat {name: tensor} from a .safetensors or torch file (weights_only); {"state_dict": ...} / {"model": ...}
+    wrappers are unwrapped."""
+    import torch
+    path = Path(path)
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+        return load_file(str(path))
+    try:
+        sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError:  # not a zip archive (legacy format): no mmap
+        sd = torch.load(path, map_location="cpu", weights_only=True)
+    for key in ("state_dict", "model", "params"):
+        if isinstance(sd, dict) and key in sd and isinstance(sd[key], dict):
+            sd = sd[key]
+    if not isinstance(sd, dict):
+        raise ValueError(f"{path}: not a state dict ({type(sd).__name__})")
+    return sd
