@@ -5,7 +5,8 @@ The full Wan2.1-T2V-1.3B transformer config with random weights, 480x832 (1560 t
 bf16. For each history length and method: the cache is filled with synthetic committed chunks (clustered K/V,
 compressed by the method as the pipeline would), then one chunk runs (4 denoising steps + the clean re-run at
 t = 0 + commit) with a rolling window of that history, timed with CUDA events (text encoder and VAE excluded:
-the cache does not change them). KV bytes: `torch.cuda.memory_allocated` delta across the fill vs the cache's own
+the cache does not change them). KV bytes: `torch.cuda.memory_allocated` delta across the fill, plus the free blocks of the
+compression graphs' private pools (held for the replays; memory_allocated omits them), vs the cache's own
 accounting. Writes pipeline-<gpu>.json.
 """
 from __future__ import annotations
@@ -17,6 +18,8 @@ import os
 import sys
 
 import torch
+
+from qvg.compression.graphed import pool_free_bytes
 
 WAN_1_3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16,
                 out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
@@ -95,7 +98,8 @@ def run(histories, methods, options) -> list[dict]:
             cache = new_cache(model, method, hist, options)
             _fill(cache, hist, 12)
             torch.cuda.synchronize()
-            delta = torch.cuda.memory_allocated() - before
+            pool_free = pool_free_bytes(torch.device("cuda"))  # graph pools: memory_allocated omits their free blocks
+            delta = torch.cuda.memory_allocated() - before + pool_free
             acc = cache.memory()
             chunk, _ = chunk_runner(model, cache)
             with torch.no_grad():
@@ -103,7 +107,8 @@ def run(histories, methods, options) -> list[dict]:
                 torch.cuda.reset_peak_memory_stats()
                 times = [cuda_ms(chunk) for _ in range(3)]
             row = {"history_frames": hist, "method": method, "chunk_ms": sorted(times)[1], "chunk_ms_all": times,
-                   "kv_bytes_allocator_delta": delta, "kv_bytes_accounted": acc["total"],
+                   "kv_bytes_allocator_delta": delta, "graph_pool_free_bytes": pool_free,
+                   "kv_bytes_accounted": acc["total"],
                    "accounting_error": (acc["total"] - delta) / delta, "kv_components": acc,
                    "peak_bytes_during_chunk": torch.cuda.max_memory_allocated()}
             print(f"history {hist} {method}: chunk {row['chunk_ms']:.1f} ms; KV {delta / 2**20:.1f} MiB allocator vs "

@@ -73,19 +73,25 @@ class GraphedCompress:
         torch.cuda.synchronize(x.device)
         # allocated since `before`: the static inputs and outputs (the outputs live in the graph's pool); plus the
         # pool's free blocks: the intermediates', which memory_allocated no longer counts but the pool keeps
-        self.nbytes += torch.cuda.memory_allocated(x.device) - before + _pool_free_bytes(graph, x.device)
+        self.nbytes += torch.cuda.memory_allocated(x.device) - before + pool_free_bytes(x.device, graph.pool())
         return {"graph": graph, "x": sx, "init": si, "out": out}
 
 
-def _pool_free_bytes(graph: torch.cuda.CUDAGraph, device: torch.device) -> int:
-    """Bytes that `graph`'s private memory pool reserves beyond its live tensors. torch exposes a pool's size only
-    through the allocator's snapshot, whose segments name their pool; read once per capture (the pool neither
-    grows at replay nor is released by `empty_cache` while the graph lives). 0 where the snapshot has no pool ids
-    or the allocator keeps none (the cudaMallocAsync backend)."""
-    pool = tuple(graph.pool())
+def pool_free_bytes(device: torch.device, pool=None) -> int:
+    """Bytes that a CUDA graph's private memory pool (`pool`, from `graph.pool()`; None: every private pool on the
+    device) reserves beyond its live tensors: memory_allocated does not count them, yet nothing else can use them.
+    torch exposes a pool's size only through the allocator's snapshot, whose segments name their pool; read once
+    per capture (the pool neither grows at replay nor is released by `empty_cache` while the graph lives). 0 where
+    the snapshot has no pool ids or the allocator keeps none (the cudaMallocAsync backend)."""
+    device = torch.device(device)
     try:
         segments = torch.cuda.memory_snapshot()
     except RuntimeError:
         return 0
+    want = None if pool is None else tuple(pool)
+
+    def mine(s) -> bool:
+        pid = tuple(s.get("segment_pool_id", (0, 0)))
+        return pid == want if want is not None else pid != (0, 0)
     return sum(s["total_size"] - s["allocated_size"] for s in segments
-               if s.get("device") == device.index and tuple(s.get("segment_pool_id", ())) == pool)
+               if s.get("device") == device.index and mine(s))
