@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 PIPELINES = ("tiny", "self-forcing")
@@ -193,8 +194,25 @@ def _world_inputs(image: str, actions: str) -> dict:
     return {"image": img, "image_source": source, "actions": ids, "actions_text": actions}
 
 
-def _model(s):
-    """(transformer, vae or None, text encoder or None, fps, latent (h, w), latent frames to generate)."""
+@dataclass
+class Loaded:
+    """A loaded model: what a Generation needs besides the settings (reusable across videos: the UI keeps one)."""
+    transformer: object
+    vae: object  # the Wan VAE, or None (the world model works in pixels)
+    text_encoder: object  # prompt -> text states, or None
+    fps: int
+    latent_hw: tuple[int, int]
+    info: dict  # merged into the settings: world_config (tiny) or checkpoint_sources (self-forcing)
+    _text: tuple | None = None
+
+    def encode(self, prompt: str):
+        """The prompt's text states, kept for the next video with the same prompt (umT5 is costly)."""
+        if self._text is None or self._text[0] != prompt:
+            self._text = (prompt, self.text_encoder(prompt))
+        return self._text[1]
+
+
+def load_model(s) -> Loaded:
     import torch
 
     from qvg.pipelines import tiny
@@ -204,9 +222,8 @@ def _model(s):
             model, cfg = load_world(device=s["device"])
         except WorldModelError as e:
             raise UsageError(f"the embedded model: {e}") from None
-        s["world_config"] = cfg
         size = cfg["frame_size"]
-        return model, None, None, cfg["fps"], (size, size), max(1, s["frames"] - 1)  # frame 0 is the start image
+        return Loaded(model, None, None, cfg["fps"], (size, size), {"world_config": cfg})
     from qvg.pipelines.checkpoints import load_self_forcing
     from qvg.pipelines.state_dicts import CheckpointError
     from qvg.pipelines.umt5 import MissingDependency
@@ -214,25 +231,120 @@ def _model(s):
         m = load_self_forcing(s["checkpoint"], s["device"], torch.bfloat16)
     except (CheckpointError, MissingDependency) as e:
         raise UsageError(f"--checkpoint: {e}") from None
-    s["checkpoint_sources"] = m.sources
-    # Wan2.1-T2V-1.3B's 480 x 832 at 16 fps: 60 x 104 latents (the VAE's 8x), the same frame rule as tiny
-    return m.transformer, m.vae, m.text_encoder, tiny.FPS, (60, 104), tiny.latent_frames_for(s["frames"])
+    # Wan2.1-T2V-1.3B's 480 x 832 at 16 fps: 60 x 104 latents (the VAE's 8x)
+    return Loaded(m.transformer, m.vae, m.text_encoder, tiny.FPS, (60, 104), {"checkpoint_sources": m.sources})
 
 
-def _chunks(s, transformer, vae, text_encoder, latent_hw, latent_frames, cache):
-    """The pipeline's chunks (ChunkResult), and the frames [3, F, H, W] in [-1, 1] that come before them."""
-    if s["pipeline"] == "tiny":
-        from qvg.pipelines.world_model import image_frame, rollout
+def to_uint8(video):
+    """Frames [3, F, H, W] in [-1, 1] -> uint8 [F, H, W, 3]."""
+    import numpy as np
+    frames = ((video.permute(1, 2, 3, 0).float().cpu().numpy() + 1) * 127.5).round()
+    return frames.clip(0, 255).astype(np.uint8)
+
+
+@dataclass
+class Chunk:
+    index: int  # generated chunk number, from 0
+    video: object  # its frames that go into the video: [3, F, H, W] in [-1, 1]
+    frames: object  # the same as uint8 [F, H, W, 3]
+    memory: dict  # cache.memory() right after the chunk
+    seconds: float  # the chunk's wall time
+    action: str | None  # tiny: the camera action it was generated with
+
+
+class Generation:
+    """One video, chunk by chunk: qvg-generate and the UI both run this. `s`: parse()'s settings (the model is
+    loaded here unless `loaded` is given); iterate for Chunk objects. `lead`: the frames before the first chunk (tiny:
+    the start image) as [3, F, H, W], or None. `plan(c)` -> the action id of generated chunk c (tiny; default: the
+    settings' action list, repeated), asked just before the chunk runs, so a UI can steer the video live; the actions
+    used go to s["chunk_actions"]."""
+
+    def __init__(self, s, loaded: Loaded | None = None, plan=None):
+        self.s = s
+        self.model = loaded or load_model(s)
+        s.update(self.model.info)
+        m = self.model
+        if s["pipeline"] == "tiny":
+            latent = max(1, s["frames"] - 1)  # frame 0 is the start image
+        else:
+            from qvg.pipelines import tiny
+            latent = tiny.latent_frames_for(s["frames"])
+        cf = s.get("world_config", {}).get("chunk_frames", 3)
+        s["latent_frames"] = -(-latent // cf) * cf  # whole chunks are generated
+        self.latent_frames, self.fps = latent, m.fps
+        self.total_chunks = -(-latent // cf)
+        self.cache = _cache(s, m.transformer, m.latent_hw)
+        # the text is encoded before the peak-memory window: a real text encoder is freed after it
+        if s["pipeline"] == "tiny":
+            self._chunks, self.lead = self._world(plan or (lambda c: s["actions"][c % len(s["actions"])]))
+        else:
+            from qvg.pipelines.self_forcing import SelfForcingPipeline
+            pipe = SelfForcingPipeline(m.transformer, m.vae)
+            self._chunks = pipe.generate(m.encode(s["prompt"]), latent, m.latent_hw, self.cache, seed=s["seed"])
+            self.lead = None
+        self.written = 0 if self.lead is None else self.lead.shape[1]
+
+    def _world(self, plan):
+        """The world model's rollout (qvg.pipelines.world_model.rollout) with each chunk's action asked for when
+        the chunk starts (rollout takes the whole list up front); tests/app/test_generate.py checks they agree."""
+        import torch
+
+        from qvg.pipelines.world_model import image_frame, world_pipeline
+        s, model = self.s, self.model.transformer
         cfg = s["world_config"]
-        start = image_frame(s["image"], cfg["frame_size"]).to(s["device"])
-        n = -(-latent_frames // cfg["chunk_frames"])
-        acts = [s["actions"][i % len(s["actions"])] for i in range(n)]
-        s["chunk_actions"] = [cfg["actions"][a] for a in acts]
-        return rollout(transformer, cfg, start, acts, cache, seed=s["seed"]), start[:, None]
-    from qvg.pipelines.self_forcing import SelfForcingPipeline
-    text = text_encoder(s["prompt"])
-    pipe = SelfForcingPipeline(transformer, vae)
-    return pipe.generate(text, latent_frames, latent_hw, cache, seed=s["seed"]), None
+        cf, size = cfg["chunk_frames"], cfg["frame_size"]
+        start = image_frame(s["image"], size).to(s["device"])
+        ctx = start.reshape(1, 3, 1, size, size).expand(1, 3, cf, size, size)
+        s["chunk_actions"] = []
+
+        def inputs(c):  # c counts the context chunk (0, action "stay")
+            a = 0 if c == 0 else plan(c - 1)
+            if c:
+                s["chunk_actions"].append(cfg["actions"][a])
+            return {"actions": torch.tensor([a])}
+        chunks = world_pipeline(model, cfg).generate(model.null_text(1), self.total_chunks * cf, (size, size),
+                                                     self.cache, seed=s["seed"], context=ctx, chunk_inputs=inputs)
+        return chunks, start[:, None]
+
+    def __iter__(self):
+        import time
+        while True:
+            t0 = time.perf_counter()
+            res = next(self._chunks, None)
+            if res is None:
+                return
+            mem = self.cache.memory()
+            video = res.video[0][:, :max(0, self.s["frames"] - self.written)]
+            self.written += video.shape[1]
+            actions = self.s.get("chunk_actions")
+            yield Chunk(res.index, video, to_uint8(video), mem, time.perf_counter() - t0,
+                        actions[res.index] if actions else None)
+
+
+def report(s, gen: Generation, frames: int, seconds: float, mem: dict) -> dict:
+    """The JSON report of a run (README: qvg-generate); mem: cache.memory() at the cache's largest."""
+    import torch
+    dev = s["device"]
+    rep = {
+        "method": s["method"], "options": s.get("resolved_options", {}), "pipeline": s["pipeline"],
+        **({"image": s["image_source"], "actions": s["chunk_actions"]} if s["pipeline"] == "tiny"
+           else {"prompt": s["prompt"]}),
+        "seed": s["seed"], "frames": frames, "fps": gen.fps, "latent_frames": gen.latent_frames,
+        "history": "full" if s["window"] is None else f"window:{s['window']}", "sink": s["sink"],
+        "commit_every": s["commit_every"], "seconds": round(seconds, 3),
+        "kv_bytes": {k: mem[k] for k in ("codes", "scales", "ids", "centroids", "bf16", "workspace", "total")},
+        "bf16_zones": {k[5:]: mem[k] for k in ("bf16_sink", "bf16_pending", "bf16_current", "bf16_residual")
+                       if k in mem},
+        "bf16_equivalent_bytes": mem["bf16_equivalent"], "compression_ratio": round(mem["compression_ratio"], 4),
+        "kv_bytes_note": "the cache at its largest during the run (after the last chunk for full history)",
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({os.cpu_count()} cores)",
+        "commit": _commit(),
+    }
+    if "checkpoint_sources" in s:
+        rep["checkpoint"] = s["checkpoint_sources"]
+    if dev.type == "cuda":
+        rep["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(dev)
+    return rep
 
 
 def _cache(s, transformer, latent_hw):
@@ -264,17 +376,11 @@ def _cache(s, transformer, latent_hw):
 
 
 def run(s) -> dict:
-    import numpy as np
     import torch
     from tqdm import tqdm
 
     dev = s["device"]
-    transformer, vae, text_encoder, fps, latent_hw, latent_frames = _model(s)
-    cf = s.get("world_config", {}).get("chunk_frames", 3)
-    s["latent_frames"] = -(-latent_frames // cf) * cf  # whole chunks are generated
-    cache = _cache(s, transformer, latent_hw)
-    # the text is encoded before the peak-memory window: a real text encoder is freed after it
-    chunks, lead = _chunks(s, transformer, vae, text_encoder, latent_hw, latent_frames, cache)
+    gen = Generation(s)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     out: Path = s["out"]
@@ -282,54 +388,25 @@ def run(s) -> dict:
     os.close(fd_v)
     tmp_json = tmp_video[:-4] + ".json"
     t0 = time.perf_counter()
-    written, peak_kv, writer = 0, None, None
+    peak_kv, writer = None, None
     try:
-        import imageio.v2 as imageio
-        writer = imageio.get_writer(tmp_video, fps=fps, codec="libx264", quality=8, macro_block_size=1)
-
-        def put(video):  # [3, F, H, W] in [-1, 1]
-            nonlocal written
-            frames = ((video.permute(1, 2, 3, 0).float().cpu().numpy() + 1) * 127.5).round()
-            for f in frames.clip(0, 255).astype(np.uint8):
-                if written < s["frames"]:
-                    writer.append_data(f)
-                    written += 1
-
-        bar = tqdm(total=-(-latent_frames // cf), desc=f"{s['method']} chunks", unit="chunk", disable=s["quiet"],
+        writer = mp4_writer(tmp_video, gen.fps)
+        bar = tqdm(total=gen.total_chunks, desc=f"{s['method']} chunks", unit="chunk", disable=s["quiet"],
                    file=sys.stderr)
         with writer:
-            if lead is not None:
-                put(lead)
-            for res in chunks:
-                mem = cache.memory()
+            for f in (to_uint8(gen.lead) if gen.lead is not None else []):
+                writer.append_data(f)
+            for ch in gen:
+                mem = ch.memory
                 peak_kv = mem if peak_kv is None or mem["total"] > peak_kv["total"] else peak_kv
-                put(res.video[0])
+                for f in ch.frames:
+                    writer.append_data(f)
                 bar.set_postfix(kv=f"{mem['total'] / 2**20:.1f} MiB", ratio=f"{mem['compression_ratio']:.2f}x")
                 bar.update(1)
         bar.close()
-        seconds = time.perf_counter() - t0
-        mem = peak_kv
-        report = {
-            "method": s["method"], "options": s.get("resolved_options", {}), "pipeline": s["pipeline"],
-            **({"image": s["image_source"], "actions": s["chunk_actions"]} if s["pipeline"] == "tiny"
-               else {"prompt": s["prompt"]}),
-            "seed": s["seed"], "frames": written, "fps": fps, "latent_frames": latent_frames,
-            "history": "full" if s["window"] is None else f"window:{s['window']}", "sink": s["sink"],
-            "commit_every": s["commit_every"], "seconds": round(seconds, 3),
-            "kv_bytes": {k: mem[k] for k in ("codes", "scales", "ids", "centroids", "bf16", "workspace", "total")},
-            "bf16_zones": {k[5:]: mem[k] for k in ("bf16_sink", "bf16_pending", "bf16_current", "bf16_residual")
-                           if k in mem},
-            "bf16_equivalent_bytes": mem["bf16_equivalent"], "compression_ratio": round(mem["compression_ratio"], 4),
-            "kv_bytes_note": "the cache at its largest during the run (after the last chunk for full history)",
-            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({os.cpu_count()} cores)",
-            "commit": _commit(),
-        }
-        if "checkpoint_sources" in s:
-            report["checkpoint"] = s["checkpoint_sources"]
-        if dev.type == "cuda":
-            report["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(dev)
+        rep = report(s, gen, gen.written, time.perf_counter() - t0, peak_kv)
         with open(tmp_json, "w") as f:
-            json.dump(report, f, indent=1)
+            json.dump(rep, f, indent=1)
         mode = 0o666 & ~_umask()
         os.chmod(tmp_video, mode)
         os.chmod(tmp_json, mode)
@@ -339,18 +416,28 @@ def run(s) -> dict:
         except BaseException:
             os.remove(out)  # both or neither
             raise
-        return report
+        return rep
     finally:
-        # imageio's writer does not close (and ffmpeg does not write the file) when its `with` block raises: close
-        # it here, before the temporary files go, or ffmpeg writes the mp4 later
-        if writer is not None and not writer.closed:
-            try:
-                writer.close()
-            except Exception:
-                pass
+        close_quietly(writer)
         for t in (tmp_video, tmp_json):
             if os.path.exists(t):
                 os.remove(t)
+
+
+def mp4_writer(path, fps: int):
+    """An imageio mp4 writer (H.264 from imageio-ffmpeg's own ffmpeg: no system ffmpeg needed)."""
+    import imageio.v2 as imageio
+    return imageio.get_writer(path, fps=fps, codec="libx264", quality=8, macro_block_size=1)
+
+
+def close_quietly(writer) -> None:
+    """imageio's writer does not close (and ffmpeg does not write the file) when its `with` block raises: close it
+    before the temporary files go, or ffmpeg writes the mp4 later."""
+    if writer is not None and not writer.closed:
+        try:
+            writer.close()
+        except Exception:
+            pass
 
 
 def _umask() -> int:

@@ -142,3 +142,28 @@ def test_unreadable_start_image(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cannot read" in err[0]
     assert list(out.iterdir()) == []
+
+
+def test_steerable_chunks_match_the_world_rollout():
+    """Generation asks for each chunk's action when the chunk starts (live steering); with a fixed list it gives the
+    frames of qvg.pipelines.world_model.rollout exactly."""
+    import torch
+
+    from qvg.app.generate import Generation, parse
+    from qvg.pipelines.world_model import image_frame, rollout
+    s = parse(["--frames", "10", "--method", "bf16", "--actions", "right,zoom_in,left", "--quiet"])
+    gen = Generation(s)
+    ours = torch.cat([gen.lead] + [c.video for c in gen], 1)
+    assert s["chunk_actions"] == ["right", "zoom_in", "left"]
+    from qvg.cache import KVCache
+    cfg = s["world_config"]
+    cache = KVCache(len(gen.model.transformer.blocks), "bf16", chunk_frames=3,
+                    tokens_per_frame=gen.cache.tokens_per_frame)
+    start = image_frame(s["image"], cfg["frame_size"])
+    ref = torch.cat([start[:, None]] + [r.video[0] for r in rollout(gen.model.transformer, cfg, start, s["actions"],
+                                                                      cache, seed=s["seed"])], 1)
+    assert torch.equal(ours, ref)
+
+    steered = parse(["--frames", "10", "--method", "bf16", "--quiet"])
+    gen = Generation(steered, loaded=gen.model, plan=lambda c: [2, 5, 1][c])
+    assert torch.equal(torch.cat([gen.lead] + [c.video for c in gen], 1), ours)
