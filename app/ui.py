@@ -1,0 +1,263 @@
+"""`qvg-app`: the live-generation UI (gradio). Frames appear chunk by chunk while the video is generated, next to a
+memory panel (KV bytes now vs the BF16 equivalent, bytes by component, compression ratio, per-chunk latency) and,
+in compare mode, the BF16 video with the same seed and PSNR per chunk; the mp4s and JSON reports are downloadable.
+
+One generation runs at a time (a queue; waiting users see their position); Cancel stops it between chunks and
+keeps the video so far. Camera buttons and the arrow keys (+ / - zoom, . stay) build the action list, or steer
+the running video from its next chunk on. Binds 127.0.0.1 unless --host says otherwise. Paths: app/ui_run.py.
+"""
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from .generate import DEFAULT_ACTIONS, DEFAULT_IMAGE, DEFAULT_PROMPT, UsageError
+from .ui_run import KMEANS, PIPELINES, Form, Models, Server, Sessions, Workdirs, append_action, run, ui_message
+
+log = logging.getLogger("qvg.app")
+ACTION_KEYS = {"left": ("←", "ArrowLeft"), "up": ("↑", "ArrowUp"), "down": ("↓", "ArrowDown"),
+               "right": ("→", "ArrowRight"), "zoom_in": ("zoom +", "+"), "zoom_out": ("zoom −", "-"),
+               "stay": ("stay", ".")}
+# keyboard shortcuts: a key clicks its camera button (not while typing in a field)
+KEYS_JS = """() => {
+  const keys = %s;
+  document.addEventListener('keydown', (e) => {
+    const t = e.target, tag = (t && t.tagName || '').toLowerCase();
+    if (tag === 'input' || tag === 'textarea' || tag === 'select' || (t && t.isContentEditable)) return;
+    if (e.ctrlKey || e.metaKey || e.altKey) return;
+    const name = keys[e.key === '=' ? '+' : e.key];
+    const b = name && document.getElementById('qvg-act-' + name);
+    if (b) { e.preventDefault(); b.click(); }
+  });
+}""" % {v[1]: k for k, v in ACTION_KEYS.items()}
+CSS = """#qvg-live img {image-rendering: pixelated;} #qvg-ref img {image-rendering: pixelated;}
+#qvg-status {font-size: 1.05em;} .qvg-keys button {min-width: 4em;}"""
+FORM_FIELDS = list(Form.__dataclass_fields__)
+
+
+def start_preview(photo: str):
+    """The bundled photo's start frame (its centre view), upscaled."""
+    import numpy as np
+
+    from qvg.pipelines.world_data import centre_view, load_photo, photo_names
+
+    from .generate import to_uint8
+    from .ui_panel import DISPLAY
+    if photo not in photo_names("all"):
+        return None
+    f = to_uint8(centre_view(load_photo(photo))[:, None])[0]
+    k = max(1, DISPLAY // f.shape[0])
+    return np.ascontiguousarray(f.repeat(k, 0).repeat(k, 1))
+
+
+def build(server: Server):
+    """The page (gr.Blocks) for a server's rules."""
+    import gradio as gr
+
+    from qvg.cache import CACHE_METHODS
+    from qvg.pipelines.world_data import photo_names
+
+    from gradio.utils import get_upload_folder
+
+    from . import ui_panel
+    if server.upload_dir is None:
+        server.upload_dir = Path(get_upload_folder())
+    sessions, models, workdirs = Sessions(), Models(), Workdirs()
+    root = server.checkpoint_root
+    with gr.Blocks(title="QVG live", delete_cache=(1800, 3600)) as app:
+        gr.Markdown("# QVG — live video generation with a compressed KV cache\nFrames appear chunk by chunk; the "
+                    "memory panel shows what the KV cache holds after each chunk against BF16.")
+        status = gr.Markdown("Ready.", elem_id="qvg-status")
+        with gr.Row():
+            with gr.Column(scale=1, min_width=340):
+                with gr.Group():
+                    pipeline = gr.Radio([(v, k) for k, v in PIPELINES.items()], value="tiny", label="pipeline")
+                    checkpoint = gr.Textbox(label="checkpoint directory", visible=False, info=(
+                        f"a folder inside {root}" if root else "this server runs the embedded model only "
+                        "(start it with --checkpoint-root DIR)"))
+                    prompt = gr.Textbox(label="prompt", value=DEFAULT_PROMPT, visible=False)
+                with gr.Group() as world_box:
+                    with gr.Row():
+                        photo = gr.Dropdown(photo_names("all"), value=DEFAULT_IMAGE, label="start image: bundled")
+                        upload = gr.Image(type="filepath", sources=["upload"], label="or upload one", height=140)
+                    with gr.Row(elem_classes="qvg-keys"):
+                        buttons = {name: gr.Button(label, size="sm", elem_id=f"qvg-act-{name}")
+                                   for name, (label, _) in ACTION_KEYS.items()}
+                    actions = gr.Textbox(DEFAULT_ACTIONS, label="camera actions, one per chunk (repeated)",
+                                         elem_id="qvg-actions",
+                                         info="buttons or keys ← ↑ ↓ → + − . add to it; while generating "
+                                              "they steer the next chunks")
+                    steer_note = gr.Markdown("")
+                with gr.Group():
+                    method = gr.Dropdown(list(CACHE_METHODS), value="qvg", label="KV cache method")
+                    with gr.Row():
+                        bits = gr.Dropdown(["default", "2", "4", "8"], value="default", label="bits")
+                        # blank = the method's default (a browser sends an empty gr.Number as 0)
+                        stages, block_size, centroids = (gr.Textbox("", label=lb, placeholder="default")
+                                                         for lb in ("stages", "block size", "centroids"))
+                    with gr.Row():
+                        history = gr.Radio([("full", "full"), ("window + sink", "window")], value="full",
+                                           label="history")
+                        window = gr.Number(12, label="window (latent frames)", precision=0, minimum=3, visible=False)
+                        sink = gr.Number(0, label="sink (latent frames)", precision=0, minimum=0)
+                    with gr.Row():
+                        frames = gr.Slider(4, 301, value=31, step=3, label="length (frames)", elem_id="qvg-frames")
+                        seed = gr.Number(0, label="seed", precision=0, minimum=0)
+                    compare = gr.Checkbox(False, label="compare with BF16 (same seed, side by side, PSNR per chunk)",
+                                          elem_id="qvg-compare")
+                with gr.Row():
+                    go = gr.Button("Generate", variant="primary", elem_id="qvg-generate")
+                    stop = gr.Button("Cancel", variant="stop", elem_id="qvg-cancel")
+            with gr.Column(scale=2):
+                with gr.Row():
+                    live = gr.Image(start_preview(DEFAULT_IMAGE), label="live: qvg", elem_id="qvg-live",
+                                    interactive=False, height=300, format="png")
+                    ref = gr.Image(None, label="live: bf16 (reference)", elem_id="qvg-ref", interactive=False,
+                                   height=300, visible=False, format="png")
+                summary = gr.Markdown("Memory: waiting for the first chunk.", elem_id="qvg-memory")
+                plot = gr.Plot(label="memory per chunk", show_label=False, format="png", elem_id="qvg-plot")
+                table = gr.Dataframe(label="per chunk", interactive=False, wrap=True, elem_id="qvg-table")
+                with gr.Row():
+                    video = gr.Video(label="video (mp4)", interactive=False, elem_id="qvg-video")
+                    ref_video = gr.Video(label="bf16 video (mp4)", interactive=False, visible=False)
+                reports = gr.File(label="JSON reports", file_count="multiple", interactive=False)
+
+        form = [pipeline, checkpoint, prompt, photo, upload, actions, method, bits, stages, block_size, centroids,
+                history, window, sink, seed, frames, compare]
+        assert len(form) == len(FORM_FIELDS)
+        outputs = [status, live, ref, summary, plot, table, video, ref_video, reports]
+
+        def mark(request: gr.Request):
+            c = sessions.get(request.session_hash)
+            if not c.running:
+                c.cancel.clear()
+            c.pending = True
+
+        def generate(pipeline, checkpoint, prompt, photo, upload, actions, method, bits, stages, block_size,
+                     centroids, history, window, sink, seed, frames, compare, request: gr.Request):
+            values = locals()
+            f = Form(**{k: values[k] for k in FORM_FIELDS})
+            c = sessions.get(request.session_hash)
+            c.pending, c.running, c.steer = False, True, None
+            up = None
+            try:
+                if c.cancel.is_set():
+                    yield ("Cancelled before it started.", *[gr.skip()] * 8)
+                    return
+                workdir = workdirs.new()
+                yield ("Loading the model...", gr.skip(), gr.update(visible=f.compare), gr.skip(), None, None, None,
+                       gr.update(value=None, visible=f.compare), None)
+                for n, up in enumerate(run(f, server, c, models, workdir)):
+                    main_lb = up.labels[-1]
+                    images = [ui_panel.frames_image(up.frames[lb], workdir / f"{lb}-{n}.png", up.fps)
+                              if lb in up.frames else gr.skip() for lb in up.labels]
+                    head, rows = ui_panel.table(up)
+                    yield (f"**{up.status}**", gr.update(value=images[-1], label=f"live: {main_lb}"),
+                           images[0] if len(images) == 2 else gr.skip(), ui_panel.summary(up),
+                           ui_panel.figure(up) if up.rows else gr.skip(), {"headers": head, "data": rows},
+                           up.videos.get(main_lb) if up.done else gr.skip(),
+                           up.videos.get("bf16") if up.done and len(up.labels) == 2 else gr.skip(),
+                           up.reports or gr.skip())
+            except UsageError as e:
+                raise gr.Error(ui_message(e), print_exception=False) from None
+            except Exception as e:  # one line in the UI; the traceback goes to the server's log only
+                log.exception("generation failed")
+                first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+                raise gr.Error(f"{type(e).__name__}: {first}", print_exception=False) from None
+            finally:
+                c.running, c.steer = False, None
+                c.cancel.clear()
+                if not c.pending:
+                    sessions.drop(request.session_hash)
+
+        def cancel(request: gr.Request):
+            c = sessions.find(request.session_hash)
+            if c is None or not (c.running or c.pending):
+                return "Nothing is running."
+            c.cancel.set()
+            return "**Cancelling**: the video stops after the current chunk." if c.running else \
+                "**Cancelled**: your queued job will not run."
+
+        def press(name: str, text: str, request: gr.Request):
+            c = sessions.find(request.session_hash)
+            if c is not None and c.running:
+                c.steer = name
+                return gr.skip(), f"steering: **{name}** from the next chunk"
+            return append_action(text, name), ""
+
+        go.click(mark, None, None, queue=False, api_visibility="private").then(
+            generate, form, outputs, api_name="generate", concurrency_limit=1, concurrency_id="generation",
+            show_progress="minimal", show_progress_on=[status])
+        stop.click(cancel, None, status, queue=False, api_name="cancel")
+        for name, b in buttons.items():
+            b.click(press, [gr.State(name), actions], [actions, steer_note], queue=False, api_name=f"press_{name}")
+        photo.change(start_preview, photo, live, queue=False, api_visibility="private")
+
+        def on_method(m):
+            return (gr.update(visible=m != "bf16"), gr.update(visible=m in KMEANS), gr.update(visible=m != "bf16"),
+                    gr.update(visible=m in KMEANS), gr.update(label=f"live: {m}"))
+        method.change(on_method, method, [bits, stages, block_size, centroids, live], queue=False,
+                      api_visibility="private")
+
+        def on_pipeline(p):
+            sf = p == "self-forcing"
+            return gr.update(visible=sf), gr.update(visible=sf), gr.update(visible=not sf)
+        pipeline.change(on_pipeline, pipeline, [checkpoint, prompt, world_box], queue=False, api_visibility="private")
+        history.change(lambda h: gr.update(visible=h == "window"), history, window, queue=False,
+                       api_visibility="private")
+        compare.change(lambda v: (gr.update(visible=v), gr.update(visible=v)), compare, [ref, ref_video],
+                       queue=False, api_visibility="private")
+    app.queue(default_concurrency_limit=1)
+    app.qvg_workdirs = workdirs
+    return app
+
+
+def launch(app, host: str = "127.0.0.1", port: int | None = None, **kw):
+    """Start the server (kw: gradio's launch options, e.g. prevent_thread_lock=True in tests)."""
+    return app.launch(server_name=host, server_port=port, js=KEYS_JS, css=CSS, show_error=False,
+                      footer_links=["api"], **kw)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="qvg-app", description=__doc__.splitlines()[0])
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=None, help="port (default: gradio's, 7860, or the next free one)")
+    p.add_argument("--checkpoint-root", default=None, help="the folder checkpoint directories must be inside "
+                   "(default: none, only the embedded model)")
+    p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
+    a = p.parse_args(sys.argv[1:] if argv is None else argv)
+    root = None
+    if a.checkpoint_root is not None:
+        root = Path(a.checkpoint_root).resolve()
+        if not root.is_dir():
+            print(f"qvg-app: error: --checkpoint-root: no such directory: {a.checkpoint_root!r}", file=sys.stderr)
+            return 2
+    if a.device is not None:
+        import os
+        import tempfile
+
+        from .generate import parse
+        try:
+            parse(["--device", a.device, "--quiet", "--out", os.path.join(tempfile.gettempdir(), "check.mp4")])
+        except UsageError as e:
+            print(f"qvg-app: error: {e}", file=sys.stderr)
+            return 2
+    try:
+        import gradio  # noqa: F401
+        import matplotlib
+    except ImportError as e:
+        print(f"qvg-app: error: the UI needs {e.name}: pip install -e '.[ui]'", file=sys.stderr)
+        return 2
+    matplotlib.use("Agg")
+    logging.basicConfig(level=logging.INFO)
+    app = build(Server(root, None, a.device))
+    try:
+        launch(app, a.host, a.port)
+    finally:
+        app.qvg_workdirs.clear()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,330 @@
+"""The UI's jobs, without gradio: the form -> checked settings (qvg-generate's own checks, plus the server's path
+rules), a run (or a BF16-vs-method comparison) as a stream of `Update`s, one per chunk, and the per-session
+controls a running job reads between chunks (cancel, live steering).
+
+Paths: a checkpoint directory must resolve (symlinks followed) inside the server's checkpoint root; a start image
+is a bundled photo's name or a file gradio saved from an upload (inside its upload folder). Nothing else is read.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .generate import (DEFAULT_ACTIONS, DEFAULT_IMAGE, DEFAULT_PROMPT, Generation, Loaded, UsageError, close_quietly,
+                       load_model, mp4_writer, parse, report)
+
+PIPELINES = {"tiny": "embedded world model", "self-forcing": "Self-Forcing (checkpoint)"}
+KMEANS = ("qvg", "qvg-pro")
+# qvg-generate's flags, as the UI names them in messages
+LABELS = {"--frames": "length (frames)", "--bits": "bits", "--stages": "stages", "--block-size": "block size",
+          "--centroids": "centroids", "--history window": "window", "--history": "history", "--sink": "sink",
+          "--seed": "seed", "--actions": "camera actions", "--image": "start image", "--checkpoint": "checkpoint",
+          "--method": "method", "--prompt": "prompt", "--device": "device"}
+
+
+@dataclass
+class Form:
+    """What the page sends (one field per control; numbers may be None: the method's default)."""
+    pipeline: str = "tiny"
+    checkpoint: str = ""
+    prompt: str = ""
+    photo: str = DEFAULT_IMAGE
+    upload: str | None = None  # a file gradio saved from an upload
+    actions: str = DEFAULT_ACTIONS
+    method: str = "qvg"
+    bits: str = "default"
+    stages: str | float | None = None
+    block_size: str | float | None = None
+    centroids: str | float | None = None
+    history: str = "full"  # full | window
+    window: float | None = 12
+    sink: float | None = 0
+    seed: float | None = 0
+    frames: float | None = 31
+    compare: bool = False
+
+
+@dataclass
+class Server:
+    """The server's rules: checkpoint_root None = only the embedded model; upload_dir: gradio's upload folder."""
+    checkpoint_root: Path | None = None
+    upload_dir: Path | None = None
+    device: str | None = None
+
+
+def ui_message(e: Exception) -> str:
+    """A qvg-generate error in the UI's words (its flags -> the controls' names)."""
+    msg = str(e)
+    for flag, label in LABELS.items():
+        msg = msg.replace(flag, label)
+    return msg
+
+
+def checkpoint_dir(text: str, root: Path | None) -> str:
+    """The checkpoint directory the form names, resolved inside the root, or UsageError (outside it, missing)."""
+    if root is None:
+        raise UsageError("this server runs the embedded model only; start it with `qvg-app --checkpoint-root DIR` "
+                         "to run checkpoints from DIR")
+    text = (text or "").strip()
+    if not text:
+        raise UsageError(f"checkpoint: give a directory inside the checkpoint root {str(root)!r}")
+    real_root = Path(os.path.realpath(root))
+    real = Path(os.path.realpath(real_root / text))  # an absolute `text` stands for itself
+    if not real.is_relative_to(real_root):  # checked before anything is read, so nothing leaks from outside
+        raise UsageError(f"checkpoint: {text!r} is outside the checkpoint root {str(root)!r}")
+    if not real.is_dir():
+        raise UsageError(f"checkpoint: no such directory in the checkpoint root: {text!r}")
+    return str(real)
+
+
+def _start_image(form: Form, server: Server) -> str:
+    from qvg.pipelines.world_data import photo_names
+    if form.upload:
+        up = Path(os.path.realpath(form.upload))
+        if server.upload_dir is None or not up.is_relative_to(os.path.realpath(server.upload_dir)):
+            raise UsageError("start image: only uploaded files are read")
+        return str(up)
+    if form.photo not in photo_names("all"):
+        raise UsageError(f"start image: no bundled photo {form.photo!r}")
+    return form.photo
+
+
+def _num(value, name: str) -> str | None:
+    if value is None or str(value).strip() == "":
+        return None
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        raise UsageError(f"{name} must be a number, got {value!r}") from None
+    if not f.is_integer():
+        raise UsageError(f"{name} must be a whole number, got {value}")
+    return str(int(f))
+
+
+def settings(form: Form, server: Server, out: Path) -> list[dict]:
+    """Checked settings, one per video: [method] or, to compare, [bf16, method] (same seed and inputs). Raises
+    UsageError with the UI's words."""
+    if form.pipeline not in PIPELINES:
+        raise UsageError(f"unknown pipeline {form.pipeline!r}")
+    argv = ["--pipeline", form.pipeline, "--quiet"]
+    for flag, value in (("--frames", form.frames), ("--seed", form.seed), ("--sink", form.sink)):
+        v = _num(value, LABELS[flag])
+        if v is None:
+            raise UsageError(f"{LABELS[flag]}: give a number")
+        argv += [flag, v]
+    if form.history == "window":
+        w = _num(form.window, "window")
+        if w is None:
+            raise UsageError("window: give the number of past latent frames to keep")
+        argv += ["--history", f"window:{w}"]
+    elif form.history != "full":
+        raise UsageError(f"history must be full or window, got {form.history!r}")
+    if server.device:
+        argv += ["--device", server.device]
+    if form.pipeline == "tiny":
+        argv += ["--image", _start_image(form, server), "--actions", form.actions or DEFAULT_ACTIONS]
+    else:
+        argv += ["--checkpoint", checkpoint_dir(form.checkpoint, server.checkpoint_root),
+                 "--prompt", form.prompt.strip() or DEFAULT_PROMPT]
+    opts = []
+    if form.method != "bf16":  # the options of the chosen method (the page hides those it has not)
+        if form.bits not in (None, "", "default"):
+            opts += ["--bits", _num(form.bits, "bits")]
+        for flag, value in (("--block-size", form.block_size), *((("--stages", form.stages),
+                            ("--centroids", form.centroids)) if form.method in KMEANS else ())):
+            v = _num(value, LABELS[flag])
+            if v is not None:
+                opts += [flag, v]
+    runs = [("bf16", [])] if form.compare else []
+    runs.append((form.method, opts))
+    out_list = []
+    try:
+        for method, o in runs:
+            s = parse(argv + ["--method", method, *o, "--out", str(out / f"{method}.mp4")])
+            s["label"] = method
+            out_list.append(s)
+    except UsageError as e:
+        raise UsageError(ui_message(e)) from None
+    return out_list
+
+
+class Controls:
+    """A session's live controls, read by its running job between chunks."""
+
+    def __init__(self):
+        self.cancel = threading.Event()
+        self.steer: str | None = None  # the action of the next chunks (sticky) while a job runs
+        self.running = False
+        self.pending = False  # a job was submitted and has not started
+
+
+class Sessions:
+    """Controls by session id (gradio's session hash)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._by_id: dict[str, Controls] = {}
+
+    def get(self, sid: str) -> Controls:
+        with self._lock:
+            return self._by_id.setdefault(sid, Controls())
+
+    def find(self, sid: str) -> Controls | None:
+        with self._lock:
+            return self._by_id.get(sid)
+
+    def drop(self, sid: str) -> None:
+        with self._lock:
+            self._by_id.pop(sid, None)
+
+
+class Plan:
+    """Each chunk's action, asked when the chunk starts: the form's list (repeated), or the key last pressed while
+    the job runs; one answer per chunk, so both videos of a comparison get the same actions."""
+
+    def __init__(self, s: dict, controls: Controls):
+        self.base, self.controls, self.memo = s["actions"], controls, {}
+
+    def __call__(self, c: int) -> int:
+        if c not in self.memo:
+            from qvg.pipelines.world_model import ACTIONS
+            steer = self.controls.steer
+            self.memo[c] = ACTIONS.index(steer) if steer in ACTIONS else self.base[c % len(self.base)]
+        return self.memo[c]
+
+
+class Models:
+    """One loaded model kept between jobs (the checkpoint's is costly to load); a different one replaces it."""
+
+    def __init__(self):
+        self.key, self.model = None, None
+
+    def get(self, s: dict) -> Loaded:
+        key = (s["pipeline"], s.get("checkpoint"), str(s["device"]))
+        if key != self.key:
+            self.key, self.model = None, None  # free the old one first
+            self.model, self.key = load_model(s), key
+        return self.model
+
+
+@dataclass
+class Row:
+    """One chunk of the memory panel: per video (label -> value)."""
+    index: int
+    action: str | None
+    frames: int
+    seconds: dict
+    memory: dict
+    psnr: float | None = None
+
+
+@dataclass
+class Update:
+    status: str
+    labels: list[str]  # the videos: [method] or [bf16, method]
+    frames: dict = field(default_factory=dict)  # label -> uint8 [F, H, W, 3], the newest frames
+    rows: list[Row] = field(default_factory=list)
+    total_chunks: int = 0
+    done: bool = False
+    videos: dict = field(default_factory=dict)  # label -> mp4 path (when done)
+    reports: list[str] = field(default_factory=list)  # JSON report paths (when done)
+    fps: int = 8
+
+
+def run(form: Form, server: Server, controls: Controls, models: Models, workdir: Path):
+    """Generate, yielding an Update after the start frame and after every chunk; stops between chunks when
+    controls.cancel is set (the video so far is kept). Raises UsageError for bad input."""
+    import json
+
+    from qvg.eval.metrics import psnr
+    from .generate import to_uint8
+    runs = settings(form, server, workdir)
+    labels = [s["label"] for s in runs]
+    model = models.get(runs[0])
+    plan = Plan(runs[0], controls) if runs[0]["pipeline"] == "tiny" else None  # shared: the same actions
+    gens = [Generation(s, loaded=model, plan=plan) for s in runs]
+    up = Update("starting", labels, total_chunks=gens[0].total_chunks, fps=gens[0].fps)
+    writers = {}
+    peaks = {lb: None for lb in labels}
+    t0 = time.perf_counter()
+    try:
+        for lb, g in zip(labels, gens):
+            writers[lb] = mp4_writer(str(workdir / f"{lb}.mp4"), g.fps)
+            if g.lead is not None:
+                up.frames[lb] = to_uint8(g.lead)
+                for f in up.frames[lb]:
+                    writers[lb].append_data(f)
+        if up.frames:
+            up.status = "start frame"
+            yield up
+        iters = [iter(g) for g in gens]
+        for c in range(up.total_chunks):
+            if controls.cancel.is_set():
+                up.status = f"cancelled after {c} of {up.total_chunks} chunks"
+                break
+            chunks = [next(it) for it in iters]
+            for lb, ch in zip(labels, chunks):
+                up.frames[lb] = ch.frames
+                for f in ch.frames:
+                    writers[lb].append_data(f)
+                if peaks[lb] is None or ch.memory["total"] > peaks[lb]["total"]:
+                    peaks[lb] = ch.memory
+            up.rows.append(Row(c, chunks[-1].action, int(chunks[-1].frames.shape[0]),
+                               {lb: ch.seconds for lb, ch in zip(labels, chunks)},
+                               {lb: ch.memory for lb, ch in zip(labels, chunks)},
+                               psnr(chunks[0].video, chunks[-1].video) if len(chunks) == 2 and
+                               chunks[0].video.numel() else None))
+            steer = f" · steering: {controls.steer}" if controls.steer and runs[0]["pipeline"] == "tiny" else ""
+            up.status = f"chunk {c + 1} of {up.total_chunks}{steer}"
+            yield up
+        else:
+            up.status = f"done: {up.total_chunks} chunks in {time.perf_counter() - t0:.1f} s"
+        for lb in labels:
+            writers[lb].close()
+        seconds = time.perf_counter() - t0
+        for lb, s, g in zip(labels, runs, gens):
+            up.videos[lb] = str(workdir / f"{lb}.mp4")
+            if peaks[lb] is not None:
+                path = workdir / f"{lb}.json"
+                path.write_text(json.dumps(report(s, g, g.written, seconds, peaks[lb]), indent=1))
+                up.reports.append(str(path))
+        up.done = True
+        yield up
+    finally:
+        for w in writers.values():
+            close_quietly(w)
+
+
+class Workdirs:
+    """One temporary folder per job for its frames, mp4s and reports (gradio copies what it shows into its own
+    cache); the previous job's folder goes when the next starts, the last one at exit."""
+
+    def __init__(self):
+        self.current: Path | None = None
+
+    def new(self) -> Path:
+        self.clear()
+        self.current = Path(tempfile.mkdtemp(prefix="qvg-app-"))
+        return self.current
+
+    def clear(self) -> None:
+        if self.current is not None:
+            shutil.rmtree(self.current, ignore_errors=True)
+            self.current = None
+
+
+def append_action(text: str, name: str) -> str:
+    """'right*2' + right -> 'right*3'; 'right*2' + left -> 'right*2,left'."""
+    parts = [p.strip() for p in (text or "").split(",") if p.strip()]
+    if parts:
+        m = re.fullmatch(r"(\w+)(?:\*(\d+))?", parts[-1])
+        if m and m.group(1) == name:
+            parts[-1] = f"{name}*{int(m.group(2) or 1) + 1}"
+            return ",".join(parts)
+    return ",".join(parts + [name])

@@ -1,0 +1,236 @@
+"""qvg-app end to end through gradio_client on the embedded model (CPU): live chunks and the memory panel,
+compare mode, the queue (positions, one job at a time), cancel, live steering, errors as messages, and the path
+rules (checkpoint root, uploads only). Videos are short (1-4 chunks of 3 frames)."""
+import json
+import socket
+import time
+
+import pytest
+
+gradio_client = pytest.importorskip("gradio_client", reason="the UI tests need the test extra (gradio_client)")
+from gradio_client import Client, handle_file  # noqa: E402
+from gradio_client.exceptions import AppError  # noqa: E402
+
+from qvg.app.generate import UsageError  # noqa: E402
+from qvg.app.ui_run import Form, Server, append_action, checkpoint_dir, settings  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*(no_silent_downcasting|copy keyword).*")  # gradio's pandas use
+
+# the /generate endpoint's inputs, in the page's order (app.ui_run.Form)
+FIELDS = list(Form.__dataclass_fields__)
+
+
+def form(**kw):
+    f = Form(**{"frames": 7, **kw})
+    return [getattr(f, k) for k in FIELDS]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ckpt_root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckroot")
+    (root / "empty").mkdir()
+    outside = tmp_path_factory.mktemp("outside")
+    (root / "escape").symlink_to(outside, target_is_directory=True)
+    return root
+
+
+@pytest.fixture(scope="module")
+def url(ckpt_root):
+    import matplotlib
+    matplotlib.use("Agg")
+    from qvg.app.ui import build, launch
+    app = build(Server(ckpt_root, None, "cpu"))
+    port = _free_port()
+    launch(app, "127.0.0.1", port, prevent_thread_lock=True, quiet=True)
+    yield f"http://127.0.0.1:{port}/"
+    app.close()
+    app.qvg_workdirs.clear()
+
+
+@pytest.fixture
+def client(url):
+    return Client(url, verbose=False)
+
+
+def _wait(job, timeout=240):
+    t0 = time.time()
+    while not job.done():
+        assert time.time() - t0 < timeout, "job did not finish"
+        time.sleep(0.2)
+    return job.outputs()
+
+
+def test_live_chunks_memory_panel_mp4_and_report(client):
+    """Every chunk is an update (its frames as an animated PNG, the memory panel's numbers); the last one holds the
+    mp4 and the JSON report."""
+    from PIL import Image
+    job = client.submit(*form(actions="right,left"), api_name="/generate")
+    outs = _wait(job)
+    status = [o[0] for o in outs]
+    assert any("start frame" in s for s in status)
+    assert [s for s in status if "chunk" in s and "of 2" in s] == ["**chunk 1 of 2**", "**chunk 2 of 2**"]
+    assert status[-1].startswith("**done: 2 chunks")
+    chunk_updates = [o for o in outs if "chunk " in o[0] and " of 2" in o[0]]
+    for o in chunk_updates:  # the chunk's 3 frames, 4x nearest-upscaled, as an APNG that plays once
+        img = Image.open(o[1]["value"])
+        assert img.size == (256, 256) and getattr(img, "n_frames", 1) == 3
+        assert "KV cache" in o[3] and "in BF16" in o[3] and "smaller" in o[3]
+    last = outs[-1]
+    table = last[5]
+    assert [r[:2] for r in table["data"]] == [[1, "right"], [2, "left"]]
+    head = table["headers"]
+    for r in table["data"]:
+        row = dict(zip(head, r))
+        assert row["qvg ratio"] > 1 and row["qvg KV KiB"] < row["BF16 equiv. KiB"] and row["qvg s"] > 0
+        assert row["codes KiB"] > 0 and row["centroids KiB"] > 0
+    assert last[4]["type"] == "matplotlib" and last[4]["plot"].startswith("data:image/png")
+    import imageio.v3 as iio
+    v = iio.imread(last[6])
+    assert v.shape == (7, 64, 64, 3)
+    rep = json.loads(open(last[8][0]).read())
+    assert rep["method"] == "qvg" and rep["frames"] == 7 and rep["actions"] == ["right", "left"]
+    assert rep["kv_bytes"]["total"] < rep["bf16_equivalent_bytes"]
+
+
+def test_compare_runs_bf16_and_the_method_side_by_side(client):
+    outs = _wait(client.submit(*form(method="rtn", bits="4", compare=True, frames=4), api_name="/generate"))
+    last = outs[-1]
+    head, rows = last[5]["headers"], last[5]["data"]
+    assert "PSNR dB" in head and "bf16 KV KiB" in head and "rtn KV KiB" in head
+    row = dict(zip(head, rows[0]))
+    assert 20 < row["PSNR dB"] < 100 and row["bf16 ratio"] == 1.0 and row["rtn ratio"] > 1
+    assert "PSNR rtn vs bf16" in last[3]
+    assert last[1]["label"] == "live: rtn" and last[2] and last[7]  # both live frames, both videos
+    # the two runs share one model, interleaved: a BF16 "comparison" with itself is exact
+    outs = _wait(client.submit(*form(method="bf16", compare=True, frames=7), api_name="/generate"))
+    assert [r[-1] for r in outs[-1][5]["data"]] == [100.0, 100.0]
+
+
+BAD = [
+    (dict(method="qvg", block_size=48), "not divisible by block_size"),
+    (dict(actions="fly*2"), "unknown action"),
+    (dict(stages=17), "stages must be in [0, 16]"),
+    (dict(history="window", window=4), "window must be a multiple of the chunk size"),
+    (dict(sink=None), "sink: give a number"),
+    (dict(pipeline="self-forcing", checkpoint="../"), "outside the checkpoint root"),
+    (dict(pipeline="self-forcing", checkpoint="escape"), "outside the checkpoint root"),
+    (dict(pipeline="self-forcing", checkpoint="/etc"), "outside the checkpoint root"),
+    (dict(pipeline="self-forcing", checkpoint="nope"), "no such directory in the checkpoint root"),
+    (dict(pipeline="self-forcing", checkpoint="empty"), "no Self-Forcing generator checkpoint"),
+]
+
+
+@pytest.mark.parametrize("kw,msg", BAD, ids=[m for _, m in BAD])
+def test_bad_input_is_one_message_not_a_traceback(client, kw, msg):
+    with pytest.raises(AppError) as e:
+        client.predict(*form(**kw), api_name="/generate")
+    text = str(e.value)
+    assert msg in text and "Traceback" not in text and "\n" not in text.strip(), text
+
+
+def test_queue_positions_one_job_at_a_time_and_cancel(url):
+    """A second user waits in the queue and sees a position while the first runs; Cancel stops the first between
+    chunks (its video so far is kept) and the second then runs."""
+    a, b = Client(url, verbose=False), Client(url, verbose=False)
+    ja = a.submit(*form(frames=301), api_name="/generate")
+    t0 = time.time()
+    while not any("chunk 1 of" in o[0] for o in ja.outputs()):
+        assert time.time() - t0 < 120
+        time.sleep(0.2)
+    jb = b.submit(*form(frames=4), api_name="/generate")
+    seen = None
+    while seen is None and time.time() - t0 < 60:
+        st = jb.status()
+        if st.code.name == "IN_QUEUE" and st.rank is not None:
+            seen = st
+        time.sleep(0.1)
+    assert seen is not None and seen.rank == 0 and seen.queue_size >= 1, seen
+    assert not jb.outputs()  # not started: one generation at a time
+    assert "Cancelling" in a.predict(api_name="/cancel")
+    outs = _wait(ja)
+    assert "cancelled after" in outs[-1][0] and "of 100 chunks" in outs[-1][0]
+    import imageio.v3 as iio
+    n = iio.imread(outs[-1][6]).shape[0]
+    assert 4 <= n < 301 and (n - 1) % 3 == 0
+    assert _wait(jb)[-1][0].startswith("**done: 1 chunks")
+    assert a.predict(api_name="/cancel") == "Nothing is running."
+
+
+def test_keys_build_the_action_list_and_steer_a_running_video(client):
+    assert client.predict("right*2", api_name="/press_right")[0] == "right*3"
+    assert client.predict("right*2", api_name="/press_zoom_in")[0] == "right*2,zoom_in"
+    job = client.submit(*form(actions="stay", frames=13), api_name="/generate")
+    t0 = time.time()
+    while not any("chunk 1 of" in o[0] for o in job.outputs()):
+        assert time.time() - t0 < 120
+        time.sleep(0.1)
+    text, note = client.predict("stay", api_name="/press_up")
+    assert "steering: **up**" in note
+    acts = [r[1] for r in _wait(job)[-1][5]["data"]]
+    assert acts[0] == "stay" and acts[-1] == "up" and acts == sorted(acts, key=lambda a: a == "up"), acts
+
+
+def test_uploaded_start_image(client, tmp_path):
+    import imageio.v3 as iio
+    import numpy as np
+    img = np.zeros((80, 80, 3), np.uint8)
+    img[:, :40] = (220, 20, 20)
+    iio.imwrite(tmp_path / "red-left.png", img)
+    outs = _wait(client.submit(*form(upload=handle_file(str(tmp_path / "red-left.png")), frames=4, method="bf16"),
+                               api_name="/generate"))
+    first = iio.imread(outs[-1][6])[0].astype(float)
+    assert abs(first[32, 8] - (220, 20, 20)).max() < 40 and first[32, 56].max() < 40
+
+
+def test_no_file_outside_gradio_cache_is_served(url):
+    import urllib.error
+    import urllib.request
+    import qvg
+    for path in ("/etc/passwd", qvg.__file__):
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(f"{url}gradio_api/file={path}", timeout=10)
+        assert e.value.code in (403, 404)
+
+
+def test_path_rules_unit(tmp_path):
+    (tmp_path / "root" / "ck").mkdir(parents=True)
+    root = tmp_path / "root"
+    assert checkpoint_dir("ck", root) == str((root / "ck").resolve())
+    assert checkpoint_dir(str(root / "ck"), root) == str((root / "ck").resolve())
+    for bad, msg in (("..", "outside"), ("", "give a directory"), ("ck/../..", "outside")):
+        with pytest.raises(UsageError, match=msg):
+            checkpoint_dir(bad, root)
+    with pytest.raises(UsageError, match="embedded model only"):
+        checkpoint_dir("ck", None)
+    (tmp_path / "up").mkdir()
+    (tmp_path / "secret.png").write_bytes(b"x")
+    with pytest.raises(UsageError, match="only uploaded files"):
+        settings(Form(upload=str(tmp_path / "secret.png")), Server(None, tmp_path / "up"), tmp_path)
+    with pytest.raises(UsageError, match="no bundled photo"):
+        settings(Form(photo="../../etc/passwd"), Server(None, tmp_path / "up"), tmp_path)
+    assert append_action("", "left") == "left" and append_action("left", "left") == "left*2"
+
+
+def test_cli_binds_localhost_by_default(monkeypatch, tmp_path, capsys):
+    import qvg.app.ui as ui
+    seen = {}
+    monkeypatch.setattr(ui, "launch", lambda app, host, port, **kw: seen.update(host=host, port=port))
+    assert ui.main([]) == 0 and seen == {"host": "127.0.0.1", "port": None}
+    assert ui.main(["--host", "0.0.0.0", "--port", "9999"]) == 0 and seen == {"host": "0.0.0.0", "port": 9999}
+    assert ui.main(["--checkpoint-root", str(tmp_path / "nope")]) == 2
+    assert ui.main(["--device", "tpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all(e.startswith("qvg-app: error:") for e in err)
+
+
+def test_gradio_stays_out_of_the_library_and_the_cli():
+    import subprocess
+    import sys
+    code = "import sys, qvg, qvg.app.generate, qvg.app.ui_run, qvg.app.ui_panel; print('gradio' in sys.modules)"
+    assert subprocess.check_output([sys.executable, "-c", code], text=True).strip() == "False"

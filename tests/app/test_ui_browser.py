@@ -1,0 +1,107 @@
+"""qvg-app in a real headless Chromium (Debian's, driven by playwright): start `python -m qvg.app.ui`, load the page,
+add an action with the keyboard, start a compare-mode generation, watch the live frame change chunk by chunk, wait
+for the end, check the memory panel, and save a screenshot.
+
+The screenshot goes to the test's tmp folder; `QVG_UI_SCREENSHOT=docs/ui-screenshot.png` also writes it there (how
+the committed docs/ui-screenshot.png is made). Without a chromium binary the test is skipped, except under CI
+(CI=true), where .ci/run installs one: there a missing browser fails.
+"""
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                  "--disable-dev-shm-usage"]
+
+
+def _chromium() -> str:
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        path = shutil.which(name)
+        if path:
+            return path
+    if os.environ.get("CI") == "true":
+        pytest.fail("no chromium on PATH under CI (.ci/run installs Debian's chromium)")
+    pytest.skip("no chromium on PATH: install it (Debian: apt-get install chromium) to run the browser test")
+
+
+@pytest.fixture(scope="module")
+def app_url():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "qvg.app.ui", "--port", str(port), "--device", "cpu"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}/"
+    t0 = time.time()
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            break
+        except OSError:
+            if proc.poll() is not None or time.time() - t0 > 90:
+                proc.kill()
+                pytest.fail(f"qvg-app did not start: {proc.stdout.read()[-2000:]}")
+            time.sleep(0.3)
+    yield url
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def test_page_generates_live_and_screenshot(app_url, tmp_path):
+    browser = _chromium()
+    sync_api = pytest.importorskip("playwright.sync_api", reason="the browser test needs playwright (test extra)")
+    t_start = time.time()
+    with sync_api.sync_playwright() as pw:
+        ctx = pw.chromium.launch_persistent_context(str(tmp_path / "profile"), executable_path=browser,
+                                                    headless=True, args=CHROMIUM_FLAGS,
+                                                    viewport={"width": 1500, "height": 1100})
+        page = ctx.new_page()
+        page.goto(app_url, wait_until="domcontentloaded")  # (gradio keeps connections open)
+        page.wait_for_selector("#qvg-generate", timeout=60000)
+        actions = page.locator("#qvg-actions textarea, #qvg-actions input").first
+        actions.fill("right,zoom_in")
+        page.locator("body").click(position={"x": 5, "y": 5})  # focus off the field: keys go to the page
+        page.keyboard.press("ArrowLeft")
+        page.wait_for_function("() => document.querySelector('#qvg-actions textarea, #qvg-actions input')"
+                               ".value.endsWith(',left')", timeout=10000)
+        frames = page.locator("#qvg-frames input[type=number]").first
+        frames.fill("10")
+        frames.press("Enter")
+        page.locator("#qvg-compare input[type=checkbox]").check()
+        page.click("#qvg-generate")
+        srcs, deadline = set(), time.time() + 240
+        status = ""
+        while time.time() < deadline:
+            img = page.locator("#qvg-live img")
+            if img.count():
+                srcs.add(img.first.get_attribute("src"))
+            status = page.locator("#qvg-status").inner_text()
+            if "done:" in status or "Error" in status:
+                break
+            time.sleep(0.2)
+        assert "done: 3 chunks" in status, status
+        srcs.add(page.locator("#qvg-live img").first.get_attribute("src"))
+        assert len(srcs - {None}) >= 4, srcs  # the start preview, then a new image per chunk
+        memory = page.locator("#qvg-memory").inner_text()
+        assert "Chunk 3 of 3" in memory and "PSNR qvg vs bf16" in memory and "smaller" in memory
+        page.wait_for_selector("#qvg-plot img", timeout=20000)
+        page.wait_for_selector("#qvg-video video", timeout=20000)
+        table = page.locator("#qvg-table").inner_text()
+        assert "right" in table and "zoom_in" in table and "left" in table
+        shot = tmp_path / "ui-screenshot.png"
+        page.screenshot(path=str(shot), full_page=True)
+        ctx.close()
+    assert shot.stat().st_size > 20000
+    if os.environ.get("QVG_UI_SCREENSHOT"):
+        shutil.copyfile(shot, os.environ["QVG_UI_SCREENSHOT"])
+    print(f"browser test: {time.time() - t_start:.1f} s, screenshot {shot}")
