@@ -187,6 +187,8 @@ def _world_inputs(image: str, actions: str) -> dict:
             if a.ndim != 3 or a.shape[-1] < 3 or min(a.shape[:2]) < 16 or a.dtype != np.uint8:
                 raise ValueError(f"shape {a.shape} dtype {a.dtype}")
             img = torch.from_numpy(a[..., :3].copy()).permute(2, 0, 1).float() / 127.5 - 1
+            from qvg.pipelines.world_data import photo_view  # the scale the model was trained at
+            img = photo_view(img)
         except Exception as e:
             raise UsageError(f"--image: cannot read {image!r} as an 8-bit RGB image "
                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None

@@ -22,6 +22,7 @@ from .world_model import ACTIONS, DEFAULT_CONFIG
 
 PHOTO_DIR = Path(__file__).resolve().parent.parent / "assets" / "photos"
 HELD_OUT = ("coffee", "camera")  # never in training (assets/build_photos.py)
+PHOTO_SHORT_SIDE = 384  # pixels: the bundled photos' median short side
 Z_RANGE = (0.5, 2.2)  # camera scale limits (canvas pixels per view pixel)
 MOVES = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
 REVERSE = {"left": "right", "right": "left", "up": "down", "down": "up", "zoom_in": "zoom_out",
@@ -174,6 +175,19 @@ def centre_view(canvas: torch.Tensor, size: int = DEFAULT_CONFIG["frame_size"], 
     """The view [3, size, size] at the canvas's centre, at scale z (the start frame for a bundled photo)."""
     h, w = canvas.shape[-2:]
     return render(canvas, [Camera(w / 2, h / 2, z)], size)[:, 0]
+
+
+def photo_view(image: torch.Tensor, size: int = DEFAULT_CONFIG["frame_size"]) -> torch.Tensor:
+    """A user's photo [3, H, W] in [-1, 1] -> its start frame [3, size, size] at the scale the model was trained
+    at: the photo is scaled so its short side is PHOTO_SHORT_SIDE pixels, like the bundled photos, and the view at
+    its centre at scale 1 is cut (squeezing a whole photo into 64 px gives a far wider view than any in training)."""
+    h, w = image.shape[-2:]
+    f = PHOTO_SHORT_SIDE / min(h, w)
+    hw = (max(size, round(h * f)), max(size, round(w * f)))
+    x = image[None].float()
+    x = F.interpolate(x, size=hw, mode="area") if f < 1 else F.interpolate(x, size=hw, mode="bilinear",
+                                                                              align_corners=False)
+    return centre_view(x[0].clamp(-1, 1), size)
 
 
 def augment(canvas: torch.Tensor, rng: random.Random) -> torch.Tensor:

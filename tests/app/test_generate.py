@@ -118,7 +118,8 @@ def test_default_centroids_keep_the_centroid_cost_low():
 
 
 def test_start_image_from_a_file(tmp_path):
-    """--image FILE: its centre square, resized to 64 x 64, is the video's first frame."""
+    """--image FILE: its centre view, at the bundled photos' scale (world_data.photo_view), is the video's first
+    frame: here the view straddles the red / blue boundary at the photo's centre."""
     import imageio.v3 as iio
     import numpy as np
     img = np.zeros((90, 120, 3), np.uint8)

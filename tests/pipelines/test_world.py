@@ -137,3 +137,17 @@ def test_shipped_model_beats_copying_the_start_frame_on_a_held_out_photo():
     ours = psnr(vid, gt[:, 3:])
     copy_ = psnr(gt[:, :1].expand(-1, 6, -1, -1), gt[:, 3:])
     assert ours > copy_ + 2, (ours, copy_)
+
+
+def test_photo_view_cuts_the_centre_at_the_training_scale():
+    """A user's photo is scaled to the bundled photos' short side and its centre view cut at scale 1: for a
+    768 x 1024 photo (scale 1/2) the 64-pixel view spans the photo's centre 128 x 128 pixels, not the whole."""
+    from qvg.pipelines.world_data import PHOTO_SHORT_SIDE, photo_view
+    assert PHOTO_SHORT_SIDE == 384
+    img = torch.full((3, 768, 1024), -1.0)
+    img[0, 384 - 72:384 + 72, 512 - 72:512 + 72] = 1.0  # a red square of 144 px at the centre, the rest black
+    v = photo_view(img)
+    assert v.shape == (3, 64, 64)
+    assert torch.allclose(v[0], torch.ones(64, 64), atol=0.05) and v[1:].max() < -0.95
+    small = photo_view(torch.rand(3, 40, 50) * 2 - 1)  # smaller than the view: upscaled, still a full frame
+    assert small.shape == (3, 64, 64) and torch.isfinite(small).all()
