@@ -258,6 +258,8 @@ def main(argv=None) -> int:
                    help="revisit cache configurations to run, comma-separated names (default: all): "
                         + "; ".join(configs(DEFAULT_CONFIG)))
     p.add_argument("--skip-quality", action="store_true", help="only the revisit part (2-3)")
+    p.add_argument("--add-configs", default=None, metavar="JSON",
+                   help='more revisit configurations: {"name": [method, window frames or null, {options}]}')
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--report", default=None, help="only render .md / .png from this results JSON")
     a = p.parse_args(argv)
@@ -283,13 +285,19 @@ def main(argv=None) -> int:
 
     # 2 + 3. revisits: PSNR on the returning views (the last m chunks), per cache configuration
     revisit = cases("revisit", a.trajectories, 2 * a.m + 1, a.m, cfg)
-    names = list(configs(cfg)) if a.configs is None else [c.strip() for c in a.configs.split(",")]
-    unknown = [c for c in names if c not in configs(cfg)]
+    table = configs(cfg)
+    if a.add_configs:
+        try:
+            table.update({k: tuple(v) for k, v in json.loads(a.add_configs).items()})
+        except (json.JSONDecodeError, AttributeError, TypeError) as e:
+            p.error(f"--add-configs: not a JSON object of [method, window, options] ({e})")
+    names = list(table) if a.configs is None else [c.strip() for c in a.configs.split(",")]
+    unknown = [c for c in names if c not in table]
     if unknown:
-        p.error(f"unknown --configs {unknown}; choose from: {'; '.join(configs(cfg))}")
+        p.error(f"unknown --configs {unknown}; choose from: {'; '.join(table)}")
     rv = {}
     for cname in names:
-        method, window, opts = configs(cfg)[cname]
+        method, window, opts = table[cname]
         by_seed, all_seed, cons_seed, reg_seed, curve, cons_curve, mem = [], [], [], [], [], [], None
         for s in range(a.seeds):
             ret, every, cons, reg = [], [], [], []
