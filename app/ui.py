@@ -102,7 +102,7 @@ def build(server: Server):
                         window = gr.Number(12, label="window (latent frames)", precision=0, minimum=3, visible=False)
                         sink = gr.Number(0, label="sink (latent frames)", precision=0, minimum=0)
                     with gr.Row():
-                        frames = gr.Slider(4, 301, value=31, step=3, label="length (frames)", elem_id="qvg-frames")
+                        frames = gr.Slider(1, 301, value=31, step=3, label="length (frames)", elem_id="qvg-frames")
                         seed = gr.Number(0, label="seed", precision=0, minimum=0)
                     compare = gr.Checkbox(False, label="compare with BF16 (same seed, side by side, PSNR per chunk)",
                                           elem_id="qvg-compare")

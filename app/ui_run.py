@@ -141,6 +141,8 @@ def settings(form: Form, server: Server, out: Path) -> list[dict]:
             v = _num(value, LABELS[flag])
             if v is not None:
                 opts += [flag, v]
+    if form.compare and form.method == "bf16":
+        raise UsageError("compare: choose a compressed method to compare with BF16")
     runs = [("bf16", [])] if form.compare else []
     runs.append((form.method, opts))
     out_list = []

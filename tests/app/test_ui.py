@@ -41,6 +41,19 @@ def ckpt_root(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def sf_checkpoint(ckpt_root):
+    """A tiny Self-Forcing checkpoint in the original layout at ROOT/sf (tests/pipelines/test_checkpoints.py's)."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "pipelines" / "test_checkpoints.py"
+    spec = importlib.util.spec_from_file_location("_sf_checkpoint_files", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # (skips where the wan packages are missing)
+    (ckpt_root / "sf").mkdir()
+    return mod.write_checkpoint(ckpt_root / "sf", mod.source_models())
+
+
+@pytest.fixture(scope="module")
 def url(ckpt_root):
     import matplotlib
     matplotlib.use("Agg")
@@ -63,6 +76,8 @@ def _wait(job, timeout=240):
     while not job.done():
         assert time.time() - t0 < timeout, "job did not finish"
         time.sleep(0.2)
+    if job.exception() is not None:
+        raise job.exception()
     return job.outputs()
 
 
@@ -107,15 +122,34 @@ def test_compare_runs_bf16_and_the_method_side_by_side(client):
     assert 20 < row["PSNR dB"] < 100 and row["bf16 ratio"] == 1.0 and row["rtn ratio"] > 1
     assert "PSNR rtn vs bf16" in last[3]
     assert last[1]["label"] == "live: rtn" and last[2] and last[7]  # both live frames, both videos
-    # the two runs share one model, interleaved: a BF16 "comparison" with itself is exact
-    outs = _wait(client.submit(*form(method="bf16", compare=True, frames=7), api_name="/generate"))
-    assert [r[-1] for r in outs[-1][5]["data"]] == [100.0, 100.0]
+    # the two runs share one model, interleaved chunk by chunk: the BF16 side is exactly a BF16 run on its own
+    alone = _wait(client.submit(*form(method="bf16", frames=4), api_name="/generate"))
+    from PIL import Image, ImageSequence
+    import numpy as np
+
+    def frames(path):
+        return [np.asarray(f.convert("RGB")) for f in ImageSequence.Iterator(Image.open(path))]
+    ref_side, own = frames(last[2]), frames(alone[-1][1]["value"])
+    assert len(ref_side) == len(own) == 3 and all(np.array_equal(a, b) for a, b in zip(ref_side, own))
+
+
+def test_self_forcing_from_a_checkpoint_directory_in_the_root(client, sf_checkpoint):
+    """A checkpoint directory named relative to the server's root runs the real Self-Forcing loader and loop."""
+    outs = _wait(client.submit(*form(pipeline="self-forcing", checkpoint="sf", prompt="a red fox", frames=1),
+                               api_name="/generate"))
+    assert outs[-1][0].startswith("**done: 1 chunks"), outs[-1][0]
+    import imageio.v3 as iio
+    assert iio.imread(outs[-1][6]).shape == (1, 480, 832, 3)
+    rep = json.loads(open(outs[-1][8][0]).read())
+    assert rep["pipeline"] == "self-forcing" and rep["prompt"] == "a red fox"
+    assert rep["checkpoint"]["generator"].startswith(str(sf_checkpoint.resolve()))
 
 
 BAD = [
     (dict(method="qvg", block_size=48), "not divisible by block_size"),
     (dict(actions="fly*2"), "unknown action"),
     (dict(stages=17), "stages must be in [0, 16]"),
+    (dict(method="bf16", compare=True), "choose a compressed method"),
     (dict(history="window", window=4), "window must be a multiple of the chunk size"),
     (dict(sink=None), "sink: give a number"),
     (dict(pipeline="self-forcing", checkpoint="../"), "outside the checkpoint root"),

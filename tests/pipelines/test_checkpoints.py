@@ -118,8 +118,7 @@ def write_tokenizer(folder):
         "unk_token": "<unk>", "model_max_length": 512}))
 
 
-@pytest.fixture(scope="module")
-def src():
+def source_models() -> dict:
     """The seeded source models."""
     from diffusers import AutoencoderKLWan
     return {"ema": _seeded(1, lambda: CausalWanTransformer(**TRANSFORMER)),
@@ -128,10 +127,9 @@ def src():
             "t5": _seeded(4, lambda: UMT5EncoderModel(UMT5Config(**T5)))}
 
 
-@pytest.fixture(scope="module")
-def ckpt(src, tmp_path_factory):
-    """DIR/checkpoints/self_forcing_dmd.pt + DIR/wan_models/Wan2.1-T2V-1.3B/ as Self-Forcing lays them out."""
-    root = tmp_path_factory.mktemp("sf")
+def write_checkpoint(root, src):
+    """root/checkpoints/self_forcing_dmd.pt + root/wan_models/Wan2.1-T2V-1.3B/ as Self-Forcing lays them out (also
+    used by tests/app/test_ui.py)."""
     (root / "checkpoints").mkdir()
     torch.save({"generator": _generator_dict(src["raw"]), "generator_ema": _generator_dict(src["ema"])},
                root / "checkpoints" / "self_forcing_dmd.pt")
@@ -142,6 +140,16 @@ def ckpt(src, tmp_path_factory):
     torch.save(wan_t5_dict(src["t5"]), wan / "models_t5_umt5-xxl-enc-bf16.pth")
     write_tokenizer(wan / "google" / "umt5-xxl")
     return root
+
+
+@pytest.fixture(scope="module")
+def src():
+    return source_models()
+
+
+@pytest.fixture(scope="module")
+def ckpt(src, tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("sf"), src)
 
 
 @pytest.fixture(scope="module")
