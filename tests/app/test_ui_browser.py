@@ -1,6 +1,7 @@
 """qvg-app in a real headless Chromium (Debian's, driven by playwright): start `python -m qvg.app.ui`, load the page,
-add an action with the keyboard, start a compare-mode generation, watch the live frame change chunk by chunk, wait
-for the end, check the memory panel, and save a screenshot.
+add an action with the keyboard, start a compare-mode generation, see a second page wait in the queue with its
+position and cancel there, watch the live frame change chunk by chunk, wait for the end, check the memory panel,
+and save a screenshot.
 
 The screenshot goes to the test's tmp folder; `QVG_UI_SCREENSHOT=docs/ui-screenshot.png` also writes it there (how
 the committed docs/ui-screenshot.png is made). Without a chromium binary the test is skipped, except under CI
@@ -79,6 +80,16 @@ def test_page_generates_live_and_screenshot(app_url, tmp_path):
         frames.press("Enter")
         page.locator("#qvg-compare input[type=checkbox]").check()
         page.click("#qvg-generate")
+        # a second user (another page, another session) waits in the queue, sees its position, and cancels
+        other = ctx.new_page()
+        other.goto(app_url, wait_until="domcontentloaded")
+        other.wait_for_selector("#qvg-generate", timeout=60000)
+        other.click("#qvg-generate")
+        other.wait_for_function("() => document.querySelector('#qvg-status').innerText.includes('queue: 1/1')",
+                                timeout=30000)
+        other.click("#qvg-cancel")
+        other.wait_for_function("() => document.querySelector('#qvg-status').innerText.includes('will not run')",
+                                timeout=10000)
         srcs, deadline = set(), time.time() + 240
         status = ""
         while time.time() < deadline:
@@ -98,6 +109,8 @@ def test_page_generates_live_and_screenshot(app_url, tmp_path):
         page.wait_for_selector("#qvg-video video", timeout=20000)
         table = page.locator("#qvg-table").inner_text()
         assert "right" in table and "zoom_in" in table and "left" in table
+        other.wait_for_function("() => document.querySelector('#qvg-status').innerText.includes('before it "
+                                "started')", timeout=30000)  # its turn came: it ended without running
         shot = tmp_path / "ui-screenshot.png"
         page.screenshot(path=str(shot), full_page=True)
         ctx.close()
