@@ -21,7 +21,6 @@ on videos made by a runner (`runners`):
 from __future__ import annotations
 
 import statistics
-import sys
 
 import torch
 
@@ -29,6 +28,7 @@ import qvg
 
 from .compare import compare
 from .metrics import psnr
+from .progress import bar as progress_bar
 from .kv_analysis import _Chain, _mse, _warm_start, default_grid
 from .rope_storage import storage_rows
 
@@ -36,8 +36,7 @@ TENSORS = ("K", "V")
 
 
 def _bar(total: int, progress: bool, desc: str):
-    from tqdm import tqdm
-    return tqdm(total=total, desc=desc, file=sys.stderr, dynamic_ncols=True, leave=False, disable=not progress)
+    return progress_bar(total, desc, progress, leave=False)
 
 
 def _ms(vals: list[float]) -> dict:

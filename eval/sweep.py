@@ -15,9 +15,9 @@ saved JSON re-renders without re-running (`rows(res)`).
 from __future__ import annotations
 
 import statistics
-import sys
 
 from .compare import compare
+from .progress import bar as progress_bar
 
 KMEANS_METHODS = ("qvg", "qvg-pro")
 METRICS = ("psnr", "ssim", "lpips")
@@ -25,11 +25,6 @@ METRICS = ("psnr", "ssim", "lpips")
 
 def seeded(method: str) -> bool:
     return method in KMEANS_METHODS
-
-
-def _bar(total: int, progress: bool, desc: str):
-    from tqdm import tqdm
-    return tqdm(total=total, desc=desc, unit="video", disable=not progress, file=sys.stderr, dynamic_ncols=True)
 
 
 def _brief(c: dict) -> dict:
@@ -56,7 +51,7 @@ def run(runner, spec: dict, *, lpips_model=None, vbench: dict | None = None, pro
             jobs.append((m, b, kseeds[0]))
             if seeded(m) and b in floor_bits:
                 jobs += [(m, b, k) for k in kseeds[1:]]
-    bar = _bar(len(inputs) * len(seeds) * (1 + len(jobs)), progress, "sweep")
+    bar = progress_bar(len(inputs) * len(seeds) * (1 + len(jobs)), "sweep", progress, unit="video")
     runs, sampling_floor, kmeans_floor = [], [], []
     for inp in inputs:
         refs = {}

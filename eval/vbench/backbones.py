@@ -24,32 +24,49 @@ from ..weights import MissingWeights, read_state_dict, weight_path
 DINO_FILE = "dino_vitbase16_pretrain.pth"
 
 
-def dino_to_vit(sd: dict) -> tuple[dict, dict]:
-    """DINO's VisionTransformer state dict -> (transformers ViTModel state dict, ViTConfig kwargs)."""
-    sd = {k: v for k, v in sd.items() if not k.startswith("head")}
+# DINO block parameter -> transformers ViT name, in transformers' two layouts (5.x renamed ViT's modules)
+_VIT_NAMES = {
+    "old": {"prefix": "encoder.layer.{i}.", "norm1": "layernorm_before", "norm2": "layernorm_after",
+            "attn.proj": "attention.output.dense", "mlp.fc1": "intermediate.dense", "mlp.fc2": "output.dense",
+            "q": "attention.attention.query", "k": "attention.attention.key", "v": "attention.attention.value"},
+    "new": {"prefix": "layers.{i}.", "norm1": "layernorm_before", "norm2": "layernorm_after",
+            "attn.proj": "attention.o_proj", "mlp.fc1": "mlp.fc1", "mlp.fc2": "mlp.fc2",
+            "q": "attention.q_proj", "k": "attention.k_proj", "v": "attention.v_proj"},
+}
+
+
+def vit_layout(model) -> str:
+    """"new" (transformers >= 5: layers.{i}.attention.q_proj) or "old" (encoder.layer.{i}.attention.attention)."""
+    return "new" if any(k.startswith("layers.0.") for k in model.state_dict()) else "old"
+
+
+def dino_config(sd: dict) -> dict:
+    """ViTConfig kwargs of a DINO VisionTransformer state dict, read from its shapes (heads = width / 64, as in
+    every DINO ViT; LayerNorm eps 1e-6, GELU, qkv bias: DINO's)."""
     width = sd["cls_token"].shape[-1]
-    layers = 1 + max(int(k.split(".")[1]) for k in sd if k.startswith("blocks."))
     patch = sd["patch_embed.proj.weight"].shape[-1]
     grid = int(round((sd["pos_embed"].shape[1] - 1) ** 0.5))
-    cfg = dict(hidden_size=width, num_hidden_layers=layers, num_attention_heads=width // 64,
-               intermediate_size=sd["blocks.0.mlp.fc1.weight"].shape[0], patch_size=patch, image_size=grid * patch,
-               qkv_bias=True, layer_norm_eps=1e-6, hidden_act="gelu")
+    return dict(hidden_size=width, num_hidden_layers=1 + max(int(k.split(".")[1]) for k in sd
+                                                             if k.startswith("blocks.")),
+                num_attention_heads=width // 64, intermediate_size=sd["blocks.0.mlp.fc1.weight"].shape[0],
+                patch_size=patch, image_size=grid * patch, qkv_bias=True, layer_norm_eps=1e-6, hidden_act="gelu")
+
+
+def dino_to_vit(sd: dict, layout: str) -> dict:
+    """DINO's VisionTransformer state dict (its `head` dropped) -> transformers ViTModel's, in `layout`."""
+    names = _VIT_NAMES[layout]
     out = {"embeddings.cls_token": sd["cls_token"], "embeddings.position_embeddings": sd["pos_embed"],
            "embeddings.patch_embeddings.projection.weight": sd["patch_embed.proj.weight"],
            "embeddings.patch_embeddings.projection.bias": sd["patch_embed.proj.bias"],
            "layernorm.weight": sd["norm.weight"], "layernorm.bias": sd["norm.bias"]}
-    names = {"norm1": "layernorm_before", "norm2": "layernorm_after", "attn.proj": "attention.output.dense",
-             "mlp.fc1": "intermediate.dense", "mlp.fc2": "output.dense"}
-    for i in range(layers):
-        b, o = f"blocks.{i}.", f"encoder.layer.{i}."
-        for src, dst in names.items():
-            for p in ("weight", "bias"):
-                out[o + dst + "." + p] = sd[b + src + "." + p]
+    for i in range(dino_config(sd)["num_hidden_layers"]):
+        b, o = f"blocks.{i}.", names["prefix"].format(i=i)
         for p in ("weight", "bias"):
-            q, k, v = sd[b + "attn.qkv." + p].chunk(3)
-            for name, t in (("query", q), ("key", k), ("value", v)):
-                out[o + f"attention.attention.{name}.{p}"] = t
-    return out, cfg
+            for src in ("norm1", "norm2", "attn.proj", "mlp.fc1", "mlp.fc2"):
+                out[f"{o}{names[src]}.{p}"] = sd[f"{b}{src}.{p}"]
+            for name, t in zip("qkv", sd[f"{b}attn.qkv.{p}"].chunk(3)):
+                out[f"{o}{names[name]}.{p}"] = t
+    return out
 
 
 def _hf_folder(path: Path) -> bool:
@@ -68,9 +85,9 @@ def load_dino(weights=None, device="cpu", config=None) -> nn.Module:
     if not f.is_file():
         raise MissingWeights(f"missing {f} (DINO ViT-B/16: VBench's {DINO_FILE}) and {p} is not a Hugging Face "
                              "folder (no config.json)")
-    sd, cfg = dino_to_vit(read_state_dict(f))
-    model = ViTModel(ViTConfig(**cfg), add_pooling_layer=False)
-    missing, unexpected = model.load_state_dict(sd, strict=False)
+    raw = read_state_dict(f)
+    model = ViTModel(ViTConfig(**dino_config(raw)), add_pooling_layer=False)
+    missing, unexpected = model.load_state_dict(dino_to_vit(raw, vit_layout(model)), strict=False)
     if missing or unexpected:
         raise ValueError(f"{f}: not a DINO ViT checkpoint (missing {missing[:3]}, unexpected {unexpected[:3]})")
     return model.eval().to(device)

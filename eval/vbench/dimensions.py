@@ -116,4 +116,6 @@ def load_dimensions(names=DIMENSIONS, weights=None, device="cpu", configs: dict 
             out[n] = CLASSES[n](weights, device, (configs or {}).get(n)) if n != "imaging_quality" else CLASSES[n]()
         except (MissingWeights, MusiqNotImplemented) as e:
             out[n] = str(e)
+        except ImportError as e:  # transformers missing
+            out[n] = f"not computed: {e}"
     return out

@@ -1,0 +1,91 @@
+"""qvg-eval compare: windows, the onset / divergence frame, the CLI on mp4 files, and no torchvision."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from qvg.eval.cli import main
+from qvg.eval.compare import chunk_bounds, compare
+
+
+def test_chunk_bounds():
+    assert chunk_bounds(10, lead=1, first=3, chunk=3) == [(1, 4), (4, 7), (7, 10)]
+    assert chunk_bounds(9, lead=1, first=3, chunk=3) == [(1, 4), (4, 7), (7, 9)]
+    assert chunk_bounds(33, lead=0, first=9, chunk=12) == [(0, 9), (9, 21), (21, 33)]
+
+
+def test_windows_and_first_below():
+    g = torch.Generator().manual_seed(0)
+    ref = torch.rand(3, 10, 32, 32, generator=g) * 2 - 1
+    test = ref.clone()
+    test[:, 7:] += 0.2 * torch.randn(3, 3, 32, 32, generator=g)  # diverges from frame 7 (the last chunk)
+    r = compare(ref, test, lead=1, first=3, chunk=3, onset_chunks=1)
+    assert r["windows"]["onset"]["frames"] == [1, 4] and r["windows"]["onset"]["psnr"] == 100.0
+    assert [c["frames"] for c in r["windows"]["chunks"]] == [[1, 4], [4, 7], [7, 10]]
+    assert r["first_below"] == 7 and r["windows"]["chunks"][2]["psnr"] < 30
+    assert r["windows"]["video"]["ssim"] < 1 and r["frames"]["lpips"] is None
+    assert compare(ref, test, lead=1, onset_chunks=3)["windows"]["onset"]["frames"] == [1, 10]
+    with pytest.raises(ValueError, match="differ in shape"):
+        compare(ref, test[:, :5])
+
+
+def _write_mp4(path, frames: np.ndarray, report: dict | None = None):
+    import imageio.v2 as imageio
+    with imageio.get_writer(str(path), fps=8, codec="libx264", quality=8, macro_block_size=1) as w:
+        for f in frames:
+            w.append_data(f)
+    if report is not None:
+        path.with_suffix(".json").write_text(json.dumps(report))
+
+
+def test_cli_compare_mp4(tmp_path, capsys):
+    rng = np.random.default_rng(0)
+    base = (rng.random((10, 32, 32, 3)) * 255).astype(np.uint8)
+    noisy = np.clip(base.astype(int) + rng.integers(-20, 21, base.shape), 0, 255).astype(np.uint8)
+    _write_mp4(tmp_path / "ref.mp4", base, {"pipeline": "tiny"})
+    _write_mp4(tmp_path / "test.mp4", noisy)
+    assert main(["compare", str(tmp_path / "ref.mp4"), str(tmp_path / "test.mp4"), "--out", str(tmp_path / "c"),
+                 "--lpips", "none"]) == 0
+    res = json.loads((tmp_path / "c.json").read_text())
+    assert res["layout"] == {"lead": 1, "first": 3, "chunk": 3, "frames": 10}  # from ref.json: the embedded model
+    assert len(res["frames"]["psnr"]) == 10 and res["windows"]["onset"]["frames"] == [1, 4]
+    assert res["meta"]["command"].startswith("qvg-eval compare") and res["meta"]["git_commit"]
+    assert (tmp_path / "c.png").stat().st_size > 0
+    assert "onset (1-3)" in capsys.readouterr().out
+
+
+def test_cli_errors(tmp_path, capsys):
+    assert main(["compare", str(tmp_path / "nope.mp4"), str(tmp_path / "x.mp4")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("qvg-eval: error: no such file")
+    assert main(["report", str(tmp_path), "--preset", "huge"]) == 2
+    assert "--preset must be one of" in capsys.readouterr().err
+
+
+def test_lpips_missing_weights_message(tmp_path, capsys):
+    v = (np.random.default_rng(1).random((4, 32, 32, 3)) * 255).astype(np.uint8)
+    np.save(tmp_path / "a.npy", v)
+    assert main(["compare", str(tmp_path / "a.npy"), str(tmp_path / "a.npy"), "--weights", str(tmp_path / "w"),
+                 "--out", str(tmp_path / "c")]) == 0
+    err = capsys.readouterr().err
+    assert "LPIPS not computed: missing" in err and "alexnet-owt-7be5be79.pth" in err
+    assert json.loads((tmp_path / "c.json").read_text())["meta"]["lpips"].startswith("not computed")
+
+
+def test_cpu_paths_do_not_import_torchvision(tmp_path):
+    v = (np.random.default_rng(2).random((4, 32, 32, 3)) * 255).astype(np.uint8)
+    np.save(tmp_path / "a.npy", v)
+    code = (f"import sys; from qvg.eval.cli import main; "
+            f"main(['compare', {str(tmp_path / 'a.npy')!r}, {str(tmp_path / 'a.npy')!r}, '--out', "
+            f"{str(tmp_path / 'c')!r}, '--weights', {str(tmp_path)!r}, '--no-progress']); "
+            "import qvg.eval.report, qvg.eval.sweep, qvg.eval.analyses, qvg.eval.vbench, qvg.eval.lpips; "
+            "from qvg.eval.vbench import load_dimensions; load_dimensions(weights=" + repr(str(tmp_path)) + "); "
+            "print('torchvision' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "False"

@@ -1,0 +1,75 @@
+"""K/V capture, the sweep, the analyses and the report on a tiny random world model (seconds).
+
+The pipelines (diffusers, which imports triton) are imported inside the tests, not at collection: this folder is
+collected before tests/kernels/, whose conftest must set TRITON_INTERPRET before triton is first imported."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from qvg.cache import KVCache
+from qvg.eval import report, sweep
+from qvg.eval.cli import main
+
+
+def test_capture_is_what_the_cache_stores(tiny_runner):
+    from qvg.eval.kv_capture import KVCapture
+    from qvg.pipelines.world_model import rollout
+    r = tiny_runner
+    cap = KVCapture(r.model)
+    r.run("coffee", 0, "bf16", {}, 2, capture=cap)
+    assert len(cap.chunks) == 3  # the start image's context chunk + 2 generated
+    cache = KVCache(len(r.model.blocks), "bf16", chunk_frames=3, tokens_per_frame=r.tokens_per_frame)
+    for _ in rollout(r.model, r.config, r.start_frame("coffee"), r.actions[:2], cache, seed=0):
+        pass
+    n = r.unit_tokens
+    for layer in range(len(r.model.blocks)):
+        k, v = cache.read(layer)
+        for c in range(3):
+            assert torch.equal(k[:, :, c * n:(c + 1) * n], cap.key(c, layer).bfloat16())
+            assert torch.equal(v[:, :, c * n:(c + 1) * n], cap.value(c, layer).bfloat16())
+    assert not torch.equal(cap.key(1, 0), cap.key(1, 0, post_rope=False))
+    r.run("coffee", 1, "bf16", {}, 1)  # a run without the capture: nothing recorded
+    assert len(cap.chunks) == 3
+
+
+def test_sweep_table_and_floors(tiny_runner, tiny_preset):
+    spec = tiny_preset["sweep"]
+    res = sweep.run(tiny_runner, spec, progress=False)
+    rows = {(r["method"], r["bits"]): r for r in res["table"]}
+    assert set(rows) == {("bf16", 16), ("rtn", 2), ("qvg", 2), ("bf16: another sampling seed", 16),
+                         ("qvg: another k-means seed", 2)}
+    # 1 input x 2 seeds x (bf16 + rtn + qvg at k-means seeds 0 and 1)
+    assert len(res["runs"]) == 2 * 4 and rows["qvg", 2]["n"] == 2 and rows["qvg", 2]["kmeans_seeds"] == 2
+    q = [r for r in res["runs"] if r["method"] == "qvg" and r["kmeans_seed"] == 0]
+    assert rows["qvg", 2]["compression_ratio"] == pytest.approx(
+        sum(r["memory"]["compression_ratio"] for r in q) / 2)
+    assert rows["qvg", 2]["onset"]["psnr"]["std"] is not None and rows["rtn", 2]["compression_ratio"] > 1
+    assert len(res["sampling_floor"]) == 1 and res["sampling_floor"][0]["seeds"] == [0, 1]
+    again = json.loads(json.dumps(res))  # the table is computed from the saved records alone
+    assert sweep.rows(again) == json.loads(json.dumps(res["table"]))
+    md = sweep.table_markdown(res)
+    assert "*floor: bf16: another sampling seed*" in md and "| qvg | INT2 |" in md
+
+
+def test_report_and_rerender(tiny_runner, tiny_preset, tmp_path):
+    out = tmp_path / "rep"
+    res = report.run(out, tiny_preset, tiny_runner, command="test", progress=False)
+    for f in ("report.md", "results.json", "sweep_quality.png", "memory_breakdown.png", "long_video.png",
+              "kv_analyses.png"):
+        assert (out / f).stat().st_size > 0, f
+    md = (out / "report.md").read_text()
+    for part in ("Table 1", "Fig. 5a", "Fig. 6", "Fig. 5c", "Fig. 7", "Warm vs cold", "Pre- vs post-RoPE"):
+        assert part in md
+    m = res["meta"]
+    assert m["command"] == "test" and m["git_commit"] and m["device"].startswith("cpu") and m["spec"] == tiny_preset
+    assert res["capture"]["chunks"] == tiny_preset["long"]["chunks"] + 1
+    kv = res["kv"]
+    assert set(kv["reduction"]["K"]) >= {"qvg / rtn @ B=64 int2", "qvg-pro / rtn @ B=16 int2"}
+    assert len(kv["stages"]["V"]["B=16"]) == 5
+    assert set(res["rope"]["summary"]) >= {"qvg int2", "rtn int4"}
+    (out / "report.md").unlink()
+    assert main(["report", str(out), "--from-json"]) == 0
+    assert (out / "report.md").read_text() == md
