@@ -65,7 +65,7 @@ def build(server: Server):
         server.upload_dir = Path(get_upload_folder())
     sessions, models, workdirs = Sessions(), Models(), Workdirs()
     root = server.checkpoint_root
-    with gr.Blocks(title="QVG live", delete_cache=(1800, 3600)) as app:
+    with gr.Blocks(title="QVG live", delete_cache=(1800, 3600), analytics_enabled=False) as app:
         gr.Markdown("# QVG — live video generation with a compressed KV cache\nFrames appear chunk by chunk; the "
                     "memory panel shows what the KV cache holds after each chunk against BF16.")
         status = gr.Markdown("Ready.", elem_id="qvg-status")

@@ -272,7 +272,8 @@ def run(form: Form, server: Server, controls: Controls, models: Models, workdir:
                 break
             chunks = [next(it) for it in iters]
             for lb, ch in zip(labels, chunks):
-                up.frames[lb] = ch.frames
+                if len(ch.frames):  # (the last chunk may be cut to nothing: the video is `frames` long)
+                    up.frames[lb] = ch.frames
                 for f in ch.frames:
                     writers[lb].append_data(f)
                 if peaks[lb] is None or ch.memory["total"] > peaks[lb]["total"]:
