@@ -104,8 +104,8 @@ def parse(argv) -> dict:
     if opts["bits"] is not None and opts["bits"] not in (2, 4, 8):
         raise UsageError(f"--bits must be 2, 4 or 8, got {opts['bits']}")
     if a.pipeline == "tiny" and a.method == "qvg" and opts["bits"] is None:
-        # the embedded model is sensitive to INT2 keys (eval/results/world-eval-h100.md: QVG INT2 costs 2.3 dB on
-        # revisits, INT4 0.02 dB): its default is INT4; --bits 2 gives the 2-bit cache
+        # the embedded model is sensitive to INT2 (eval/results/world-eval-h100.md: QVG INT2 at its default options
+        # costs 1.0-2.4 dB on revisits, INT4 0.0 dB): its default is INT4; --bits 2 gives the 2-bit cache
         opts["bits"] = 4
     s["options"] = {k: v for k, v in opts.items() if v is not None}
     if a.method == "bf16" and s["options"]:

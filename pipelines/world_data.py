@@ -4,7 +4,7 @@ large image (a bundled photo, assets/photos/, or a procedural texture), rendered
 A camera is (x, y, z): the view's centre in canvas pixels and its scale (canvas pixels per view pixel). Per frame
 an action moves it: left/right/up/down by `pan_pixels` view pixels (pan_pixels * z canvas pixels), zoom_in /
 zoom_out divide / multiply z by `zoom_factor`. A trajectory holds one action per chunk; the first chunk is the
-start view, still ("stay"). Half the trajectories are revisits: go somewhere for m chunks and come straight back,
+start view, still ("stay"). A share of the trajectories (WorldData's `revisit`; 70% in training) are revisits: go somewhere for m chunks and come straight back,
 so the returning views are exactly views seen m chunks earlier (the model must use its long memory).
 Views are rendered with 2x supersampling (bilinear at 128 x 128, then 2 x 2 mean), so zooming out does not alias.
 """
@@ -22,7 +22,7 @@ from .world_model import ACTIONS, DEFAULT_CONFIG
 
 PHOTO_DIR = Path(__file__).resolve().parent.parent / "assets" / "photos"
 HELD_OUT = ("coffee", "camera")  # never in training (assets/build_photos.py)
-PHOTO_SHORT_SIDE = 384  # pixels: the bundled photos' median short side
+PHOTO_SHORT_SIDE = 384  # pixels: the bundled photos' most common short side (they range from 147 to 384)
 Z_RANGE = (0.5, 2.2)  # camera scale limits (canvas pixels per view pixel)
 MOVES = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
 REVERSE = {"left": "right", "right": "left", "up": "down", "down": "up", "zoom_in": "zoom_out",
