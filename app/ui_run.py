@@ -251,8 +251,13 @@ def run(form: Form, server: Server, controls: Controls, models: Models, workdir:
     model = models.get(runs[0])
     plan = Plan(runs[0], controls) if runs[0]["pipeline"] == "tiny" else None  # shared: the same actions
     gens = [Generation(s, loaded=model, plan=plan) for s in runs]
+    if runs[0]["device"].type == "cuda":  # peak_gpu_bytes covers this job's generation, as in qvg-generate
+        import torch
+        torch.cuda.reset_peak_memory_stats(runs[0]["device"])
     up = Update("starting", labels, total_chunks=gens[0].total_chunks, fps=gens[0].fps)
     writers = {}
+    written = {lb: 0 for lb in labels}  # frames in each mp4 (imageio creates no file for none)
+    chunk_seconds = {lb: 0.0 for lb in labels}
     peaks = {lb: None for lb in labels}
     t0 = time.perf_counter()
     try:
@@ -262,6 +267,7 @@ def run(form: Form, server: Server, controls: Controls, models: Models, workdir:
                 up.frames[lb] = to_uint8(g.lead)
                 for f in up.frames[lb]:
                     writers[lb].append_data(f)
+                written[lb] += len(up.frames[lb])
         if up.frames:
             up.status = "start frame"
             yield up
@@ -276,6 +282,8 @@ def run(form: Form, server: Server, controls: Controls, models: Models, workdir:
                     up.frames[lb] = ch.frames
                 for f in ch.frames:
                     writers[lb].append_data(f)
+                written[lb] += len(ch.frames)
+                chunk_seconds[lb] += ch.seconds
                 if peaks[lb] is None or ch.memory["total"] > peaks[lb]["total"]:
                     peaks[lb] = ch.memory
             up.rows.append(Row(c, chunks[-1].action, int(chunks[-1].frames.shape[0]),
@@ -290,12 +298,12 @@ def run(form: Form, server: Server, controls: Controls, models: Models, workdir:
             up.status = f"done: {up.total_chunks} chunks in {time.perf_counter() - t0:.1f} s"
         for lb in labels:
             writers[lb].close()
-        seconds = time.perf_counter() - t0
         for lb, s, g in zip(labels, runs, gens):
-            up.videos[lb] = str(workdir / f"{lb}.mp4")
-            if peaks[lb] is not None:
+            if written[lb]:  # cancelled before any frame: no video (and no report) to offer
+                up.videos[lb] = str(workdir / f"{lb}.mp4")
+            if peaks[lb] is not None:  # seconds: this run's chunks (not the UI's streaming, not the other run)
                 path = workdir / f"{lb}.json"
-                path.write_text(json.dumps(report(s, g, g.written, seconds, peaks[lb]), indent=1))
+                path.write_text(json.dumps(report(s, g, g.written, chunk_seconds[lb], peaks[lb]), indent=1))
                 up.reports.append(str(path))
         up.done = True
         yield up
