@@ -257,8 +257,9 @@ class KVCache:
         """Bytes held, by component and in total, and the BF16 bytes of the same tokens. Components (they sum to
         `total`): codes, scales, ids, centroids, bf16, workspace. `bf16` counts the whole allocated BF16 buffers
         (sink, pending and current zones, with their reserved room) and any full-precision tokens a method keeps
-        inside its packed history; the BF16 equivalent counts the room too (a BF16 cache reserves it alike), so
-        method "bf16" is always 1.0x. `bf16` split by zone (not components: they sum to `bf16` exactly, not
+        inside its packed history. The BF16 equivalent is what a BF16 cache of the same tokens holds: the sink,
+        history, pending and current tokens, plus, for method "bf16" itself, its buffers' rounding room (so it is
+        always 1.0x); a compressed cache's idle current-chunk slot between chunks is bytes it holds, not equivalent. `bf16` split by zone (not components: they sum to `bf16` exactly, not
         counted again in `total`):
         - bf16_sink: the sink's tokens;
         - bf16_pending: the committed chunks not packed yet (method "bf16": its whole history past the sink);
@@ -278,7 +279,10 @@ class KVCache:
                 zones["bf16_sink"] += L.n_sink * per_token
                 zones["bf16_pending"] += L.n_pending * per_token
                 zones["bf16_current"] += (cap - L.n_sink - L.n_pending) * per_token
-                room = cap - (L.n_sink + L.n_pending + L.n_cur)  # reserved BF16 room: the same for a BF16 cache
+                # the BF16 cache's own reserved room (allocator rounding) is its equivalent too, so "bf16" is 1.0x;
+                # a compressed cache's room (the current chunk's slot between chunks, commit_every room) is not:
+                # a BF16 cache holds no such slot between chunks
+                room = cap - (L.n_sink + L.n_pending + L.n_cur) if self.method == "bf16" else 0
             elif L.hist[0] is not None:  # a history installed before any write (benchmarks)
                 h0 = L.hist[0]
                 b, h, _, d = h0.shape if isinstance(h0, PackedSequence) else h0[0].shape

@@ -281,3 +281,22 @@ def test_bad_input():
     _run(cache, 1)
     with pytest.raises(ValueError, match="do not match"):
         cache.write(0, torch.randn(B, H + 1, T, D), torch.randn(B, H + 1, T, D))
+
+
+def test_bf16_equivalent_is_what_a_bf16_cache_holds_between_chunks():
+    """Between chunks a BF16 cache holds its history only; a compressed cache also keeps the current chunk's BF16
+    slot. That slot is bytes the compressed cache holds, not BF16-equivalent bytes: its equivalent equals the
+    BF16 cache's total at the same moment (no inflated ratio on short videos)."""
+    B, H, D, T = 1, 2, 64, 32
+    g = torch.Generator().manual_seed(0)
+    caches = {m: KVCache(1, m, chunk_frames=1, tokens_per_frame=T, cuda_graphs=False,
+                         **({} if m == "bf16" else {"bits": 4, "centroids": 4}))
+              for m in ("bf16", "qvg")}
+    for _ in range(3):
+        k, v = torch.randn(2, B, H, T, D, generator=g).bfloat16()
+        for c in caches.values():
+            c.write(0, k, v)
+            c.commit()
+    bf, q = caches["bf16"].memory(), caches["qvg"].memory()
+    assert bf["compression_ratio"] == 1.0 and q["bf16_equivalent"] == bf["total"] == 2 * B * H * D * 2 * 3 * T
+    assert q["bf16_current"] > 0 and q["compression_ratio"] == q["bf16_equivalent"] / q["total"]
