@@ -16,10 +16,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import generate
 from .generate import (DEFAULT_ACTIONS, DEFAULT_IMAGE, DEFAULT_PROMPT, Generation, Loaded, UsageError, close_quietly,
                        load_model, mp4_writer, parse, report)
 
-PIPELINES = {"tiny": "embedded world model", "self-forcing": "Self-Forcing (checkpoint)"}
+_LABELS = {"tiny": "embedded world model", "self-forcing": "Self-Forcing (checkpoint)"}
+PIPELINES = {p: _LABELS[p] for p in generate.PIPELINES}  # qvg-generate's pipelines, labelled for the UI
 KMEANS = ("qvg", "qvg-pro")
 # qvg-generate's flags, as the UI names them in messages
 LABELS = {"--frames": "length (frames)", "--bits": "bits", "--stages": "stages", "--block-size": "block size",

@@ -268,3 +268,11 @@ def test_gradio_stays_out_of_the_library_and_the_cli():
     import sys
     code = "import sys, qvg, qvg.app.generate, qvg.app.ui_run, qvg.app.ui_panel; print('gradio' in sys.modules)"
     assert subprocess.check_output([sys.executable, "-c", code], text=True).strip() == "False"
+
+
+def test_the_ui_keeps_torchvision_out():
+    """gradio and matplotlib must not pull torchvision in (it cannot be imported with the CPU torch here)."""
+    import subprocess
+    import sys
+    code = "import sys, qvg.app.ui; print('torchvision' in sys.modules)"
+    assert subprocess.check_output([sys.executable, "-c", code], text=True).strip() == "False"
