@@ -3,7 +3,8 @@ rules), a run (or a BF16-vs-method comparison) as a stream of `Update`s, one per
 controls a running job reads between chunks (cancel, live steering).
 
 Paths: a checkpoint directory must resolve (symlinks followed) inside the server's checkpoint root; a start image
-is a bundled photo's name or a file gradio saved from an upload (inside its upload folder). Nothing else is read.
+is a bundled photo's name or a file gradio saved from an upload (inside its upload folder). Only the directory
+is checked: the loader reads the files it finds inside it, following symlinks (the root's owner decides those).
 """
 from __future__ import annotations
 
