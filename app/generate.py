@@ -73,6 +73,23 @@ def _int(name: str, value, lo: int | None = None, hi: int | None = None, allow_n
     return v
 
 
+def device_arg(text: str | None):
+    """A --device value -> torch.device (none: cuda if available, else cpu); UsageError if it is not cpu or an
+    existing CUDA device. Shared by qvg-generate, qvg-app and qvg-eval."""
+    import torch
+    try:
+        dev = torch.device(text or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except (RuntimeError, ValueError):
+        raise UsageError(f"--device: not a device: {text!r}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA GPU is available")
+    if dev.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device must be cpu or cuda[:N], got {text!r}")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise UsageError(f"--device {text}: there are {torch.cuda.device_count()} CUDA devices")
+    return dev
+
+
 def _commit() -> str:
     try:
         root = Path(__file__).resolve().parent.parent
@@ -85,8 +102,6 @@ def _commit() -> str:
 
 def parse(argv) -> dict:
     """Check every argument (cheap checks first, before any model is built) -> the run's settings."""
-    import torch
-
     from qvg.cache import CACHE_METHODS
     a = build_parser().parse_args(argv)
     if a.pipeline not in PIPELINES:
@@ -117,18 +132,7 @@ def parse(argv) -> dict:
         s["window"] = _int("history window", a.history.split(":", 1)[1], 1)
     else:
         raise UsageError(f"--history must be 'full' or 'window:N', got {a.history!r}")
-    dev = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(dev)
-    except (RuntimeError, ValueError):
-        raise UsageError(f"--device: not a device: {a.device!r}") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: no CUDA GPU is available")
-    if dev.type not in ("cpu", "cuda"):
-        raise UsageError(f"--device must be cpu or cuda[:N], got {a.device!r}")
-    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise UsageError(f"--device {a.device}: there are {torch.cuda.device_count()} CUDA devices")
-    s["device"] = dev
+    s["device"] = device_arg(a.device)
     out = Path(a.out)
     if out.suffix.lower() != ".mp4":
         raise UsageError(f"--out must end in .mp4, got {a.out!r}")

@@ -234,12 +234,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"qvg-app: error: --checkpoint-root: no such directory: {a.checkpoint_root!r}", file=sys.stderr)
             return 2
     if a.device is not None:
-        import os
-        import tempfile
-
-        from .generate import parse
+        from .generate import device_arg
         try:
-            parse(["--device", a.device, "--quiet", "--out", os.path.join(tempfile.gettempdir(), "check.mp4")])
+            device_arg(a.device)
         except UsageError as e:
             print(f"qvg-app: error: {e}", file=sys.stderr)
             return 2

@@ -39,15 +39,11 @@ def _ints(text: str, name: str) -> list[int]:
 
 
 def _device(text: str | None):
-    import torch
-    d = text or ("cuda" if torch.cuda.is_available() else "cpu")
+    from qvg.app import generate  # qvg-generate's --device rules (imports no UI)
     try:
-        dev = torch.device(d)
-    except (RuntimeError, ValueError):
-        raise UsageError(f"--device: not a device: {d!r}") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: no CUDA GPU is available")
-    return dev
+        return generate.device_arg(text)
+    except generate.UsageError as e:
+        raise UsageError(str(e)) from None
 
 
 def _lpips(net: str, weights, device):
