@@ -259,7 +259,6 @@ def run(form: Form, server: Server, controls: Controls, models: Models, workdir:
         torch.cuda.reset_peak_memory_stats(runs[0]["device"])
     up = Update("starting", labels, total_chunks=gens[0].total_chunks, fps=gens[0].fps)
     writers = {}
-    written = {lb: 0 for lb in labels}  # frames in each mp4 (imageio creates no file for none)
     chunk_seconds = {lb: 0.0 for lb in labels}
     peaks = {lb: None for lb in labels}
     t0 = time.perf_counter()
@@ -270,7 +269,6 @@ def run(form: Form, server: Server, controls: Controls, models: Models, workdir:
                 up.frames[lb] = to_uint8(g.lead)
                 for f in up.frames[lb]:
                     writers[lb].append_data(f)
-                written[lb] += len(up.frames[lb])
         if up.frames:
             up.status = "start frame"
             yield up
@@ -285,7 +283,6 @@ def run(form: Form, server: Server, controls: Controls, models: Models, workdir:
                     up.frames[lb] = ch.frames
                 for f in ch.frames:
                     writers[lb].append_data(f)
-                written[lb] += len(ch.frames)
                 chunk_seconds[lb] += ch.seconds
                 if peaks[lb] is None or ch.memory["total"] > peaks[lb]["total"]:
                     peaks[lb] = ch.memory
@@ -302,7 +299,7 @@ def run(form: Form, server: Server, controls: Controls, models: Models, workdir:
         for lb in labels:
             writers[lb].close()
         for lb, s, g in zip(labels, runs, gens):
-            if written[lb]:  # cancelled before any frame: no video (and no report) to offer
+            if g.written:  # frames produced = frames in the mp4; none (cancelled early): imageio wrote no file
                 up.videos[lb] = str(workdir / f"{lb}.mp4")
             if peaks[lb] is not None:  # seconds: this run's chunks (not the UI's streaming, not the other run)
                 path = workdir / f"{lb}.json"
