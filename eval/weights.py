@@ -37,7 +37,9 @@ FILES = {
                            "(openai/clip-vit-large-patch14: config.json + weights)"),
     "laion-aesthetic": WeightFile("sa_0_4_vit_l_14_linear.pth", "the LAION aesthetic predictor's linear head "
                                   "(LAION-AI/aesthetic-predictor: sa_0_4_vit_l_14_linear.pth)"),
-    "musiq": WeightFile("musiq_spaq_ckpt-358bb6af.pth", "pyiqa's MUSIQ trained on SPAQ (VBench's imaging quality)"),
+    "musiq": WeightFile("musiq_spaq_ckpt-358bb6af.pth", "pyiqa's MUSIQ trained on SPAQ, VBench's imaging-quality "
+                        "model: https://github.com/chaofengc/IQA-PyTorch/releases/download/v0.1-weights/"
+                        "musiq_spaq_ckpt-358bb6af.pth, the file VBench fetches into ~/.cache/vbench/pyiqa_model/"),
 }
 
 

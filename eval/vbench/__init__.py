@@ -4,13 +4,13 @@ weights (`qvg.eval.weights`), without torchvision:
 - subject_consistency: DINO ViT-B/16 CLS features;
 - background_consistency: CLIP ViT-B/32 image embeddings;
 - aesthetic_quality: CLIP ViT-L/14 image embeddings -> the LAION aesthetic linear head, / 10;
-- imaging_quality: MUSIQ (SPAQ) — not implemented here (see `dimensions.ImagingQuality`): asking for it raises.
+- imaging_quality: pyiqa's MUSIQ trained on SPAQ (`musiq.py`, a port checked against pyiqa's) / 100.
 
     from qvg.eval.vbench import load_dimensions
     dims = load_dimensions(["subject_consistency", "aesthetic_quality"], weights="~/qvg-weights")
     dims["subject_consistency"](video)   # video [3, F, H, W] in [-1, 1] -> float
 
-Definitions and preprocessing are in `dimensions.py` and `preprocess.py`.
+Definitions and preprocessing are in `dimensions.py` and `preprocess.py`; MUSIQ in `musiq.py`.
 """
 from .dimensions import (DIMENSIONS, AestheticQuality, BackgroundConsistency, ImagingQuality, SubjectConsistency,
                          consistency, load_dimensions)

@@ -7,25 +7,20 @@
   mean; equal to the mean of the videos' scores when they have the same length). Range [0, 1], higher = steadier.
 - aesthetic_quality: per frame the LAION head on the unit-normalised CLIP ViT-L/14 image embedding, divided by
   10; the video's score is the mean over frames; over a set, the mean over videos. Roughly [0, 1].
-- imaging_quality: MUSIQ (pyiqa's, trained on SPAQ) per frame / 100, mean over frames. Not implemented: a faithful
-  MUSIQ (multi-scale patches with hashed 2D position and scale embeddings, a ResNet stem and a 14-layer
-  transformer, matching the public checkpoint's keys) could not be written and checked against that checkpoint
-  here; `ImagingQuality` raises instead of returning a score that is not MUSIQ's.
+- imaging_quality: per frame pyiqa's MUSIQ trained on SPAQ (`musiq.py`), after VBench's "longer" resize
+  (`preprocess.musiq_input`), a score on SPAQ's 0..100 scale; the video's score is the mean over frames / 100; over
+  a set, the mean over videos. Roughly [0, 1], higher = fewer distortions (noise, blur, over-exposure).
 
-Preprocessing: `preprocess.py`. Backbones: `backbones.py`.
+Preprocessing: `preprocess.py`. Backbones: `backbones.py`, `musiq.py`.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from . import backbones, preprocess
+from . import backbones, musiq, preprocess
 
 DIMENSIONS = ("subject_consistency", "background_consistency", "aesthetic_quality", "imaging_quality")
-
-
-class MusiqNotImplemented(NotImplementedError):
-    pass
 
 
 def consistency(features: torch.Tensor) -> float:
@@ -96,9 +91,17 @@ class AestheticQuality(BackgroundConsistency):
 class ImagingQuality:
     name = "imaging_quality"
 
-    def __init__(self, *args, **kwargs):
-        raise MusiqNotImplemented("imaging_quality needs MUSIQ, which qvg does not implement (no faithful port "
-                                  "checked against pyiqa's musiq_spaq checkpoint): not computed")
+    def __init__(self, weights=None, device="cpu", config=None, batch: int = 8):
+        self.model = musiq.load_musiq(weights, device, config)
+        self.device, self.batch = device, batch
+
+    def frame_scores(self, video: torch.Tensor) -> torch.Tensor:
+        """MUSIQ's score of each frame (0..100 for SPAQ; not yet divided by 100)."""
+        return _batched(self.model, preprocess.musiq_input(video), self.batch, self.device)
+
+    def __call__(self, video: torch.Tensor) -> float:
+        scores = self.frame_scores(video).tolist()
+        return sum(scores) / len(scores) / 100  # VBench: the frames' mean (a float sum), then / 100
 
 
 CLASSES = {c.name: c for c in (SubjectConsistency, BackgroundConsistency, AestheticQuality, ImagingQuality)}
@@ -113,8 +116,8 @@ def load_dimensions(names=DIMENSIONS, weights=None, device="cpu", configs: dict 
         if n not in CLASSES:
             raise ValueError(f"unknown VBench dimension {n!r}; choose from: {', '.join(DIMENSIONS)}")
         try:
-            out[n] = CLASSES[n](weights, device, (configs or {}).get(n)) if n != "imaging_quality" else CLASSES[n]()
-        except (MissingWeights, MusiqNotImplemented) as e:
+            out[n] = CLASSES[n](weights, device, (configs or {}).get(n))
+        except MissingWeights as e:
             out[n] = str(e)
         except ImportError as e:  # transformers missing
             out[n] = f"not computed: {e}"

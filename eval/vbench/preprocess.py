@@ -11,6 +11,10 @@ same operations here, so nothing imports torchvision):
 DINO (subject consistency): resize_short(224, bilinear), /255, ImageNet mean/std, no crop.
 CLIP (background consistency, aesthetic quality): resize_short(224, bicubic), center_crop(224), /255, CLIP's
 mean/std.
+MUSIQ (imaging quality): `vbench_longer(x, 512)`, VBench's default "longer" rule: a frame whose longer side exceeds
+512 is resized (bilinear, antialias=False) to (int(s * H), int(s * W)), s = 512 / max(H, W), in float: VBench's
+load_video hands this dimension float32 frames (torch.Tensor of the uint8 array), so nothing is rounded; then /255
+(MUSIQ maps [0, 1] to [-1, 1] itself).
 """
 from __future__ import annotations
 
@@ -57,3 +61,17 @@ def dino_input(video: torch.Tensor, n: int = 224) -> torch.Tensor:
 
 def clip_input(video: torch.Tensor, n: int = 224) -> torch.Tensor:
     return normalize(center_crop(resize_short(frames_uint8(video), n, "bicubic"), n), CLIP_MEAN, CLIP_STD)
+
+
+def vbench_longer(x: torch.Tensor, n: int = 512) -> torch.Tensor:
+    """Frames [F, 3, H, W] (0..255) -> float, the longer side brought down to n when above it (never up)."""
+    x = x.float()
+    h, w = x.shape[-2:]
+    if max(h, w) <= n:
+        return x
+    s = float(n) / max(h, w)
+    return F.interpolate(x, size=(int(s * h), int(s * w)), mode="bilinear", align_corners=False, antialias=False)
+
+
+def musiq_input(video: torch.Tensor, n: int = 512) -> torch.Tensor:
+    return vbench_longer(frames_uint8(video), n) / 255.0

@@ -13,7 +13,10 @@ VIT = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=1, intermedi
            image_size=224, qkv_bias=True, layer_norm_eps=1e-6)
 CLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, patch_size=32,
             image_size=224, projection_dim=16)
-CONFIGS = {"subject_consistency": VIT, "background_consistency": CLIP, "aesthetic_quality": CLIP}
+MUSIQ = dict(patch_size=16, hidden_size=32, mlp_dim=64, num_heads=2, num_layers=1, spatial_pos_grid_size=4,
+             longer_side_lengths=(32, 48))
+CONFIGS = {"subject_consistency": VIT, "background_consistency": CLIP, "aesthetic_quality": CLIP,
+           "imaging_quality": MUSIQ}
 
 
 def test_consistency_formula():
@@ -48,7 +51,8 @@ def test_dimensions_with_random_backbones():
         assert dims[name](v[:, :1].expand(-1, 4, -1, -1)) == pytest.approx(1.0, abs=1e-5)  # a still video
     a = dims["aesthetic_quality"]
     assert a(v) == pytest.approx(float(a.frame_scores(v).mean()))
-    assert "MUSIQ" in dims["imaging_quality"]  # not implemented: a reason, never a score
+    iq = dims["imaging_quality"]
+    assert iq(v) == pytest.approx(float(iq.frame_scores(v).mean()) / 100, rel=1e-6)
 
 
 def test_missing_weights_messages(tmp_path):
@@ -56,6 +60,7 @@ def test_missing_weights_messages(tmp_path):
     assert "dino-vitb16" in dims["subject_consistency"] and str(tmp_path) in dims["subject_consistency"]
     assert "clip-vit-base-patch32" in dims["background_consistency"]
     assert "clip-vit-large-patch14" in dims["aesthetic_quality"]
+    assert "musiq_spaq_ckpt-358bb6af.pth" in dims["imaging_quality"]
     with pytest.raises(ValueError, match="unknown VBench dimension"):
         load_dimensions(["motion"])
 
