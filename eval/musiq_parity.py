@@ -19,6 +19,8 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
+import subprocess
 import sys
 import types
 from pathlib import Path
@@ -98,10 +100,17 @@ def load_pyiqa_musiq(folder) -> types.SimpleNamespace:
 
 
 def _version(root: Path) -> str:
-    for line in (root / "version.py").read_text().splitlines() if (root / "version.py").is_file() else []:
-        if line.startswith("__version__"):
-            return line.split("=")[-1].strip().strip("'\"")
-    return "unknown"
+    f = root / "version.py"
+    m = re.search(r"^__version__[^:\n]*=[^'\"\n]*['\"]([^'\"]+)['\"]", f.read_text() if f.is_file() else "", re.M)
+    return m.group(1) if m else "unknown"
+
+
+def _changed_files() -> list[str]:
+    """Tracked files that differ from the commit (what git_dirty is about)."""
+    from .provenance import REPO
+    out = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+                         capture_output=True, text=True, timeout=10)
+    return [line[3:] for line in out.stdout.splitlines()] if out.returncode == 0 else []
 
 
 def pair(ref, seed: int = 0, **config):
@@ -145,7 +154,8 @@ def images(seed: int = 0):
     for name in PHOTOS:
         a = np.asarray(getattr(skimage.data, name)())
         a = np.repeat(a[..., None], 3, -1) if a.ndim == 2 else a[..., :3]
-        yield name, vbench_longer(torch.from_numpy(np.ascontiguousarray(a)).permute(2, 0, 1)[None]) / 255.0
+        frames = torch.from_numpy(np.ascontiguousarray(a)).permute(2, 0, 1)[None]
+        yield f"{name} ({a.shape[0]}x{a.shape[1]})", vbench_longer(frames) / 255.0
 
 
 def main(argv=None) -> int:
@@ -161,7 +171,8 @@ def main(argv=None) -> int:
     ref = load_pyiqa_musiq(folder)
     theirs, ours = pair(ref, a.seed)
     rows = {name: compare_image(ref, theirs, ours, img) for name, img in images(a.seed)}
-    res = {"meta": meta(command_line("python -m qvg.eval.musiq_parity", argv), "cpu"), "device": "CPU",
+    res = {"meta": meta(command_line("python -m qvg.eval.musiq_parity", argv), "cpu",
+                        changed_files=_changed_files()), "device": "CPU",
            "pyiqa": {"version": ref.version, "musiq_arch.py sha256": ref.musiq_sha256},
            "what": "pyiqa's MUSIQ (VBench's configuration: num_class 1; pretrained=False, random weights: "
                    f"pyiqa's init under torch.manual_seed({a.seed}), + N(0, 0.02^2) on every parameter) vs "
