@@ -27,6 +27,7 @@ The forward pass of images [N, 3, H, W] in [0, 1] (pyiqa's evaluation path):
 from __future__ import annotations
 
 import math
+import pickle
 
 import torch
 import torch.nn as nn
@@ -205,7 +206,12 @@ def load_musiq(weights=None, device="cpu", config: dict | None = None) -> MUSIQ:
     if config is not None:
         return MUSIQ(**config).eval().to(device)
     p = weight_path("musiq", weights)
-    sd = {k.removeprefix("module."): v for k, v in read_state_dict(p).items()}
+    try:
+        raw = read_state_dict(p)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as e:  # not a torch file, or not weights-only
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise ValueError(f"{p}: not a weights-only torch state dict ({type(e).__name__}: {first})") from None
+    sd = {k.removeprefix("module."): v for k, v in raw.items()}
     model = MUSIQ()
     check_keys(model.state_dict(), sd, str(p), "pyiqa's MUSIQ-SPAQ checkpoint")
     model.load_state_dict({k: v.float() for k, v in sd.items()})

@@ -102,6 +102,9 @@ def test_checkpoint_loading(tmp_path):
     with pytest.raises(ValueError, match=r"not pyiqa's MUSIQ-SPAQ checkpoint \(missing: head.weight; unexpected: "
                                          r"head.0.weight"):
         load_musiq(tmp_path)
+    f.write_bytes(b"<html>not found</html>")  # e.g. a failed download
+    with pytest.raises(ValueError, match="not a weights-only torch state dict"):
+        load_musiq(tmp_path)
 
 
 def test_vbench_resize_rule():
