@@ -63,7 +63,10 @@ def revisit_trajectory(rng: random.Random, hw, m: int, cfg) -> tuple[Camera, lis
     raise RuntimeError("no revisit trajectory fits the canvas")
 
 
-def cases(kind: str, n: int, chunks: int, m: int, cfg, seed: int = 1234):
+TRAJECTORY_SEED = 1234  # the held-out trajectories of every committed world-eval run before world-confirm-*
+
+
+def cases(kind: str, n: int, chunks: int, m: int, cfg, seed: int = TRAJECTORY_SEED):
     """[(name, ground-truth views [3, F, S, S], actions)] on the held-out photos."""
     out = []
     for photo in photo_names("eval"):
@@ -120,6 +123,8 @@ def report(res: dict, out: Path) -> None:
              f"- date {res['date']}; commit `{res['commit']}`; model trained {res['model']} steps; "
              f"{res['seconds']} s",
              f"- command: `python -m qvg.eval.world_eval {' '.join(res.get('argv', []))}`",
+             f"- trajectory seed {st.get('trajectory_seed', TRAJECTORY_SEED)}; sampling seeds "
+             f"{st.get('seed_offset', 0)}..{st.get('seed_offset', 0) + st['seeds'] - 1}",
              f"- {st['trajectories']} trajectories per held-out photo ({', '.join(photo_names('eval'))}) and kind, "
              f"{st['seeds']} sampling seeds; `floor` = std over seeds of the per-seed mean (same configuration)", ""]
     if q:
@@ -153,6 +158,17 @@ def report(res: dict, out: Path) -> None:
             if "returning_psnr_per_chunk" in d:
                 lines.append(f"- {k}: " + ", ".join(f"{a:.1f} / {b:.1f}" for a, b in zip(
                     d["returning_psnr_per_chunk"], d["consistency_psnr_per_chunk"])))
+    if res.get("differences"):
+        lines += ["", "Paired differences (same trajectories and sampling seeds; floor = std over seeds of the per-seed "
+                  "difference):", "", "| difference | dB | floor |", "|---|---|---|"]
+        lines += [f"| {k} | {d['mean']:+.2f} | {d['floor']} |" for k, d in res["differences"].items()]
+    if any("region_psnr_by_overlap" in d for d in rv.values()):
+        cuts = next(d["region_psnr_by_overlap"] for d in rv.values() if "region_psnr_by_overlap" in d)
+        lines += ["", "Back-in-region PSNR at other cuts (share of the start view the returning frame must show):", "",
+                  "| cache | " + " | ".join(f">= {float(c):.0%}" for c in cuts) + " |",
+                  "|---|" + "---|" * len(cuts)]
+        lines += [f"| {k} | " + " | ".join(f"{v['mean']:.2f} ± {v['floor']}" for v in d["region_psnr_by_overlap"]
+                                           .values()) + " |" for k, d in rv.items() if "region_psnr_by_overlap" in d]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib
@@ -188,6 +204,9 @@ def start_overlap(action: str, offset: int, cfg) -> float:
     return max(0.0, 1 - offset * cfg["pan_pixels"] / cfg["frame_size"])
 
 
+OVERLAPS = (0.25, 0.5, 0.75)  # region cuts reported beside the primary one (sensitivity to the cut)
+
+
 def region_frames(acts, m, cfg, least: float = REGION_OVERLAP) -> list[int]:
     """Indices (in the generated video) of the returning frames that are back in the region left: their view shows
     at least `least` of the start view. The other returning frames still look at the far side of the excursion,
@@ -216,16 +235,37 @@ def consistency(video, start, m, cf) -> list[float]:
     return out
 
 
+def _seed_means(values_by_seed):
+    return [round(statistics.fmean(v), 4) for v in values_by_seed]
+
+
+def differences(rv: dict, short: str = f"bf16 window:{SHORT}", full: str = "bf16 full") -> dict:
+    """Paired differences of every configuration against BF16 with the short window and against full BF16 (same
+    trajectories and sampling seeds): the mean of the per-seed differences and their std over seeds (the floor of
+    a difference, tighter than either configuration's own floor because the pairs share their noise)."""
+    out = {}
+    for name, d in rv.items():
+        for ref in (short, full):
+            if ref == name or ref not in rv or (name, ref) == (short, full):  # full - short already says it
+                continue
+            for metric in ("returning_psnr", "region_psnr"):
+                diff = [x - y for x, y in zip(d["per_seed"][metric], rv[ref]["per_seed"][metric])]
+                out[f"{name} - {ref}: {metric}"] = {
+                    "mean": round(statistics.fmean(diff), 3),
+                    "floor": round(statistics.stdev(diff), 3) if len(diff) > 1 else None}
+    return out
+
+
 def quality_part(model, cfg, a) -> dict:
     """1. Held-out trajectories: PSNR / SSIM of the first chunks vs the true views, beside copy-the-last-frame."""
     cf = cfg["chunk_frames"]
-    quality = cases("quality", a.trajectories, a.chunks + 1, a.m, cfg)
+    quality = cases("quality", a.trajectories, a.chunks + 1, a.m, cfg, seed=a.trajectory_seed)
     q = {"bf16 full": {"psnr": [], "ssim": []}, "copy last frame": {"psnr": [], "ssim": []}}
     curves = {"bf16 full": [], "copy last frame": []}
     for s in range(a.seeds):
         ps, ss, bp, bs, cur = [], [], [], [], []
         for name, gt, acts in quality:
-            vid, _ = run_case(model, cfg, gt, acts, "bf16", None, {}, s, a.device)
+            vid, _ = run_case(model, cfg, gt, acts, "bf16", None, {}, s + a.seed_offset, a.device)
             cp, cs = per_chunk(vid, gt, cf)
             copy = gt[:, :1].expand(-1, vid.shape[1], -1, -1)
             kp, ks = per_chunk(copy, gt, cf)
@@ -259,13 +299,28 @@ def main(argv=None) -> int:
                         + "; ".join(configs(DEFAULT_CONFIG)))
     p.add_argument("--skip-quality", action="store_true", help="only the revisit part (2-3)")
     p.add_argument("--add-configs", default=None, metavar="JSON",
-                   help='more revisit configurations: {"name": [method, window frames or null, {options}]}')
+                   help='more revisit configurations: {"name": [method, window frames or null, {options}]}, '
+                        'or @FILE holding that JSON')
+    p.add_argument("--trajectory-seed", type=int, default=TRAJECTORY_SEED,
+                   help="draws the held-out trajectories (another value = fresh trajectories on the same photos)")
+    p.add_argument("--seed-offset", type=int, default=0, help="sampling seeds are offset, offset+1, ...")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--report", default=None, help="only render .md / .png from this results JSON")
     a = p.parse_args(argv)
     if a.report:
         report(json.loads(Path(a.report).read_text()), Path(a.report))
         return 0
+    table = configs(DEFAULT_CONFIG)
+    if a.add_configs:
+        try:
+            text = Path(a.add_configs[1:]).read_text() if a.add_configs.startswith("@") else a.add_configs
+            table.update({k: tuple(v) for k, v in json.loads(text).items()})
+        except (json.JSONDecodeError, AttributeError, TypeError, OSError) as e:
+            p.error(f"--add-configs: not a JSON object of [method, window, options] ({e})")
+    names = list(table) if a.configs is None else [c.strip() for c in a.configs.split(",")]
+    unknown = [c for c in names if c not in table]
+    if unknown:
+        p.error(f"unknown --configs {unknown}; choose from: {'; '.join(table)}")
     t0 = time.time()
     model, cfg = load_world(a.model, device=a.device)
     cf = cfg["chunk_frames"]
@@ -284,31 +339,25 @@ def main(argv=None) -> int:
         res.update(quality_part(model, cfg, a))
 
     # 2 + 3. revisits: PSNR on the returning views (the last m chunks), per cache configuration
-    revisit = cases("revisit", a.trajectories, 2 * a.m + 1, a.m, cfg)
-    table = configs(cfg)
-    if a.add_configs:
-        try:
-            table.update({k: tuple(v) for k, v in json.loads(a.add_configs).items()})
-        except (json.JSONDecodeError, AttributeError, TypeError) as e:
-            p.error(f"--add-configs: not a JSON object of [method, window, options] ({e})")
-    names = list(table) if a.configs is None else [c.strip() for c in a.configs.split(",")]
-    unknown = [c for c in names if c not in table]
-    if unknown:
-        p.error(f"unknown --configs {unknown}; choose from: {'; '.join(table)}")
+    revisit = cases("revisit", a.trajectories, 2 * a.m + 1, a.m, cfg, seed=a.trajectory_seed)
     rv = {}
     for cname in names:
         method, window, opts = table[cname]
         by_seed, all_seed, cons_seed, reg_seed, curve, cons_curve, mem = [], [], [], [], [], [], None
+        cut_seed = {c: [] for c in OVERLAPS}
         for s in range(a.seeds):
             ret, every, cons, reg = [], [], [], []
+            cuts = {c: [] for c in OVERLAPS}
             for name, gt, acts in revisit:
-                vid, m = run_case(model, cfg, gt, acts, method, window, opts, s, a.device)
+                vid, m = run_case(model, cfg, gt, acts, method, window, opts, s + a.seed_offset, a.device)
                 cp, _ = per_chunk(vid, gt, cf)
                 cc = consistency(vid, gt[:, 0], a.m, cf)
                 ret += cp[a.m:]
                 every += cp
                 cons += cc
                 reg += [psnr(vid[:, i], gt[:, i + cf]) for i in region_frames(acts, a.m, cfg)]
+                for c in OVERLAPS:
+                    cuts[c] += [psnr(vid[:, i], gt[:, i + cf]) for i in region_frames(acts, a.m, cfg, c)]
                 curve.append(cp[a.m:])
                 cons_curve.append(cc)
                 mem = m
@@ -316,9 +365,13 @@ def main(argv=None) -> int:
             all_seed.append(every)
             cons_seed.append(cons)
             reg_seed.append(reg)
+            for c in OVERLAPS:
+                cut_seed[c].append(cuts[c] or [float("nan")])
         hist = {k: v for k, v in mem.items() if k not in ("compression_ratio",)}
         rv[cname] = {"returning_psnr": summarize(by_seed), "all_chunks_psnr": summarize(all_seed),
                      "consistency_psnr": summarize(cons_seed), "region_psnr": summarize(reg_seed),
+                     "region_psnr_by_overlap": {str(c): summarize(v) for c, v in cut_seed.items()},
+                     "per_seed": {"returning_psnr": _seed_means(by_seed), "region_psnr": _seed_means(reg_seed)},
                      "returning_psnr_per_chunk": [round(statistics.fmean(c[i] for c in curve), 3)
                                                   for i in range(a.m)],
                      "consistency_psnr_per_chunk": [round(statistics.fmean(c[i] for c in cons_curve), 3)
@@ -327,6 +380,7 @@ def main(argv=None) -> int:
                      "kv_bytes_at_end": hist, "compression_ratio": round(mem["compression_ratio"], 3)}
         print(cname, rv[cname]["returning_psnr"], rv[cname]["consistency_psnr"], flush=True)
     res["revisit"] = rv
+    res["differences"] = differences(rv)
     res["seconds"] = round(time.time() - t0, 1)
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
