@@ -2,9 +2,11 @@
 memory panel (KV bytes now vs the BF16 equivalent, bytes by component, compression ratio, per-chunk latency) and,
 in compare mode, the BF16 video with the same seed and PSNR per chunk; the mp4s and JSON reports are downloadable.
 
-One generation runs at a time (a queue; waiting users see their position); Cancel stops it between chunks and
-keeps the video so far. Camera buttons and the arrow keys (+ / - zoom, . stay) build the action list, or steer
-the running video from its next chunk on. Binds 127.0.0.1 unless --host says otherwise. Paths: app/ui_run.py.
+One generation runs at a time (a queue; waiting users see their position). Each Generate click is a job with its
+own id (app/ui_jobs.py); Cancel cancels the session's jobs of that moment: a queued one never runs, a running one
+stops between chunks and keeps the video so far. Camera buttons and the arrow keys (+ / - zoom, . stay) build the
+action list, or steer the running video from its next chunk on. Binds 127.0.0.1 unless --host says otherwise.
+Paths: app/ui_run.py.
 """
 
 import argparse
@@ -13,7 +15,8 @@ import sys
 from pathlib import Path
 
 from .generate import DEFAULT_ACTIONS, DEFAULT_IMAGE, DEFAULT_PROMPT, UsageError
-from .ui_run import KMEANS, PIPELINES, Form, Models, Server, Sessions, Workdirs, append_action, run, ui_message
+from .ui_jobs import Jobs, cancel_message
+from .ui_run import KMEANS, PIPELINES, Form, Models, Server, Workdirs, append_action, run, ui_message
 
 log = logging.getLogger("qvg.app")
 ACTION_KEYS = {"left": ("←", "ArrowLeft"), "up": ("↑", "ArrowUp"), "down": ("↓", "ArrowDown"),
@@ -37,18 +40,16 @@ FORM_FIELDS = list(Form.__dataclass_fields__)
 
 
 def start_preview(photo: str):
-    """The bundled photo's start frame (its centre view), upscaled."""
+    """The bundled photo's start frame (its centre view), at the live preview's size."""
     import numpy as np
 
     from qvg.pipelines.world_data import centre_view, load_photo, photo_names
 
     from .generate import to_uint8
-    from .ui_panel import DISPLAY
+    from .ui_panel import preview
     if photo not in photo_names("all"):
         return None
-    f = to_uint8(centre_view(load_photo(photo))[:, None])[0]
-    k = max(1, DISPLAY // f.shape[0])
-    return np.ascontiguousarray(f.repeat(k, 0).repeat(k, 1))
+    return np.asarray(preview(to_uint8(centre_view(load_photo(photo))[:, None]))[0])
 
 
 def build(server: Server):
@@ -63,7 +64,7 @@ def build(server: Server):
     from . import ui_panel
     if server.upload_dir is None:
         server.upload_dir = Path(get_upload_folder())
-    sessions, models, workdirs = Sessions(), Models(), Workdirs()
+    jobs, models, workdirs = Jobs(), Models(), Workdirs()
     root = server.checkpoint_root
     with gr.Blocks(title="QVG live", delete_cache=(1800, 3600), analytics_enabled=False) as app:
         gr.Markdown("# QVG — live video generation with a compressed KV cache\nFrames appear chunk by chunk; the "
@@ -109,6 +110,9 @@ def build(server: Server):
                 with gr.Row():
                     go = gr.Button("Generate", variant="primary", elem_id="qvg-generate")
                     stop = gr.Button("Cancel", variant="stop", elem_id="qvg-cancel")
+                # the id of the job a Generate click submits: sent with its queued request (a gr.State would be
+                # read when the request leaves the queue, by then perhaps the next click's)
+                job_id = gr.Textbox("", visible="hidden", elem_id="qvg-job")
             with gr.Column(scale=2):
                 with gr.Row():
                     live = gr.Image(start_preview(DEFAULT_IMAGE), label="live: qvg", elem_id="qvg-live",
@@ -128,18 +132,14 @@ def build(server: Server):
         assert len(form) == len(FORM_FIELDS)
         outputs = [status, live, ref, summary, plot, table, video, ref_video, reports]
 
-        def mark(request: gr.Request):
-            c = sessions.get(request.session_hash)
-            if not c.running:
-                c.cancel.clear()
-            c.pending = True
+        def submit(request: gr.Request):
+            return jobs.submit(request.session_hash).id
 
         def generate(pipeline, checkpoint, prompt, photo, upload, actions, method, bits, stages, block_size,
-                     centroids, history, window, sink, seed, frames, compare, request: gr.Request):
+                     centroids, history, window, sink, seed, frames, compare, job, request: gr.Request):
             values = locals()
             f = Form(**{k: values[k] for k in FORM_FIELDS})
-            c = sessions.get(request.session_hash)
-            c.pending, c.running, c.steer = False, True, None
+            c = jobs.start(job, request.session_hash)
             up = None
             try:
                 if c.cancel.is_set():
@@ -166,30 +166,27 @@ def build(server: Server):
                 first = str(e).strip().splitlines()[0] if str(e).strip() else ""
                 raise gr.Error(f"{type(e).__name__}: {first}", print_exception=False) from None
             finally:
-                c.running, c.steer = False, None
-                c.cancel.clear()
-                if not c.pending:
-                    sessions.drop(request.session_hash)
+                jobs.finish(c)
 
         def cancel(request: gr.Request):
-            c = sessions.find(request.session_hash)
-            if c is None or not (c.running or c.pending):
-                return "Nothing is running."
-            c.cancel.set()
-            return "**Cancelling**: the video stops after the current chunk." if c.running else \
-                "**Cancelled**: your queued job will not run."
+            return cancel_message(*jobs.cancel(request.session_hash))
 
         def press(name: str, text: str, request: gr.Request):
-            c = sessions.find(request.session_hash)
-            if c is not None and c.running:
+            c = jobs.running(request.session_hash)
+            if c is not None:
                 c.steer = name
                 return gr.skip(), f"steering: **{name}** from the next chunk"
             return append_action(text, name), ""
 
-        go.click(mark, None, None, queue=False, api_visibility="private").then(
-            generate, form, outputs, api_name="generate", concurrency_limit=1, concurrency_id="generation",
-            show_progress="minimal", show_progress_on=[status])
+        # each click is a job: its id first (unqueued, so Cancel reaches it while it waits), then the queued run
+        go.click(submit, None, job_id, queue=False, api_name="job", trigger_mode="multiple").then(
+            generate, [*form, job_id], outputs, api_name="generate", concurrency_limit=1,
+            concurrency_id="generation", show_progress="minimal", show_progress_on=[status], trigger_mode="multiple")
         stop.click(cancel, None, status, queue=False, api_name="cancel")
+
+        def closed(request: gr.Request):  # the page closed: its jobs will not be watched
+            jobs.drop(request.session_hash)
+        app.unload(closed)
         for name, b in buttons.items():
             b.click(press, [gr.State(name), actions], [actions, steer_note], queue=False, api_name=f"press_{name}")
         photo.change(start_preview, photo, live, queue=False, api_visibility="private")
@@ -209,7 +206,7 @@ def build(server: Server):
         compare.change(lambda v: (gr.update(visible=v), gr.update(visible=v)), compare, [ref, ref_video],
                        queue=False, api_visibility="private")
     app.queue(default_concurrency_limit=1)
-    app.qvg_workdirs = workdirs
+    app.qvg_workdirs, app.qvg_jobs = workdirs, jobs
     return app
 
 

@@ -1,27 +1,55 @@
 """What the UI shows of a run (an app.ui_run.Update): the newest frames as an image file (a chunk's frames as an
-animated PNG that plays once at the video's frame rate, upscaled), and the memory panel: a summary line, a figure
-(KV bytes by component against the BF16 equivalent, compression ratio, per-chunk latency, PSNR vs BF16 when
-comparing) and a per-chunk table. matplotlib only (Agg, no display), no gradio."""
+animated PNG that plays once at the video's frame rate, scaled to a preview size), and the memory panel: a summary
+line, a figure (KV bytes by component against the BF16 equivalent, compression ratio, per-chunk latency, PSNR vs
+BF16 when comparing) and a per-chunk table. matplotlib only (Agg, no display), no gradio."""
 from __future__ import annotations
 
 from pathlib import Path
 
 COMPONENTS = ("codes", "scales", "ids", "centroids", "bf16_sink", "bf16_pending", "bf16_current", "bf16_residual",
               "workspace")
-DISPLAY = 256  # the shortest side frames are shown at (nearest-neighbour upscaling by a whole factor)
+# the live frames' preview (the page shows it 300 pixels high): scaled by a whole factor, up (nearest) or down (box
+# average), to a shortest side of at most DISPLAY and a longest of at most MAX_SIDE
+DISPLAY, MAX_SIDE = 256, 512
+# zlib level 1 (PIL's default is 6): with full-size frames at level 6, a 480 x 832 chunk took ~1.3 s to encode on
+# 2 CPU cores, more than an H100 chunk (eval/results/ui-preview-encode-cpu.json)
+PREVIEW_LEVEL = 1
+
+
+def preview_factor(h: int, w: int) -> tuple[int, int]:
+    """(up, down): a frame's preview is about h * up / down high. The largest up that keeps the shortest side at
+    most DISPLAY and the longest at most MAX_SIDE (64 x 64 -> 256 x 256); where none does, the smallest down that
+    does (480 x 832 -> 240 x 416)."""
+    up = min(DISPLAY // min(h, w), MAX_SIDE // max(h, w))
+    if up >= 1:
+        return up, 1
+    return 1, max(-(-min(h, w) // DISPLAY), -(-max(h, w) // MAX_SIDE))
+
+
+def preview(frames):
+    """uint8 frames [F, H, W, 3] -> PIL images scaled by preview_factor."""
+    from PIL import Image
+    up, down = preview_factor(*frames.shape[1:3])
+    if up > 1:
+        frames = frames.repeat(up, 1).repeat(up, 2)
+    return [Image.fromarray(f).reduce(down) if down > 1 else Image.fromarray(f) for f in frames]
+
+
+def save_apng(imgs, path: Path, fps: int, level: int) -> str:
+    """PIL images -> a PNG at `path` (zlib level `level`); several: an APNG played once, whose last frame stays
+    until the next chunk arrives."""
+    if len(imgs) == 1:
+        imgs[0].save(path, compress_level=level)
+    else:
+        imgs[0].save(path, save_all=True, append_images=imgs[1:], duration=round(1000 / fps), loop=1,
+                     compress_level=level)
+    return str(path)
 
 
 def frames_image(frames, path: Path, fps: int) -> str:
-    """uint8 frames [F, H, W, 3] -> an (animated) PNG at `path`, upscaled to about DISPLAY pixels."""
-    from PIL import Image
-    k = max(1, DISPLAY // min(frames.shape[1:3]))
-    big = frames.repeat(k, 1).repeat(k, 2)
-    imgs = [Image.fromarray(f) for f in big]
-    if len(imgs) == 1:
-        imgs[0].save(path)
-    else:  # APNG, played once: the last frame stays until the next chunk arrives
-        imgs[0].save(path, save_all=True, append_images=imgs[1:], duration=round(1000 / fps), loop=1)
-    return str(path)
+    """uint8 frames [F, H, W, 3] -> the live preview at `path`: an (animated) PNG, scaled by preview_factor. The mp4 keeps
+    the full size."""
+    return save_apng(preview(frames), path, fps, PREVIEW_LEVEL)
 
 
 def human(n: float) -> str:

@@ -1,6 +1,6 @@
 """The UI's jobs, without gradio: the form -> checked settings (qvg-generate's own checks, plus the server's path
-rules), a run (or a BF16-vs-method comparison) as a stream of `Update`s, one per chunk, and the per-session
-controls a running job reads between chunks (cancel, live steering).
+rules), and a run (or a BF16-vs-method comparison) as a stream of `Update`s, one per chunk, reading its job's
+controls (app.ui_jobs.Job: cancel, live steering) between chunks.
 
 Paths: a checkpoint directory must resolve (symlinks followed) inside the server's checkpoint root; a start image
 is a bundled photo's name or a file gradio saved from an upload (inside its upload folder). Only the directory
@@ -12,7 +12,6 @@ import os
 import re
 import shutil
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +19,7 @@ from pathlib import Path
 from . import generate
 from .generate import (DEFAULT_ACTIONS, DEFAULT_IMAGE, DEFAULT_PROMPT, Generation, Loaded, UsageError, close_quietly,
                        load_model, mp4_writer, parse, report)
+from .ui_jobs import Job
 
 _LABELS = {"tiny": "embedded world model", "self-forcing": "Self-Forcing (checkpoint)"}
 PIPELINES = {p: _LABELS[p] for p in generate.PIPELINES}  # qvg-generate's pipelines, labelled for the UI
@@ -159,41 +159,11 @@ def settings(form: Form, server: Server, out: Path) -> list[dict]:
     return out_list
 
 
-class Controls:
-    """A session's live controls, read by its running job between chunks."""
-
-    def __init__(self):
-        self.cancel = threading.Event()
-        self.steer: str | None = None  # the action of the next chunks (sticky) while a job runs
-        self.running = False
-        self.pending = False  # a job was submitted and has not started
-
-
-class Sessions:
-    """Controls by session id (gradio's session hash)."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._by_id: dict[str, Controls] = {}
-
-    def get(self, sid: str) -> Controls:
-        with self._lock:
-            return self._by_id.setdefault(sid, Controls())
-
-    def find(self, sid: str) -> Controls | None:
-        with self._lock:
-            return self._by_id.get(sid)
-
-    def drop(self, sid: str) -> None:
-        with self._lock:
-            self._by_id.pop(sid, None)
-
-
 class Plan:
     """Each chunk's action, asked when the chunk starts: the form's list (repeated), or the key last pressed while
     the job runs; one answer per chunk, so both videos of a comparison get the same actions."""
 
-    def __init__(self, s: dict, controls: Controls):
+    def __init__(self, s: dict, controls: Job):
         self.base, self.controls, self.memo = s["actions"], controls, {}
 
     def __call__(self, c: int) -> int:
@@ -242,7 +212,7 @@ class Update:
     fps: int = 8
 
 
-def run(form: Form, server: Server, controls: Controls, models: Models, workdir: Path):
+def run(form: Form, server: Server, controls: Job, models: Models, workdir: Path):
     """Generate, yielding an Update after the start frame and after every chunk; stops between chunks when
     controls.cancel is set (the video so far is kept). Raises UsageError for bad input."""
     import json

@@ -1,6 +1,6 @@
 """qvg-app end to end through gradio_client on the embedded model (CPU): live chunks and the memory panel,
-compare mode, the queue (positions, one job at a time), cancel, live steering, errors as messages, and the path
-rules (checkpoint root, uploads only). Videos are short (1-4 chunks of 3 frames)."""
+compare mode, the queue (positions, one job at a time), cancel (per job), live steering, errors as messages, the
+path rules (checkpoint root, uploads only) and the live preview's size. Videos are short (1-4 chunks of 3 frames)."""
 import json
 import socket
 import time
@@ -12,6 +12,7 @@ from gradio_client import Client, handle_file  # noqa: E402
 from gradio_client.exceptions import AppError  # noqa: E402
 
 from qvg.app.generate import UsageError  # noqa: E402
+from qvg.app.ui_jobs import Jobs, cancel_message  # noqa: E402
 from qvg.app.ui_run import Form, Server, append_action, checkpoint_dir, settings  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*(no_silent_downcasting|copy keyword).*")  # gradio's pandas use
@@ -69,6 +70,18 @@ def url(ckpt_root):
 @pytest.fixture
 def client(url):
     return Client(url, verbose=False)
+
+
+def submit(client, **kw):
+    """A Generate click as the page makes it: a job id (/job, unqueued), then the queued run with that id."""
+    return client.submit(*form(**kw), client.predict(api_name="/job"), api_name="/generate")
+
+
+def _until(cond, timeout=120, what="condition"):
+    t0 = time.time()
+    while not cond():
+        assert time.time() - t0 < timeout, what
+        time.sleep(0.1)
 
 
 def _wait(job, timeout=240):
@@ -139,7 +152,9 @@ def test_self_forcing_from_a_checkpoint_directory_in_the_root(client, sf_checkpo
                                api_name="/generate"))
     assert outs[-1][0].startswith("**done: 1 chunks"), outs[-1][0]
     import imageio.v3 as iio
-    assert iio.imread(outs[-1][6]).shape == (1, 480, 832, 3)
+    assert iio.imread(outs[-1][6]).shape == (1, 480, 832, 3)  # the mp4 at full size, the live preview halved
+    from PIL import Image
+    assert Image.open(outs[-1][1]["value"]).size == (416, 240)
     rep = json.loads(open(outs[-1][8][0]).read())
     assert rep["pipeline"] == "self-forcing" and rep["prompt"] == "a red fox"
     assert rep["checkpoint"]["generator"].startswith(str(sf_checkpoint.resolve()))
@@ -194,6 +209,55 @@ def test_queue_positions_one_job_at_a_time_and_cancel(url):
     assert 4 <= n < 301 and (n - 1) % 3 == 0
     assert _wait(jb)[-1][0].startswith("**done: 1 chunks")
     assert a.predict(api_name="/cancel") == "Nothing is running."
+
+
+def _status(outs):
+    return [o[0] for o in outs]
+
+
+def test_cancel_is_per_job(url):
+    """Cancel reaches the session's jobs that exist when it is pressed: two queued jobs of one session never run, its
+    Generate after the Cancel runs; another session's running and queued jobs go on; a running job stops after a
+    chunk (video so far kept) and its session's next Generate runs in full."""
+    a, b, c = (Client(url, verbose=False) for _ in range(3))
+    ja = submit(a, frames=301)
+    _until(lambda: any("chunk 1 of" in s for s in _status(ja.outputs())), what="a's first chunk")
+    queued = [submit(b, frames=4), submit(b, frames=4), submit(c, frames=4)]
+    for rank, j in enumerate(queued):  # in line behind a, each sees its position
+        _until(lambda: j.status().code.name == "IN_QUEUE" and j.status().rank == rank, 60, f"rank {rank}")
+    jb1, jb2, jc = queued
+    assert b.predict(api_name="/cancel") == "**Cancelled**: your 2 queued jobs will not run."
+    jb3 = submit(b, frames=4)  # b's Generate after its Cancel
+    n = len(ja.outputs())
+    _until(lambda: len(ja.outputs()) > n, what="a goes on after b's cancel")
+    assert not ja.done()
+    assert a.predict(api_name="/cancel") == "**Cancelling**: the video stops after the current chunk."
+    outs = _wait(ja)
+    assert "cancelled after" in outs[-1][0] and "of 100 chunks" in outs[-1][0]
+    import imageio.v3 as iio
+    assert 4 <= iio.imread(outs[-1][6]).shape[0] < 301
+    for j in (jb1, jb2):  # ended at their turn without loading or generating anything
+        assert _status(_wait(j)) == ["Cancelled before it started."]
+    for j in (jc, jb3, submit(a, frames=4)):
+        assert _wait(j)[-1][0].startswith("**done: 1 chunks")
+    assert {x.predict(api_name="/cancel") for x in (a, b, c)} == {"Nothing is running."}
+
+
+def test_jobs_unit():
+    jobs = Jobs()
+    j1, j2, k = jobs.submit("s"), jobs.submit("s"), jobs.submit("t")
+    run = jobs.start(j1.id, "s")
+    assert run is j1 and jobs.running("s") is j1 and jobs.running("t") is None
+    assert jobs.cancel("s") == (1, 1) and j1.cancel.is_set() and j2.cancel.is_set() and not k.cancel.is_set()
+    assert jobs.start(k.id, "s") is not k  # another session's id: a new job of this one
+    later = jobs.submit("s")
+    assert not later.cancel.is_set()  # submitted after the Cancel
+    assert jobs.start(None, "u").running and jobs.start(j1.id, "s") is not j1  # no id / an id in use: new jobs
+    jobs.finish(j1)
+    jobs.drop("t")
+    assert k.cancel.is_set() and jobs.start(k.id, "t") is not k  # a closed page's queued job is forgotten
+    assert cancel_message(0, 0) == "Nothing is running." and "2 queued jobs" in cancel_message(0, 2)
+    assert cancel_message(1, 1).startswith("**Cancelling**") and "queued job will not run" in cancel_message(1, 1)
 
 
 def test_keys_build_the_action_list_and_steer_a_running_video(client):
@@ -276,3 +340,33 @@ def test_the_ui_keeps_torchvision_out():
     import sys
     code = "import sys, qvg.app.ui; print('torchvision' in sys.modules)"
     assert subprocess.check_output([sys.executable, "-c", code], text=True).strip() == "False"
+
+
+def test_live_preview_is_bounded_at_self_forcing_size(tmp_path):
+    """A Self-Forcing chunk (12 frames of 480 x 832) is previewed at 240 x 416, box-averaged, at zlib level 1: at
+    least 3x less encode time than the full-size level-6 APNG (eval/results/ui-preview-encode-cpu.json: ~1.3 s on 2
+    CPU cores, more than an H100 chunk)."""
+    import numpy as np
+    from PIL import Image, ImageSequence
+
+    from qvg.app.ui_panel import DISPLAY, MAX_SIDE
+    from qvg.eval.bench_ui_preview import after, before, pan_frames
+    frames = pan_frames()
+    assert frames.shape == (12, 480, 832, 3)
+    secs = {}
+    for name, encode in (("before", before), ("after", after)):
+        path = tmp_path / f"{name}.png"
+        secs[name] = min(_timed(encode, frames, path) for _ in range(2))
+    img = Image.open(tmp_path / "after.png")
+    assert img.size == (416, 240) and img.n_frames == 12 and max(img.size) <= MAX_SIDE and min(img.size) <= DISPLAY
+    assert (tmp_path / "after.png").stat().st_size < 0.5 * (tmp_path / "before.png").stat().st_size
+    first = np.asarray(next(ImageSequence.Iterator(img)).convert("RGB")).astype(float)
+    box = frames[0].reshape(240, 2, 416, 2, 3).mean((1, 3))
+    assert abs(first - box).max() <= 1  # the same picture, averaged 2 x 2
+    assert secs["after"] < secs["before"] / 3, secs
+
+
+def _timed(fn, *args):
+    t = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t
