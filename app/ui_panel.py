@@ -11,8 +11,8 @@ COMPONENTS = ("codes", "scales", "ids", "centroids", "bf16_sink", "bf16_pending"
 # the live frames' preview (the page shows it 300 pixels high): scaled by a whole factor, up (nearest) or down (box
 # average), to a shortest side of at most DISPLAY and a longest of at most MAX_SIDE
 DISPLAY, MAX_SIDE = 256, 512
-# zlib level 1 (PIL's default is 6): with full-size frames at level 6, a 480 x 832 chunk took ~1.3 s to encode on
-# 2 CPU cores, more than an H100 chunk (eval/results/ui-preview-encode-cpu.json)
+# zlib level 1 (PIL's default is 6): with full-size frames at level 6, a 480 x 832 chunk took 1.2 s to encode on 2
+# CPU cores (0.1 s now), more than an H100 chunk (eval/results/ui-preview-encode-cpu.json)
 PREVIEW_LEVEL = 1
 
 
@@ -47,8 +47,8 @@ def save_apng(imgs, path: Path, fps: int, level: int) -> str:
 
 
 def frames_image(frames, path: Path, fps: int) -> str:
-    """uint8 frames [F, H, W, 3] -> the live preview at `path`: an (animated) PNG, scaled by preview_factor. The mp4 keeps
-    the full size."""
+    """uint8 frames [F, H, W, 3] -> the live preview at `path`: an (animated) PNG, scaled by preview_factor (the
+    mp4 keeps the full size)."""
     return save_apng(preview(frames), path, fps, PREVIEW_LEVEL)
 
 

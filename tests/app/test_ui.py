@@ -344,8 +344,8 @@ def test_the_ui_keeps_torchvision_out():
 
 def test_live_preview_is_bounded_at_self_forcing_size(tmp_path):
     """A Self-Forcing chunk (12 frames of 480 x 832) is previewed at 240 x 416, box-averaged, at zlib level 1: at
-    least 3x less encode time than the full-size level-6 APNG (eval/results/ui-preview-encode-cpu.json: ~1.3 s on 2
-    CPU cores, more than an H100 chunk)."""
+    least 3x less encode time than the full-size level-6 APNG (eval/results/ui-preview-encode-cpu.json: 1.2 s -> 0.1 s
+    on 2 CPU cores; an H100 chunk takes 0.56-1.1 s)."""
     import numpy as np
     from PIL import Image, ImageSequence
 
