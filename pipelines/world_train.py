@@ -11,6 +11,12 @@ with half the noise levels drawn from the sampler's own steps. The context after
 sequence, clean, or blurred with a little noise (as the model's own frames will be), or re-noised to a small level
 with that timestep (Self-Forcing's context noise; the sampler's clean re-run uses `context_sigma`).
 
+Rollout context (`--rollout-fraction p`, the exposure-bias fix): on a share p of the steps the context after the
+start chunk is the model's own generation for the batch's start views and actions (the sampler with a BF16 cache,
+no gradient), while the targets stay the true views. At inference the model sees only its own frames after the
+start; trained on them, it learns to take what the true start view holds from the start chunk when the camera comes
+back, instead of following its drifted frames.
+
 Resumable: `--ckpt DIR` holds the state (FP32 weights and BF16 Adam moments as sharded safetensors, each under
 16 MB, plus state.json with the step, the settings and the log); a run continues from it and stops after
 `--minutes`. `--export DIR` writes the shippable model (FP16 safetensors + config.json with the training card).
@@ -35,7 +41,8 @@ from .world_model import DEFAULT_CONFIG, build_world, save_world
 
 SHARD_BYTES = 15 * 2**20
 DEFAULTS = dict(chunks=11, batch=16, lr=3e-4, warmup=200, weight_decay=0.01, grad_clip=1.0, seed=0,
-                total_steps=4000, step_sigma_fraction=0.5, context_sigma_max=0.2, revisit_fraction=0.7)
+                total_steps=4000, step_sigma_fraction=0.5, context_sigma_max=0.2, revisit_fraction=0.7,
+                rollout_fraction=0.0)
 
 
 def token_layout(chunks: int, cf: int, tpf: int, device="cpu"):
@@ -108,8 +115,34 @@ class Trainer:
         p = min(1.0, (step - a["warmup"]) / max(1, a["total_steps"] - a["warmup"]))
         return a["lr"] * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * p)))
 
-    def loss(self, frames: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
-        """frames [B, 3, F, S, S] in [-1, 1], actions [B, chunks] -> the flow-matching loss of one batch."""
+    @torch.no_grad()
+    def rollout_context(self, frames: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
+        """The model's own frames for chunks 1 .. chunks-2 (the context of the generated chunks; the last chunk is
+        never context) from the batch's start chunk and actions: [B, 3, (chunks - 2) * cf, S, S] in [-1, 1]."""
+        from qvg.cache import KVCache
+
+        from .world_model import world_pipeline
+        a, cfg = self.args, self.cfg
+        cf, size = cfg["chunk_frames"], cfg["frame_size"]
+        b, dev = frames.shape[0], frames.device
+        model = self.model
+        was = model.training
+        model.eval()
+        cache = KVCache(len(model.blocks), "bf16", chunk_frames=cf, tokens_per_frame=model.tokens_per_latent_frame(
+            size, size))
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=self.gen))
+        try:
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
+                chunks = [r.video.float() for r in world_pipeline(model, cfg).generate(
+                    model.null_text(b), (a["chunks"] - 2) * cf, (size, size), cache, seed=seed, batch=b,
+                    context=frames[:, :, :cf], chunk_inputs=lambda c: {"actions": actions[:, c].to(dev)})]
+        finally:
+            model.train(was)
+        return torch.cat(chunks, 2)
+
+    def loss(self, frames: torch.Tensor, actions: torch.Tensor, rollout: bool = False) -> torch.Tensor:
+        """frames [B, 3, F, S, S] in [-1, 1], actions [B, chunks] -> the flow-matching loss of one batch. rollout:
+        the context after the start chunk is the model's own generation (module docstring)."""
         a, cf = self.args, self.cfg["chunk_frames"]
         b, gen = frames.shape[0], self.gen
         dev = frames.device
@@ -125,6 +158,9 @@ class Trainer:
         # a third re-noised to a small level ctx_sigma with that timestep (Self-Forcing's context noise)
         clean = frames.clone()
         mode = torch.randint(0, 3, (b,), generator=gen).to(dev)
+        if rollout:  # own frames are already what degrade() imitates: keep them as they are, or re-noised
+            clean[:, :, cf:(a["chunks"] - 1) * cf] = self.rollout_context(frames, actions)
+            mode = torch.where(mode == 1, torch.zeros_like(mode), mode)
         bad = mode == 1
         if bad.any():
             clean[bad, :, cf:] = degrade(frames[bad, :, cf:], gen).clamp(-1, 1)
@@ -158,14 +194,16 @@ class Trainer:
                 g["lr"] = self.lr_at(self.step)
             frames, actions = nxt.result()
             nxt = pool.submit(data.batch, a["batch"])
+            rollout = bool(torch.rand(1, generator=self.gen) < a["rollout_fraction"]) if a["rollout_fraction"] \
+                else False
             try:
-                loss = self.loss(frames, actions)
+                loss = self.loss(frames, actions, rollout)
             except Exception as e:  # a compile failure must not lose the run: go on eagerly
                 if self.compiled is None:
                     raise
                 print(f"torch.compile failed ({type(e).__name__}: {str(e)[:200]}); training eagerly", flush=True)
                 self.compiled = None
-                loss = self.loss(frames, actions)
+                loss = self.loss(frames, actions, rollout)
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
             gn = torch.nn.utils.clip_grad_norm_(self.model.parameters(), a["grad_clip"])

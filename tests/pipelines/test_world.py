@@ -123,6 +123,27 @@ def test_trainer_steps_and_resumes(tmp_path):
     assert tr2.step == 3
 
 
+def test_rollout_context_is_the_models_own_generation():
+    args = dict(chunks=4, batch=2, warmup=2, total_steps=10, rollout_fraction=1.0)
+    tr = Trainer(args, SMALL, "cpu", attention="dense")
+    frames, actions = WorldData(0, 4, SMALL, revisit=0.0).batch(2)
+    ctx = tr.rollout_context(frames, actions)
+    cf = SMALL["chunk_frames"]
+    assert ctx.shape == (2, 3, 2 * cf, 32, 32) and ctx.abs().max() <= 1 and tr.model.training
+    from qvg.cache import KVCache  # the same frames the sampler gives one sequence alone (batching changes nothing)
+    from qvg.pipelines.world_model import world_pipeline
+    tr.model.eval()
+    cache = KVCache(1, "bf16", chunk_frames=cf, tokens_per_frame=tr.model.tokens_per_latent_frame(32, 32))
+    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=torch.Generator().manual_seed(tr.args["seed"] + 1)))
+    one = torch.cat([r.video for r in world_pipeline(tr.model, SMALL).generate(
+        tr.model.null_text(2), 2 * cf, (32, 32), cache, seed=seed, batch=2, context=frames[:, :, :cf],
+        chunk_inputs=lambda c: {"actions": actions[:, c]})], 2)
+    assert torch.allclose(ctx, one, atol=1e-5)
+    tr.model.train()
+    tr.train(WorldData(1, 4, SMALL, revisit=0.0), minutes=5, max_steps=1, log_every=1)
+    assert tr.step == 1 and torch.isfinite(torch.tensor(tr.log[-1]["loss"]))
+
+
 @pytest.mark.skipif(not (WORLD_DIR / "model.safetensors").is_file(), reason="the embedded model is not built")
 def test_shipped_model_beats_copying_the_start_frame_on_a_held_out_photo():
     from qvg.cache import KVCache
