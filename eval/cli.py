@@ -6,7 +6,8 @@
     qvg-eval vbench VIDEO... [--dims ...]               VBench dimensions of video files
 
 Pretrained weights (LPIPS, VBench) are read from --weights DIR, else $QVG_WEIGHTS, else ~/.cache/qvg/weights
-(file names: `qvg.eval.weights.FILES`, README "qvg-eval"). Bad input: one `qvg-eval: error: ...` line, status 2.
+(file names: `qvg.eval.weights.FILES`, README "qvg-eval"); a missing file leaves its metric out, a file that is
+there but not those weights is an error. Bad input: one `qvg-eval: error: ...` line, status 2.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import os
 import sys
 from pathlib import Path
 
+from .weights import BadWeights  # (no torch import)
 
 # torch's OpenMP threads spin at barriers by default: on a CPU shared with other processes that makes runs several
 # times slower (eval/kv_analysis.py). Only effective when torch is not loaded yet (the qvg-eval entry point).
@@ -51,21 +53,26 @@ def _lpips(net: str, weights, device):
     if net == "none":
         return None, "not asked for (--lpips none)"
     from .lpips import load_lpips
-    from .weights import MissingWeights
+    from .weights import BadWeights, MissingWeights
     try:
         return load_lpips(net, weights, device), f"computed (LPIPS v0.1, {net})"
     except MissingWeights as e:
         print(f"qvg-eval: LPIPS not computed: {e}", file=sys.stderr)
         return None, f"not computed: {e}"
+    except BadWeights as e:
+        raise UsageError(f"LPIPS weights: {e}") from None
 
 
 def _vbench(dims: str, weights, device) -> dict:
     if dims == "none":
         return {}
     from .vbench import DIMENSIONS, load_dimensions
+    from .weights import BadWeights
     names = list(DIMENSIONS) if dims == "all" else [d.strip() for d in dims.split(",") if d.strip()]
     try:
         out = load_dimensions(names, weights, device)
+    except BadWeights as e:
+        raise UsageError(f"VBench weights: {e}") from None
     except ValueError as e:
         raise UsageError(f"--vbench: {e}") from None
     for k, v in out.items():
@@ -137,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
             import torch
             torch.set_num_threads(a.threads)
         return {"compare": _compare, "report": _report, "sweep": _sweep, "vbench": _vbench_cmd}[a.cmd](a, argv)
-    except UsageError as e:
+    except (UsageError, BadWeights) as e:  # BadWeights: a broken weights file, wherever it is read
         print(f"qvg-eval: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -147,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _compare(a, argv) -> int:
     from . import compare
-    from .provenance import command_line, meta
+    from .provenance import command_line, meta, weight_files
     from .video import read_video, sidecar
     dev = _device(a.device)
     try:
@@ -171,7 +178,7 @@ def _compare(a, argv) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     res["meta"] = meta(command_line("qvg-eval", argv), dev, ref=a.ref, test=a.test, lpips=status,
-                       frames_compared=n, frames=[ref.shape[1], test.shape[1]],
+                       weight_files=weight_files(model), frames_compared=n, frames=[ref.shape[1], test.shape[1]],
                        title=f"{Path(a.test).name} vs {Path(a.ref).name}")
     out = a.out or str(Path(a.test).with_suffix("")) + ".compare"
     notes = compare.save(res, out)
@@ -223,7 +230,7 @@ def _embedded(model_dir, dev):
 
 def _sweep(a, argv) -> int:
     from . import sweep
-    from .provenance import command_line, meta
+    from .provenance import command_line, meta, weight_files
     from .runners import GenerateRunner
     dev = _device(a.device)
     if a.pipeline == "embedded":
@@ -244,7 +251,8 @@ def _sweep(a, argv) -> int:
     model, status = _lpips(a.lpips, a.weights, dev)
     vb = _vbench(a.vbench, a.weights, dev)
     res = sweep.run(runner, spec, lpips_model=model, vbench=vb, progress=not a.no_progress)
-    res["meta"] = meta(command_line("qvg-eval", argv), dev, lpips=status, runner=runner.describe())
+    res["meta"] = meta(command_line("qvg-eval", argv), dev, lpips=status, runner=runner.describe(),
+                       weight_files=weight_files(model, *vb.values()))
     out = Path(a.outdir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "sweep.json").write_text(json.dumps(res, indent=1) + "\n")
@@ -255,11 +263,12 @@ def _sweep(a, argv) -> int:
 
 
 def _vbench_cmd(a, argv) -> int:
-    from .provenance import command_line, meta
+    from .provenance import command_line, meta, weight_files
     from .video import read_video
     dev = _device(a.device)
     dims = _vbench(a.dims, a.weights, dev)
-    res = {"meta": meta(command_line("qvg-eval", argv), dev), "videos": {}}
+    res = {"meta": meta(command_line("qvg-eval", argv), dev, weight_files=weight_files(*dims.values())),
+           "videos": {}}
     for path in a.videos:
         try:
             v = read_video(path)

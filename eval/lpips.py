@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .weights import read_state_dict, weight_path
+from .weights import BadWeights, read_state_dict, weight_path
 
 SHIFT = (-0.030, -0.088, -0.188)
 SCALE = (0.458, 0.448, 0.450)
@@ -79,7 +79,7 @@ class LPIPS(nn.Module):
         missing = sorted(set(own) - set(got))
         bad = sorted(k for k in own if k in got and tuple(got[k].shape) != tuple(own[k].shape))
         if missing or bad:
-            raise ValueError(f"{source}: not torchvision's {self.net} features (missing: "
+            raise BadWeights(f"{source}: not torchvision's {self.net} features (missing: "
                              f"{', '.join('features.' + k for k in missing[:4]) or '-'}; wrong shape: "
                              f"{', '.join('features.' + k for k in bad[:4]) or '-'})")
         self.features.load_state_dict({k: got[k].float() for k in own})
@@ -89,7 +89,7 @@ class LPIPS(nn.Module):
         for i, lin in enumerate(self.lins):
             w = sd.get(f"lin{i}.model.1.weight", sd.get(f"lin{i}.model.0.weight"))
             if w is None or tuple(w.shape) != tuple(lin.weight.shape):
-                raise ValueError(f"{source}: no lin{i}.model.1.weight of shape {list(lin.weight.shape)} "
+                raise BadWeights(f"{source}: no lin{i}.model.1.weight of shape {list(lin.weight.shape)} "
                                  f"(not the lpips package's v0.1 {self.net}.pth)")
             lin.weight.data.copy_(w.float())
 
@@ -117,7 +117,8 @@ class LPIPS(nn.Module):
 
 def load_lpips(net: str = "alex", weights=None, device="cpu") -> LPIPS:
     """LPIPS with its backbone and linear weights from the weights folder (`qvg.eval.weights`); raises
-    MissingWeights (one line naming the file) when one is not there."""
+    MissingWeights (one line naming the file) when one is not there, BadWeights (one line naming it) when it is not
+    the file it should be. `.weight_files`: the two files read."""
     if net not in NETS:
         raise ValueError(f"LPIPS net must be one of {', '.join(NETS)}, got {net!r}")
     _, _, backbone, linear = NETS[net]
@@ -125,6 +126,7 @@ def load_lpips(net: str = "alex", weights=None, device="cpu") -> LPIPS:
     m = LPIPS(net)
     m.load_backbone(read_state_dict(pb), str(pb))
     m.load_linear(read_state_dict(pl), str(pl))
+    m.weight_files = [pb, pl]
     return m.to(device)
 
 

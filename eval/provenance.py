@@ -1,8 +1,10 @@
 """What makes a saved result reproducible: the exact command, the git commit (and whether the tree was dirty), the
-date, the device, torch / python versions. Every qvg-eval JSON carries this dict under "meta"."""
+date, the device, torch / python versions, and the pretrained weight files read (LPIPS, VBench: path, size, mtime,
+sha256; `weight_files`). Every qvg-eval JSON carries this dict under "meta"."""
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 import os
 import platform
 import shlex
@@ -48,3 +50,23 @@ def meta(command: str, device="cpu", **extra) -> dict:
     return {"command": command, "git_commit": commit, "git_dirty": dirty,
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "device": device_name(device),
             "torch": torch.__version__, "python": platform.python_version(), **extra}
+
+
+def file_record(path) -> dict:
+    """{path (absolute), bytes, mtime (UTC), sha256} of a file."""
+    p = Path(path).resolve()
+    st = p.stat()
+    h = hashlib.sha256()
+    with open(p, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return {"path": str(p), "bytes": st.st_size,
+            "mtime": _dt.datetime.fromtimestamp(st.st_mtime, _dt.timezone.utc).isoformat(timespec="seconds"),
+            "sha256": h.hexdigest()}
+
+
+def weight_files(*models) -> list[dict]:
+    """`file_record` of every pretrained file the given loaded models / VBench scorers were read from (their
+    `weight_files`; None, strings and randomly initialised models read none)."""
+    from .weights import used_files
+    return [file_record(p) for p in used_files(*models)]

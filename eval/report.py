@@ -11,7 +11,8 @@ Presets (the embedded world model; time for the whole report):
   floor at INT2 over 2 k-means seeds; long video 12 chunks (37 frames); ~15-25 min on 2 shared CPU cores (the
   committed one: 24 min, 1 thread).
 - gpu: 4 photos x 3 sampling seeds, 8 chunks, k-means floor at INT2 and INT4 over 3 seeds; long video 60 chunks
-  (181 frames), KV analyses over more chunks and seeds (on the CPU, from the captured K/V); ~15 min on an H100.
+  (181 frames), KV analyses over more chunks and seeds (on the CPU, from the captured K/V); the committed one
+  (eval/results/report-embedded-h100/) took 311 s on an H100.
 """
 from __future__ import annotations
 
@@ -23,7 +24,10 @@ from pathlib import Path
 import torch
 
 from . import analyses, sweep
-from .provenance import meta
+from .provenance import meta, weight_files
+
+# the cache's bytes by component (`qvg.cache.KVCache.memory`): they sum to its total
+MEMORY_COMPONENTS = ("codes", "scales", "ids", "centroids", "bf16", "workspace")
 
 METHODS = ["rtn", "kivi", "quarot", "qvg", "qvg-pro"]
 PRESETS = {
@@ -64,7 +68,8 @@ def run(outdir, preset: dict, runner, *, command: str, device="cpu", preset_name
         lpips_status = "computed" if lpips_model is not None else "not computed (no LPIPS model given)"
     res = {"meta": meta(command, device, preset=preset_name, spec=preset,
                         lpips=lpips_status, vbench={k: (v if isinstance(v, str) else "computed")
-                                                    for k, v in (vbench or {}).items()}),
+                                                    for k, v in (vbench or {}).items()},
+                        weight_files=weight_files(lpips_model, *(vbench or {}).values())),
            "model": runner.describe()}
     layers = list(range(runner.describe().get("layers", 1)))
     k = default_centroids(runner.unit_tokens)
@@ -141,6 +146,7 @@ def render(res: dict, out: Path) -> list[str]:
          f"K = {m['centroids']} centroids per chunk (`default_centroids`), streaming warm start",
          f"- LPIPS: {m['lpips'] or 'computed'}",
          "- VBench: " + ("; ".join(f"{k}: {v}" for k, v in m["vbench"].items()) or "not asked for"),
+         *_weights_md(m),
          f"- everything below is drawn from [results.json](results.json) (`qvg-eval report {out.name} --from-json` "
          "re-renders it)", ""]
     notes = []
@@ -164,6 +170,14 @@ def render(res: dict, out: Path) -> list[str]:
     return [f"wrote {out / 'report.md'}"] + [n for n in notes if n]
 
 
+def _weights_md(m: dict) -> list[str]:
+    if "weight_files" not in m:  # a results.json from before weight files were recorded
+        return []
+    return ["- pretrained weight files read: " + ("; ".join(
+        f"`{w['path']}` ({w['bytes']:,} bytes, sha256 {w['sha256']})"
+        for w in m["weight_files"]) or "none")]
+
+
 def _sweep_md(sw: dict) -> list[str]:
     s = sw["spec"]
     L = ["## Table 1: quality vs the BF16 cache, and memory", "",
@@ -179,11 +193,12 @@ def _sweep_md(sw: dict) -> list[str]:
     rows = []
     for r in sweep.memory_rows(sw):
         rows.append([r["method"], "BF16" if r["bits"] == 16 else f"INT{r['bits']}"]
-                    + [f"{r[c]:,}" for c in ("codes", "scales", "ids", "centroids", "bf16", "total",
-                                             "bf16_equivalent")]
+                    + [f"{r[c]:,}" for c in (*MEMORY_COMPONENTS, "total", "bf16_equivalent")]
                     + [f"{r['bf16_equivalent'] / r['total']:.2f}x"])
-    L += _table(["method", "bits", "codes", "scales", "ids", "centroids", "bf16 (current chunk + room)", "total",
-                 "BF16 equivalent", "ratio"], rows)
+    L += _table(["method", "bits", "codes", "scales", "ids", "centroids", "bf16 (current chunk + room)",
+                 "workspace", "total", "BF16 equivalent", "ratio"], rows)
+    L += ["", "The components add up to `total`; `workspace` is the compression's CUDA graphs (their static tensors "
+          "and private memory pools: rtn, qvg, qvg-pro on CUDA; 0 on the CPU)."]
     L += ["", "![memory by component](memory_breakdown.png)", ""]
     if sw.get("vbench_unavailable"):
         L += ["VBench dimensions not computed: " + "; ".join(f"{k}: {v}" for k, v in
@@ -234,11 +249,10 @@ def _kv_md(kv: dict, capture: dict) -> list[str]:
 def _block_md(bl: dict) -> list[str]:
     L = [f"### Fig. 7 (end to end): {bl['method']} INT{bl['bits']} by block size", "",
          f"Start image {bl['image']!r}, seed {bl['seed']}, {bl['chunks']} chunks; vs the BF16 video.", ""]
-    rows = [[r["block_size"], f"{r['compression_ratio']:.2f}x", f"{r['memory']['codes']:,}",
-             f"{r['memory']['scales']:,}", f"{r['memory']['ids']:,}", f"{r['memory']['centroids']:,}",
-             f"{r['memory']['bf16']:,}", _f(r["onset_psnr"], 4), _f(r["video_psnr"], 4)] for r in bl["rows"]]
-    return L + _table(["B", "ratio", "codes", "scales", "ids", "centroids", "bf16", "onset PSNR", "video PSNR"],
-                      rows) + [""]
+    rows = [[r["block_size"], f"{r['compression_ratio']:.2f}x"]
+            + [f"{r['memory'].get(c, 0):,}" for c in (*MEMORY_COMPONENTS, "total")]
+            + [_f(r["onset_psnr"], 4), _f(r["video_psnr"], 4)] for r in bl["rows"]]
+    return L + _table(["B", "ratio", *MEMORY_COMPONENTS, "total", "onset PSNR", "video PSNR"], rows) + [""]
 
 
 def _warm_md(w: dict) -> list[str]:
@@ -311,7 +325,7 @@ def _plot_memory(sw: dict, path: Path) -> str:
     if plt is None:
         return ""
     rows = sweep.memory_rows(sw)
-    comps = ("codes", "scales", "ids", "centroids", "bf16")
+    comps = MEMORY_COMPONENTS
     fig, ax = plt.subplots(figsize=(8, 3.6))
     names = [f"{r['method']} {'BF16' if r['bits'] == 16 else 'INT%d' % r['bits']}" for r in rows]
     bottom = [0.0] * len(rows)

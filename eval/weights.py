@@ -3,12 +3,16 @@
     --weights DIR  (the qvg-eval flag)  >  $QVG_WEIGHTS  >  ~/.cache/qvg/weights
 
 under the names in `FILES` (a file, or a Hugging Face model folder). A missing file raises `MissingWeights`, whose
-message is one line naming the file, where it is looked for and where it comes from. Files are opened with
-`torch.load(weights_only=True)` (no arbitrary unpickling) or safetensors.
+message is one line naming the file, where it is looked for and where it comes from; a file that is there but
+cannot be used (not a state dict, other keys or shapes, a Hugging Face folder without its weights) raises
+`BadWeights`, one line naming the file and what is wrong. Files are opened with `torch.load(weights_only=True)`
+(no arbitrary unpickling) or safetensors. `used_files` lists the files a loaded model was read from (provenance).
 """
 from __future__ import annotations
 
+import json
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,6 +51,53 @@ class MissingWeights(FileNotFoundError):
     """A pretrained file is not where it is looked for (str(e) is one line naming it)."""
 
 
+class BadWeights(ValueError):
+    """A pretrained file is there but is not the weights it should be (str(e) is one line naming it)."""
+
+
+def first_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: " + (str(e).strip().splitlines() or [""])[0][:200]
+
+
+@contextmanager
+def reading(path, what: str):
+    """Turn any failure to read `path` as `what` into BadWeights naming it (ImportError, MemoryError, MissingWeights
+    and BadWeights pass through: a missing package, memory or file is reported as such)."""
+    try:
+        yield
+    except (ImportError, MemoryError, MissingWeights, BadWeights):
+        raise
+    except Exception as e:
+        raise BadWeights(f"{path}: not {what} ({first_line(e)})") from None
+
+
+def hf_files(folder: Path) -> list[Path]:
+    """The files transformers' from_pretrained reads from a model folder: config.json and the weights it picks
+    (safetensors first, then pytorch_model.bin; sharded ones through their index)."""
+    out = [folder / "config.json"]
+    for name in ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                 "pytorch_model.bin.index.json"):
+        p = folder / name
+        if p.is_file():
+            out.append(p)
+            if name.endswith(".index.json"):
+                with reading(p, "a Hugging Face weights index"):
+                    shards = sorted(set(json.loads(p.read_text())["weight_map"].values()))
+                out += [folder / s for s in shards]
+            break
+    return out
+
+
+def used_files(*objs) -> list[Path]:
+    """The weight files the given loaded models / scorers were read from (their `weight_files`), in order, once."""
+    out = []
+    for o in objs:
+        for p in getattr(o, "weight_files", None) or []:
+            if Path(p) not in out:
+                out.append(Path(p))
+    return out
+
+
 def weights_dir(explicit: str | os.PathLike | None = None) -> Path:
     if explicit:
         return Path(explicit)
@@ -75,19 +126,21 @@ def available(key: str, directory=None) -> bool:
 
 def read_state_dict(path: str | os.PathLike) -> dict:
     """A flat {name: tensor} from a .safetensors or torch file (weights_only); {"state_dict": ...} / {"model": ...}
-    wrappers are unwrapped."""
+    wrappers are unwrapped. A file that is not one (text, a failed download, pickled objects) -> BadWeights."""
     import torch
     path = Path(path)
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-        return load_file(str(path))
-    try:
-        sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except RuntimeError:  # not a zip archive (legacy format): no mmap
-        sd = torch.load(path, map_location="cpu", weights_only=True)
+    with reading(path, "a weights-only torch state dict" if path.suffix != ".safetensors" else "a safetensors file"):
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+            return load_file(str(path))
+        try:
+            sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # not a zip archive (legacy format): no mmap
+            sd = torch.load(path, map_location="cpu", weights_only=True)
     for key in ("state_dict", "model", "params"):
         if isinstance(sd, dict) and key in sd and isinstance(sd[key], dict):
             sd = sd[key]
-    if not isinstance(sd, dict):
-        raise ValueError(f"{path}: not a state dict ({type(sd).__name__})")
+    sd = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)} if isinstance(sd, dict) else None
+    if not sd:
+        raise BadWeights(f"{path}: not a state dict (no tensors in it)")
     return sd

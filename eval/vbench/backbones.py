@@ -10,7 +10,8 @@
   token, what OpenAI CLIP's `encode_image` returns.
 - LAION aesthetic head: `nn.Linear(768, 1)` from sa_0_4_vit_l_14_linear.pth (keys weight, bias).
 
-Every loader takes `config=` to build the same class with random weights instead (tests).
+Every loader takes `config=` to build the same class with random weights instead (tests). A file or folder that is
+there but is not these weights raises `BadWeights` naming it; a loaded model's `weight_files` are the files read.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from ..weights import MissingWeights, read_state_dict, weight_path
+from ..weights import BadWeights, MissingWeights, hf_files, read_state_dict, reading, weight_path
 
 DINO_FILE = "dino_vitbase16_pretrain.pth"
 
@@ -73,6 +74,15 @@ def _hf_folder(path: Path) -> bool:
     return path.is_dir() and (path / "config.json").is_file()
 
 
+def _from_pretrained(cls, path: Path, what: str, **kw):
+    """cls.from_pretrained of a local folder; any failure (no weights file, a broken config, other shapes) is
+    BadWeights naming the folder."""
+    with reading(path, f"a Hugging Face {what} folder (config.json + model.safetensors or pytorch_model.bin)"):
+        model = cls.from_pretrained(str(path), local_files_only=True, **kw)
+    model.weight_files = hf_files(path)
+    return model
+
+
 def load_dino(weights=None, device="cpu", config=None) -> nn.Module:
     from transformers import ViTConfig, ViTModel
     if config is not None:
@@ -80,16 +90,18 @@ def load_dino(weights=None, device="cpu", config=None) -> nn.Module:
             .eval().to(device)
     p = weight_path("dino", weights)
     if _hf_folder(p):
-        return ViTModel.from_pretrained(str(p), add_pooling_layer=False, local_files_only=True).eval().to(device)
+        return _from_pretrained(ViTModel, p, "ViT", add_pooling_layer=False).eval().to(device)
     f = p / DINO_FILE if p.is_dir() else p
     if not f.is_file():
         raise MissingWeights(f"missing {f} (DINO ViT-B/16: VBench's {DINO_FILE}) and {p} is not a Hugging Face "
                              "folder (no config.json)")
     raw = read_state_dict(f)
-    model = ViTModel(ViTConfig(**dino_config(raw)), add_pooling_layer=False)
-    missing, unexpected = model.load_state_dict(dino_to_vit(raw, vit_layout(model)), strict=False)
+    with reading(f, "a DINO ViT checkpoint"):  # keys or shapes other than DINO's
+        model = ViTModel(ViTConfig(**dino_config(raw)), add_pooling_layer=False)
+        missing, unexpected = model.load_state_dict(dino_to_vit(raw, vit_layout(model)), strict=False)
     if missing or unexpected:
-        raise ValueError(f"{f}: not a DINO ViT checkpoint (missing {missing[:3]}, unexpected {unexpected[:3]})")
+        raise BadWeights(f"{f}: not a DINO ViT checkpoint (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    model.weight_files = [f]
     return model.eval().to(device)
 
 
@@ -110,7 +122,7 @@ def load_clip(key: str, weights=None, device="cpu", config=None) -> nn.Module:
     p = weight_path(key, weights)
     if not _hf_folder(p):
         raise MissingWeights(f"missing {p / 'config.json'}: {p} must be a Hugging Face CLIP folder")
-    return CLIPVisionModelWithProjection.from_pretrained(str(p), local_files_only=True).eval().to(device)
+    return _from_pretrained(CLIPVisionModelWithProjection, p, "CLIP").eval().to(device)
 
 
 def clip_features(model, pixels: torch.Tensor) -> torch.Tensor:
@@ -124,7 +136,9 @@ def load_aesthetic_head(weights=None, device="cpu", dim: int | None = None) -> n
         p = weight_path("laion-aesthetic", weights)
         sd = read_state_dict(p)
         if set(sd) != {"weight", "bias"} or tuple(sd["weight"].shape) != (1, 768):
-            raise ValueError(f"{p}: expected the LAION linear head (weight [1, 768], bias [1]), got "
+            raise BadWeights(f"{p}: expected the LAION linear head (weight [1, 768], bias [1]), got "
                              f"{ {k: list(v.shape) for k, v in sd.items()} }")
-        head.load_state_dict({k: v.float() for k, v in sd.items()})
+        with reading(p, "the LAION linear head"):
+            head.load_state_dict({k: v.float() for k, v in sd.items()})
+        head.weight_files = [p]
     return head.eval().to(device)

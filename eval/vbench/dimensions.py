@@ -11,13 +11,15 @@
   (`preprocess.musiq_input`), a score on SPAQ's 0..100 scale; the video's score is the mean over frames / 100; over
   a set, the mean over videos. Roughly [0, 1], higher = fewer distortions (noise, blur, over-exposure).
 
-Preprocessing: `preprocess.py`. Backbones: `backbones.py`, `musiq.py`.
+Preprocessing: `preprocess.py`. Backbones: `backbones.py`, `musiq.py`. A scorer's `weight_files` are the files its
+backbones were read from (none for random ones).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from ..weights import used_files
 from . import backbones, musiq, preprocess
 
 DIMENSIONS = ("subject_consistency", "background_consistency", "aesthetic_quality", "imaging_quality")
@@ -38,7 +40,13 @@ def _batched(fn, x: torch.Tensor, batch: int, device) -> torch.Tensor:
         return torch.cat([fn(x[i:i + batch].to(device)).float().cpu() for i in range(0, x.shape[0], batch)])
 
 
-class SubjectConsistency:
+class _Scorer:
+    @property
+    def weight_files(self) -> list:
+        return used_files(self.model, getattr(self, "head", None))
+
+
+class SubjectConsistency(_Scorer):
     name = "subject_consistency"
 
     def __init__(self, weights=None, device="cpu", config=None, batch: int = 16):
@@ -53,7 +61,7 @@ class SubjectConsistency:
         return consistency(self.features(video))
 
 
-class BackgroundConsistency:
+class BackgroundConsistency(_Scorer):
     name = "background_consistency"
     clip_key = "clip-b32"
 
@@ -88,7 +96,7 @@ class AestheticQuality(BackgroundConsistency):
         return float(self.frame_scores(video).mean())
 
 
-class ImagingQuality:
+class ImagingQuality(_Scorer):
     name = "imaging_quality"
 
     def __init__(self, weights=None, device="cpu", config=None, batch: int = 8):
@@ -108,8 +116,9 @@ CLASSES = {c.name: c for c in (SubjectConsistency, BackgroundConsistency, Aesthe
 
 
 def load_dimensions(names=DIMENSIONS, weights=None, device="cpu", configs: dict | None = None) -> dict:
-    """{name: scorer or the one-line reason it is unavailable (str)} for the dimensions asked for. configs: {name:
-    backbone config} builds randomly initialised backbones (tests)."""
+    """{name: scorer or the one-line reason it is unavailable (str: weights or transformers missing)} for the
+    dimensions asked for; a weights file that is there but broken raises BadWeights (one line naming it). configs:
+    {name: backbone config} builds randomly initialised backbones (tests)."""
     from ..weights import MissingWeights
     out = {}
     for n in names:

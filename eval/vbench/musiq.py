@@ -27,13 +27,12 @@ The forward pass of images [N, 3, H, W] in [0, 1] (pyiqa's evaluation path):
 from __future__ import annotations
 
 import math
-import pickle
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..weights import read_state_dict, weight_path
+from ..weights import BadWeights, read_state_dict, weight_path
 
 ROOT_WIDTH = 64  # channels of the ResNet root (GroupNorm's 32 groups need it)
 
@@ -192,27 +191,24 @@ class MUSIQ(nn.Module):
 
 
 def check_keys(own: dict, got: dict, source: str, what: str) -> None:
-    """ValueError (one line) unless `got` has exactly `own`'s keys, with the same shapes."""
+    """BadWeights (a ValueError, one line) unless `got` has exactly `own`'s keys, with the same shapes."""
     missing, unexpected = sorted(set(own) - set(got)), sorted(set(got) - set(own))
     bad = sorted(k for k in own if k in got and tuple(got[k].shape) != tuple(own[k].shape))
     if missing or unexpected or bad:
-        raise ValueError(f"{source}: not {what} (missing: {', '.join(missing[:4]) or '-'}; unexpected: "
+        raise BadWeights(f"{source}: not {what} (missing: {', '.join(missing[:4]) or '-'}; unexpected: "
                          f"{', '.join(unexpected[:4]) or '-'}; wrong shape: {', '.join(bad[:4]) or '-'})")
 
 
 def load_musiq(weights=None, device="cpu", config: dict | None = None) -> MUSIQ:
     """pyiqa's MUSIQ-SPAQ from the weights folder's musiq_spaq_ckpt-358bb6af.pth (`qvg.eval.weights`; keys checked
-    strictly, a "module." prefix dropped as pyiqa does); config= builds MUSIQ(**config) with random weights."""
+    strictly, a "module." prefix dropped as pyiqa does; a file that is not that checkpoint: BadWeights naming it);
+    config= builds MUSIQ(**config) with random weights."""
     if config is not None:
         return MUSIQ(**config).eval().to(device)
     p = weight_path("musiq", weights)
-    try:
-        raw = read_state_dict(p)
-    except (pickle.UnpicklingError, RuntimeError, EOFError) as e:  # not a torch file, or not weights-only
-        first = (str(e).strip().splitlines() or [""])[0]
-        raise ValueError(f"{p}: not a weights-only torch state dict ({type(e).__name__}: {first})") from None
-    sd = {k.removeprefix("module."): v for k, v in raw.items()}
+    sd = {k.removeprefix("module."): v for k, v in read_state_dict(p).items()}
     model = MUSIQ()
     check_keys(model.state_dict(), sd, str(p), "pyiqa's MUSIQ-SPAQ checkpoint")
     model.load_state_dict({k: v.float() for k, v in sd.items()})
+    model.weight_files = [p]
     return model.eval().to(device)

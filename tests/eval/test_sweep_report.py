@@ -73,3 +73,35 @@ def test_report_and_rerender(tiny_runner, tiny_preset, tmp_path):
     (out / "report.md").unlink()
     assert main(["report", str(out), "--from-json"]) == 0
     assert (out / "report.md").read_text() == md
+
+
+def test_memory_breakdown_adds_up_to_the_total(tmp_path, monkeypatch):
+    """On CUDA the cache holds a `workspace` (compression graphs) too: the table and the bars show it, so that the
+    components add up to the total (the committed H100 report's rtn INT2: 10,360,512 + 2,491,392 = 12,851,904)."""
+    from pathlib import Path
+    res = json.loads((Path(__file__).resolve().parents[2] / "eval" / "results" / "report-embedded-h100" /
+                      "results.json").read_text())
+    rows = sweep.memory_rows(res["sweep"])
+    assert any(r["workspace"] for r in rows)
+    assert all(sum(r[c] for c in report.MEMORY_COMPONENTS) == r["total"] for r in rows)
+    figs = []
+    monkeypatch.setattr(report, "_save", lambda plt, fig, path: figs.append(fig) or f"wrote {path}")
+    report.render(res, tmp_path)
+    md = (tmp_path / "report.md").read_text().splitlines()
+    for head in ("| method | bits | codes |", "| B | ratio | codes |"):
+        i = next(i for i, line in enumerate(md) if line.startswith(head))
+        cols = [c.strip() for c in md[i].strip("|").split("|")]
+        assert "workspace" in cols
+        a, t = cols.index("codes"), cols.index("total")
+        assert t - a == len(report.MEMORY_COMPONENTS)
+        body = md[i + 2:md.index("", i)]
+        assert body and all(sum(int(c.strip().replace(",", "")) for c in cells[a:t]) ==
+                            int(cells[t].strip().replace(",", "")) for cells in (r.strip("|").split("|") for r in body))
+    assert "| rtn | INT2 | 5,308,416 | 333,504 | 0 | 0 | 4,718,592 | 2,491,392 | 12,851,904 |" in "\n".join(md)
+    ax = figs[1].axes[0]  # memory_breakdown: one stacked bar per (method, bits)
+    tops = {}
+    for bar in ax.patches:
+        x = round(bar.get_x(), 6)
+        tops[x] = tops.get(x, 0.0) + bar.get_height()
+    assert len(tops) == len(rows)
+    assert [tops[x] for x in sorted(tops)] == pytest.approx([r["total"] / 2**20 for r in rows])
