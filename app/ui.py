@@ -6,17 +6,21 @@ One generation runs at a time (a queue; waiting users see their position). Each 
 own id (app/ui_jobs.py); Cancel cancels the session's jobs of that moment: a queued one never runs, a running one
 stops between chunks and keeps the video so far. Camera buttons and the arrow keys (+ / - zoom, . stay) build the
 action list, or steer the running video from its next chunk on. Binds 127.0.0.1 unless --host says otherwise.
-Paths: app/ui_run.py.
+Paths: app/ui_run.py. The memory panel's plots are gradio's native plots: the server sends their data and the
+browser draws them, so nothing is rendered on the generation's thread between chunks. Bad input is one message in
+the status line, which stays (the form is checked before anything loads or the page is cleared).
 """
 
 import argparse
 import logging
+import re
 import sys
 from pathlib import Path
 
 from .generate import DEFAULT_ACTIONS, DEFAULT_IMAGE, DEFAULT_PROMPT, UsageError
 from .ui_jobs import Jobs, cancel_message
-from .ui_run import KMEANS, PIPELINES, Form, Models, Server, Workdirs, append_action, run, ui_message
+from .ui_run import (KMEANS, PIPELINES, Form, Models, Server, Update, Workdirs, append_action, prepare, run, settings,
+                     ui_message)
 
 log = logging.getLogger("qvg.app")
 ACTION_KEYS = {"left": ("←", "ArrowLeft"), "up": ("↑", "ArrowUp"), "down": ("↓", "ArrowDown"),
@@ -37,6 +41,19 @@ KEYS_JS = """() => {
 CSS = """#qvg-live img {image-rendering: pixelated;} #qvg-ref img {image-rendering: pixelated;}
 #qvg-status {font-size: 1.05em;} .qvg-keys button {min-width: 4em;}"""
 FORM_FIELDS = list(Form.__dataclass_fields__)
+FRAMES = {"tiny": 31, "self-forcing": 49}  # the length slider's value per pipeline: qvg-generate's defaults
+# the memory panel's plots (app.ui_panel.plots: name -> x, y, colour column, title), drawn in the browser
+PLOTS = {"components": ("size", "component", "{lb}: KV cache bytes by component"),
+         "kv": ("size", "series", "KV cache bytes vs the BF16 equivalent"),
+         "ratio": ("ratio", "video", "compression ratio (BF16 bytes / bytes held)"),
+         "latency": ("seconds", "series", "seconds per chunk: generation, UI"),
+         "psnr": ("PSNR dB", None, "PSNR {lb} vs bf16 per chunk")}
+
+
+def error_status(message: str) -> str:
+    """The status line for an error: one line (Markdown's emphasis, link and HTML characters escaped), kept until
+    the next Generate."""
+    return "**Error:** " + re.sub(r"([\\`*_\[\]<>])", r"\\\1", " ".join(message.split()))
 
 
 def start_preview(photo: str):
@@ -66,7 +83,7 @@ def build(server: Server):
         server.upload_dir = Path(get_upload_folder())
     jobs, models, workdirs = Jobs(), Models(), Workdirs()
     root = server.checkpoint_root
-    with gr.Blocks(title="QVG live", delete_cache=(1800, 3600), analytics_enabled=False) as app:
+    with gr.Blocks(title="QVG live", delete_cache=(1800, 3600), analytics_enabled=False, fill_width=True) as app:
         gr.Markdown("# QVG — live video generation with a compressed KV cache\nFrames appear chunk by chunk; the "
                     "memory panel shows what the KV cache holds after each chunk against BF16.")
         status = gr.Markdown("Ready.", elem_id="qvg-status")
@@ -95,7 +112,8 @@ def build(server: Server):
                     with gr.Row():
                         bits = gr.Dropdown(["default", "2", "4", "8"], value="default", label="bits")
                         # blank = the method's default (a browser sends an empty gr.Number as 0)
-                        stages, block_size, centroids = (gr.Textbox("", label=lb, placeholder="default")
+                        stages, block_size, centroids = (gr.Textbox("", label=lb, placeholder="default",
+                                                                    elem_id=f"qvg-{lb.split()[0]}")
                                                          for lb in ("stages", "block size", "centroids"))
                     with gr.Row():
                         history = gr.Radio([("full", "full"), ("window + sink", "window")], value="full",
@@ -120,17 +138,49 @@ def build(server: Server):
                     ref = gr.Image(None, label="live: bf16 (reference)", elem_id="qvg-ref", interactive=False,
                                    height=300, visible=False, format="png")
                 summary = gr.Markdown("Memory: waiting for the first chunk.", elem_id="qvg-memory")
-                plot = gr.Plot(label="memory per chunk", show_label=False, format="png", elem_id="qvg-plot")
-                table = gr.Dataframe(label="per chunk", interactive=False, wrap=True, elem_id="qvg-table")
+                plots = {}
+                for names in (("components", "kv"), ("ratio", "latency", "psnr")):
+                    with gr.Row():
+                        for name in names:
+                            y, color, title = PLOTS[name]
+                            kind = gr.BarPlot if name == "components" else gr.LinePlot
+                            plots[name] = kind(None, x="chunk", y=y, color=color, title=title.format(lb="qvg"),
+                                               color_map=ui_panel.COLORS if name == "components" else None,
+                                               y_lim=None if name == "psnr" else [0, None],
+                                               x_axis_format=None if name == "components" else "d",
+                                               height=260, elem_id=f"qvg-plot-{name}", visible=name != "psnr",
+                                               show_label=False)
+                table = gr.Dataframe({"headers": ui_panel.table(Update("", ["qvg"]))[0], "data": []},
+                                     label="per chunk", interactive=False, elem_id="qvg-table", max_height=420)
                 with gr.Row():
-                    video = gr.Video(label="video (mp4)", interactive=False, elem_id="qvg-video")
-                    ref_video = gr.Video(label="bf16 video (mp4)", interactive=False, visible=False)
+                    video = gr.Video(label="video (mp4)", interactive=False, elem_id="qvg-video", height=300)
+                    ref_video = gr.Video(label="bf16 video (mp4)", interactive=False, visible=False, height=300)
                 reports = gr.File(label="JSON reports", file_count="multiple", interactive=False)
 
         form = [pipeline, checkpoint, prompt, photo, upload, actions, method, bits, stages, block_size, centroids,
                 history, window, sink, seed, frames, compare]
         assert len(form) == len(FORM_FIELDS)
-        outputs = [status, live, ref, summary, plot, table, video, ref_video, reports]
+        outputs = [status, live, ref, summary, *plots.values(), table, video, ref_video, reports]
+        skip_all = [gr.skip()] * (len(outputs) - 1)
+
+        def plot_updates(up):  # the lines span the whole video from its start; the bars are one per chunk so far
+            data, unit = ui_panel.plots(up)
+            lb, n = up.labels[-1], len(up.rows)
+            out = []
+            for name, (_, color, title) in PLOTS.items():
+                if name == "components":  # labelled bars (chunk numbers as text, in order) or a number axis
+                    kw = {"sort": [str(i) for i in range(1, n + 1)] if n <= ui_panel.BAR_LABELS else None}
+                else:
+                    kw = {"x_lim": [0.5, max(up.total_chunks, 1) + 0.5]}
+                if color and n:  # the page draws a series' colour only if it is in the legend's list (which, when
+                    # it changes, redraws the plot): a component or the UI's time may appear after the first chunk
+                    kw["colors_in_legend"] = list(dict.fromkeys(data[name][color]))
+                if name in ("components", "kv"):
+                    kw["y_title"] = f"KV cache ({unit})"
+                if name == "psnr":
+                    kw["visible"] = name in data
+                out.append(gr.update(value=data.get(name) if n else None, title=title.format(lb=lb), **kw))
+            return out
 
         def submit(request: gr.Request):
             return jobs.submit(request.session_hash).id
@@ -143,28 +193,35 @@ def build(server: Server):
             up = None
             try:
                 if c.cancel.is_set():
-                    yield ("Cancelled before it started.", *[gr.skip()] * 8)
+                    yield ("Cancelled before it started.", *skip_all)
                     return
                 workdir = workdirs.new()
-                yield ("Loading the model...", gr.skip(), gr.update(visible=f.compare), gr.skip(), None, None, None,
+                # bad input is one message in the status line, and the page keeps its last video until the input
+                # passes: the form's checks first, then (the model loaded) the cache's
+                runs = settings(f, server, workdir)
+                yield ("Starting..." if models.has(runs[0]) else "Loading the model...", *skip_all)
+                gens = prepare(runs, c, models)
+                empty = Update("", [s["label"] for s in runs])
+                yield ("Starting...", gr.skip(), gr.update(visible=f.compare), "Memory: waiting for the first chunk.",
+                       *plot_updates(empty), {"headers": ui_panel.table(empty)[0], "data": []}, None,
                        gr.update(value=None, visible=f.compare), None)
-                for n, up in enumerate(run(f, server, c, models, workdir)):
+                for n, up in enumerate(run(runs, gens, c, workdir)):
                     main_lb = up.labels[-1]
                     images = [ui_panel.frames_image(up.frames[lb], workdir / f"{lb}-{n}.png", up.fps)
                               if lb in up.frames else gr.skip() for lb in up.labels]
                     head, rows = ui_panel.table(up)
                     yield (f"**{up.status}**", gr.update(value=images[-1], label=f"live: {main_lb}"),
                            images[0] if len(images) == 2 else gr.skip(), ui_panel.summary(up),
-                           ui_panel.figure(up) if up.rows else gr.skip(), {"headers": head, "data": rows},
-                           up.videos.get(main_lb) if up.done else gr.skip(),
+                           *(plot_updates(up) if up.rows else [gr.skip()] * len(PLOTS)),
+                           {"headers": head, "data": rows}, up.videos.get(main_lb) if up.done else gr.skip(),
                            up.videos.get("bf16") if up.done and len(up.labels) == 2 else gr.skip(),
                            up.reports or gr.skip())
-            except UsageError as e:
-                raise gr.Error(ui_message(e), print_exception=False) from None
+            except UsageError as e:  # bad input (or checkpoint files): the status line says it and stays
+                yield (error_status(ui_message(e)), *skip_all)
             except Exception as e:  # one line in the UI; the traceback goes to the server's log only
                 log.exception("generation failed")
                 first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-                raise gr.Error(f"{type(e).__name__}: {first}", print_exception=False) from None
+                yield (error_status(f"{type(e).__name__}: {first}"), *skip_all)
             finally:
                 jobs.finish(c)
 
@@ -197,10 +254,12 @@ def build(server: Server):
         method.change(on_method, method, [bits, stages, block_size, centroids, live], queue=False,
                       api_visibility="private")
 
-        def on_pipeline(p):
+        def on_pipeline(p, name):  # the length is the pipeline's default; the live image its start (Self-Forcing: none)
             sf = p == "self-forcing"
-            return gr.update(visible=sf), gr.update(visible=sf), gr.update(visible=not sf)
-        pipeline.change(on_pipeline, pipeline, [checkpoint, prompt, world_box], queue=False, api_visibility="private")
+            return (gr.update(visible=sf), gr.update(visible=sf), gr.update(visible=not sf), FRAMES.get(p, 31),
+                    None if sf else start_preview(name))
+        pipeline.change(on_pipeline, [pipeline, photo], [checkpoint, prompt, world_box, frames, live], queue=False,
+                        api_name="pipeline_defaults")
         history.change(lambda h: gr.update(visible=h == "window"), history, window, queue=False,
                        api_visibility="private")
         compare.change(lambda v: (gr.update(visible=v), gr.update(visible=v)), compare, [ref, ref_video],
@@ -237,13 +296,10 @@ def main(argv: list[str] | None = None) -> int:
         except UsageError as e:
             print(f"qvg-app: error: {e}", file=sys.stderr)
             return 2
-    try:
-        import gradio  # noqa: F401
-        import matplotlib
-    except ImportError as e:
-        print(f"qvg-app: error: the UI needs {e.name}: pip install -e '.[ui]'", file=sys.stderr)
+    import importlib.util
+    if importlib.util.find_spec("gradio") is None:
+        print("qvg-app: error: the UI needs gradio: pip install -e '.[ui]'", file=sys.stderr)
         return 2
-    matplotlib.use("Agg")
     logging.basicConfig(level=logging.INFO)
     app = build(Server(root, None, a.device))
     try:

@@ -1,13 +1,20 @@
 """What the UI shows of a run (an app.ui_run.Update): the newest frames as an image file (a chunk's frames as an
 animated PNG that plays once at the video's frame rate, scaled to a preview size), and the memory panel: a summary
-line, a figure (KV bytes by component against the BF16 equivalent, compression ratio, per-chunk latency, PSNR vs
-BF16 when comparing) and a per-chunk table. matplotlib only (Agg, no display), no gradio."""
+line, the plots' data (KV bytes by component, KV bytes against the BF16 equivalent, compression ratio, per-chunk
+latency and the UI's own time between chunks, PSNR vs BF16 when comparing) as pandas DataFrames, which the page
+draws in the browser (gradio's native plots: nothing is rendered on the generation's thread), and a per-chunk table
+of the same numbers. No gradio."""
 from __future__ import annotations
 
 from pathlib import Path
 
+# the KV cache's bytes by component (qvg.cache.KVCache.memory; the BF16 buffers split by zone), as the plot stacks
+# them; the BF16 reference of a comparison holds only the zones
 COMPONENTS = ("codes", "scales", "ids", "centroids", "bf16_sink", "bf16_pending", "bf16_current", "bf16_residual",
               "workspace")
+BF16_ZONES = ("bf16_sink", "bf16_pending", "bf16_current")
+COLORS = {"codes": "#1f77b4", "scales": "#ff7f0e", "ids": "#2ca02c", "centroids": "#d62728", "bf16_sink": "#9467bd",
+          "bf16_pending": "#8c564b", "bf16_current": "#c7c7c7", "bf16_residual": "#e377c2", "workspace": "#bcbd22"}
 # the live frames' preview (the page shows it 300 pixels high): scaled by a whole factor, up (nearest) or down (box
 # average), to a shortest side of at most DISPLAY and a longest of at most MAX_SIDE
 DISPLAY, MAX_SIDE = 256, 512
@@ -61,7 +68,8 @@ def human(n: float) -> str:
 
 
 def summary(up) -> str:
-    """The memory panel's headline: KV bytes now vs BF16, ratio, latency (and PSNR when comparing)."""
+    """The memory panel's headline: KV bytes now vs BF16, ratio, latency, the UI's time between chunks (and PSNR
+    when comparing)."""
     if not up.rows:
         return "Memory: waiting for the first chunk."
     r = up.rows[-1]
@@ -72,6 +80,10 @@ def summary(up) -> str:
         lines.append(f"- **{lb}**: KV cache **{human(m['total'])}** now vs **{human(m['bf16_equivalent'])}** in BF16 "
                      f"→ **{m['compression_ratio']:.2f}×** smaller · chunk {secs[-1]:.2f} s (mean "
                      f"{sum(secs) / len(secs):.2f} s)")
+    ui = [row.ui_seconds for row in up.rows if row.ui_seconds is not None]
+    if ui:
+        lines.append(f"- **UI** between chunks (preview, panel, mp4, streaming): {ui[-1]:.3f} s last, "
+                     f"{sum(ui) / len(ui):.3f} s mean")
     ps = [row.psnr for row in up.rows if row.psnr is not None]
     if ps:
         lines.append(f"- **PSNR {up.labels[-1]} vs bf16**: {ps[-1]:.2f} dB this chunk, {sum(ps) / len(ps):.2f} dB "
@@ -79,79 +91,67 @@ def summary(up) -> str:
     return "\n".join(lines)
 
 
+def components(label: str) -> tuple[str, ...]:
+    """The components a video's cache can hold: the BF16 reference only its zones."""
+    return BF16_ZONES if label == "bf16" else COMPONENTS
+
+
 def table(up) -> tuple[list[str], list[list]]:
-    """(headers, rows): per chunk, per video its seconds, KV KiB and ratio; the last video's bytes by component."""
+    """(headers, rows): per chunk its action and frames, PSNR (comparing), the UI's seconds, then per video its
+    seconds, KV KiB and ratio, the BF16 equivalent, and per video its KiB by component (BF16 zones apart)."""
     lbs = up.labels
-    head = ["chunk", "action", "frames"]
+    head = ["chunk", "action", "frames", *(["PSNR dB"] if len(lbs) == 2 else []), "UI s"]
     for lb in lbs:
         head += [f"{lb} s", f"{lb} KV KiB", f"{lb} ratio"]
-    head += ["BF16 equiv. KiB", *(f"{c} KiB" for c in COMPONENTS[:4]), "bf16 KiB"]
-    if len(lbs) == 2:
-        head.append("PSNR dB")
+    head.append("BF16 equiv. KiB")
+    for lb in lbs:
+        head += [f"{lb} {c} KiB" for c in components(lb)]
     rows = []
     for r in up.rows:
         row = [r.index + 1, r.action or "", r.frames]
+        if len(lbs) == 2:
+            row.append(None if r.psnr is None else round(r.psnr, 2))
+        row.append(None if r.ui_seconds is None else round(r.ui_seconds, 3))
         for lb in lbs:
             m = r.memory[lb]
             row += [round(r.seconds[lb], 3), round(m["total"] / 1024, 1), round(m["compression_ratio"], 3)]
-        m = r.memory[lbs[-1]]
-        row += [round(m["bf16_equivalent"] / 1024, 1), *(round(m[c] / 1024, 2) for c in COMPONENTS[:4]),
-                round(m["bf16"] / 1024, 2)]
-        if len(lbs) == 2:
-            row.append(None if r.psnr is None else round(r.psnr, 2))
+        row.append(round(r.memory[lbs[-1]]["bf16_equivalent"] / 1024, 1))
+        for lb in lbs:
+            row += [round(r.memory[lb].get(c, 0) / 1024, 2) for c in components(lb)]
         rows.append(row)
     return head, rows
 
 
-def figure(up):
-    """The memory panel's figure (a matplotlib Figure, no pyplot state)."""
-    from matplotlib.figure import Figure
-    compare = len(up.labels) == 2
-    fig = Figure(figsize=(10, 6.4) if compare else (12, 3.6), dpi=80, layout="constrained")
-    axes = fig.subplots(2, 2).ravel() if compare else fig.subplots(1, 3)
-    x = [r.index + 1 for r in up.rows]
+# the bytes-by-component bars are drawn one per chunk, labelled, up to this many chunks; beyond, on a number axis
+BAR_LABELS = 24
+
+
+def plots(up) -> tuple[dict, str]:
+    """The plots' data, long form (one row per chunk and series), and the unit of the byte plots:
+    - components: chunk, component, size (the method's video, stacked; components it never holds left out; the
+      chunk as text up to BAR_LABELS chunks: a bar per label);
+    - kv: chunk, series (each video's KV cache, the BF16 equivalent), size;
+    - ratio: chunk, video, ratio; latency: chunk, series (each video's chunk seconds, the UI's), seconds;
+    - psnr (comparing): chunk, PSNR dB."""
+    import pandas as pd
     lb = up.labels[-1]
-    ax = axes[0]
     scale, unit = _unit(max([r.memory[lb]["bf16_equivalent"] for r in up.rows] + [1]))
-    bottom = [0.0] * len(x)
-    colors = {"codes": "#1f77b4", "scales": "#ff7f0e", "ids": "#2ca02c", "centroids": "#d62728",
-              "bf16_sink": "#9467bd", "bf16_pending": "#8c564b", "bf16_current": "#c7c7c7", "bf16_residual": "#e377c2",
-              "workspace": "#bcbd22"}
-    for c in COMPONENTS:
-        vals = [r.memory[lb].get(c, 0) / scale for r in up.rows]
-        if any(vals):
-            ax.bar(x, vals, bottom=bottom, label=c, color=colors[c], width=0.8)
-            bottom = [b + v for b, v in zip(bottom, vals)]
-    equiv = [r.memory[lb]["bf16_equivalent"] / scale for r in up.rows]
-    ax.plot(x, equiv, "k--o", ms=3, label="BF16 equivalent")
-    ax.set_title(f"{lb}: KV cache bytes by component")
-    ax.set_ylabel(unit)
-    ax.set_ylim(0, max(equiv + bottom + [1e-9]) * 1.5)  # room for the legend
-    ax.legend(fontsize=7, loc="upper left", ncol=3)
-    ax = axes[1]
-    for name in up.labels:
-        ax.plot(x, [r.memory[name]["compression_ratio"] for r in up.rows], "-o", ms=3, label=name)
-    ax.set_title("compression ratio (BF16 bytes / bytes held)")
-    ax.set_ylim(bottom=0)
-    ax.legend(fontsize=7)
-    ax = axes[2]
-    w = 0.8 / len(up.labels)
-    for i, name in enumerate(up.labels):
-        ax.bar([v + (i - (len(up.labels) - 1) / 2) * w for v in x], [r.seconds[name] for r in up.rows], width=w,
-               label=name)
-    ax.set_title("latency per chunk")
-    ax.set_ylabel("s")
-    ax.legend(fontsize=7)
-    if compare:
-        ax = axes[3]
-        ax.plot(x, [r.psnr for r in up.rows], "-o", ms=3, color="#d62728")
-        ax.set_title(f"PSNR {lb} vs bf16 per chunk")
-        ax.set_ylabel("dB")
-    for ax in axes:
-        ax.set_xlabel("chunk")
-        if x:
-            ax.set_xticks(x if len(x) <= 16 else x[::max(1, len(x) // 8)])
-    return fig
+    held = [c for c in COMPONENTS if any(r.memory[lb].get(c, 0) for r in up.rows)]
+    x = str if len(up.rows) <= BAR_LABELS else int
+    comp = [(x(r.index + 1), c, r.memory[lb].get(c, 0) / scale) for r in up.rows for c in held]
+    kv = [(r.index + 1, f"{name} KV cache", r.memory[name]["total"] / scale) for r in up.rows for name in up.labels]
+    kv += [(r.index + 1, "BF16 equivalent", r.memory[lb]["bf16_equivalent"] / scale) for r in up.rows]
+    ratio = [(r.index + 1, name, r.memory[name]["compression_ratio"]) for r in up.rows for name in up.labels]
+    lat = [(r.index + 1, name, r.seconds[name]) for r in up.rows for name in up.labels]
+    lat += [(r.index + 1, "UI", r.ui_seconds) for r in up.rows if r.ui_seconds is not None]
+    out = {"components": pd.DataFrame(comp, columns=["chunk", "component", "size"]),
+           "kv": pd.DataFrame(kv, columns=["chunk", "series", "size"]),
+           "ratio": pd.DataFrame(ratio, columns=["chunk", "video", "ratio"]),
+           "latency": pd.DataFrame(lat, columns=["chunk", "series", "seconds"])}
+    if len(up.labels) == 2:
+        out["psnr"] = pd.DataFrame([(r.index + 1, r.psnr) for r in up.rows if r.psnr is not None],
+                                   columns=["chunk", "PSNR dB"])
+    return out, unit
 
 
 def _unit(top: float) -> tuple[float, str]:

@@ -180,8 +180,15 @@ class Models:
     def __init__(self):
         self.key, self.model = None, None
 
+    @staticmethod
+    def _key(s: dict) -> tuple:
+        return s["pipeline"], s.get("checkpoint"), str(s["device"])
+
+    def has(self, s: dict) -> bool:
+        return self.key == self._key(s)
+
     def get(self, s: dict) -> Loaded:
-        key = (s["pipeline"], s.get("checkpoint"), str(s["device"]))
+        key = self._key(s)
         if key != self.key:
             self.key, self.model = None, None  # free the old one first
             self.model, self.key = load_model(s), key
@@ -197,6 +204,7 @@ class Row:
     seconds: dict
     memory: dict
     psnr: float | None = None
+    ui_seconds: float | None = None  # the UI's time after the chunk (known when the next chunk starts): app.ui_run.run
 
 
 @dataclass
@@ -212,18 +220,25 @@ class Update:
     fps: int = 8
 
 
-def run(form: Form, server: Server, controls: Job, models: Models, workdir: Path):
-    """Generate, yielding an Update after the start frame and after every chunk; stops between chunks when
-    controls.cancel is set (the video so far is kept). Raises UsageError for bad input."""
+def prepare(runs: list[dict], controls: Job, models: Models) -> list[Generation]:
+    """The videos of `settings(...)` (the form, checked first) ready to run: the model loaded (or kept) and each
+    video's cache built, which checks the options that depend on the model (block size against its head dim, ...):
+    UsageError before anything is generated. A comparison's videos share the model and the action plan."""
+    model = models.get(runs[0])
+    plan = Plan(runs[0], controls) if runs[0]["pipeline"] == "tiny" else None  # shared: the same actions
+    return [Generation(s, loaded=model, plan=plan) for s in runs]
+
+
+def run(runs: list[dict], gens: list[Generation], controls: Job, workdir: Path):
+    """Generate the prepared videos, yielding an Update after the start frame and after every chunk; stops between
+    chunks when controls.cancel is set (the video so far is kept). A row's ui_seconds: the wall time from the start of its chunk to the start of the
+    next minus the chunks' own seconds, i.e. what the UI does in between (mp4 append, PSNR, and whatever the consumer
+    of the Update does before asking for the next: preview encode, panel, gradio's streaming)."""
     import json
 
     from qvg.eval.metrics import psnr
     from .generate import to_uint8
-    runs = settings(form, server, workdir)
     labels = [s["label"] for s in runs]
-    model = models.get(runs[0])
-    plan = Plan(runs[0], controls) if runs[0]["pipeline"] == "tiny" else None  # shared: the same actions
-    gens = [Generation(s, loaded=model, plan=plan) for s in runs]
     if runs[0]["device"].type == "cuda":  # peak_gpu_bytes covers this job's generation, as in qvg-generate
         import torch
         torch.cuda.reset_peak_memory_stats(runs[0]["device"])
@@ -243,7 +258,10 @@ def run(form: Form, server: Server, controls: Job, models: Models, workdir: Path
             up.status = "start frame"
             yield up
         iters = [iter(g) for g in gens]
+        t_chunk = None
         for c in range(up.total_chunks):
+            _ui_seconds(up, t_chunk)
+            t_chunk = time.perf_counter()
             if controls.cancel.is_set():
                 up.status = f"cancelled after {c} of {up.total_chunks} chunks"
                 break
@@ -266,6 +284,7 @@ def run(form: Form, server: Server, controls: Job, models: Models, workdir: Path
             yield up
         else:
             up.status = f"done: {up.total_chunks} chunks in {time.perf_counter() - t0:.1f} s"
+        _ui_seconds(up, t_chunk)
         for lb in labels:
             writers[lb].close()
         for lb, s, g in zip(labels, runs, gens):
@@ -280,6 +299,13 @@ def run(form: Form, server: Server, controls: Job, models: Models, workdir: Path
     finally:
         for w in writers.values():
             close_quietly(w)
+
+
+def _ui_seconds(up: Update, t_chunk: float | None) -> None:
+    """The last row's ui_seconds: the time since its chunk started (t_chunk) less the chunks' own seconds."""
+    if t_chunk is not None and up.rows and up.rows[-1].ui_seconds is None:
+        r = up.rows[-1]
+        r.ui_seconds = max(0.0, time.perf_counter() - t_chunk - sum(r.seconds.values()))
 
 
 class Workdirs:

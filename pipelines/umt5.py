@@ -10,7 +10,7 @@ The embedding (Wan's convention): the prompt cleaned (ftfy, HTML unescaped twice
 with the end-of-sequence token and padded / truncated to 512 tokens, encoded with the padding masked out, and the
 positions past the prompt's tokens set to zero: [1, 512, 4096].
 
-transformers (and ftfy, sentencepiece) come with the `wan` extra (`pip install 'qvg[wan]'`); they are imported
+transformers (and ftfy, sentencepiece) come with the `wan` extra (`pip install -e ".[wan]"`); they are imported
 only here, only when a real checkpoint is loaded.
 """
 from __future__ import annotations
@@ -47,8 +47,8 @@ def require(module: str):
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise MissingDependency(f"loading Wan checkpoints needs the '{module.split('.')[0]}' package: "
-                                f"pip install 'qvg[wan]'") from None
+        raise MissingDependency(f"loading Wan checkpoints needs the '{module.split('.')[0]}' package: install the "
+                                "wan extra (pip install -e \".[wan]\" in the repository)") from None
 
 
 def wan_key_to_umt5(key: str) -> str | None:

@@ -2,6 +2,7 @@
 compare mode, the queue (positions, one job at a time), cancel (per job), live steering, errors as messages, the
 path rules (checkpoint root, uploads only) and the live preview's size. Videos are short (1-4 chunks of 3 frames)."""
 import json
+import re
 import socket
 import time
 
@@ -9,7 +10,6 @@ import pytest
 
 gradio_client = pytest.importorskip("gradio_client", reason="the UI tests need the test extra (gradio_client)")
 from gradio_client import Client, handle_file  # noqa: E402
-from gradio_client.exceptions import AppError  # noqa: E402
 
 from qvg.app.generate import UsageError  # noqa: E402
 from qvg.app.ui_jobs import Jobs, cancel_message  # noqa: E402
@@ -17,8 +17,9 @@ from qvg.app.ui_run import Form, Server, append_action, checkpoint_dir, settings
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*(no_silent_downcasting|copy keyword).*")  # gradio's pandas use
 
-# the /generate endpoint's inputs, in the page's order (app.ui_run.Form)
+# the /generate endpoint's inputs, in the page's order (app.ui_run.Form), and its outputs
 FIELDS = list(Form.__dataclass_fields__)
+STATUS, LIVE, REF, SUMMARY, COMPONENTS, KV, RATIO, LATENCY, PSNR, TABLE, VIDEO, REF_VIDEO, REPORTS = range(13)
 
 
 def form(**kw):
@@ -56,8 +57,6 @@ def sf_checkpoint(ckpt_root):
 
 @pytest.fixture(scope="module")
 def url(ckpt_root):
-    import matplotlib
-    matplotlib.use("Agg")
     from qvg.app.ui import build, launch
     app = build(Server(ckpt_root, None, "cpu"))
     port = _free_port()
@@ -95,8 +94,8 @@ def _wait(job, timeout=240):
 
 
 def test_live_chunks_memory_panel_mp4_and_report(client):
-    """Every chunk is an update (its frames as an animated PNG, the memory panel's numbers); the last one holds the
-    mp4 and the JSON report."""
+    """Every chunk is an update (its frames as an animated PNG, the memory panel's numbers, its plots as data drawn
+    by the browser); the last one holds the mp4 and the JSON report."""
     from PIL import Image
     job = client.submit(*form(actions="right,left"), api_name="/generate")
     outs = _wait(job)
@@ -106,22 +105,36 @@ def test_live_chunks_memory_panel_mp4_and_report(client):
     assert status[-1].startswith("**done: 2 chunks")
     chunk_updates = [o for o in outs if "chunk " in o[0] and " of 2" in o[0]]
     for o in chunk_updates:  # the chunk's 3 frames, 4x nearest-upscaled, as an APNG that plays once
-        img = Image.open(o[1]["value"])
+        img = Image.open(o[LIVE]["value"])
         assert img.size == (256, 256) and getattr(img, "n_frames", 1) == 3
-        assert "KV cache" in o[3] and "in BF16" in o[3] and "smaller" in o[3]
+        assert "KV cache" in o[SUMMARY] and "in BF16" in o[SUMMARY] and "smaller" in o[SUMMARY]
+    assert "UI** between chunks" in chunk_updates[-1][SUMMARY]  # the first chunk's UI time, known at the second
     last = outs[-1]
-    table = last[5]
+    table = last[TABLE]
     assert [r[:2] for r in table["data"]] == [[1, "right"], [2, "left"]]
     head = table["headers"]
+    comps = [h for h in head if h.startswith("qvg ") and h.endswith(" KiB") and h != "qvg KV KiB"]
+    assert comps == [f"qvg {c} KiB" for c in ("codes", "scales", "ids", "centroids", "bf16_sink", "bf16_pending",
+                                               "bf16_current", "bf16_residual", "workspace")]
     for r in table["data"]:
         row = dict(zip(head, r))
         assert row["qvg ratio"] > 1 and row["qvg KV KiB"] < row["BF16 equiv. KiB"] and row["qvg s"] > 0
-        assert row["codes KiB"] > 0 and row["centroids KiB"] > 0
-    assert last[4]["type"] == "matplotlib" and last[4]["plot"].startswith("data:image/png")
+        assert row["qvg codes KiB"] > 0 and row["qvg centroids KiB"] > 0 and row["qvg bf16_current KiB"] > 0
+        assert abs(sum(row[h] for h in comps) - row["qvg KV KiB"]) < 0.1  # the components are the whole cache
+        assert 0 <= row["UI s"] < row["qvg s"] * 10
+    plot = last[COMPONENTS]["value"]  # native plots: the data, drawn in the browser (nothing rendered here)
+    assert plot["mark"] == "bar" and plot["columns"] == ["chunk", "component", "size"]
+    assert {c for _, c, _ in plot["data"]} >= {"codes", "scales", "centroids", "bf16_current"}
+    assert last[COMPONENTS]["y_title"] == "KV cache (MiB)" and last[COMPONENTS]["sort"] == ["1", "2"]
+    assert last[KV]["x_lim"] == [0.5, 2.5]  # the lines span the whole video (2 chunks) from the start
+    assert {s for _, s, _ in last[KV]["value"]["data"]} == {"qvg KV cache", "BF16 equivalent"}
+    assert {s for _, s, _ in last[LATENCY]["value"]["data"]} == {"qvg", "UI"}
+    assert last[LATENCY]["colors_in_legend"] == ["qvg", "UI"]  # (a series not listed is not drawn)
+    assert last[PSNR]["visible"] is False
     import imageio.v3 as iio
-    v = iio.imread(last[6])
+    v = iio.imread(last[VIDEO])
     assert v.shape == (7, 64, 64, 3)
-    rep = json.loads(open(last[8][0]).read())
+    rep = json.loads(open(last[REPORTS][0]).read())
     assert rep["method"] == "qvg" and rep["frames"] == 7 and rep["actions"] == ["right", "left"]
     assert rep["kv_bytes"]["total"] < rep["bf16_equivalent_bytes"]
 
@@ -129,12 +142,21 @@ def test_live_chunks_memory_panel_mp4_and_report(client):
 def test_compare_runs_bf16_and_the_method_side_by_side(client):
     outs = _wait(client.submit(*form(method="rtn", bits="4", compare=True, frames=4), api_name="/generate"))
     last = outs[-1]
-    head, rows = last[5]["headers"], last[5]["data"]
-    assert "PSNR dB" in head and "bf16 KV KiB" in head and "rtn KV KiB" in head
+    head, rows = last[TABLE]["headers"], last[TABLE]["data"]
+    assert head[3] == "PSNR dB" and "bf16 KV KiB" in head and "rtn KV KiB" in head
     row = dict(zip(head, rows[0]))
     assert 20 < row["PSNR dB"] < 100 and row["bf16 ratio"] == 1.0 and row["rtn ratio"] > 1
-    assert "PSNR rtn vs bf16" in last[3]
-    assert last[1]["label"] == "live: rtn" and last[2] and last[7]  # both live frames, both videos
+    # both runs' bytes by component: the BF16 reference's zones, the method's components
+    assert [h for h in head if h.startswith("bf16 bf16_")] == ["bf16 bf16_sink KiB", "bf16 bf16_pending KiB",
+                                                              "bf16 bf16_current KiB"]
+    assert row["bf16 bf16_pending KiB"] > 0 and row["rtn codes KiB"] > 0 and row["rtn scales KiB"] > 0
+    for lb in ("bf16", "rtn"):
+        parts = [h for h in head if h.startswith(f"{lb} ") and h.endswith(" KiB") and h != f"{lb} KV KiB"]
+        assert abs(sum(row[h] for h in parts) - row[f"{lb} KV KiB"]) < 0.1
+    assert "PSNR rtn vs bf16" in last[SUMMARY]
+    assert last[PSNR]["visible"] is True and len(last[PSNR]["value"]["data"]) == len(rows)
+    assert {s for _, s, _ in last[KV]["value"]["data"]} == {"bf16 KV cache", "rtn KV cache", "BF16 equivalent"}
+    assert last[LIVE]["label"] == "live: rtn" and last[REF] and last[REF_VIDEO]  # both live frames, both videos
     # the two runs share one model, interleaved chunk by chunk: the BF16 side is exactly a BF16 run on its own
     alone = _wait(client.submit(*form(method="bf16", frames=4), api_name="/generate"))
     from PIL import Image, ImageSequence
@@ -142,7 +164,7 @@ def test_compare_runs_bf16_and_the_method_side_by_side(client):
 
     def frames(path):
         return [np.asarray(f.convert("RGB")) for f in ImageSequence.Iterator(Image.open(path))]
-    ref_side, own = frames(last[2]), frames(alone[-1][1]["value"])
+    ref_side, own = frames(last[REF]), frames(alone[-1][LIVE]["value"])
     assert len(ref_side) == len(own) == 3 and all(np.array_equal(a, b) for a, b in zip(ref_side, own))
 
 
@@ -150,12 +172,12 @@ def test_self_forcing_from_a_checkpoint_directory_in_the_root(client, sf_checkpo
     """A checkpoint directory named relative to the server's root runs the real Self-Forcing loader and loop."""
     outs = _wait(client.submit(*form(pipeline="self-forcing", checkpoint="sf", prompt="a red fox", frames=1),
                                api_name="/generate"))
-    assert outs[-1][0].startswith("**done: 1 chunks"), outs[-1][0]
+    assert outs[-1][STATUS].startswith("**done: 1 chunks"), outs[-1][STATUS]
     import imageio.v3 as iio
-    assert iio.imread(outs[-1][6]).shape == (1, 480, 832, 3)  # the mp4 at full size, the live preview halved
+    assert iio.imread(outs[-1][VIDEO]).shape == (1, 480, 832, 3)  # the mp4 at full size, the live preview halved
     from PIL import Image
-    assert Image.open(outs[-1][1]["value"]).size == (416, 240)
-    rep = json.loads(open(outs[-1][8][0]).read())
+    assert Image.open(outs[-1][LIVE]["value"]).size == (416, 240)
+    rep = json.loads(open(outs[-1][REPORTS][0]).read())
     assert rep["pipeline"] == "self-forcing" and rep["prompt"] == "a red fox"
     assert rep["checkpoint"]["generator"].startswith(str(sf_checkpoint.resolve()))
 
@@ -177,10 +199,15 @@ BAD = [
 
 @pytest.mark.parametrize("kw,msg", BAD, ids=[m for _, m in BAD])
 def test_bad_input_is_one_message_not_a_traceback(client, kw, msg):
-    with pytest.raises(AppError) as e:
-        client.predict(*form(**kw), api_name="/generate")
-    text = str(e.value)
-    assert msg in text and "Traceback" not in text and "\n" not in text.strip(), text
+    """The status line says what is wrong and keeps saying it (the run ends normally: no pop-up, no error state);
+    nothing else on the page changes (its last video and panel stay): the form is checked first, then, with the
+    model loaded, the cache's options and the checkpoint's files, all before the page is cleared for a new video."""
+    outs = _wait(client.submit(*form(**kw), api_name="/generate"))
+    text = outs[-1][STATUS]
+    assert text.startswith("**Error:** ") and msg in re.sub(r"\\(.)", r"\1", text), text
+    assert "Traceback" not in text and "\n" not in text.strip(), text
+    assert [o[STATUS] for o in outs[:-1]] in ([], ["Starting..."], ["Loading the model..."]), outs
+    assert all(v == {"__type__": "update"} for o in outs for v in o[1:]), outs  # gr.skip(): left as they were
 
 
 def test_queue_positions_one_job_at_a_time_and_cancel(url):
@@ -203,11 +230,11 @@ def test_queue_positions_one_job_at_a_time_and_cancel(url):
     assert not jb.outputs()  # not started: one generation at a time
     assert "Cancelling" in a.predict(api_name="/cancel")
     outs = _wait(ja)
-    assert "cancelled after" in outs[-1][0] and "of 100 chunks" in outs[-1][0]
+    assert "cancelled after" in outs[-1][STATUS] and "of 100 chunks" in outs[-1][STATUS]
     import imageio.v3 as iio
-    n = iio.imread(outs[-1][6]).shape[0]
+    n = iio.imread(outs[-1][VIDEO]).shape[0]
     assert 4 <= n < 301 and (n - 1) % 3 == 0
-    assert _wait(jb)[-1][0].startswith("**done: 1 chunks")
+    assert _wait(jb)[-1][STATUS].startswith("**done: 1 chunks")
     assert a.predict(api_name="/cancel") == "Nothing is running."
 
 
@@ -233,13 +260,13 @@ def test_cancel_is_per_job(url):
     assert not ja.done()
     assert a.predict(api_name="/cancel") == "**Cancelling**: the video stops after the current chunk."
     outs = _wait(ja)
-    assert "cancelled after" in outs[-1][0] and "of 100 chunks" in outs[-1][0]
+    assert "cancelled after" in outs[-1][STATUS] and "of 100 chunks" in outs[-1][STATUS]
     import imageio.v3 as iio
-    assert 4 <= iio.imread(outs[-1][6]).shape[0] < 301
+    assert 4 <= iio.imread(outs[-1][VIDEO]).shape[0] < 301
     for j in (jb1, jb2):  # ended at their turn without loading or generating anything
         assert _status(_wait(j)) == ["Cancelled before it started."]
     for j in (jc, jb3, submit(a, frames=4)):
-        assert _wait(j)[-1][0].startswith("**done: 1 chunks")
+        assert _wait(j)[-1][STATUS].startswith("**done: 1 chunks")
     assert {x.predict(api_name="/cancel") for x in (a, b, c)} == {"Nothing is running."}
 
 
@@ -270,7 +297,7 @@ def test_keys_build_the_action_list_and_steer_a_running_video(client):
         time.sleep(0.1)
     text, note = client.predict("stay", api_name="/press_up")
     assert "steering: **up**" in note
-    acts = [r[1] for r in _wait(job)[-1][5]["data"]]
+    acts = [r[1] for r in _wait(job)[-1][TABLE]["data"]]
     assert acts[0] == "stay" and acts[-1] == "up" and acts == sorted(acts, key=lambda a: a == "up"), acts
 
 
@@ -282,8 +309,51 @@ def test_uploaded_start_image(client, tmp_path):
     iio.imwrite(tmp_path / "red-left.png", img)
     outs = _wait(client.submit(*form(upload=handle_file(str(tmp_path / "red-left.png")), frames=4, method="bf16"),
                                api_name="/generate"))
-    first = iio.imread(outs[-1][6])[0].astype(float)
+    first = iio.imread(outs[-1][VIDEO])[0].astype(float)
     assert abs(first[32, 8] - (220, 20, 20)).max() < 40 and first[32, 56].max() < 40
+
+
+def test_pipeline_choice_sets_length_and_live_image(client):
+    """Self-Forcing: qvg-generate's default length (49 frames) and no start frame in the live image; back to the
+    world model: 31 frames and the bundled photo's start frame."""
+    from PIL import Image
+    *_, frames, live = client.predict("self-forcing", "astronaut", api_name="/pipeline_defaults")
+    assert frames == 49 and live is None
+    *_, frames, live = client.predict("tiny", "astronaut", api_name="/pipeline_defaults")
+    assert frames == 31 and Image.open(live).size == (256, 256)
+
+
+def test_empty_table_has_the_runs_headers(url):
+    """Before any run the per-chunk table shows its real headers (not gradio's 1 2 3)."""
+    import urllib.request
+    cfg = json.loads(urllib.request.urlopen(f"{url}config", timeout=10).read())
+    table = next(c for c in cfg["components"] if c.get("props", {}).get("elem_id") == "qvg-table")
+    head = table["props"]["value"]["headers"]
+    assert head[:4] == ["chunk", "action", "frames", "UI s"] and "qvg codes KiB" in head and "qvg s" in head
+    assert table["props"]["value"]["data"] == []
+
+
+def test_panel_unit():
+    """The panel without gradio: the table's columns, the plots' data (bars labelled up to BAR_LABELS chunks, then a
+    number axis), the UI's seconds once known, and an error as one escaped line."""
+    from qvg.app.ui import error_status
+    from qvg.app.ui_panel import BAR_LABELS, plots, summary, table
+    from qvg.app.ui_run import Row, Update
+    mem = {c: 0 for c in ("codes", "scales", "ids", "centroids", "bf16_sink", "bf16_pending", "bf16_residual",
+                          "workspace")}
+    up = Update("", ["rtn"], total_chunks=40)
+    for i in range(BAR_LABELS + 1):
+        m = {**mem, "codes": 1024 * (i + 1), "bf16_current": 2048, "total": 1024 * (i + 3),
+             "bf16_equivalent": 8192 * (i + 1), "compression_ratio": 8 * (i + 1) / (i + 3)}
+        up.rows.append(Row(i, "left", 3, {"rtn": 0.5}, {"rtn": m}, ui_seconds=0.01 if i < BAR_LABELS else None))
+        data, unit = plots(up)
+        assert data["components"]["chunk"].map(type).eq(str if i < BAR_LABELS else int).all()
+    assert unit == "KiB" and set(data["components"]["component"]) == {"codes", "bf16_current"}
+    assert len(data["latency"]) == 2 * BAR_LABELS + 1 and "psnr" not in data
+    head, rows = table(up)
+    assert head[:4] == ["chunk", "action", "frames", "UI s"] and rows[-1][3] is None and rows[0][3] == 0.01
+    assert "UI** between chunks" in summary(up) and "0.010 s last" in summary(up)
+    assert error_status("block_size <b>\n x") == "**Error:** block\\_size \\<b\\> x"
 
 
 def test_no_file_outside_gradio_cache_is_served(url):
@@ -335,7 +405,7 @@ def test_gradio_stays_out_of_the_library_and_the_cli():
 
 
 def test_the_ui_keeps_torchvision_out():
-    """gradio and matplotlib must not pull torchvision in (it cannot be imported with the CPU torch here)."""
+    """gradio must not pull torchvision in (it cannot be imported with the CPU torch here)."""
     import subprocess
     import sys
     code = "import sys, qvg.app.ui; print('torchvision' in sys.modules)"

@@ -1,7 +1,10 @@
 """qvg-app in a real headless Chromium (Debian's, driven by playwright): start `python -m qvg.app.ui`, load the page,
-add an action with the keyboard, start a compare-mode generation, see a second page wait in the queue with its
+see the per-chunk table's headers, try a bad block size (one error message in the status line, no pop-up), switch
+to Self-Forcing and back (the length and live image follow), add an action with the keyboard, start a compare-mode
+generation, see a second page wait in the queue with its
 position, cancel there and press Generate again (the cancelled job never runs, the new one does), watch the live
-frame change chunk by chunk, wait for the end, check the memory panel, and save a screenshot.
+frame change chunk by chunk, wait for the end, check the memory panel (summary, the plots drawn in the browser, the
+table with PSNR and both videos' bytes by component), and save a screenshot.
 
 The screenshot goes to the test's tmp folder; `QVG_UI_SCREENSHOT=docs/ui-screenshot.png` also writes it there (how
 the committed docs/ui-screenshot.png is made). Without a chromium binary the test is skipped, except under CI
@@ -65,17 +68,36 @@ def test_page_generates_live_and_screenshot(app_url, tmp_path):
     with sync_api.sync_playwright() as pw:
         ctx = pw.chromium.launch_persistent_context(str(tmp_path / "profile"), executable_path=browser,
                                                     headless=True, args=CHROMIUM_FLAGS,
-                                                    viewport={"width": 1500, "height": 1100})
+                                                    viewport={"width": 1800, "height": 1100})
         page = ctx.new_page()
         page.goto(app_url, wait_until="domcontentloaded")  # (gradio keeps connections open)
         page.wait_for_selector("#qvg-generate", timeout=60000)
+        head = page.locator("#qvg-table").inner_text()
+        assert "chunk" in head and "qvg codes KiB" in head, head  # real headers before any run
+        block = page.locator("#qvg-block textarea, #qvg-block input").first
+        block.fill("48")
+        page.click("#qvg-generate")
+        page.wait_for_function("() => document.querySelector('#qvg-status').innerText.includes('Error:')",
+                               timeout=60000)
+        status = page.locator("#qvg-status").inner_text()
+        assert "not divisible by block_size=48" in status and "Traceback" not in status, status
+        assert page.locator(".toast-body").count() == 0  # the message is the status line, not a pop-up
+        block.fill("")
+        frames = page.locator("#qvg-frames input[type=number]").first
+        page.get_by_label("Self-Forcing (checkpoint)").check()
+        page.wait_for_function("() => document.querySelector('#qvg-frames input[type=number]').value === '49'",
+                               timeout=10000)
+        page.wait_for_function("() => !document.querySelector('#qvg-live img')", timeout=10000)
+        page.get_by_label("embedded world model").check()
+        page.wait_for_function("() => document.querySelector('#qvg-frames input[type=number]').value === '31'",
+                               timeout=10000)
+        page.wait_for_selector("#qvg-live img", timeout=10000)  # the start frame again
         actions = page.locator("#qvg-actions textarea, #qvg-actions input").first
         actions.fill("right,zoom_in")
         page.locator("body").click(position={"x": 5, "y": 5})  # focus off the field: keys go to the page
         page.keyboard.press("ArrowLeft")
         page.wait_for_function("() => document.querySelector('#qvg-actions textarea, #qvg-actions input')"
                                ".value.endsWith(',left')", timeout=10000)
-        frames = page.locator("#qvg-frames input[type=number]").first
         frames.fill("10")
         frames.press("Enter")
         page.locator("#qvg-compare input[type=checkbox]").check()
@@ -102,7 +124,7 @@ def test_page_generates_live_and_screenshot(app_url, tmp_path):
                 srcs.add(img.first.get_attribute("src"))
             status = page.locator("#qvg-status").inner_text()
             seen_other.add(other.locator("#qvg-status").inner_text())
-            if "done:" in status or "Error" in status:
+            if "done:" in status or "Error:" in status:
                 break
             time.sleep(0.2)
         assert "done: 3 chunks" in status, status
@@ -110,10 +132,18 @@ def test_page_generates_live_and_screenshot(app_url, tmp_path):
         assert len(srcs - {None}) >= 4, srcs  # the start preview, then a new image per chunk
         memory = page.locator("#qvg-memory").inner_text()
         assert "Chunk 3 of 3" in memory and "PSNR qvg vs bf16" in memory and "smaller" in memory
-        page.wait_for_selector("#qvg-plot img", timeout=20000)
+        assert "UI between chunks" in memory, memory
+        for name in ("components", "kv", "ratio", "latency", "psnr"):  # drawn here by Vega, as SVG
+            page.wait_for_selector(f"#qvg-plot-{name} svg .mark-{'rect' if name == 'components' else 'line'} path",
+                                   state="attached", timeout=20000)
         page.wait_for_selector("#qvg-video video", timeout=20000)
         table = page.locator("#qvg-table").inner_text()
         assert "right" in table and "zoom_in" in table and "left" in table
+        for col in ("PSNR dB", "bf16 bf16_pending KiB", "qvg codes KiB", "qvg workspace KiB", "UI s"):
+            assert col in table, (col, table[:500])
+        # the PSNR column is in view (not scrolled off to the right)
+        box, cell = page.locator("#qvg-table").bounding_box(), page.get_by_text("PSNR dB").first.bounding_box()
+        assert box["x"] <= cell["x"] and cell["x"] + cell["width"] <= box["x"] + box["width"], (box, cell)
         # the cancelled 31-frame job ends at its turn without running (no 'of 10' chunk); the one after it runs
         deadline = time.time() + 60
         while not any("done: 1 chunks" in s for s in seen_other) and time.time() < deadline:
