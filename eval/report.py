@@ -12,7 +12,7 @@ Presets (the embedded world model; time for the whole report):
   committed one: 21 min, 1 thread).
 - gpu: 4 photos x 3 sampling seeds, 8 chunks, k-means floor at INT2 and INT4 over 3 seeds; long video 60 chunks
   (181 frames), KV analyses over more chunks and seeds (on the CPU, from the captured K/V); the committed one
-  (eval/results/report-embedded-h100/) took 311 s on an H100.
+  (eval/results/report-embedded-h100/) took 322 s on an H100.
 """
 from __future__ import annotations
 
