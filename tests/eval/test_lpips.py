@@ -1,6 +1,10 @@
-"""LPIPS in pure torch: torchvision's key layout, the lpips package's linear-layer file, the v0.1 formula, and the
-missing-weights message."""
+"""LPIPS in pure torch: torchvision's key layout, the lpips package's linear-layer file, the v0.1 formula, the
+missing-weights message, and, where the lpips package's sources can be found ($QVG_LPIPS_SRC or an installed lpips),
+parity with its own LPIPS (without importing torchvision)."""
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +18,7 @@ ALEX_KEYS = {"features.0.weight": (64, 3, 11, 11), "features.3.weight": (192, 64
              "features.6.weight": (384, 192, 3, 3), "features.8.weight": (256, 384, 3, 3),
              "features.10.weight": (256, 256, 3, 3)}
 VGG_CONVS = [0, 2, 5, 7, 10, 12, 14, 17, 19, 21, 24, 26, 28]
+PHOTO = Path(__file__).resolve().parents[2] / "assets" / "photos" / "coffee.png"
 
 
 def _torchvision_file(net: str, path, seed=0):
@@ -89,3 +94,36 @@ def test_small_frames_rejected(weights):
     m = load_lpips("alex", weights)
     with pytest.raises(ValueError, match="at least 32"):
         m(torch.zeros(1, 3, 16, 16), torch.zeros(1, 3, 16, 16))
+
+
+@pytest.fixture(scope="module")
+def lpips_package():
+    from qvg.eval.lpips_parity import load_lpips_package, lpips_folder
+    folder = lpips_folder()
+    if folder is None:
+        pytest.skip("the lpips package's sources not found (set QVG_LPIPS_SRC to the folder holding lpips/, e.g. an "
+                    "unzipped `pip download lpips --no-deps` wheel)")
+    before = {k: v for k, v in sys.modules.items() if k.split(".")[0] in ("lpips", "torchvision")}
+    ref = load_lpips_package(folder)
+    after = {k: v for k, v in sys.modules.items() if k.split(".")[0] in ("lpips", "torchvision")}
+    assert after == before and "torchvision" not in sys.modules  # the stand-ins are gone again
+    return ref
+
+
+@pytest.mark.parametrize("net", ["alex", "vgg"])
+def test_parity_with_lpips_package(lpips_package, net):
+    import imageio.v2 as imageio
+    from qvg.eval.lpips_parity import compare, pair, perturb
+    theirs, ours = pair(lpips_package, net, 0)
+    g = torch.Generator().manual_seed(3)
+    photo = torch.from_numpy(imageio.imread(PHOTO)[..., :3].copy()).permute(2, 0, 1)[None].float() / 255
+    small = F.interpolate(photo, scale_factor=0.25, mode="area")  # 100 x 150: a quick forward
+    altered = torch.cat([perturb(small, k) for k in ("noise", "blur", "shift")])
+    for a, b in ((torch.rand(2, 3, 48, 64, generator=g) * 2 - 1, torch.rand(2, 3, 48, 64, generator=g) * 2 - 1),
+                 (small.expand_as(altered) * 2 - 1, altered * 2 - 1)):
+        r = compare(theirs, ours, a, b)
+        assert min(r["lpips"]) > 1e-3 and r["abs_diff"] <= 1e-6 and r["layers_abs_diff"] <= 1e-6, r
+    with torch.no_grad():  # the check can fail: lin0's channel weights permuted
+        ours.lins[0].weight.copy_(ours.lins[0].weight.flip(1))
+    assert compare(theirs, ours, a, b)["layers_abs_diff"] > 1e-4
+    assert "torchvision" not in sys.modules
