@@ -36,13 +36,14 @@ def bench(fn, warmup=25, rep=100) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
-def clustered(shape, k=64, seed=0, spread=8.0, dtype=torch.bfloat16):
-    """Video-like KV stand-in on the GPU: per-head cluster centres + noise + a few large outlier channels."""
+def clustered(shape, k=64, seed=0, spread=8.0, dtype=torch.bfloat16, device="cuda"):
+    """Video-like KV stand-in (on the GPU by default): per-head cluster centres + noise + a few large outlier
+    channels."""
     b, h, n, d = shape
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    centers = torch.randn(b * h, k, d, device="cuda", generator=g) * spread
-    ids = torch.randint(0, k, (b * h, n), device="cuda", generator=g)
-    x = torch.gather(centers, 1, ids[..., None].expand(-1, -1, d)) + torch.randn(b * h, n, d, device="cuda",
+    g = torch.Generator(device=device).manual_seed(seed)
+    centers = torch.randn(b * h, k, d, device=device, generator=g) * spread
+    ids = torch.randint(0, k, (b * h, n), device=device, generator=g)
+    x = torch.gather(centers, 1, ids[..., None].expand(-1, -1, d)) + torch.randn(b * h, n, d, device=device,
                                                                                   generator=g)
     x[..., :4] *= 10
     return x.view(b, h, n, d).to(dtype)

@@ -3,6 +3,8 @@
 For qvg (S1/B64) and qvg-pro (S4/B16) at the LongCat span [1, 32, 29640, 128], warm-started, 2 iterations:
 end-to-end time, a torch.profiler table of every CUDA kernel (time per compress call, launches), and with --sweep
 the tile configurations of each kernel (assign, update, residual, pack). Writes profile-compress-<gpu>.json.
+--variants instead times the kernel variants against the current ones (eval/profile_compress_variants.py) and
+writes profile-compress-variants-<gpu>.json; with --quick and no GPU it runs under TRITON_INTERPRET=1 on the CPU.
 """
 from __future__ import annotations
 
@@ -129,17 +131,32 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="eval/results")
     ap.add_argument("--sweep", action="store_true", help="also time the tile configurations of each kernel")
     ap.add_argument("--quick", action="store_true", help="a small shape (smoke test)")
+    ap.add_argument("--variants", action="store_true",
+                    help="time the kernel variants (assign, update, reseed, pack, whole compress) against the current")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("profile_compress: needs a CUDA GPU")
-    shape = (1, 32, 29640, 128) if not args.quick else (1, 4, 4680, 128)
-    res = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
-        timespec="seconds"), "commit": _commit(), "torch": torch.__version__, "python": platform.python_version(),
-        "command": "python -m qvg.eval.profile_compress " + " ".join(argv if argv is not None else
-                                                                   __import__("sys").argv[1:]),
-        "rows": run(shape, args.sweep)}
+    cuda = torch.cuda.is_available()
+    if not cuda and not (args.variants and args.quick):
+        raise SystemExit("profile_compress: needs a CUDA GPU (without one: --variants --quick, interpreted)")
+    if not cuda:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before qvg.kernels is imported
+        from qvg.kernels.common import INTERPRET
+        if not INTERPRET:
+            raise SystemExit("profile_compress: qvg.kernels was imported without TRITON_INTERPRET=1")
+    import triton
+    res = {"device": torch.cuda.get_device_name() if cuda else "cpu (Triton interpreter)",
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": _commit(),
+           "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
+           "command": "python -m qvg.eval.profile_compress " + " ".join(argv if argv is not None else
+                                                                      __import__("sys").argv[1:])}
+    if args.variants:
+        from .profile_compress_variants import run_variants
+        res.update(run_variants(args.quick))
+    else:
+        res["rows"] = run((1, 32, 29640, 128) if not args.quick else (1, 4, 4680, 128), args.sweep)
     os.makedirs(args.out, exist_ok=True)
-    name = "profile-compress-" + res["device"].split()[1].lower() + ".json"
+    gpu = res["device"].split()[1].lower() if cuda else "cpu"
+    tag = ("variants-" if args.variants else "") + gpu + ("-quick" if args.quick and args.variants else "")
+    name = f"profile-compress-{tag}.json"
     with open(os.path.join(args.out, name), "w") as f:
         json.dump(res, f, indent=1)
     return 0

@@ -16,6 +16,18 @@ from .common import INTERPRET, to_bf16
 from .kmeans import kmeans
 from .quantize import _residual, quantize_packed
 
+# Which k-means / pack kernels compress runs: options of `kmeans` (assign_kw, update_kw, reseed) and of
+# `quantize_packed` (pack_kw). "current" is what eval/results/kernels-h100.md measured; "fast" (counting-sort
+# segmented-sum update, one-reduction assignment, fused reseeding, fused pack) is the candidate that
+# `python -m qvg.eval.profile_compress --variants` times against it, bitwise / agreement checked. THE SWITCH:
+# COMPRESS_VARIANT (a name of COMPRESS_VARIANTS); `compress_prq(..., variant=)` overrides it per call.
+COMPRESS_VARIANTS = {
+    "current": dict(assign_kw={}, update_kw={}, reseed="torch", pack_kw={}),
+    "fast": dict(assign_kw=dict(mode="min", block_n=64, block_k=256, num_warps=8), update_kw=dict(method="segsum"),
+                 reseed="fused", pack_kw=dict(fused=True)),
+}
+COMPRESS_VARIANT = "current"
+
 
 @triton.jit
 def _residual_bf16_kernel(x_ptr, ids_ptr, cent_ptr, out_ptr, N, K, GH, D: tl.constexpr, STAGES: tl.constexpr,
@@ -41,12 +53,16 @@ def residual_bf16(x: torch.Tensor, ids: torch.Tensor, cents: torch.Tensor, stage
     return out
 
 
-def compress_prq(x: torch.Tensor, o: dict, warm: torch.Tensor | None, iters: int) -> dict[str, torch.Tensor]:
-    """x [B, H, N, D]; o: resolved options; warm: [S, B*H, K, D] centroids or None -> the tensors to store."""
+def compress_prq(x: torch.Tensor, o: dict, warm: torch.Tensor | None, iters: int,
+                 variant: str | dict | None = None) -> dict[str, torch.Tensor]:
+    """x [B, H, N, D]; o: resolved options; warm: [S, B*H, K, D] centroids or None -> the tensors to store.
+    variant: a COMPRESS_VARIANTS name or such a dict (default: COMPRESS_VARIANT)."""
+    v = variant if isinstance(variant, dict) else COMPRESS_VARIANTS[variant or COMPRESS_VARIANT]
+    pack_kw = v.get("pack_kw", {})
     b, h, n, d = x.shape
     s_count, k = o.get("stages", 0), o.get("centroids", 1)
     if not s_count:
-        return quantize_packed(x, token_spec(o))
+        return quantize_packed(x, token_spec(o), **pack_kw)
     x = x.contiguous()
     g = b * h
     xg = x.view(g, n, d)
@@ -54,7 +70,8 @@ def compress_prq(x: torch.Tensor, o: dict, warm: torch.Tensor | None, iters: int
     for s in range(s_count):
         r = xg.to(torch.bfloat16) if s == 0 else residual_bf16(xg, ids_t, cents_t, s)
         res = kmeans(r, k, iters=iters, init=None if warm is None else warm[s], seed=o["seed"] + s,
-                     seeding=o["seeding"])
+                     seeding=o["seeding"], assign_kw=v.get("assign_kw"), update_kw=v.get("update_kw"),
+                     reseed=v.get("reseed", "torch"))
         if ids_t is None:
             ids_t = torch.empty(s_count, g, n, device=x.device, dtype=res.ids.dtype)
             cents_t = torch.empty(s_count, g, k, d, device=x.device, dtype=torch.bfloat16)
@@ -62,7 +79,7 @@ def compress_prq(x: torch.Tensor, o: dict, warm: torch.Tensor | None, iters: int
         cents_t[s] = res.centroids
     ids_t = ids_t.view(s_count, b, h, n)
     cents_t = cents_t.view(s_count, b, h, k, d)
-    tensors = quantize_packed(x, token_spec(o), ids_t, cents_t)
+    tensors = quantize_packed(x, token_spec(o), ids_t, cents_t, **pack_kw)
     tensors["ids"] = ids_t
     tensors["centroids"] = cents_t
     return tensors

@@ -2,11 +2,15 @@
 
 - assign: distances |c|^2 - 2 x.c through tensor-core dot products (BF16 operands, FP32 accumulation), running
   argmin over centroid tiles (ties -> lowest index, like torch), ids written directly in their narrow dtype.
+  mode="min": the same result with one (value, index) reduction per token, one centroid tile or a persistent
+  loop over token blocks (variants timed by `python -m qvg.eval.profile_compress --variants`).
 - update (K <= 512): one-hot products on tensor cores, the one-hot tile built in registers from the ids (never
   in memory): per (centroid block, token split) a partial sum, then the splits summed in a fixed order. Exact
   products, FP32 accumulation in an order fixed by the shapes: deterministic. No float atomics.
 - update (larger K): tokens stably sorted by id (torch), cluster boundaries found by searchsorted, and one
   program per (group, cluster) sums its tokens in a fixed order in FP32.
+- update method="segsum": counting sort + load-balanced segmented sum, memory-bound (kernels/kmeans_segsum.py).
+- reseed="fused": the empty-cluster reseeding in one launch (kernels/kmeans_reseed.py).
 - kmeans: the reference's loop (and seeding) with these two steps, no host synchronisation inside.
 """
 from __future__ import annotations
@@ -19,6 +23,8 @@ from qvg.kmeans import KMeansResult, id_dtype
 from qvg.kmeans import kmeans as ref_kmeans
 
 from .common import INTERPRET, dot_bf16, to_bf16
+from .kmeans_reseed import RESEED_MAX_K, reseed_empty_fused
+from .kmeans_segsum import store_means, update_segsum
 
 
 @triton.jit
@@ -80,12 +86,60 @@ def _segment_mean_kernel(x_ptr, order_ptr, bounds_ptr, c_old_ptr, c_new_ptr, N, 
     tl.store(c_new_ptr + (g * K + k) * D + dcols, new)
 
 
+@triton.jit
+def _assign_min_kernel(x_ptr, c_ptr, csq_ptr, ids_ptr, dist_ptr, N, K, NBLK, PROGS, D: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr, WANT_DIST: tl.constexpr,
+                       INTERP: tl.constexpr):
+    """`_assign_kernel`'s result (same distances, ties -> lowest id) with ONE (value, index) reduction per token:
+    all K centroids in one tile (ONE_TILE), or an elementwise running minimum over the centroid tiles (strict <:
+    the earlier tile keeps a tie) reduced once at the end. Program p of a group takes token blocks p, p + PROGS,
+    ... (PROGS < NBLK: persistent; a single tile is then loaded once per program)."""
+    pid = tl.program_id(0)
+    g = tl.program_id(1).to(tl.int64)
+    dcols = tl.arange(0, D)
+    kt = tl.arange(0, BLOCK_K)
+    if ONE_TILE:
+        c1 = tl.load(c_ptr + (g * K + kt)[:, None] * D + dcols[None, :], mask=(kt < K)[:, None], other=0.0)
+        csq1 = tl.load(csq_ptr + g * K + kt, mask=kt < K, other=float("inf"))
+    for blk in range(pid, NBLK, PROGS):
+        rows = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+        rmask = rows < N
+        x = tl.load(x_ptr + (g * N + rows)[:, None] * D + dcols[None, :], mask=rmask[:, None], other=0.0)
+        if ONE_TILE:
+            d = csq1[None, :] - 2.0 * dot_bf16(x, tl.trans(c1), tl.zeros((BLOCK_N, BLOCK_K), tl.float32), INTERP)
+            best, best_id = tl.min(d, 1, return_indices=True)
+        else:
+            run = tl.full((BLOCK_N, BLOCK_K), float("inf"), tl.float32)
+            base = tl.zeros((BLOCK_N, BLOCK_K), tl.int32)
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + kt
+                c = tl.load(c_ptr + (g * K + ks)[:, None] * D + dcols[None, :], mask=(ks < K)[:, None], other=0.0)
+                csq = tl.load(csq_ptr + g * K + ks, mask=ks < K, other=float("inf"))
+                d = csq[None, :] - 2.0 * dot_bf16(x, tl.trans(c), tl.zeros((BLOCK_N, BLOCK_K), tl.float32), INTERP)
+                better = d < run
+                run = tl.where(better, d, run)
+                base = tl.where(better, k0, base)
+            best = tl.min(run, 1)
+            best_id = tl.min(tl.where(run == best[:, None], base + kt[None, :], 0x7FFFFFFF), 1)
+        tl.store(ids_ptr + g * N + rows, best_id.to(ids_ptr.dtype.element_ty), mask=rmask)
+        if WANT_DIST:
+            xf = x.to(tl.float32)
+            tl.store(dist_ptr + g * N + rows, tl.maximum(best + tl.sum(xf * xf, 1), 0.0), mask=rmask)
+
+
+ASSIGN_MODES = ("tiles", "min")
+
+
 def assign(x: torch.Tensor, c: torch.Tensor, want_dist: bool = False, block_n: int = 64, block_k: int = 64,
-           num_warps: int = 4, num_stages: int = 2, packed: bool = False):
+           num_warps: int = 4, num_stages: int = 2, packed: bool = False, mode: str = "tiles", progs: int = 0):
     """x [G, N, D] (bf16/fp32), c [G, K, D] fp32 -> (ids [G, N] narrow dtype, squared distance [G, N] or None).
-    packed (K <= 256; measured no faster on an H100, eval/results/profile-compress-h100.json): the argmin is one integer min over (distance with its last 8 mantissa bits
-    replaced by the id): ties within 2^-15 relative go to the lower id, the returned distance is that truncated
-    value."""
+    packed (K <= 256; measured no faster on an H100, eval/results/profile-compress-h100.json): the argmin is one
+    integer min over (distance with its last 8 mantissa bits replaced by the id): ties within 2^-15 relative go to
+    the lower id, the returned distance is that truncated value.
+    mode "min" (`_assign_min_kernel`, same result as "tiles"): one reduction per token; block_k >= K puts all
+    centroids in one tile; progs > 0: that many programs per group loop over the token blocks (persistent)."""
+    if mode not in ASSIGN_MODES:
+        raise ValueError(f"unknown assign mode {mode!r}; choose one of {ASSIGN_MODES}")
     g, n, d = x.shape
     k = c.shape[1]
     c = c.to(torch.bfloat16).contiguous()  # the dot's operands are bf16 anyway; |c|^2 of the same values
@@ -93,8 +147,16 @@ def assign(x: torch.Tensor, c: torch.Tensor, want_dist: bool = False, block_n: i
     ids = torch.empty(g, n, device=x.device, dtype=id_dtype(k))
     dist = torch.empty(g, n, device=x.device, dtype=torch.float32) if want_dist else csq
     block_n = min(block_n, max(16, triton.next_power_of_2(n)))
+    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    if mode == "min":
+        nblk = triton.cdiv(n, block_n)
+        progs = nblk if progs <= 0 else min(progs, nblk)
+        _assign_min_kernel[(progs, g)](x.contiguous(), c, csq, ids, dist, n, k, nblk, progs, D=d, BLOCK_N=block_n,
+                                       BLOCK_K=block_k, ONE_TILE=block_k >= k, WANT_DIST=want_dist,
+                                       INTERP=INTERPRET, num_warps=num_warps, num_stages=num_stages)
+        return ids, (dist if want_dist else None)
     _assign_kernel[(triton.cdiv(n, block_n), g)](x.contiguous(), c, csq, ids, dist, n, k, D=d, BLOCK_N=block_n,
-                                                 BLOCK_K=min(block_k, triton.next_power_of_2(k)),
+                                                 BLOCK_K=block_k,
                                                  WANT_DIST=want_dist, PACKED=packed and k <= 256, INTERP=INTERPRET,
                                                  num_warps=num_warps,
                                                  num_stages=num_stages)
@@ -153,11 +215,7 @@ def _onehot_finish_kernel(sums_ptr, cnt_ptr, c_old_ptr, c_new_ptr, counts_ptr, K
         base = (g * SPLITS + sp) * K + ks
         acc += tl.load(sums_ptr + base[:, None] * D + dcols[None, :], mask=kmask[:, None], other=0.0)
         cnt += tl.load(cnt_ptr + base, mask=kmask, other=0)
-    off = (g * K + ks)[:, None] * D + dcols[None, :]
-    old = tl.load(c_old_ptr + off, mask=kmask[:, None], other=0.0).to(tl.float32)
-    cf = tl.maximum(cnt, 1).to(tl.float32)
-    new = tl.where((cnt > 0)[:, None], tl.math.div_rn(acc, cf[:, None]), old)
-    tl.store(c_new_ptr + off, new, mask=kmask[:, None])
+    store_means(acc, cnt, c_old_ptr, c_new_ptr, g, ks, kmask, K, D)
     tl.store(counts_ptr + g * K + ks, cnt, mask=kmask)
 
 
@@ -171,8 +229,11 @@ def update(x: torch.Tensor, ids: torch.Tensor, c: torch.Tensor, **kw) -> torch.T
 
 def update_with_counts(x: torch.Tensor, ids: torch.Tensor, c: torch.Tensor, method: str | None = None, **kw):
     """`update`, plus the cluster sizes [G, K] int32. method: "onehot" (default for K <= 512: one-hot products on
-    tensor cores, split over tokens, splits summed in a fixed order) or "sort" (stable sort by id + segmented sum)."""
+    tensor cores, split over tokens, splits summed in a fixed order), "sort" (stable sort by id + segmented sum) or
+    "segsum" (counting sort + load-balanced segmented sum, memory-bound: kernels/kmeans_segsum.py)."""
     method = method or ("onehot" if c.shape[1] <= ONEHOT_MAX_K else "sort")
+    if method == "segsum":
+        return update_segsum(x, ids, c, **kw)
     if method == "onehot":
         return _update_onehot(x, ids, c, **kw)
     if method == "sort":
@@ -215,7 +276,17 @@ def _update_sort(x, ids, c, block_n: int = 32, num_warps: int = 2):
 
 
 def kmeans(x: torch.Tensor, k: int, *, iters: int = 2, init: torch.Tensor | None = None, seed: int = 0,
-           seeding: str = "k-means++", track: bool = False) -> KMeansResult:
-    """`qvg.kmeans.kmeans` (same seeding, loop and result) with the Triton assignment and update steps."""
+           seeding: str = "k-means++", track: bool = False, assign_kw: dict | None = None,
+           update_kw: dict | None = None, reseed: str = "torch") -> KMeansResult:
+    """`qvg.kmeans.kmeans` (same seeding, loop and result) with the Triton assignment and update steps.
+    assign_kw / update_kw: options of `assign` / `update_with_counts` (variants, tiles); reseed: "torch"
+    (`qvg.kmeans.reseed_empty`) or "fused" (the same in one launch, K <= 512: kernels/kmeans_reseed.py)."""
+    akw, ukw = dict(assign_kw or {}), dict(update_kw or {})
+    reseed_fn = None
+    if reseed == "fused" and k <= RESEED_MAX_K:
+        reseed_fn = reseed_empty_fused
+    elif reseed not in ("torch", "fused"):
+        raise ValueError(f"unknown reseed {reseed!r}; choose torch or fused")
     return ref_kmeans(x, k, iters=iters, init=init, seed=seed, seeding=seeding, track=track,
-                      assign_fn=lambda x_, c: assign(x_, c, True), update_fn=update_with_counts)
+                      assign_fn=lambda x_, c: assign(x_, c, True, **akw),
+                      update_fn=lambda x_, i_, c_: update_with_counts(x_, i_, c_, **ukw), reseed_fn=reseed_fn)

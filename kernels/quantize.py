@@ -8,7 +8,9 @@ import torch
 import triton
 import triton.language as tl
 
-from qvg.quant import FP8_MAX, QuantSpec, _div, tensor_scale
+from triton.language.extra import libdevice
+
+from qvg.quant import FP8_MAX, TSCALE_MIN, QuantSpec, _div, tensor_scale
 
 from .common import INTERPRET, bf16_bits_to_f32, grid_constants, raw_view, to_bf16
 
@@ -34,10 +36,31 @@ def _round_half_even(v):
 
 
 @triton.jit
+def _group_stats(rg, BITS: tl.constexpr, GRID: tl.constexpr, OFFSET: tl.constexpr, INTERP: tl.constexpr):
+    """rg [BLOCK_N, NG, GROUP] fp32 -> (raw fp32 group scale [BLOCK_N, NG], BF16 bits of the asym zero point
+    rounded toward -inf; zeros for the other grids)."""
+    if GRID == 2:
+        mn = tl.min(rg, 2)
+        zb = to_bf16(mn, INTERP).to(tl.int16, bitcast=True)  # then step toward -inf if it rounded up
+        zb = tl.where(bf16_bits_to_f32(zb) > mn, tl.where(zb >= 0, zb - 1, zb + 1), zb)
+        raw = tl.math.div_rn(tl.max(rg, 2) - bf16_bits_to_f32(zb), 2.0 ** BITS - 1.0)
+    elif GRID == 3:  # auto: keep max|x| itself; the pack pass derives both candidate scales from it
+        raw = tl.max(tl.abs(rg), 2)
+        zb = tl.zeros_like(raw).to(tl.int16)
+    else:  # sym: max|x| / (2^(b-1) - 1); midrise: max|x| / (2^(b-1) - 1/2) -- both are OFFSET
+        raw = tl.math.div_rn(tl.max(tl.abs(rg), 2), OFFSET)
+        zb = tl.zeros_like(raw).to(tl.int16)
+    return raw, zb
+
+
+@triton.jit
 def _stats_kernel(x_ptr, ids_ptr, cent_ptr, raw_ptr, zero_ptr, N, K, GH,
                   D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr,
-                  OFFSET: tl.constexpr, STAGES: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr):
-    """Pass 1: raw fp32 group scale (and, for asym, the BF16 zero point rounded toward -inf)."""
+                  OFFSET: tl.constexpr, STAGES: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr,
+                  HEADMAX: tl.constexpr):
+    """Pass 1: raw fp32 group scale (and, for asym, the BF16 zero point rounded toward -inf); with HEADMAX only
+    the head's largest raw scale, as an integer max of its (non-negative) fp32 bits into raw_ptr[head] (an
+    order-independent, deterministic atomic; raw_ptr starts at 0)."""
     pid_n = tl.program_id(0)
     gh = tl.program_id(1)
     NG: tl.constexpr = D // GROUP
@@ -45,20 +68,15 @@ def _stats_kernel(x_ptr, ids_ptr, cent_ptr, raw_ptr, zero_ptr, N, K, GH,
     rmask = rows < N
     tok = gh.to(tl.int64) * N + rows
     r = _residual(x_ptr, ids_ptr, cent_ptr, tok, rmask, tl.arange(0, D), N, K, GH, gh, D, STAGES)
-    rg = tl.reshape(r, (BLOCK_N, NG, GROUP))
-    goff = tok[:, None] * NG + tl.arange(0, NG)[None, :]
-    m2 = rmask[:, None]
-    if GRID == 2:
-        mn = tl.min(rg, 2)
-        zb = to_bf16(mn, INTERP).to(tl.int16, bitcast=True)  # then step toward -inf if it rounded up
-        zb = tl.where(bf16_bits_to_f32(zb) > mn, tl.where(zb >= 0, zb - 1, zb + 1), zb)
-        tl.store(zero_ptr + goff, zb, mask=m2)
-        raw = tl.math.div_rn(tl.max(rg, 2) - bf16_bits_to_f32(zb), 2.0 ** BITS - 1.0)
-    elif GRID == 3:  # auto: keep max|x| itself; the pack pass derives both candidate scales from it
-        raw = tl.max(tl.abs(rg), 2)
-    else:  # sym: max|x| / (2^(b-1) - 1); midrise: max|x| / (2^(b-1) - 1/2) -- both are OFFSET
-        raw = tl.math.div_rn(tl.max(tl.abs(rg), 2), OFFSET)
-    tl.store(raw_ptr + goff, raw, mask=m2)
+    raw, zb = _group_stats(tl.reshape(r, (BLOCK_N, NG, GROUP)), BITS, GRID, OFFSET, INTERP)
+    if HEADMAX:  # masked rows are zeros: raw 0, neutral
+        tl.atomic_max(raw_ptr + gh, tl.max(tl.max(raw, 1), 0).to(tl.int32, bitcast=True))
+    else:
+        goff = tok[:, None] * NG + tl.arange(0, NG)[None, :]
+        m2 = rmask[:, None]
+        if GRID == 2:
+            tl.store(zero_ptr + goff, zb, mask=m2)
+        tl.store(raw_ptr + goff, raw, mask=m2)
 
 
 @triton.jit
@@ -89,11 +107,26 @@ def _encode(raw, tscale, FP8: tl.constexpr, FP8_MAX: tl.constexpr):
 
 
 @triton.jit
+def _rne(v, RINT: tl.constexpr):
+    """Round half to even: the hardware's (cvt.rni, RINT) or floor-based (the interpreter has no rint); the same
+    value for every input (rint may give -0.0 where the floor form gives +0.0, which the codes never see: they are
+    clamped and offset by OFFSET >= 1/2, or multiplied and subtracted)."""
+    if RINT:
+        return libdevice.rint(v)
+    else:
+        return _round_half_even(v)
+
+
+@triton.jit
 def _pack_kernel(x_ptr, ids_ptr, cent_ptr, raw_ptr, zero_ptr, tscale_ptr, codes_ptr, scale_ptr, N, K, GH,
                  D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr,
                  OFFSET: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr, STAGES: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
-    """Pass 2: stored scales and packed codes (planar layout of qvg/bitpack.py)."""
+                 BLOCK_N: tl.constexpr, RECOMPUTE: tl.constexpr = False, RINT: tl.constexpr = False,
+                 TS_DIV: tl.constexpr = 1.0, TSCALE_MIN: tl.constexpr = 0.0, INTERP: tl.constexpr = False):
+    """Pass 2: stored scales and packed codes (planar layout of qvg/bitpack.py). RECOMPUTE: the group stats are
+    formed here (`_group_stats`, as pass 1 would), the zero point stored here, and with FP8 the tscale computed
+    from the head's largest raw scale (raw_ptr[head], fp32 bits; TS_DIV: auto's divisor) as `qvg.quant.
+    tensor_scale` does, and stored by each head's first program: no [N, NG] raw array, no torch reductions."""
     pid_n = tl.program_id(0)
     gh = tl.program_id(1)
     P: tl.constexpr = 8 // BITS
@@ -104,15 +137,28 @@ def _pack_kernel(x_ptr, ids_ptr, cent_ptr, raw_ptr, zero_ptr, tscale_ptr, codes_
     rmask = rows < N
     m2 = rmask[:, None]
     tok = gh.to(tl.int64) * N + rows
-    ts = 1.0
-    if FP8:
-        ts = tl.load(tscale_ptr + gh)
     goff = tok[:, None] * NG + tl.arange(0, NG)[None, :]
     # work in the group layout [BLOCK_N, NG, GROUP]: per-group values broadcast along the last axis for free
     r = tl.reshape(_residual(x_ptr, ids_ptr, cent_ptr, tok, rmask, tl.arange(0, D), N, K, GH, gh, D, STAGES),
                    (BLOCK_N, NG, GROUP))
+    ts = 1.0
+    if RECOMPUTE:
+        raw, zb = _group_stats(r, BITS, GRID, OFFSET, INTERP)
+        if GRID == 2:
+            tl.store(zero_ptr + goff, zb, mask=m2)
+        if FP8:
+            smax = tl.load(raw_ptr + gh).to(tl.float32, bitcast=True)
+            if TS_DIV != 1.0:
+                smax = tl.math.div_rn(smax, TS_DIV)
+            ts = tl.maximum(tl.math.div_rn(smax, FP8_MAX) * (1 + 2.0 ** -20), TSCALE_MIN)
+            if pid_n == 0:
+                tl.store(tscale_ptr + gh, ts)
+    else:
+        if FP8:
+            ts = tl.load(tscale_ptr + gh)
+        raw = tl.load(raw_ptr + goff, mask=m2, other=1.0)
     if GRID == 3:  # auto: both candidates, then per group the one with the smaller squared error (ties: sym)
-        amax = tl.load(raw_ptr + goff, mask=m2, other=1.0)
+        amax = raw
         mbits, ms = _encode(tl.math.div_rn(amax, OFFSET + 0.5), ts, FP8, FP8_MAX)
         cm = tl.minimum(tl.maximum(tl.floor(r * tl.math.div_rn(1.0, ms)[:, :, None]) + (OFFSET + 1.0), 0.0), LEVELS)
         sign = (tl.zeros_like(mbits) + 1) << (mbits.dtype.primitive_bitwidth - 1)
@@ -121,7 +167,7 @@ def _pack_kernel(x_ptr, ids_ptr, cent_ptr, raw_ptr, zero_ptr, tscale_ptr, codes_
             c = cm
         else:
             sbits, s = _encode(tl.math.div_rn(amax, OFFSET), ts, FP8, FP8_MAX)
-            cs = tl.minimum(tl.maximum(_round_half_even(r * tl.math.div_rn(1.0, s)[:, :, None]), -OFFSET), OFFSET)
+            cs = tl.minimum(tl.maximum(_rne(r * tl.math.div_rn(1.0, s)[:, :, None], RINT), -OFFSET), OFFSET)
             es = cs * s[:, :, None] - r
             em = (cm - (OFFSET + 0.5)) * ms[:, :, None] - r
             use_mid = tl.sum(em * em, 2) < tl.sum(es * es, 2)
@@ -129,16 +175,17 @@ def _pack_kernel(x_ptr, ids_ptr, cent_ptr, raw_ptr, zero_ptr, tscale_ptr, codes_
             c = tl.where(use_mid[:, :, None], cm, cs + OFFSET)
         tl.store(scale_ptr + goff, sbits, mask=m2)
     else:
-        sbits, s = _encode(tl.load(raw_ptr + goff, mask=m2, other=1.0), ts, FP8, FP8_MAX)
+        sbits, s = _encode(raw, ts, FP8, FP8_MAX)
         tl.store(scale_ptr + goff, sbits, mask=m2)
         inv = tl.math.div_rn(1.0, s)[:, :, None]
     if GRID == 0:
-        c = tl.minimum(tl.maximum(_round_half_even(r * inv), -OFFSET), OFFSET) + OFFSET
+        c = tl.minimum(tl.maximum(_rne(r * inv, RINT), -OFFSET), OFFSET) + OFFSET
     elif GRID == 1:
         c = tl.minimum(tl.maximum(tl.floor(r * inv) + (OFFSET + 0.5), 0.0), LEVELS)
     elif GRID == 2:
-        z = bf16_bits_to_f32(tl.load(zero_ptr + goff, mask=m2, other=0))[:, :, None]
-        c = tl.minimum(tl.maximum(_round_half_even((r - z) * inv), 0.0), LEVELS)
+        if not RECOMPUTE:
+            zb = tl.load(zero_ptr + goff, mask=m2, other=0)
+        c = tl.minimum(tl.maximum(_rne((r - bf16_bits_to_f32(zb)[:, :, None]) * inv, RINT), 0.0), LEVELS)
     # planar packing: [BLOCK_N, P, W] -> shift plane p by p * BITS and OR the planes together
     c3 = tl.reshape(c.to(tl.uint8), (BLOCK_N, P, W))
     shifts = (tl.arange(0, P) * BITS).to(tl.uint8)
@@ -147,10 +194,13 @@ def _pack_kernel(x_ptr, ids_ptr, cent_ptr, raw_ptr, zero_ptr, tscale_ptr, codes_
 
 
 def quantize_packed(x: torch.Tensor, spec: QuantSpec, ids: torch.Tensor | None = None,
-                    centroids: torch.Tensor | None = None, block_n: int = 16, num_warps: int = 2
-                    ) -> dict[str, torch.Tensor]:
+                    centroids: torch.Tensor | None = None, block_n: int = 16, num_warps: int = 2,
+                    fused: bool = False) -> dict[str, torch.Tensor]:
     """Triton version of `qvg.quant.quantize_packed` for per-token specs. With `ids` [S, B, H, N] and `centroids`
-    [S, B, H, K, D] (BF16) it quantizes the PRQ residual x - sum_s centroids_s[ids_s] without materializing it."""
+    [S, B, H, K, D] (BF16) it quantizes the PRQ residual x - sum_s centroids_s[ids_s] without materializing it.
+    fused (same stored tensors): no [B, H, N, D/group] raw-scale array and no torch reductions; FP8 scales: pass 1
+    only finds each head's largest raw scale (an integer atomic max), pass 2 forms the group stats itself and the
+    tscale from that maximum; BF16 scales: pass 2 alone (one read of x)."""
     b, h, n, d = x.shape
     spec.check(tuple(x.shape))
     c = grid_constants(spec)
@@ -159,14 +209,16 @@ def quantize_packed(x: torch.Tensor, spec: QuantSpec, ids: torch.Tensor | None =
     k = centroids.shape[-2] if stages else 1
     dev = x.device
     ng = d // spec.group
-    raw = torch.empty(b, h, n, ng, device=dev, dtype=torch.float32)
     zero = torch.empty(b, h, n, ng, device=dev, dtype=torch.bfloat16) if spec.grid == "asym" else None
     grid = (triton.cdiv(n, block_n), b * h)
     ids_ = ids.contiguous() if stages else x
     cent_ = centroids.contiguous() if stages else x
+    if fused:
+        return _quantize_fused(x, spec, c, ids_, cent_, zero, stages, k, grid, block_n, num_warps)
+    raw = torch.empty(b, h, n, ng, device=dev, dtype=torch.float32)
     _stats_kernel[grid](x, ids_, cent_, raw, raw_view(zero) if zero is not None else raw, n, k, b * h,
                         D=d, BITS=c["BITS"], GROUP=c["GROUP"], GRID=c["GRID"], OFFSET=c["OFFSET"],
-                        STAGES=stages, BLOCK_N=block_n, INTERP=INTERPRET, num_warps=num_warps,
+                        STAGES=stages, BLOCK_N=block_n, INTERP=INTERPRET, HEADMAX=False, num_warps=num_warps,
                         enable_fp_fusion=False)
     out = {}
     if c["FP8"]:  # auto's stats pass keeps max|x|: the tscale follows its sym candidate (midrise for 1 bit)
@@ -176,6 +228,31 @@ def quantize_packed(x: torch.Tensor, spec: QuantSpec, ids: torch.Tensor | None =
     _pack_kernel[grid](x, ids_, cent_, raw, raw_view(zero) if zero is not None else raw,
                        out.get("tscale", raw), codes, raw_view(scale), n, k, b * h, D=d, FP8_MAX=FP8_MAX,
                        STAGES=stages, BLOCK_N=block_n, num_warps=num_warps, enable_fp_fusion=False, **c)
+    out = {"codes": codes, "scale": scale, **out}
+    if zero is not None:
+        out["zero"] = zero
+    return out
+
+
+def _quantize_fused(x, spec, c, ids_, cent_, zero, stages, k, grid, block_n, num_warps) -> dict[str, torch.Tensor]:
+    b, h, n, d = x.shape
+    ng = d // spec.group
+    dev = x.device
+    out = {}
+    hmax = x  # unused without FP8 scales
+    if c["FP8"]:
+        hmax = torch.zeros(b * h, device=dev, dtype=torch.int32)
+        _stats_kernel[grid](x, ids_, cent_, hmax, hmax, n, k, b * h, D=d, BITS=c["BITS"], GROUP=c["GROUP"],
+                            GRID=c["GRID"], OFFSET=c["OFFSET"], STAGES=stages, BLOCK_N=block_n, INTERP=INTERPRET,
+                            HEADMAX=True, num_warps=num_warps, enable_fp_fusion=False)
+        out["tscale"] = torch.empty(b, h, device=dev, dtype=torch.float32)
+    codes = torch.empty(b, h, n, d * spec.bits // 8, device=dev, dtype=torch.uint8)
+    scale = torch.empty(b, h, n, ng, device=dev, dtype=torch.float8_e4m3fn if c["FP8"] else torch.bfloat16)
+    ts_div = (c["OFFSET"] if spec.bits > 1 else 0.5) if spec.grid == "auto" else 1.0  # see tensor_scale's use above
+    _pack_kernel[grid](x, ids_, cent_, hmax, raw_view(zero) if zero is not None else hmax, out.get("tscale", hmax),
+                       codes, raw_view(scale), n, k, b * h, D=d, FP8_MAX=FP8_MAX, STAGES=stages, BLOCK_N=block_n,
+                       RECOMPUTE=True, RINT=not INTERPRET, TS_DIV=float(ts_div), TSCALE_MIN=TSCALE_MIN,
+                       INTERP=INTERPRET, num_warps=num_warps, enable_fp_fusion=False, **c)
     out = {"codes": codes, "scale": scale, **out}
     if zero is not None:
         out["zero"] = zero

@@ -59,17 +59,19 @@ def _compare_paths(x, method, kernel_packed, torch_packed):
         assert agree > 0.8, (method, agree)
 
 
+@pytest.mark.parametrize("variant", ["current", "fast"])
 @pytest.mark.parametrize("method", ["qvg", "qvg-pro"])
-def test_compress_prq_kernels_vs_torch(method, device):
+def test_compress_prq_kernels_vs_torch(method, variant, device):
     """The kernel compress path (Triton k-means + fused residual quantize) called directly, on the device (the
-    interpreter on CPU), vs qvg.compress's torch path: same storage layout, MSE within 10%, ids mostly equal."""
+    interpreter on CPU), vs qvg.compress's torch path: same storage layout, MSE within 10%, ids mostly equal; for
+    each entry of kernels/compress.py's COMPRESS_VARIANTS."""
     x = clustered(1, 2, 96, 64, clusters=6, seed=2)
     opts = dict(centroids=6, iters=2, grid="midrise")
     torch_packed = qvg.compress(x, method, **opts)  # CPU: torch
     o = torch_packed.meta  # the resolved options
     from qvg.kernels.compress import compress_prq
     with poisoned():
-        tensors = compress_prq(x.to(device), o, None, 2)
+        tensors = compress_prq(x.to(device), o, None, 2, variant=variant)
     kernel_packed = qvg.Packed(method, tuple(x.shape), x.dtype, tensors, o)
     _compare_paths(x, method, kernel_packed, torch_packed)
 

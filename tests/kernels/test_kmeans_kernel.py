@@ -79,7 +79,7 @@ def test_assign_without_dist_and_block_sizes(device):
 
 
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("method", ["onehot", "sort"])
+@pytest.mark.parametrize("method", ["onehot", "sort", "segsum"])
 def test_update(x_dtype, method, device):
     k = 20
     x, centres = _blobs(2, 150, 32, 12, seed=9)
@@ -117,7 +117,7 @@ def test_update_onehot_splits(device):
     assert torch.equal(cnt.cpu().float(), wcnt)
 
 
-@pytest.mark.parametrize("method", ["onehot", "sort"])
+@pytest.mark.parametrize("method", ["onehot", "sort", "segsum"])
 def test_update_uint16_ids(method, device):
     k = 300
     x, _ = _blobs(1, 600, 32, 50, seed=2)
@@ -127,17 +127,45 @@ def test_update_uint16_ids(method, device):
     torch.testing.assert_close(new, ref.update(x, rid, c), atol=1e-4 * x.abs().amax().item(), rtol=0)
 
 
+MIN_MODES = [dict(mode="min"), dict(mode="min", block_k=256, num_warps=8), dict(mode="min", block_k=16, block_n=32),
+             dict(mode="min", block_k=512, progs=2), dict(mode="min", block_n=16, progs=3)]
+
+
+@pytest.mark.parametrize("kw", MIN_MODES)
+@pytest.mark.parametrize("k", [20, 256, 300])
+def test_assign_min_mode_equals_tiles(kw, k, device):
+    """mode="min" (one reduction per token, one tile or a persistent loop) returns the tiled kernel's ids and
+    distances bitwise, duplicated centroids (ties) included."""
+    x, centres = _blobs(2, 150, 32, min(k, 24), seed=k + 1)
+    c = torch.cat([centres, torch.randn(2, k - centres.shape[1], 32, generator=gen(2)) * 3], 1)
+    c[:, k - 1] = c[:, 3]  # a tie: the lower id wins
+    c[:, k // 2] = c[:, 5]
+    want, wdist = kk.assign(x.bfloat16().to(device), c.to(device), True)
+    with poisoned():
+        ids, dist = kk.assign(x.bfloat16().to(device), c.to(device), True, **kw)
+    assert_bitwise_equal(ids, want, f"ids {kw}")
+    assert_bitwise_equal(dist, wdist, f"distances {kw}")
+    ids2, none = kk.assign(x.bfloat16().to(device), c.to(device), **kw)
+    assert none is None and torch.equal(ids2.cpu(), want.cpu())
+
+
+FAST = dict(assign_kw=dict(mode="min", block_k=256, num_warps=8), update_kw=dict(method="segsum"), reseed="fused")
+
+
 @pytest.mark.parametrize("warm", [False, True])
-def test_kmeans_end_to_end(warm, device):
+@pytest.mark.parametrize("variant", [{}, FAST])
+def test_kmeans_end_to_end(warm, variant, device):
     x, centres = _blobs(2, 300, 32, 16, seed=5)
     k = 16
     init = (centres + 0.3 * torch.randn(centres.shape, generator=gen(6))) if warm else None
     want = ref.kmeans(x, k, iters=3, init=init, seed=3, track=True)
-    got = kk.kmeans(x.to(device), k, iters=3, init=None if init is None else init.to(device), seed=3, track=True)
+    got = kk.kmeans(x.to(device), k, iters=3, init=None if init is None else init.to(device), seed=3, track=True,
+                    **variant)
     assert got.ids.dtype == torch.uint8 and got.centroids.dtype == torch.float32
     torch.testing.assert_close(got.trace.cpu(), want.trace, rtol=1e-2, atol=0)
     agree = (got.ids.cpu() == want.ids).float().mean().item()
     assert agree > 0.97, agree
-    again = kk.kmeans(x.to(device), k, iters=3, init=None if init is None else init.to(device), seed=3, track=True)
+    again = kk.kmeans(x.to(device), k, iters=3, init=None if init is None else init.to(device), seed=3, track=True,
+                      **variant)
     assert torch.equal(again.ids.cpu(), got.ids.cpu())
     assert_bitwise_equal(again.centroids, got.centroids, "kmeans is deterministic")

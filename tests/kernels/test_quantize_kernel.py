@@ -50,47 +50,55 @@ def _hard_input(n: int = 37, d: int = 64, seed: int = 0) -> torch.Tensor:
     return x
 
 
-def _check(x: torch.Tensor, spec: QuantSpec, device: str, block_n: int = 32) -> None:
+def _check(x: torch.Tensor, spec: QuantSpec, device: str, block_n: int = 32, fused: bool = False) -> None:
     want = quantize_packed_ref(x, spec)
     with poisoned():  # the kernel's own torch.empty outputs start as NaN / 0xFF
-        got = quantize_packed(x.to(device), spec, block_n=block_n)
+        got = quantize_packed(x.to(device), spec, block_n=block_n, fused=fused)
     assert all(t.device.type == device for t in got.values())
     assert_matches_reference(got, want, str(spec), device)
     s = decode_scale({k: v.cpu() for k, v in got.items()}, spec)  # signed for "auto" (sign = midrise flag)
     assert torch.isfinite(s).all() and (s.abs() > 0).all(), f"{spec}: decoded scales not finite and nonzero"
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("group", [16, 64])
 @pytest.mark.parametrize("scale_dtype", ["fp8", "bf16"])
 @pytest.mark.parametrize("grid,bits", SPECS)
-def test_quantize_matches_reference(grid, bits, scale_dtype, group, device):
+def test_quantize_matches_reference(grid, bits, scale_dtype, group, fused, device):
+    """fused: no raw-scale array, the head maximum by an integer atomic max, the stats formed in the pack pass."""
     spec = QuantSpec(bits=bits, grid=grid, group=group, scale_dtype=scale_dtype)
-    _check(_hard_input(), spec, device)
+    _check(_hard_input(), spec, device, fused=fused)
 
 
-@pytest.mark.parametrize("grid,bits,scale_dtype", [("midrise", 2, "fp8"), ("sym", 4, "bf16"), ("asym", 2, "fp8")])
-def test_quantize_bf16_input_and_other_shapes(grid, bits, scale_dtype, device):
-    """BF16 input, D = 128 with groups of 32, several row blocks with a ragged last one."""
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("grid,bits,scale_dtype", [("midrise", 2, "fp8"), ("sym", 4, "bf16"), ("asym", 2, "fp8"),
+                                                   ("auto", 2, "fp8")])
+def test_quantize_bf16_input_and_other_shapes(grid, bits, scale_dtype, fused, device):
+    """BF16 input, D = 128 with groups of 32, several row blocks with a ragged last one (and, fused, several
+    programs per head feeding the head maximum)."""
     x = varied(1, 3, 70, 128, seed=3).bfloat16()
-    _check(x, QuantSpec(bits=bits, grid=grid, group=32, scale_dtype=scale_dtype), device, block_n=16)
+    _check(x, QuantSpec(bits=bits, grid=grid, group=32, scale_dtype=scale_dtype), device, block_n=16, fused=fused)
 
 
-def test_quantize_fp8_scale_spread(device):
+@pytest.mark.parametrize("fused", [False, True])
+def test_quantize_fp8_scale_spread(fused, device):
     """Group scales spanning far more than E4M3's range within one head: the small ones clamp at 2^-9 * tscale,
     exactly like the reference."""
     x = torch.randn(1, 1, 33, 64, generator=gen(5)) * torch.logspace(-12, 3, 33)[:, None]
-    _check(x, QuantSpec(bits=2, grid="midrise", group=16, scale_dtype="fp8"), device)
+    _check(x, QuantSpec(bits=2, grid="midrise", group=16, scale_dtype="fp8"), device, fused=fused)
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("method,opts", [
+    ("qvg", {}),
     ("qvg", {"grid": "midrise"}),
     ("qvg-pro", {"grid": "midrise"}),
     ("qvg", {"bits": 4, "grid": "sym", "scale_dtype": "bf16"}),
     ("qvg", {"grid": "asym"}),
     ("qvg-pro", {"bits": 1, "block_size": 32, "grid": "midrise"}),
 ])
-def test_fused_prq_residual_matches_compress(method, opts, x_dtype, device):
+def test_fused_prq_residual_matches_compress(method, opts, x_dtype, fused, device):
     """quantize_packed(x, spec, ids, centroids) quantizes x - sum_s C_s[ids_s] exactly as qvg.compress's torch
     path does (same stored codes, scales, zero points, tscale)."""
     x = clustered(1, 2, 72, 64, seed=7).to(x_dtype)
@@ -99,17 +107,18 @@ def test_fused_prq_residual_matches_compress(method, opts, x_dtype, device):
     want = {k: v for k, v in p.tensors.items() if k not in ("ids", "centroids")}
     with poisoned():
         got = quantize_packed(x.to(device), token_spec(p.meta), p.tensors["ids"].to(device),
-                              p.tensors["centroids"].to(device))
+                              p.tensors["centroids"].to(device), fused=fused)
     assert_matches_reference(got, want, f"{method} {opts}", device)
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("grid,bits", [("sym", 2), ("midrise", 4), ("asym", 2), ("asym", 8)])
-def test_quantize_subnormal_input(grid, bits, device, request):
+def test_quantize_subnormal_input(grid, bits, fused, device, request):
     """Inputs below FP32's smallest normal (~1e-40): the BF16 scales clamp at 2^-126, the asym zero point is the
     group minimum rounded down to (subnormal) BF16."""
     x = torch.randn(1, 2, 33, 64, generator=gen(11)) * 1e-40
     x[0, 1] *= 100.0  # ~1e-38: around the normal / subnormal boundary
-    _check(x, QuantSpec(bits=bits, grid=grid, group=16, scale_dtype="bf16"), device)
+    _check(x, QuantSpec(bits=bits, grid=grid, group=16, scale_dtype="bf16"), device, fused=fused)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="compares CPU and CUDA torch")
