@@ -77,6 +77,17 @@ def timed_run(client, frames: int, method: str) -> dict:
     return res
 
 
+def summarize(out: dict) -> dict:
+    """The file's summary: per label, the UI's seconds per chunk (median of its videos) and the chunks' own mean
+    (the load of the shared CPU shows there), and the load averages around it."""
+    out["summary"] = {label: {"overhead_per_chunk_seconds": [v["overhead_per_chunk_seconds"] for v in r["runs"]],
+                              "chunk_seconds_mean": [v["chunk_seconds_mean"] for v in r["runs"]],
+                              "load_average_1min": [r["load_average_1min_before"], r["load_average_1min_after"]],
+                              "app_commit": r["app_commit"]}
+                      for label, r in out["runs"].items()}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     from gradio_client import Client
 
@@ -112,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.out and Path(a.out).exists():
         out = json.loads(Path(a.out).read_text())
     out["runs"][a.label] = run
-    text = json.dumps(out, indent=1)
+    text = json.dumps(summarize(out), indent=1)
     print(json.dumps(run, indent=1))
     if a.out:
         Path(a.out).write_text(text + "\n")
