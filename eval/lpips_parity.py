@@ -25,7 +25,6 @@ import argparse
 import ast
 import hashlib
 import importlib.util
-import json
 import os
 import re
 import sys
@@ -210,7 +209,7 @@ def run(ref, nets=NETS, seed: int = 0, **kw) -> dict:
 
 
 def main(argv=None) -> int:
-    from .provenance import command_line, meta
+    from .provenance import command_line, emit_json, meta
     p = argparse.ArgumentParser(prog="python -m qvg.eval.lpips_parity", description=__doc__.split("\n\n")[0])
     p.add_argument("--lpips", default=None, help=f"folder holding lpips/ (default ${ENV}, else an installed lpips)")
     p.add_argument("--seed", type=int, default=0)
@@ -236,11 +235,7 @@ def main(argv=None) -> int:
            "max_abs_diff": max(n["max_abs_diff"] for n in nets.values()),
            "max_rel_diff": max(n["max_rel_diff"] for n in nets.values()),
            "max_layers_abs_diff": max(n["max_layers_abs_diff"] for n in nets.values()), "nets": nets}
-    text = json.dumps(res, indent=1)
-    if a.out:
-        Path(a.out).write_text(text + "\n")
-        print(f"wrote {a.out}")
-    print(text)
+    emit_json(res, a.out)
     return 0
 
 

@@ -17,7 +17,6 @@ import argparse
 import ast
 import hashlib
 import importlib.util
-import json
 import os
 import re
 import subprocess
@@ -159,7 +158,7 @@ def images(seed: int = 0):
 
 
 def main(argv=None) -> int:
-    from .provenance import command_line, meta
+    from .provenance import command_line, emit_json, meta
     p = argparse.ArgumentParser(prog="python -m qvg.eval.musiq_parity", description=__doc__.split("\n\n")[0])
     p.add_argument("--pyiqa", default=None, help=f"folder holding pyiqa/ (default ${ENV}, else an installed pyiqa)")
     p.add_argument("--seed", type=int, default=0)
@@ -180,11 +179,7 @@ def main(argv=None) -> int:
                    "for one image in [0, 1]; patches = pyiqa's get_multiscale_patches vs qvg's multiscale_patches",
            "max_abs_diff": max(r["abs_diff"] for r in rows.values()),
            "max_patches_abs_diff": max(r["patches_max_abs_diff"] for r in rows.values()), "images": rows}
-    text = json.dumps(res, indent=1)
-    if a.out:
-        Path(a.out).write_text(text + "\n")
-        print(f"wrote {a.out}")
-    print(text)
+    emit_json(res, a.out)
     return 0
 
 

@@ -70,3 +70,13 @@ def weight_files(*models) -> list[dict]:
     `weight_files`; None, strings and randomly initialised models read none)."""
     from .weights import used_files
     return [file_record(p) for p in used_files(*models)]
+
+
+def emit_json(res: dict, out=None) -> None:
+    """A results dict as indented JSON: written to `out` (when given, with a 'wrote' line) and printed."""
+    import json
+    text = json.dumps(res, indent=1)
+    if out:
+        Path(out).write_text(text + "\n")
+        print(f"wrote {out}")
+    print(text)
