@@ -74,6 +74,20 @@ def with_torch_backend(fn):
             os.environ["QVG_BACKEND"] = old
 
 
+def dequant_configs(groups: int, planes: int) -> list[dict]:
+    """The dequant grids tried (best kept): token blocks x warps; persistent programs (~1, 2, 4 per SM); one
+    program per code plane (each gathers 1/planes of a centroid row, so its centroid tables stay in L1)."""
+    from qvg.kernels.common import sm_count
+    sms = sm_count(torch.device("cuda"))
+    out = [dict(block_n=bn, num_warps=nw) for bn, nw in ((32, 4), (64, 4), (64, 8), (128, 8))]
+    out += [dict(block_n=bn, num_warps=nw, plane_split=True) for bn, nw in ((32, 4), (64, 4), (128, 8))]
+    for split in (False, True):
+        for waves in (1, 2, 4):
+            progs = max(1, waves * sms // (groups * (planes if split else 1)))
+            out += [dict(block_n=bn, num_warps=nw, progs=progs, plane_split=split) for bn, nw in ((64, 4), (128, 8))]
+    return out
+
+
 def dequant_section(copy_tbps, quick):
     import qvg
     from qvg.kernels.dequant import dequantize
@@ -84,28 +98,30 @@ def dequant_section(copy_tbps, quick):
         for method in ("qvg", "qvg-pro"):
             p = qvg.compress(x, method)
             ref = with_torch_backend(lambda: qvg.decompress(p))
-            best = None
-            for bn, nw in ((32, 4), (64, 4), (64, 8), (128, 8)):
+            best, tried = None, []
+            for kw in dequant_configs(shape[0] * shape[1], 8 // p.meta["bits"]):
                 out = torch.full_like(ref, float("nan"))
-                dequantize(p, out=out, block_n=bn)
+                dequantize(p, out=out, **kw)
                 exact = float((out == ref).float().mean())
-                ms = bench(lambda: dequantize(p, out=out, block_n=bn))
+                ms = bench(lambda: dequantize(p, out=out, **kw))
+                tried.append({**kw, "ms": ms, "bitwise_equal_fraction": exact})
                 if best is None or ms < best["ms"]:
-                    best = {"block_n": bn, "ms": ms, "bitwise_equal_fraction": exact}
+                    best = tried[-1]
             t_ref = with_torch_backend(lambda: bench(lambda: qvg.decompress(p), warmup=3, rep=10))
             nbytes = p.nbytes + x.numel() * 2
             rows.append({"shape": list(shape), "method": method, "stages": p.meta["stages"],
                          "block_size": p.meta["block_size"], "packed_bytes": p.nbytes, "bytes_moved": nbytes,
                          **best, "TBps": nbytes / best["ms"] / 1e9,
-                         "fraction_of_copy_bw": nbytes / best["ms"] / 1e9 / copy_tbps, "torch_reference_ms": t_ref})
-            print(f"  dequant {shape} {method}: {best['ms']:.4f} ms, {rows[-1]['fraction_of_copy_bw']:.0%} of copy "
+                         "fraction_of_copy_bw": nbytes / best["ms"] / 1e9 / copy_tbps, "torch_reference_ms": t_ref,
+                         "configs": tried})
+            print(f"  dequant {shape} {method}: {best['ms']:.4f} ms ({ {k: v for k, v in best.items() if k not in ('ms', 'bitwise_equal_fraction')} }), {rows[-1]['fraction_of_copy_bw']:.0%} of copy "
                   f"bw, bitwise equal {best['bitwise_equal_fraction']:.4f} (torch ref {t_ref:.3f} ms)", flush=True)
     return rows
 
 
 def compress_section(quick):
     import qvg
-    from qvg.kernels.compress import compress_prq
+    from qvg.kernels.compress import COMPRESS_VARIANT, COMPRESS_VARIANTS, compress_prq
     from qvg.compression import resolve_options
     from qvg.compression.prq import init_centroids
     shape = (1, 32, 29640, 128) if not quick else (1, 4, 4680, 128)
@@ -146,14 +162,15 @@ def compress_section(quick):
         xg = x1.view(-1, shape[2], shape[3])
         c0 = warm[0]
         ids0, _ = assign(xg, c0)
-        keys32 = ids0.to(torch.int32)
-        # (tile-configuration sweeps of each kernel: python -m qvg.eval.profile_compress --sweep)
-        parts = {"assign_ms": bench(lambda: assign(xg, c0, True)),
-                 "update_ms": bench(lambda: update(xg, ids0, c0)),
-                 "update_sort_ms": bench(lambda: update(xg, ids0, c0, method="sort")),
-                 "torch_sort_only_ms": bench(lambda: torch.sort(keys32, dim=1, stable=True)),
+        v = COMPRESS_VARIANTS[COMPRESS_VARIANT]
+        # the default variant's pieces, and the one-hot update it replaced (variant sweeps: python -m
+        # qvg.eval.profile_compress --variants)
+        parts = {"variant": COMPRESS_VARIANT,
+                 "assign_ms": bench(lambda: assign(xg, c0, True, **v["assign_kw"])),
+                 "update_ms": bench(lambda: update(xg, ids0, c0, **v["update_kw"])),
+                 "update_onehot_ms": bench(lambda: update(xg, ids0, c0, method="onehot")),
                  "pack_ms": bench(lambda: quantize_packed(x1, token_spec(o), pk.tensors.get("ids"),
-                                                          pk.tensors.get("centroids")))}
+                                                          pk.tensors.get("centroids"), **v["pack_kw"]))}
         if o["stages"] > 1:
             from qvg.kernels.compress import residual_bf16
             ids_t = pk.tensors["ids"].view(o["stages"], -1, shape[2])

@@ -35,16 +35,17 @@ def render(d: dict, notes: str = "") -> str:
         out += ["## Fused dequant (packed -> BF16)", "",
                 f"Bytes moved = packed bytes read + BF16 written. Target: >= {TARGETS['dequant_fraction']:.0%} of "
                 "copy bandwidth.", "",
-                "| shape | method | S/B | ms | TB/s | of copy bw | bitwise = torch | torch ref ms | target |",
-                "|---|---|---|---|---|---|---|---|---|"]
+                "| shape | method | S/B | best grid | ms | TB/s | of copy bw | bitwise = torch | torch ref ms | target |",
+                "|---|---|---|---|---|---|---|---|---|---|"]
         for r in d["dequant"]:
-            out.append(f"| {r['shape']} | {r['method']} | S{r['stages']}/B{r['block_size']} | {r['ms']:.4f} | "
+            grid = ", ".join(f"{k} {r[k]}" for k in ("block_n", "num_warps", "progs", "plane_split") if k in r)
+            out.append(f"| {r['shape']} | {r['method']} | S{r['stages']}/B{r['block_size']} | {grid} | {r['ms']:.4f} | "
                        f"{r['TBps']:.2f} | {r['fraction_of_copy_bw']:.0%} | {r['bitwise_equal_fraction']:.4f} | "
                        f"{r['torch_reference_ms']:.3f} | {_ok(r['fraction_of_copy_bw'] >= TARGETS['dequant_fraction'])} |")
         out.append("")
     if isinstance(d.get("compress"), list):
         out += ["## Compress (2 warm-started k-means iterations + PRQ + pack)", "",
-                "| shape | method | ms | CUDA-graph replay ms | assign ms | update ms (sort-based) | residual ms (per stage) | "
+                "| shape | method | ms | CUDA-graph replay ms | assign ms | update ms (one-hot update) | residual ms (per stage) | "
                 "pack ms | API ms (with input checks) | torch ref ms | ids = torch ref | MSE kernels / torch | target |",
                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in d["compress"]:
@@ -52,7 +53,8 @@ def render(d: dict, notes: str = "") -> str:
             g = r["cuda_graph_ms"]
             out.append(_row(r["shape"], r["method"], f"{r['ms']:.3f}",
                             f"{g:.3f}" if isinstance(g, float) else f"failed: {g}", f"{r['assign_ms']:.3f}",
-                            f"{r['update_ms']:.3f}" + (f" ({r['update_sort_ms']:.3f})" if "update_sort_ms" in r else ""),
+                            f"{r['update_ms']:.3f}" + "".join(f" ({r[k]:.3f})" for k in ("update_onehot_ms", "update_sort_ms")
+                                                          if k in r),
                             f"{r['residual_ms']:.3f}" if "residual_ms" in r else "-", f"{r['pack_ms']:.3f}",
                             f"{r['api_ms']:.3f}", f"{r['torch_reference_ms']:.2f}",
                             f"{r['ids_agree_with_reference']:.4f}",

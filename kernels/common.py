@@ -3,6 +3,7 @@ stored scales. The storage layout itself is defined (and documented) by the torc
 qvg/bitpack.py; the kernels only read and write it."""
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -15,6 +16,12 @@ GRID_IDS = {"sym": 0, "midrise": 1, "asym": 2, "auto": 3}
 # TRITON_INTERPRET=1 (CPU) truncates fp32 -> bf16 casts; the GPU rounds to nearest even. Under the interpreter the
 # kernels round by hand so CI checks the same numbers the GPU produces.
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (persistent grids size themselves by it)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def grid_constants(spec: QuantSpec) -> dict:

@@ -17,16 +17,20 @@ from .kmeans import kmeans
 from .quantize import _residual, quantize_packed
 
 # Which k-means / pack kernels compress runs: options of `kmeans` (assign_kw, update_kw, reseed) and of
-# `quantize_packed` (pack_kw). "current" is what eval/results/kernels-h100.md measured; "fast" (counting-sort
-# segmented-sum update, one-reduction assignment, fused reseeding, fused pack) is the candidate that
-# `python -m qvg.eval.profile_compress --variants` times against it, bitwise / agreement checked. THE SWITCH:
-# COMPRESS_VARIANT (a name of COMPRESS_VARIANTS); `compress_prq(..., variant=)` overrides it per call.
+# `quantize_packed` (pack_kw). "fast" (the default: one-reduction persistent assignment, counting-sort
+# segmented-sum update, fused reseeding, fused pack; the per-piece best of eval/results/
+# profile-compress-variants-h100.json, whose 8 programs per group
+# at 32 groups are ~2 per SM: progs="auto") returns bitwise the ids and centroids of "current" (tiled assignment,
+# one-hot update, torch reseeding, two-kernel pack: what kernels-h100.md measured before), which stays for
+# `python -m qvg.eval.profile_compress --variants` to time against. COMPRESS_VARIANT is the switch;
+# `compress_prq(..., variant=)` overrides it per call.
 COMPRESS_VARIANTS = {
     "current": dict(assign_kw={}, update_kw={}, reseed="torch", pack_kw={}),
-    "fast": dict(assign_kw=dict(mode="min", block_n=64, block_k=256, num_warps=8), update_kw=dict(method="segsum"),
-                 reseed="fused", pack_kw=dict(fused=True)),
+    "fast": dict(assign_kw=dict(mode="min", block_n=64, block_k=256, num_warps=4, progs="auto"),
+                 update_kw=dict(method="segsum", item=256, rows=32, num_warps=4, num_stages=3, sort_block=1024),
+                 reseed="fused", pack_kw=dict(fused=True, block_n=32, num_warps=4)),
 }
-COMPRESS_VARIANT = "current"
+COMPRESS_VARIANT = "fast"
 
 
 @triton.jit

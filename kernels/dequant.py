@@ -39,11 +39,28 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
                     ROW0, ROW_END, OUT_N, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF,
                     D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr,
                     OFFSET: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr, BLOCK_N: tl.constexpr,
-                    ROPE: tl.constexpr, SPLIT_H: tl.constexpr, SPLIT_W: tl.constexpr, INTERP: tl.constexpr):
-    pid_n = tl.program_id(0)
+                    ROPE: tl.constexpr, SPLIT_H: tl.constexpr, SPLIT_W: tl.constexpr, INTERP: tl.constexpr,
+                    NBLK, PROGS, PLANE_SPLIT: tl.constexpr):
+    """Program (i, gh, q) decodes token blocks i, i + PROGS, ... (< NBLK) of group gh: every code plane, or only
+    plane q with PLANE_SPLIT (then a program gathers 1/P of each centroid row: its centroid tables stay small)."""
+    pid = tl.program_id(0)
     gh = tl.program_id(1)
     P: tl.constexpr = 8 // BITS  # planes per byte
     W: tl.constexpr = D // P  # bytes per row
+    for blk in range(pid, NBLK, PROGS):
+        _dequant_block(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_ptr, out_ptr, N, L, C, K, GH,
+                       ROW0, ROW_END, OUT_N, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF, D, BITS, GROUP,
+                       GRID, OFFSET, FP8, STAGES, BLOCK_N, ROPE, SPLIT_H, SPLIT_W, INTERP, blk, gh, P, W,
+                       tl.program_id(2) if PLANE_SPLIT else 0, 1 if PLANE_SPLIT else P)
+
+
+@triton.jit
+def _dequant_block(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_ptr, out_ptr, N, L, C, K, GH,
+                   ROW0, ROW_END, OUT_N, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF,
+                   D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr,
+                   OFFSET: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr, BLOCK_N: tl.constexpr,
+                   ROPE: tl.constexpr, SPLIT_H: tl.constexpr, SPLIT_W: tl.constexpr, INTERP: tl.constexpr,
+                   pid_n, gh, P: tl.constexpr, W: tl.constexpr, p0, NP: tl.constexpr):
     rows = ROW0 + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # tokens [ROW0, ROW_END) -> output rows [0, OUT_N)
     rmask = rows < ROW_END
     tok = gh.to(tl.int64) * N + rows  # flat token index
@@ -55,7 +72,8 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
     ts = 1.0
     if FP8:
         ts = tl.load(tscale_ptr + gh.to(tl.int64) * C + chunk, mask=rmask, other=1.0)[:, None]
-    for p in tl.static_range(P):
+    for pi in tl.static_range(NP):
+        p = p0 + pi
         col = p * W + cols
         c = (byte >> (p * BITS)) & ((1 << BITS) - 1)
         if GROUP >= W:  # the plane lies in one group: one scale per row
@@ -78,10 +96,12 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
 
 
 def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None, block_n: int = 64,
-               rows: tuple[int, int] | None = None, num_warps: int = 4, rope: RopeTables | None = None
-               ) -> torch.Tensor:
+               rows: tuple[int, int] | None = None, num_warps: int = 4, rope: RopeTables | None = None,
+               progs: int = 0, plane_split: bool = False) -> torch.Tensor:
     """Triton version of `qvg.decompress` (rtn / qvg / qvg-pro, per-token groups) and of
-    `PackedSequence.decompress` (with `rope`: keys stored before RoPE, rotated as they are decoded)."""
+    `PackedSequence.decompress` (with `rope`: keys stored before RoPE, rotated as they are decoded).
+    progs > 0: that many programs per group (and plane) loop over the token blocks; plane_split: one program per
+    code plane (1/P of each centroid row gathered per program). Every choice writes the same bits."""
     if isinstance(packed, PackedSequence):
         spec, stages, chunk_len = packed.spec, packed.stages, packed.chunk_len
     elif packed.method in PER_TOKEN_METHODS:
@@ -95,14 +115,18 @@ def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None,
         out = torch.empty(b, h, r1 - r0, d, dtype=packed.dtype, device=t["codes"].device)
     dummy = t["codes"]
     k = t["centroids"].shape[-2] if stages else 1
-    grid = (triton.cdiv(r1 - r0, block_n), b * h)
+    nblk = triton.cdiv(r1 - r0, block_n)
+    progs = nblk if progs <= 0 else min(progs, nblk)
+    planes = 8 // spec.bits if plane_split else 1
+    grid = (progs, b * h, planes)
     _dequant_kernel[grid](
         t["codes"], raw_view(t["scale"]), raw_view(t["zero"]) if "zero" in t else dummy,
         t.get("tscale", dummy), t["ids"] if stages else dummy,
         t["centroids"] if stages else dummy, out, n, chunk_len, n // chunk_len, k, b * h, r0, r1, out.shape[2],
         *_rope_args(rope, dummy), D=d, STAGES=stages, BLOCK_N=block_n, ROPE=rope is not None,
         SPLIT_H=rope.split[0] if rope else 0, SPLIT_W=rope.split[1] if rope else 0, INTERP=INTERPRET,
-        num_warps=num_warps, enable_fp_fusion=False, **grid_constants(spec))
+        NBLK=nblk, PROGS=progs, PLANE_SPLIT=plane_split, num_warps=num_warps, enable_fp_fusion=False,
+        **grid_constants(spec))
     return out
 
 

@@ -22,7 +22,7 @@ import triton.language as tl
 from qvg.kmeans import KMeansResult, id_dtype
 from qvg.kmeans import kmeans as ref_kmeans
 
-from .common import INTERPRET, dot_bf16, to_bf16
+from .common import INTERPRET, dot_bf16, sm_count, to_bf16
 from .kmeans_reseed import RESEED_MAX_K, reseed_empty_fused
 from .kmeans_segsum import store_means, update_segsum
 
@@ -137,7 +137,8 @@ def assign(x: torch.Tensor, c: torch.Tensor, want_dist: bool = False, block_n: i
     integer min over (distance with its last 8 mantissa bits replaced by the id): ties within 2^-15 relative go to
     the lower id, the returned distance is that truncated value.
     mode "min" (`_assign_min_kernel`, same result as "tiles"): one reduction per token; block_k >= K puts all
-    centroids in one tile; progs > 0: that many programs per group loop over the token blocks (persistent)."""
+    centroids in one tile; progs > 0: that many programs per group loop over the token blocks (persistent);
+    progs="auto": about two programs per SM over all groups (at least one per group)."""
     if mode not in ASSIGN_MODES:
         raise ValueError(f"unknown assign mode {mode!r}; choose one of {ASSIGN_MODES}")
     g, n, d = x.shape
@@ -150,6 +151,8 @@ def assign(x: torch.Tensor, c: torch.Tensor, want_dist: bool = False, block_n: i
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
     if mode == "min":
         nblk = triton.cdiv(n, block_n)
+        if progs == "auto":
+            progs = nblk if INTERPRET or not x.is_cuda else max(1, 2 * sm_count(x.device) // g)
         progs = nblk if progs <= 0 else min(progs, nblk)
         _assign_min_kernel[(progs, g)](x.contiguous(), c, csq, ids, dist, n, k, nblk, progs, D=d, BLOCK_N=block_n,
                                        BLOCK_K=block_k, ONE_TILE=block_k >= k, WANT_DIST=want_dist,

@@ -118,6 +118,17 @@ def test_sequence_dequantize_rows(sequence, rows, device):
     assert_bitwise_equal(got, want, f"rows {rows} (allocated, block 64)")
 
 
+@pytest.mark.parametrize("grid", [dict(progs=1), dict(progs=2, plane_split=True), dict(plane_split=True),
+                                  dict(progs=3, plane_split=True, block_n=16)])
+@pytest.mark.parametrize("rows", [(0, 120), (35, 117)])
+def test_sequence_dequantize_grids(sequence, rows, grid, device):
+    """Persistent programs and one program per code plane write the same bits as the default grid."""
+    seq, ref = sequence
+    want = ref[:, :, rows[0]:rows[1]]
+    got = dequantize(_seq_to(seq, device), out=_nan_like(want, device), rows=rows, **grid)
+    assert_bitwise_equal(got, want, f"rows {rows} {grid}")
+
+
 # --- every stored scale value ---------------------------------------------------------------------------------------
 
 def test_all_fp8_scale_bytes_through_dequant(device):

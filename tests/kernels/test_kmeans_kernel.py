@@ -8,6 +8,7 @@ import torch
 import qvg.kmeans as ref
 from kernel_helpers import assert_bitwise_equal, gen, poisoned
 from qvg.kernels import kmeans as kk
+from qvg.kernels.compress import COMPRESS_VARIANTS
 
 
 def _blobs(g: int, n: int, d: int, k: int, *, sep: float = 3.0, noise: float = 0.5, seed: int = 0):
@@ -143,13 +144,21 @@ def test_assign_min_mode_equals_tiles(kw, k, device):
     want, wdist = kk.assign(x.bfloat16().to(device), c.to(device), True)
     with poisoned():
         ids, dist = kk.assign(x.bfloat16().to(device), c.to(device), True, **kw)
-    assert_bitwise_equal(ids, want, f"ids {kw}")
-    assert_bitwise_equal(dist, wdist, f"distances {kw}")
     ids2, none = kk.assign(x.bfloat16().to(device), c.to(device), **kw)
-    assert none is None and torch.equal(ids2.cpu(), want.cpu())
+    assert none is None and torch.equal(ids2.cpu(), ids.cpu())
+    if kw.get("num_warps", 4) == 4 or device == "cpu":
+        assert_bitwise_equal(ids, want, f"ids {kw}")
+        assert_bitwise_equal(dist, wdist, f"distances {kw}")
+        return
+    # another warp count may split the GPU's tensor-core dot differently (its FP32 sums round differently): the
+    # same clusters up to last-bit ties, distances within FP32 rounding, every distance the minimum
+    torch.testing.assert_close(dist.cpu(), wdist.cpu(), rtol=1e-5, atol=1e-4)
+    full = torch.cdist(x.float(), c.bfloat16().float()).pow(2)
+    got = full.gather(2, ids.cpu().long()[..., None])[..., 0]
+    assert (got <= full.amin(2) * (1 + 1e-5) + 1e-4).all(), f"ids {kw} are not nearest centroids"
 
 
-FAST = dict(assign_kw=dict(mode="min", block_k=256, num_warps=8), update_kw=dict(method="segsum"), reseed="fused")
+FAST = {k: v for k, v in COMPRESS_VARIANTS["fast"].items() if k != "pack_kw"}
 
 
 @pytest.mark.parametrize("warm", [False, True])
