@@ -35,12 +35,21 @@ def _rope(v, rows, chunk, L, rmask, j0, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OF
 
 
 @triton.jit
+def _widen(s, BLOCK_N: tl.constexpr, G2: tl.constexpr, W: tl.constexpr):
+    """[BLOCK_N, G2] per-group values -> [BLOCK_N, W] (each repeated over its W / G2 columns); G2 = 1 stays a
+    broadcastable column."""
+    if G2 == 1:
+        return s
+    return tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, G2, W // G2)), (BLOCK_N, W))
+
+
+@triton.jit
 def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_ptr, out_ptr, N, L, C, K, GH,
                     ROW0, ROW_END, OUT_N, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF,
                     D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr,
                     OFFSET: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr, BLOCK_N: tl.constexpr,
                     ROPE: tl.constexpr, SPLIT_H: tl.constexpr, SPLIT_W: tl.constexpr, INTERP: tl.constexpr,
-                    NBLK, PROGS, PLANE_SPLIT: tl.constexpr):
+                    NBLK, PROGS, PLANE_SPLIT: tl.constexpr, SP: tl.constexpr):
     """Program (i, gh, q) decodes token blocks i, i + PROGS, ... (< NBLK) of group gh: every code plane, or only
     plane q with PLANE_SPLIT (then a program gathers 1/P of each centroid row: its centroid tables stay small)."""
     pid = tl.program_id(0)
@@ -51,7 +60,7 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
         _dequant_block(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_ptr, out_ptr, N, L, C, K, GH,
                        ROW0, ROW_END, OUT_N, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF, D, BITS, GROUP,
                        GRID, OFFSET, FP8, STAGES, BLOCK_N, ROPE, SPLIT_H, SPLIT_W, INTERP, blk, gh, P, W,
-                       tl.program_id(2) if PLANE_SPLIT else 0, 1 if PLANE_SPLIT else P)
+                       tl.program_id(2) if PLANE_SPLIT else 0, 1 if PLANE_SPLIT else P, SP)
 
 
 @triton.jit
@@ -60,7 +69,7 @@ def _dequant_block(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_ptr
                    D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr,
                    OFFSET: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr, BLOCK_N: tl.constexpr,
                    ROPE: tl.constexpr, SPLIT_H: tl.constexpr, SPLIT_W: tl.constexpr, INTERP: tl.constexpr,
-                   pid_n, gh, P: tl.constexpr, W: tl.constexpr, p0, NP: tl.constexpr):
+                   pid_n, gh, P: tl.constexpr, W: tl.constexpr, p0, NP: tl.constexpr, SP: tl.constexpr):
     rows = ROW0 + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # tokens [ROW0, ROW_END) -> output rows [0, OUT_N)
     rmask = rows < ROW_END
     tok = gh.to(tl.int64) * N + rows  # flat token index
@@ -72,21 +81,25 @@ def _dequant_block(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_ptr
     ts = 1.0
     if FP8:
         ts = tl.load(tscale_ptr + gh.to(tl.int64) * C + chunk, mask=rmask, other=1.0)[:, None]
+    if STAGES > 0:  # every stage's id, loaded once for all planes: [BLOCK_N, SP]
+        sidx = tl.arange(0, SP)
+        all_ids = tl.load(ids_ptr + sidx[None, :] * GH * N + tok[:, None], mask=m2 & (sidx < STAGES)[None, :],
+                          other=0).to(tl.int32)
+    G2: tl.constexpr = W // GROUP if GROUP < W else 1  # groups per plane
+    gi = tl.arange(0, G2)
     for pi in tl.static_range(NP):
         p = p0 + pi
         col = p * W + cols
         c = (byte >> (p * BITS)) & ((1 << BITS) - 1)
-        if GROUP >= W:  # the plane lies in one group: one scale per row
-            goff = tok[:, None] * (D // GROUP) + (p * W) // GROUP
-        else:
-            goff = tok[:, None] * (D // GROUP) + (col // GROUP)[None, :]
-        s = decode_scale(tl.load(scale_ptr + goff, mask=m2, other=0), ts, FP8)
+        # the plane's G2 scales per row (one load each), then widened to its W columns
+        goff = tok[:, None] * (D // GROUP) + (p * W) // GROUP + gi[None, :]
+        s = _widen(decode_scale(tl.load(scale_ptr + goff, mask=m2, other=0), ts, FP8), BLOCK_N, G2, W)
         z = 0.0
         if GRID == 2:
-            z = bf16_bits_to_f32(tl.load(zero_ptr + goff, mask=m2, other=0))
+            z = _widen(bf16_bits_to_f32(tl.load(zero_ptr + goff, mask=m2, other=0)), BLOCK_N, G2, W)
         v = dequant_codes(c, s, z, OFFSET, GRID)
         for st in tl.static_range(STAGES):
-            cid = tl.load(ids_ptr + st * GH * N + tok, mask=rmask, other=0).to(tl.int64)
+            cid = tl.sum(tl.where(sidx[None, :] == st, all_ids, 0), 1).to(tl.int64)
             crow = ((st * GH + gh).to(tl.int64) * C + chunk) * K + cid
             v += tl.load(cent_ptr + crow[:, None] * D + col[None, :], mask=m2, other=0.0).to(tl.float32)
         if ROPE:  # keys stored before RoPE: rotate channel pairs (2j, 2j+1) by the token's 3D position
@@ -125,7 +138,7 @@ def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None,
         t["centroids"] if stages else dummy, out, n, chunk_len, n // chunk_len, k, b * h, r0, r1, out.shape[2],
         *_rope_args(rope, dummy), D=d, STAGES=stages, BLOCK_N=block_n, ROPE=rope is not None,
         SPLIT_H=rope.split[0] if rope else 0, SPLIT_W=rope.split[1] if rope else 0, INTERP=INTERPRET,
-        NBLK=nblk, PROGS=progs, PLANE_SPLIT=plane_split, num_warps=num_warps, enable_fp_fusion=False,
+        NBLK=nblk, PROGS=progs, PLANE_SPLIT=plane_split, SP=triton.next_power_of_2(max(stages, 1)), num_warps=num_warps, enable_fp_fusion=False,
         **grid_constants(spec))
     return out
 

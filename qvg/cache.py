@@ -13,7 +13,9 @@ Per layer, three zones, for keys and values alike ([B, H, tokens, D], H = kv hea
   compressed as one unit (`qvg.compress`; qvg / qvg-pro warm-start k-means from the previous unit's centroids of
   the same layer: the streaming centroid cache). With a rolling window (`window_frames`) the oldest units are
   evicted while `window_frames` past frames would still remain besides the sink (exactly that many with
-  commit_every = 1; units of several chunks can leave up to a unit less one chunk more).
+  commit_every = 1; units of several chunks can leave up to a unit less one chunk more). Once the window is full,
+  the new unit overwrites the evicted one's slot in place (`PackedSequence.replace_oldest`): a commit moves one
+  unit's bytes, not the whole history's.
 - `commit_layer(layer)`: the same for one layer, called by the model right after that layer's last attention of
   the chunk (the clean re-run), so compression interleaves with the forward; `commit()` then finishes the rest.
 - `attend(layer, q)`: attention of q over sink + history + pending + current. On CUDA the history of rtn / qvg /
@@ -150,6 +152,10 @@ class KVCache:
 
     def _pack_pending(self, L: _Layer) -> None:
         a, b = L.n_sink, L.n_sink + L.n_pending
+        # a full rolling window would evict exactly its oldest unit after this one: overwrite that unit in place
+        held = self._hist_tokens(L)
+        ring = self.window_frames is not None and 0 < held and (
+            self.window_frames * self.tokens_per_frame <= held < self.window_frames * self.tokens_per_frame + b - a)
         for i, role in enumerate(("key", "value")):
             x = L.buf[i][:, :, a:b]
             opts = dict(self.options)
@@ -161,7 +167,9 @@ class KVCache:
             else:
                 p = compression.compress(x, self.method, check_finite=False, init=warm, **opts)  # no host sync
             if self.method in PER_TOKEN_METHODS:
-                L.hist[i] = PackedSequence.from_chunks([p]) if L.hist[i] is None else L.hist[i].append(p)
+                h = L.hist[i]
+                L.hist[i] = (PackedSequence.from_chunks([p]) if h is None else
+                             h.replace_oldest(p) if ring and h.chunk_len == b - a else h.append(p))
             else:
                 L.hist[i] = (L.hist[i] or []) + [p]
             L.warm[i] = None

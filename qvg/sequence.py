@@ -6,7 +6,9 @@ that chunk's tscale. Tensors ([B, H] = batch x kv heads, C chunks, N = C * L):
     codes [B, H, N, D*b/8] uint8    scale [B, H, N, D/B]    tscale [B, H, C] fp32 (FP8 scales only)
     zero [B, H, N, D/B] bf16 (asym grid only)
     ids [S, B, H, N]                centroids [S, B, H, C, K, D] bf16
-`nbytes` is the sum of these bytes, the same as the chunks' own.
+`nbytes` is the sum of these bytes, the same as the chunks' own. A rolling window reuses the oldest chunk's slot for
+the newest (`replace_oldest`): chunks then sit in slot order, oldest at slot `head` (per-chunk RoPE frames follow
+the slots).
 """
 from __future__ import annotations
 
@@ -80,6 +82,7 @@ class PackedSequence:
     stages: int
     chunk_len: int
     dtype: torch.dtype
+    head: int = 0  # the slot of the oldest chunk (non-zero once `replace_oldest` has wrapped the ring)
 
     @classmethod
     def from_chunks(cls, chunks: list[Packed]) -> "PackedSequence":
@@ -91,22 +94,50 @@ class PackedSequence:
         parts = [_chunk_tensors(c) for c in chunks]
         return cls(_joined(parts), *lay[:4])
 
-    def append(self, chunk: Packed) -> "PackedSequence":
-        """A new sequence with `chunk` at the end (one copy of the stored bytes; the cache calls it once per commit)."""
+    def _check(self, chunk: Packed) -> None:
         b, h, _, d = self.shape
         if _layout(chunk) != (self.spec, self.stages, self.chunk_len, self.dtype, (b, h, d)):
             raise ValueError("an appended chunk needs the sequence's storage options and shape")
-        return PackedSequence(_joined([self.tensors, _chunk_tensors(chunk)]), self.spec, self.stages,
+
+    def _span(self, name: str, first: int, count: int) -> torch.Tensor:
+        """Chunk slots [first, first + count) of one array (a view)."""
+        unit = 1 if name in ("tscale", "centroids") else self.chunk_len
+        return self.tensors[name].narrow(_TOKEN_DIM[name], first * unit, count * unit)
+
+    def append(self, chunk: Packed) -> "PackedSequence":
+        """A new sequence with `chunk` at the end (one copy of the stored bytes; the cache calls it once per commit
+        while the history grows)."""
+        self._check(chunk)
+        return PackedSequence(_joined([self.in_order().tensors, _chunk_tensors(chunk)]), self.spec, self.stages,
                               self.chunk_len, self.dtype)
 
+    def replace_oldest(self, chunk: Packed) -> "PackedSequence":
+        """Overwrite the oldest chunk's slot with `chunk` in place, which becomes the newest: a ring, so a rolling
+        window's commit moves one chunk's bytes, not the history's. Slots then stop being in time order (`head`
+        is the oldest); attention over the whole sequence does not depend on the order, and `in_order`,
+        `decompress`, `append` and `drop_first` restore it. Returns self."""
+        self._check(chunk)
+        for n, src in _chunk_tensors(chunk).items():
+            self._span(n, self.head, 1).copy_(src)
+        self.head = (self.head + 1) % self.num_chunks
+        return self
+
+    def in_order(self) -> "PackedSequence":
+        """The same chunks oldest first: self when the slots are in order, else a copy."""
+        if not self.head:
+            return self
+        rest = self.num_chunks - self.head
+        parts = [{n: self._span(n, self.head, rest) for n in self.tensors},
+                 {n: self._span(n, 0, self.head) for n in self.tensors}]
+        return PackedSequence(_joined(parts), self.spec, self.stages, self.chunk_len, self.dtype)
+
     def drop_first(self, count: int) -> "PackedSequence | None":
-        """The sequence without its first `count` chunks (copied, so their bytes are freed), or None if none remain."""
+        """The sequence without its oldest `count` chunks (copied, so their bytes are freed), or None if none
+        remain."""
         if count >= self.num_chunks:
             return None
-        kept = {}
-        for n, v in self.tensors.items():
-            start = count if n in ("tscale", "centroids") else count * self.chunk_len
-            kept[n] = v.narrow(_TOKEN_DIM[n], start, v.shape[_TOKEN_DIM[n]] - start)
+        s = self.in_order()
+        kept = {n: s._span(n, count, s.num_chunks - count) for n in s.tensors}
         return PackedSequence(_joined([kept]), self.spec, self.stages, self.chunk_len, self.dtype)
 
     @property
@@ -114,8 +145,8 @@ class PackedSequence:
         return self.tensors["codes"].shape[2] // self.chunk_len
 
     def last_centroids(self) -> torch.Tensor | None:
-        """The last chunk's centroids [S, B, H, K, D] (a view): the next chunk's k-means warm start."""
-        return self.tensors["centroids"][:, :, :, -1] if self.stages else None
+        """The newest chunk's centroids [S, B, H, K, D] (a view): the next chunk's k-means warm start."""
+        return self.tensors["centroids"][:, :, :, self.head - 1] if self.stages else None
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -127,8 +158,10 @@ class PackedSequence:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
     def decompress(self, rope=None) -> torch.Tensor:
-        """Reference decode of the whole sequence (materializes it: tests and the CPU fallback only). `rope`
-        (qvg.rope.RopeTables): the keys were stored before RoPE; rotate them as they are read."""
+        """Reference decode of the whole sequence, oldest chunk first (materializes it: tests and the CPU fallback
+        only). `rope` (qvg.rope.RopeTables): the keys were stored before RoPE; rotate them as they are read."""
+        if self.head:
+            return self.in_order().decompress(rope)
         b, h, n, d = self.shape
         c = n // self.chunk_len
         t = self.tensors

@@ -4,6 +4,7 @@ import torch
 
 import qvg.compression
 from qvg.cache import CACHE_METHODS, KVCache
+from qvg.sequence import PackedSequence
 
 B, H, D, TPF, CF = 1, 2, 64, 16, 2  # batch, kv heads, head dim, tokens per frame, frames per chunk
 T = TPF * CF  # tokens per chunk
@@ -74,6 +75,32 @@ def test_rolling_window_keeps_the_sink_and_the_latest_frames(method):
     err = (k.float() - want.float()).norm() / want.float().norm()
     assert err < (1e-6 if method == "bf16" else 0.25), err
     assert cache.frames == 6 * CF
+
+
+@pytest.mark.parametrize("method,every", [("qvg", 1), ("qvg-pro", 1), ("rtn", 1), ("qvg", 2)])
+def test_full_window_commits_in_place(method, every, monkeypatch):
+    """Once the rolling window is full, a commit overwrites the evicted unit's slot (the history's storage stays
+    put) and holds what append-then-evict held: the same decoded history, the same bytes, attention equal up to
+    summation order."""
+    kw = dict(chunk_frames=CF, tokens_per_frame=TPF, sink_frames=CF, window_frames=2 * CF * every,
+              commit_every=every, **SMALL[method])
+    ring = KVCache(1, method, **kw)
+    _run(ring, 1 + 2 * every)
+    ptr = ring.layers[0].hist[0].tensors["codes"].data_ptr()
+    _run(ring, 3 * every)
+    assert ring.layers[0].hist[0].tensors["codes"].data_ptr() == ptr and ring.layers[0].hist[0].head
+    monkeypatch.setattr(PackedSequence, "replace_oldest",  # the old path: append, then evict
+                        lambda self, chunk: self.append(chunk).drop_first(1))
+    plain = KVCache(1, method, **kw)
+    _run(plain, 1 + 2 * every)
+    _run(plain, 3 * every)
+    for a, b in zip(ring.read(0), plain.read(0)):
+        assert torch.equal(a, b)
+    assert ring.memory()["total"] == plain.memory()["total"]
+    q = _query()
+    for c in (ring, plain):
+        c.write(0, *_chunk(99)[0])
+    torch.testing.assert_close(ring.attend(0, q), plain.attend(0, q), atol=2e-2, rtol=0)
 
 
 def test_commit_every_k_chunks_keeps_them_pending_in_bf16():

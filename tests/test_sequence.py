@@ -28,3 +28,23 @@ def test_one_allocation_and_same_values():
     want = torch.cat([qvg.decompress(c) for c in ch], 2)
     assert torch.equal(whole.decompress(), want)
     assert whole.nbytes == sum(c.nbytes for c in ch)
+
+
+def test_ring_replaces_the_oldest_chunk_in_place():
+    """replace_oldest: the rolling window's commit. Same storage, same bytes; decoding (oldest first), appending
+    and dropping see the chunks in time order; the warm start is the newest chunk's centroids."""
+    ch = _chunks(6)
+    ring = PackedSequence.from_chunks(ch[:3])
+    ptr, nbytes = ring.tensors["codes"].data_ptr(), ring.nbytes
+    for i in range(3, 6):
+        ring = ring.replace_oldest(ch[i])
+        want = PackedSequence.from_chunks(ch[i - 2:i + 1])
+        assert ring.tensors["codes"].data_ptr() == ptr and ring.nbytes == nbytes
+        assert ring.head == (i - 2) % 3
+        assert torch.equal(ring.decompress(), want.decompress())
+        assert torch.equal(ring.last_centroids(), ch[i].tensors["centroids"])
+        assert torch.equal(ring.in_order().tensors["ids"], want.tensors["ids"])
+    ring = PackedSequence.from_chunks(ch[:3]).replace_oldest(ch[3])  # wrapped once: head 1
+    assert torch.equal(ring.append(ch[4]).decompress(), PackedSequence.from_chunks(ch[1:5]).decompress())
+    assert torch.equal(ring.drop_first(1).decompress(), PackedSequence.from_chunks(ch[2:4]).decompress())
+    assert ring.drop_first(3) is None
