@@ -36,10 +36,7 @@ def _rope(v, rows, chunk, L, rmask, j0, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OF
 
 @triton.jit
 def _widen(s, BLOCK_N: tl.constexpr, G2: tl.constexpr, W: tl.constexpr):
-    """[BLOCK_N, G2] per-group values -> [BLOCK_N, W] (each repeated over its W / G2 columns); G2 = 1 stays a
-    broadcastable column."""
-    if G2 == 1:
-        return s
+    """[BLOCK_N, G2] per-group values -> [BLOCK_N, W] (each repeated over its W / G2 columns)."""
     return tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, G2, W // G2)), (BLOCK_N, W))
 
 
