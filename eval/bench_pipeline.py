@@ -15,6 +15,7 @@ import argparse
 import datetime
 import json
 import os
+import statistics
 import sys
 
 import torch
@@ -88,36 +89,55 @@ def chunk_runner(model, cache, commit_layers: bool = True):
     return chunk, forwards
 
 
-def run(histories, methods, options) -> list[dict]:
+def run(histories, methods, options, repeat: int = 7) -> list[dict]:
     model = wan_model()
     rows = []
     for hist in histories:
-        for method in methods:
+        runs = {}
+        for method in methods:  # every method's cache is built first, then the chunks are timed in rounds
             torch.cuda.synchronize()
             before = torch.cuda.memory_allocated()
+            free_before = pool_free_bytes(torch.device("cuda"))  # (the caches built before this one keep theirs)
             cache = new_cache(model, method, hist, options)
             _fill(cache, hist, 12)
             torch.cuda.synchronize()
-            pool_free = pool_free_bytes(torch.device("cuda"))  # graph pools: memory_allocated omits their free blocks
+            # graph pools: memory_allocated omits their free blocks
+            pool_free = pool_free_bytes(torch.device("cuda")) - free_before
             delta = torch.cuda.memory_allocated() - before + pool_free
             acc = cache.memory()
             chunk, _ = chunk_runner(model, cache)
             with torch.no_grad():
                 chunk()  # warm-up (compiles kernels, fills the text K/V)
-                torch.cuda.reset_peak_memory_stats()
-                times = [cuda_ms(chunk) for _ in range(3)]
-            row = {"history_frames": hist, "method": method, "chunk_ms": sorted(times)[1], "chunk_ms_all": times,
+            runs[method] = chunk
+            row = {"history_frames": hist, "method": method, "chunk_ms_all": [],
                    "kv_bytes_allocator_delta": delta, "graph_pool_free_bytes": pool_free,
                    "kv_bytes_accounted": acc["total"],
-                   "accounting_error": (acc["total"] - delta) / delta, "kv_components": acc,
-                   "peak_bytes_during_chunk": torch.cuda.max_memory_allocated()}
-            print(f"history {hist} {method}: chunk {row['chunk_ms']:.1f} ms; KV {delta / 2**20:.1f} MiB allocator vs "
+                   "accounting_error": (acc["total"] - delta) / delta, "kv_components": acc}
+            print(f"history {hist} {method}: KV {delta / 2**20:.1f} MiB allocator vs "
                   f"(workspace {acc['workspace'] / 2**20:.1f} MiB) "
                   f"{acc['total'] / 2**20:.1f} accounted ({100 * row['accounting_error']:+.2f}%), "
                   f"ratio {acc['compression_ratio']:.2f}x", flush=True)
             rows.append(row)
             cache = chunk = None  # (the closure holds the cache)
-            torch.cuda.empty_cache()
+        mine = [r for r in rows if r["history_frames"] == hist]
+        with torch.no_grad():  # rounds: each method's chunk once per round, so clock drift hits all alike
+            for _ in range(repeat):
+                for r in mine:
+                    r["chunk_ms_all"].append(cuda_ms(runs[r["method"]]))
+        for r in mine:
+            r["chunk_ms"] = statistics.median(r["chunk_ms_all"])
+            print(f"history {hist} {r['method']}: chunk {r['chunk_ms']:.1f} ms (median of {repeat}; "
+                  f"min {min(r['chunk_ms_all']):.1f})", flush=True)
+        torch.cuda.reset_peak_memory_stats()
+        for r in mine:  # peak while one chunk runs (the other methods' caches are resident: subtracted)
+            base_alloc = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            with torch.no_grad():
+                runs[r["method"]]()
+            torch.cuda.synchronize()
+            r["peak_bytes_during_chunk_above_resident"] = torch.cuda.max_memory_allocated() - base_alloc
+        runs = None
+        torch.cuda.empty_cache()
         base = next(r for r in rows if r["history_frames"] == hist and r["method"] == "bf16")
         for r in rows:
             if r["history_frames"] == hist:
@@ -237,6 +257,7 @@ def main(argv=None) -> int:
     ap.add_argument("--history", default="21,60")
     ap.add_argument("--methods", default="bf16,qvg,qvg-pro")
     ap.add_argument("--options", default='{"centroids": 64}', help="JSON options of the compressed methods")
+    ap.add_argument("--repeat", type=int, default=7, help="timed chunks per method (rounds over the methods)")
     ap.add_argument("--max-history", default=None, metavar="M1,M2",
                     help="instead: the largest history that still runs one chunk, for these methods (e.g. bf16,qvg)")
     args = ap.parse_args(argv)
@@ -252,7 +273,7 @@ def main(argv=None) -> int:
         name = "max-history-"
     else:
         res["options"] = opts
-        res["rows"] = run([int(h) for h in args.history.split(",")], args.methods.split(","), opts)
+        res["rows"] = run([int(h) for h in args.history.split(",")], args.methods.split(","), opts, args.repeat)
         name = "pipeline-"
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, name + res["device"].split()[1].lower() + ".json"), "w") as f:

@@ -146,12 +146,12 @@ def test_assign_min_mode_equals_tiles(kw, k, device):
         ids, dist = kk.assign(x.bfloat16().to(device), c.to(device), True, **kw)
     ids2, none = kk.assign(x.bfloat16().to(device), c.to(device), **kw)
     assert none is None and torch.equal(ids2.cpu(), ids.cpu())
-    if kw.get("num_warps", 4) == 4 or device == "cpu":
+    if device == "cpu" or (kw.get("block_n", 64), kw.get("num_warps", 4)) == (64, 4):
         assert_bitwise_equal(ids, want, f"ids {kw}")
         assert_bitwise_equal(dist, wdist, f"distances {kw}")
         return
-    # another warp count may split the GPU's tensor-core dot differently (its FP32 sums round differently): the
-    # same clusters up to last-bit ties, distances within FP32 rounding, every distance the minimum
+    # other token tiles or warp counts split the GPU's tensor-core dot differently (its FP32 sums round
+    # differently): every id a nearest centroid, distances within FP32 rounding
     torch.testing.assert_close(dist.cpu(), wdist.cpu(), rtol=1e-5, atol=1e-4)
     full = torch.cdist(x.float(), c.bfloat16().float()).pow(2)
     got = full.gather(2, ids.cpu().long()[..., None])[..., 0]
