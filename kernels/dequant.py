@@ -105,13 +105,15 @@ def _dequant_block(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_ptr
         tl.store(out_ptr + otok[:, None] * D + col[None, :], to_out(v, out_ptr, INTERP), mask=m2)
 
 
-def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None, block_n: int = 64,
+def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None, block_n: int = 32,
                rows: tuple[int, int] | None = None, num_warps: int = 4, rope: RopeTables | None = None,
                progs: int = 0, plane_split: bool = False) -> torch.Tensor:
     """Triton version of `qvg.decompress` (rtn / qvg / qvg-pro, per-token groups) and of
     `PackedSequence.decompress` (with `rope`: keys stored before RoPE, rotated as they are decoded).
     progs > 0: that many programs per group (and plane) loop over the token blocks; plane_split: one program per
-    code plane (1/P of each centroid row gathered per program). Every choice writes the same bits."""
+    code plane (1/P of each centroid row gathered per program). Every choice writes the same bits. The defaults
+    (32-token blocks, 4 warps, one program per block) were the fastest of eval/bench_kernels.py's sweep on the
+    H100 for S1/B64 and S4/B16 (eval/results/kernels-h100.json, each dequant row's `configs`)."""
     if isinstance(packed, PackedSequence):
         spec, stages, chunk_len = packed.spec, packed.stages, packed.chunk_len
     elif packed.method in PER_TOKEN_METHODS:
