@@ -128,7 +128,6 @@ def run(histories, methods, options, repeat: int = 7) -> list[dict]:
             r["chunk_ms"] = statistics.median(r["chunk_ms_all"])
             print(f"history {hist} {r['method']}: chunk {r['chunk_ms']:.1f} ms (median of {repeat}; "
                   f"min {min(r['chunk_ms_all']):.1f})", flush=True)
-        torch.cuda.reset_peak_memory_stats()
         for r in mine:  # peak while one chunk runs (the other methods' caches are resident: subtracted)
             base_alloc = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()

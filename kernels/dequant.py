@@ -113,7 +113,8 @@ def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None,
     progs > 0: that many programs per group (and plane) loop over the token blocks; plane_split: one program per
     code plane (1/P of each centroid row gathered per program). Every choice writes the same bits. The defaults
     (32-token blocks, 4 warps, one program per block) were the fastest of eval/bench_kernels.py's sweep on the
-    H100 for S1/B64 and S4/B16 (eval/results/kernels-h100.json, each dequant row's `configs`)."""
+    H100 for S4/B16 at both spans and for S1/B64 at the Self-Forcing span, within 1% of the fastest for S1/B64 at
+    the LongCat span (eval/results/kernels-h100.json, each dequant row's `configs`)."""
     if isinstance(packed, PackedSequence):
         spec, stages, chunk_len = packed.spec, packed.stages, packed.chunk_len
     elif packed.method in PER_TOKEN_METHODS:

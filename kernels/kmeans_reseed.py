@@ -1,7 +1,8 @@
 """`qvg.kmeans.reseed_empty` as one Triton launch (the torch version is ~12 small kernels per k-means iteration:
 slice maxima, a sort, gathers, a cumsum). Same candidates, same order, same result bitwise.
 
-One program per group: (1) the first maximum of `dist` in each of S = min(K, N) equal slices of width N // S and
+One program per group; when the group has no empty cluster (the usual case) it only reads the counts. Otherwise:
+(1) the first maximum of `dist` in each of S = min(K, N) equal slices of width N // S and
 its token (the candidate); (2) each candidate's position in the descending stable order of those maxima (pairwise
 comparisons), written into a scratch row in that order; (3) the i-th empty cluster (by index) takes the i-th
 candidate's token. A CTA barrier separates the phases that go through memory. No host sync."""
@@ -18,6 +19,17 @@ RESEED_MAX_K = 512  # the slice maxima are held in one program's registers
 def _reseed_kernel(x_ptr, dist_ptr, counts_ptr, c_ptr, best_ptr, sorted_ptr, N, K, S, W, D: tl.constexpr,
                    SP: tl.constexpr, BW: tl.constexpr, TB: tl.constexpr, KB: tl.constexpr):
     g = tl.program_id(0).to(tl.int64)
+    n_empty = tl.program_id(0) * 0  # usually none: then the candidate passes (over all of dist) are skipped
+    for k0 in range(0, K, KB):
+        ks = k0 + tl.arange(0, KB)
+        n_empty += tl.sum(((tl.load(counts_ptr + g * K + ks, mask=ks < K, other=1) == 0) & (ks < K)).to(tl.int32), 0)
+    if n_empty > 0:
+        _reseed_group(x_ptr, dist_ptr, counts_ptr, c_ptr, best_ptr, sorted_ptr, N, K, S, W, D, SP, BW, TB, KB, g)
+
+
+@triton.jit
+def _reseed_group(x_ptr, dist_ptr, counts_ptr, c_ptr, best_ptr, sorted_ptr, N, K, S, W, D: tl.constexpr,
+                  SP: tl.constexpr, BW: tl.constexpr, TB: tl.constexpr, KB: tl.constexpr, g):
     ss = tl.arange(0, SP)
     smask = ss < S
     best = tl.full((SP,), -float("inf"), tl.float32)
@@ -41,7 +53,7 @@ def _reseed_kernel(x_ptr, dist_ptr, counts_ptr, c_ptr, best_ptr, sorted_ptr, N, 
     tl.store(sorted_ptr + g * SP + pos, arg + ss * W, mask=smask)
     tl.debug_barrier()
     dcols = tl.arange(0, D)
-    seen = tl.program_id(0) * 0  # empty clusters before this block
+    seen = g.to(tl.int32) * 0  # empty clusters before this block
     for k0 in range(0, K, KB):
         ks = k0 + tl.arange(0, KB)
         empty = (tl.load(counts_ptr + g * K + ks, mask=ks < K, other=1) == 0) & (ks < K)

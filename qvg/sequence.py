@@ -160,8 +160,6 @@ class PackedSequence:
     def decompress(self, rope=None) -> torch.Tensor:
         """Reference decode of the whole sequence, oldest chunk first (materializes it: tests and the CPU fallback
         only). `rope` (qvg.rope.RopeTables): the keys were stored before RoPE; rotate them as they are read."""
-        if self.head:
-            return self.in_order().decompress(rope)
         b, h, n, d = self.shape
         c = n // self.chunk_len
         t = self.tensors
@@ -178,7 +176,9 @@ class PackedSequence:
             cent = t["centroids"][s].float()  # [B, H, C, K, D]
             ids = t["ids"][s].long().view(b, h, c, self.chunk_len)
             y = y + torch.gather(cent, 3, ids[..., None].expand(-1, -1, -1, -1, d)).view(b, h, n, d)
-        if rope is not None:
+        if rope is not None:  # per slot, as the kernels rotate: rope.frame0 lists the slots' start frames
             from .rope import apply_rope
             y = apply_rope(y, rope.angles(self.chunk_len).to(y.device))
+        if self.head:  # a wrapped ring: the oldest chunk first
+            y = torch.cat([y[:, :, self.head * self.chunk_len:], y[:, :, :self.head * self.chunk_len]], 2)
         return y.to(self.dtype)

@@ -48,3 +48,15 @@ def test_ring_replaces_the_oldest_chunk_in_place():
     assert torch.equal(ring.append(ch[4]).decompress(), PackedSequence.from_chunks(ch[1:5]).decompress())
     assert torch.equal(ring.drop_first(1).decompress(), PackedSequence.from_chunks(ch[2:4]).decompress())
     assert ring.drop_first(3) is None
+
+
+def test_wrapped_ring_rotates_keys_by_their_slots_frames():
+    """Keys stored before RoPE: frame0 lists the slots' start frames (as the kernels read them); the reference
+    decode of a wrapped ring equals the same chunks in time order with their frames in time order."""
+    from qvg.rope import RopeTables
+    ch = _chunks(4)  # 40 tokens per chunk = 2 frames of 4 x 5
+    ring = PackedSequence.from_chunks(ch[:3]).replace_oldest(ch[3])  # slots hold chunks 3, 1, 2
+    by_slot = RopeTables(4, 5, 64, torch.tensor([6, 2, 4]), max_frames=16)
+    in_time = RopeTables(4, 5, 64, torch.tensor([2, 4, 6]), max_frames=16)
+    want = PackedSequence.from_chunks(ch[1:4]).decompress(in_time)
+    assert torch.equal(ring.decompress(by_slot), want)

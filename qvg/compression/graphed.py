@@ -85,6 +85,7 @@ def pool_free_bytes(device: torch.device, pool=None) -> int:
     the snapshot has no pool ids or the allocator keeps none (the cudaMallocAsync backend)."""
     device = torch.device(device)
     try:
+        index = device.index if device.index is not None else torch.cuda.current_device()  # "cuda": the current one
         segments = torch.cuda.memory_snapshot()
     except RuntimeError:
         return 0
@@ -94,4 +95,4 @@ def pool_free_bytes(device: torch.device, pool=None) -> int:
         pid = tuple(s.get("segment_pool_id", (0, 0)))
         return pid == want if want is not None else pid != (0, 0)
     return sum(s["total_size"] - s["allocated_size"] for s in segments
-               if s.get("device") == device.index and mine(s))
+               if s.get("device") == index and mine(s))

@@ -153,7 +153,7 @@ def test_assign_min_mode_equals_tiles(kw, k, device):
     # other token tiles or warp counts split the GPU's tensor-core dot differently (its FP32 sums round
     # differently): every id a nearest centroid, distances within FP32 rounding
     torch.testing.assert_close(dist.cpu(), wdist.cpu(), rtol=1e-5, atol=1e-4)
-    full = torch.cdist(x.float(), c.bfloat16().float()).pow(2)
+    full = torch.cdist(x.bfloat16().float(), c.bfloat16().float()).pow(2)  # the kernel's operands
     got = full.gather(2, ids.cpu().long()[..., None])[..., 0]
     assert (got <= full.amin(2) * (1 + 1e-5) + 1e-4).all(), f"ids {kw} are not nearest centroids"
 
