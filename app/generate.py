@@ -295,19 +295,21 @@ class Generation:
         the chunk starts (rollout takes the whole list up front); tests/app/test_generate.py checks they agree."""
         import torch
 
-        from qvg.pipelines.world_model import image_frame, world_pipeline
+        from qvg.pipelines.world_model import image_frame, world_inputs, world_pipeline
         s, model = self.s, self.model.transformer
         cfg = s["world_config"]
         cf, size = cfg["chunk_frames"], cfg["frame_size"]
         start = image_frame(s["image"], size).to(s["device"])
         ctx = start.reshape(1, 3, 1, size, size).expand(1, 3, cf, size, size)
         s["chunk_actions"] = []
+        ids = []  # the action ids so far (world RoPE's pan offsets depend on all of them)
 
         def inputs(c):  # c counts the context chunk (0, action "stay")
             a = 0 if c == 0 else plan(c - 1)
             if c:
                 s["chunk_actions"].append(cfg["actions"][a])
-            return {"actions": torch.tensor([a])}
+            ids[c:] = [a]
+            return world_inputs(cfg, torch.tensor([ids]))
         chunks = world_pipeline(model, cfg).generate(model.null_text(1), self.total_chunks * cf, (size, size),
                                                      self.cache, seed=s["seed"], context=ctx, chunk_inputs=inputs)
         return chunks, start[:, None]

@@ -2,7 +2,8 @@
 
 Same config, modules and weights as diffusers' model (`from_pretrained` loads a diffusers Wan checkpoint; our
 converter loads the original key names, pipelines/checkpoints.py). Three changes, all outside the weights:
-- RoPE's time index starts at `frame_offset` (the chunk's first latent frame), not at 0;
+- RoPE's time index starts at `frame_offset` (the chunk's first latent frame), not at 0; optionally each frame's
+  row / column indices are shifted by `spatial_offsets` (the world model's world-coordinate RoPE);
 - the self-attention processors write the chunk's K/V (after RoPE, [B, heads, tokens, 128]) into a `qvg.cache
   .KVCache` and attend over everything it holds; without a cache they attend over the input, optionally
   block-causally (each chunk of `chunk_frames` frames sees itself and earlier chunks): the full-sequence reference;
@@ -21,10 +22,18 @@ from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
 class OffsetRotaryPosEmbed(WanRotaryPosEmbed):
     """Wan's factorized 3D RoPE with the time index shifted by `frame_offset`, or given per frame by `frame_ids`
     (both set per call by the model). The time table grows on demand past `max_seq_len` (Wan's 1024 frames), so
-    any video length works; the first `max_seq_len` rows are Wan's own."""
+    any video length works; the first `max_seq_len` rows are Wan's own.
+
+    `spatial_offsets` (int [B, frames, 2], (dy, dx) in patches, or None): token (i, j) of frame f of sample b takes
+    row index dy + i and column index dx + j instead of i and j (world coordinates: the world model offsets each
+    frame by the camera's accumulated pan). Negative indices are exact: Wan's tables hold cos / sin of position x
+    frequency from position 0, and cos is even and sin odd, so position -p reads row p with sin negated; a zero
+    offset therefore gives exactly the tables of None. Indices must stay within +-(max_seq_len - 1). With offsets
+    cos / sin are [B, N, 1, D] (one table per sample), else [1, N, 1, D]."""
 
     frame_offset = 0
     frame_ids: torch.Tensor | None = None  # [frames] time index of each frame (training's clean + noisy copies)
+    spatial_offsets: torch.Tensor | None = None  # [B, frames, 2] (dy, dx) per frame, in patches
 
     def _time_table(self, table: torch.Tensor, which: int, need: int) -> torch.Tensor:
         ft = table[:, :self.t_dim]
@@ -39,8 +48,28 @@ class OffsetRotaryPosEmbed(WanRotaryPosEmbed):
             self._grown = grown = (cos.to(ft), sin.to(ft))
         return grown[which]
 
+    def _checked_offsets(self, batch: int, f: int, h: int, w: int) -> torch.Tensor:
+        off = self.spatial_offsets
+        if off.dim() != 3 or off.shape[1:] != (f, 2) or off.shape[0] != batch or off.is_floating_point():
+            raise ValueError(f"spatial_offsets must be an integer tensor [{batch}, {f}, 2] ((dy, dx) per sample and "
+                             f"frame, in patches), got {off.dtype} {list(off.shape)}")
+        lo = torch.minimum(off[..., 0].min(), off[..., 1].min())
+        hi = torch.maximum(off[..., 0].max() + h, off[..., 1].max() + w) - 1
+        reach = int(torch.maximum(-lo, hi))  # (one host sync per forward, as frame_ids' max)
+        if reach >= self.max_seq_len:
+            raise ValueError(f"spatial_offsets put a RoPE row / column index at {reach} patches from 0, outside the "
+                             f"table's +-{self.max_seq_len - 1} (rope_max_seq_len {self.max_seq_len})")
+        return off
+
+    @staticmethod
+    def _shifted(band: torch.Tensor, which: int, n: int, off: torch.Tensor) -> torch.Tensor:
+        """band [R, d] (positions 0 ..), off [B, f] -> rows of positions off + 0 .. n - 1: [B, f, n, d]."""
+        pos = off[..., None] + torch.arange(n, device=off.device)
+        rows = band[pos.abs()]
+        return rows if which == 0 else torch.where((pos < 0)[..., None], -rows, rows)  # sin(-x) = -sin(x)
+
     def forward(self, hidden_states: torch.Tensor):
-        _, _, frames, height, width = hidden_states.shape
+        batch, _, frames, height, width = hidden_states.shape
         pt, ph, pw = self.patch_size
         f, h, w = frames // pt, height // ph, width // pw
         ids = self.frame_ids
@@ -49,19 +78,26 @@ class OffsetRotaryPosEmbed(WanRotaryPosEmbed):
         elif ids.numel() != f:
             raise ValueError(f"frame_ids has {ids.numel()} entries for {f} frames")
         need = int(ids.max()) + 1
+        off = None if self.spatial_offsets is None else self._checked_offsets(batch, f, h, w)
+        b = 1 if off is None else batch
         out = []
         for which, table in enumerate((self.freqs_cos, self.freqs_sin)):
             _, fh, fw = table.split([self.t_dim, self.h_dim, self.w_dim], dim=1)
             ft = self._time_table(table, which, need)[ids.to(table.device)]
-            grid = torch.cat([ft.view(f, 1, 1, -1).expand(f, h, w, -1),
-                              fh[:h].view(1, h, 1, -1).expand(f, h, w, -1),
-                              fw[:w].view(1, 1, w, -1).expand(f, h, w, -1)], dim=-1)
-            out.append(grid.reshape(1, f * h * w, 1, -1))
+            if off is None:
+                rows, cols = fh[:h].view(1, 1, h, 1, -1), fw[:w].view(1, 1, 1, w, -1)
+            else:
+                off = off.to(table.device)
+                rows = self._shifted(fh, which, h, off[..., 0])[:, :, :, None]
+                cols = self._shifted(fw, which, w, off[..., 1])[:, :, None]
+            grid = torch.cat([ft.view(1, f, 1, 1, -1).expand(b, f, h, w, -1), rows.expand(b, f, h, w, -1),
+                              cols.expand(b, f, h, w, -1)], dim=-1)
+            out.append(grid.reshape(b, f * h * w, 1, -1))
         return out[0], out[1]
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Wan's RoPE on interleaved pairs: x [B, N, H, D], cos/sin [1, N, 1, D] (each pair's value repeated)."""
+    """Wan's RoPE on interleaved pairs: x [B, N, H, D], cos/sin [1 or B, N, 1, D] (each pair's value repeated)."""
     x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
     c, s = cos[..., 0::2], sin[..., 1::2]
     return torch.stack([x1 * c - x2 * s, x1 * s + x2 * c], -1).flatten(-2).type_as(x)
@@ -177,7 +213,7 @@ class CausalWanTransformer(WanTransformer3DModel):
     def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
                 *, frame_offset: int = 0, cache=None, cross: CrossKV | None = None, chunk_frames: int | None = None,
                 commit: bool = False, frame_ids: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
-                **kwargs) -> torch.Tensor:
+                spatial_offsets: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         """hidden_states [B, C, F, H, W] (one chunk with a cache; any number of frames without), timestep [B]
         -> the model output [B, C, F, H, W]. frame_offset: the first frame's time index. cache: a KVCache to
         write into and attend over. commit: each layer commits the chunk right after its attention
@@ -186,8 +222,10 @@ class CausalWanTransformer(WanTransformer3DModel):
         frames. attn_mask (without a cache): an explicit boolean [N, N] token mask, True where a query may attend, or a
         flex-attention BlockMask
         (e.g. a rolling window's reference, or training's clean + noisy copies); frame_ids: each input frame's
-        RoPE time index (instead of frame_offset + 0, 1, ...). timestep may be [B] or per token [B, N]
-        (diffusers' Wan 2.2 path)."""
+        RoPE time index (instead of frame_offset + 0, 1, ...). spatial_offsets: int [B, F, 2], each input frame's
+        (dy, dx) added to its RoPE row / column indices, in patches (`OffsetRotaryPosEmbed`; None: screen
+        coordinates). Keys enter the cache after RoPE, so each cached key keeps the position it was written with.
+        timestep may be [B] or per token [B, N] (diffusers' Wan 2.2 path)."""
         if cache is not None and (chunk_frames is not None or attn_mask is not None):
             raise ValueError("chunk_frames and attn_mask are for the cache-free (full-sequence) forward")
         if chunk_frames is not None and attn_mask is not None:
@@ -196,12 +234,13 @@ class CausalWanTransformer(WanTransformer3DModel):
             raise ValueError("commit needs a cache")
         _, _, frames, height, width = hidden_states.shape
         self.rope.frame_offset, self.rope.frame_ids = frame_offset, frame_ids
+        self.rope.spatial_offsets = spatial_offsets
         ctx = self._ctx
         ctx.cache, ctx.cross, ctx.commit, ctx.attn_mask = cache, cross, commit, attn_mask
         ctx.block_tokens = None if chunk_frames is None else chunk_frames * self.tokens_per_latent_frame(height, width)
         try:
             return super().forward(hidden_states, timestep, encoder_hidden_states, return_dict=False, **kwargs)[0]
         finally:
-            self.rope.frame_offset, self.rope.frame_ids = 0, None
+            self.rope.frame_offset, self.rope.frame_ids, self.rope.spatial_offsets = 0, None, None
             ctx.cache = ctx.cross = ctx.block_tokens = ctx.attn_mask = None
             ctx.commit = False

@@ -18,13 +18,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .world_model import ACTIONS, DEFAULT_CONFIG
+from .world_model import ACTIONS, DEFAULT_CONFIG, MOVES
 
 PHOTO_DIR = Path(__file__).resolve().parent.parent / "assets" / "photos"
 HELD_OUT = ("coffee", "camera")  # never in training (assets/build_photos.py)
 PHOTO_SHORT_SIDE = 384  # pixels: the bundled photos' most common short side (they range from 147 to 384)
 Z_RANGE = (0.5, 2.2)  # camera scale limits (canvas pixels per view pixel)
-MOVES = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}
 REVERSE = {"left": "right", "right": "left", "up": "down", "down": "up", "zoom_in": "zoom_out",
            "zoom_out": "zoom_in"}
 

@@ -6,6 +6,15 @@ UI run it unchanged. Two additions, both outside Wan's modules: an action embedd
 embedding (WorldPlay-style; one action per chunk at sampling, per token in training), and pixels as "latents"
 (3 channels in [-1, 1], 4 x 4 patches; `PixelDecoder` stands in for the VAE). The start image is the first chunk
 (`chunk_frames` copies, action "stay"), run clean at t = 0 into the cache before the first generated chunk.
+
+World-coordinate RoPE (config "world_rope", default false; the shipped model is trained without it): each frame's
+spatial RoPE indices are offset by the camera's accumulated pan in patches (`pan_offsets`), so a token and the
+remembered token at the same place in the world share a row / column position. Only pans move it (a pan of
+`pan_pixels` view pixels per frame must be a whole number of patches); zoom changes the scale, which no integer
+offset expresses, so zoom frames keep the offset they have, and pans after a zoom count in the zoomed view's patches.
+Per chunk the model takes `world_inputs(config, actions so far)`: the chunk's action and, with world_rope, its
+frames' offsets. The KV cache holds keys after RoPE (`qvg.cache.KVCache.write` gets them rotated; no pre-RoPE key
+storage is used on this path), so each cached key keeps the world position it was written with.
 """
 from __future__ import annotations
 
@@ -18,6 +27,7 @@ from diffusers.models.embeddings import TimestepEmbedding
 from .causal_wan import CausalWanTransformer
 
 ACTIONS = ("stay", "left", "right", "up", "down", "zoom_in", "zoom_out")
+MOVES = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}  # pans: camera (dx, dy) direction
 WORLD_DIR = Path(__file__).resolve().parent.parent / "assets" / "world"
 
 # the shipped model's settings (assets/world/config.json holds the ones it was trained with)
@@ -33,6 +43,7 @@ DEFAULT_CONFIG = {
     "context_sigma": 0.1,  # the clean re-run's noise level (trained for 0 .. 0.2; 0.1 drifts less than 0)
     "pan_pixels": 4.0,  # view pixels the camera moves per frame (left/right/up/down)
     "zoom_factor": 1.05,  # view scale change per frame (zoom_in / zoom_out)
+    "world_rope": False,  # spatial RoPE in world coordinates (module docstring); absent in a config: False
 }
 
 
@@ -59,16 +70,20 @@ class ActionTimestepEmbedding(TimestepEmbedding):
 
 
 class WorldModel(CausalWanTransformer):
-    """CausalWanTransformer + camera actions. forward(..., actions=LongTensor [B] or [B, N]) (default: stay)."""
+    """CausalWanTransformer + camera actions. forward(..., actions=LongTensor [B] or [B, N]) (default: stay).
+    world_rope: the model was trained with world-coordinate RoPE; every forward then needs `spatial_offsets`."""
 
-    def __init__(self, num_actions: int = len(ACTIONS), **wan_config):
+    def __init__(self, num_actions: int = len(ACTIONS), world_rope: bool = False, **wan_config):
         super().__init__(**wan_config)
         emb = self.condition_embedder
         emb.time_embedder = ActionTimestepEmbedding(emb.time_embedder, num_actions)
-        self.num_actions = num_actions
+        self.num_actions, self.world_rope = num_actions, world_rope
 
     def forward(self, hidden_states, timestep, encoder_hidden_states, *, actions: torch.Tensor | None = None,
                 **kwargs):
+        if self.world_rope and kwargs.get("spatial_offsets") is None:
+            raise ValueError("this world model uses world-coordinate RoPE (world_rope): pass spatial_offsets "
+                             "(qvg.pipelines.world_model.world_inputs gives each chunk's)")
         if actions is None:
             actions = torch.zeros(hidden_states.shape[0], dtype=torch.long)
         if not actions.is_cuda and (actions.min() < 0 or actions.max() >= self.num_actions):  # (no GPU sync)
@@ -103,7 +118,8 @@ def build_world(config: dict | None = None, seed: int = 0) -> WorldModel:
     cfg = config or DEFAULT_CONFIG
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return WorldModel(num_actions=len(cfg["actions"]), **cfg["transformer"])
+        return WorldModel(num_actions=len(cfg["actions"]), world_rope=bool(cfg.get("world_rope", False)),
+                          **cfg["transformer"])
 
 
 def save_world(model: WorldModel, config: dict, directory, *, dtype=torch.float16, card: dict | None = None) -> None:
@@ -190,6 +206,35 @@ def image_frame(image: torch.Tensor, size: int) -> torch.Tensor:
     return F.interpolate(sq[None].float(), size=(size, size), mode=mode)[0].clamp(-1, 1)
 
 
+def pan_offsets(actions: torch.Tensor, config: dict) -> torch.Tensor:
+    """Action ids [B, chunks] (chunk 0: the still start chunk, its action ignored, as world_data.cameras_for does)
+    -> each frame's accumulated pan in patches, (dy, dx): int64 [B, chunks * chunk_frames, 2]. Each frame of a pan
+    chunk moves the camera by pan_pixels / patch patches (right and down positive, as world_data's camera x / y),
+    so a world point at screen patch (i, j) sits at (i + dy, j + dx) in every frame."""
+    cf = config["chunk_frames"]
+    _, ph, pw = config["transformer"]["patch_size"]
+    step = config["pan_pixels"] / ph
+    if step != int(step) or config["pan_pixels"] / pw != step:
+        raise ValueError(f"world_rope needs pan_pixels ({config['pan_pixels']}) to be a whole number of "
+                         f"{ph} x {pw} patches")
+    moves = torch.zeros(len(config["actions"]), 2, dtype=torch.long)
+    for name, (dx, dy) in MOVES.items():
+        if name in config["actions"]:
+            moves[config["actions"].index(name)] = torch.tensor([dy, dx]) * int(step)
+    per_chunk = moves.to(actions.device)[actions]  # [B, chunks, 2]
+    per_chunk[:, 0] = 0
+    return per_chunk.repeat_interleave(cf, 1).cumsum(1)
+
+
+def world_inputs(config: dict, actions: torch.Tensor) -> dict:
+    """The model inputs of one chunk from the action ids so far, [B, c + 1] (counting the context chunk 0): the
+    chunk's action and, with world_rope, its frames' spatial_offsets (pan_offsets' last chunk_frames frames)."""
+    out = {"actions": actions[:, -1]}
+    if config.get("world_rope", False):
+        out["spatial_offsets"] = pan_offsets(actions, config)[:, -config["chunk_frames"]:]
+    return out
+
+
 def world_pipeline(model: WorldModel, config: dict):
     """The Self-Forcing loop with the world model's schedule and pixel 'decoder'."""
     from .self_forcing import SelfForcingPipeline
@@ -204,6 +249,6 @@ def rollout(model: WorldModel, config: dict, start: torch.Tensor, actions: list[
     cf, size = config["chunk_frames"], config["frame_size"]
     pipe = world_pipeline(model, config)
     ctx = start.reshape(1, 3, 1, size, size).expand(1, 3, cf, size, size)
-    acts = [0] + list(actions)
+    acts = torch.tensor([[0] + list(actions)])
     return pipe.generate(model.null_text(1), len(actions) * cf, (size, size), cache, seed=seed, context=ctx,
-                         chunk_inputs=lambda c: {"actions": torch.tensor([acts[c]])})
+                         chunk_inputs=lambda c: world_inputs(config, acts[:, :c + 1]))

@@ -5,7 +5,8 @@ Each training sequence is `chunks` chunks of `chunk_frames` frames; chunk 0 is t
 runs the clean copy of every frame and a noisy copy of every generated chunk (chunks 1..), with a per-token
 timestep (0 for the clean copy, the chunk's own noise level for the noisy one), per-token actions, and a mask: a
 clean chunk sees the clean chunks up to itself (block-causal, as the cache holds them after the t = 0 re-run), a
-noisy chunk sees the clean chunks before it and itself. Both copies of frame f take RoPE index f. The loss is
+noisy chunk sees the clean chunks before it and itself. Both copies of frame f take RoPE index f (and, with the
+config's world_rope, frame f's pan offset as spatial RoPE offset: `Trainer.spatial_offsets`). The loss is
 flow matching (the model predicts v = noise - x0 at x_t = (1 - sigma) x0 + sigma noise, as the sampler uses it),
 with half the noise levels drawn from the sampler's own steps. The context after the start chunk is, per
 sequence, clean, or blurred with a little noise (as the model's own frames will be), or re-noised to a small level
@@ -23,6 +24,9 @@ Resumable: `--ckpt DIR` holds the state (FP32 weights and BF16 Adam moments as s
 
     python -m qvg.pipelines.world_train --ckpt runs/world --minutes 8 --total-steps 4000
     python -m qvg.pipelines.world_train --ckpt runs/world --export assets/world
+
+`--world-rope` starts a new run with world-coordinate spatial RoPE (pipelines/world_model.py); a resumed run keeps
+the config its state was saved with.
 """
 from __future__ import annotations
 
@@ -37,7 +41,7 @@ import torch.nn.functional as F
 
 from .self_forcing import flow_sigmas
 from .world_data import WorldData
-from .world_model import DEFAULT_CONFIG, build_world, save_world
+from .world_model import DEFAULT_CONFIG, build_world, pan_offsets, save_world, world_inputs
 
 SHARD_BYTES = 15 * 2**20
 DEFAULTS = dict(chunks=11, batch=16, lr=3e-4, warmup=200, weight_decay=0.01, grad_clip=1.0, seed=0,
@@ -115,6 +119,13 @@ class Trainer:
         p = min(1.0, (step - a["warmup"]) / max(1, a["total_steps"] - a["warmup"]))
         return a["lr"] * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * p)))
 
+    def spatial_offsets(self, actions: torch.Tensor) -> torch.Tensor | None:
+        """Actions [B, chunks] -> the spatial RoPE offsets of the training tokens' frames, in frame_ids' layout (clean
+        copies of all frames, then noisy copies of chunks 1..): [B, len(frame_ids), 2]; None without world_rope."""
+        if not self.model.world_rope:
+            return None
+        return pan_offsets(actions, self.cfg)[:, self.frame_ids.to(actions.device)]
+
     @torch.no_grad()
     def rollout_context(self, frames: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
         """The model's own frames for chunks 1 .. chunks-2 (the context of the generated chunks; the last chunk is
@@ -135,7 +146,7 @@ class Trainer:
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
                 chunks = [r.video.float() for r in world_pipeline(model, cfg).generate(
                     model.null_text(b), (a["chunks"] - 2) * cf, (size, size), cache, seed=seed, batch=b,
-                    context=frames[:, :, :cf], chunk_inputs=lambda c: {"actions": actions[:, c].to(dev)})]
+                    context=frames[:, :, :cf], chunk_inputs=lambda c: world_inputs(cfg, actions[:, :c + 1].to(dev)))]
         finally:
             model.train(was)
         return torch.cat(chunks, 2)
@@ -176,7 +187,7 @@ class Trainer:
         model = self.compiled or self.model
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=dev.type == "cuda"):
             out = model(inp, tok_sigma * 1000.0, model.null_text(b).float(), actions=tok_action,
-                        frame_ids=self.frame_ids, attn_mask=self.mask)
+                        frame_ids=self.frame_ids, attn_mask=self.mask, spatial_offsets=self.spatial_offsets(actions))
         v = out[:, :, a["chunks"] * cf:].float()
         return F.mse_loss(v, noise - x0)
 
@@ -290,6 +301,7 @@ def main(argv=None) -> int:
     p.add_argument("--compile", action="store_true", help="torch.compile the model (CUDA)")
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps in this run")
     p.add_argument("--init", default=None, help="a new run starts from this exported model's weights (fine-tune)")
+    p.add_argument("--world-rope", action="store_true", help="a new run: world-coordinate spatial RoPE")
     for k, v in DEFAULTS.items():
         p.add_argument(f"--{k.replace('_', '-')}", type=type(v), default=None, help=f"default {v}")
     a = p.parse_args(argv)
@@ -307,8 +319,12 @@ def main(argv=None) -> int:
         return 0
     torch.backends.cuda.matmul.allow_tf32 = True
     ck = Path(a.ckpt)
-    prior = json.loads((ck / "state.json").read_text())["args"] if (ck / "state.json").is_file() else {}
-    tr = Trainer(dict(prior, **given), DEFAULT_CONFIG, a.device, attention=a.attention)
+    meta = json.loads((ck / "state.json").read_text()) if (ck / "state.json").is_file() else {}
+    world_rope = bool(meta["config"].get("world_rope", False)) if meta else a.world_rope  # a resumed run keeps it
+    if a.world_rope and not world_rope:
+        p.error(f"--world-rope: the state in {ck} was trained without world-coordinate RoPE")
+    tr = Trainer(dict(meta.get("args", {}), **given), dict(DEFAULT_CONFIG, world_rope=world_rope), a.device,
+                 attention=a.attention)
     resumed = tr.load(ck)
     if not resumed and a.init:
         tr.init_from(a.init)

@@ -168,3 +168,27 @@ def test_steerable_chunks_match_the_world_rollout():
     steered = parse(["--frames", "10", "--method", "bf16", "--quiet"])
     gen = Generation(steered, loaded=gen.model, plan=lambda c: [2, 5, 1][c])
     assert torch.equal(torch.cat([gen.lead] + [c.video for c in gen], 1), ours)
+
+
+def test_steerable_chunks_match_the_world_rollout_with_world_rope():
+    """With world-coordinate RoPE (config world_rope) the live path passes each chunk the pan offsets of all the
+    actions so far, as rollout does: same frames (the shipped weights with the flag turned on, for the plumbing)."""
+    import dataclasses
+
+    import torch
+
+    from qvg.app.generate import Generation, load_model, parse
+    from qvg.cache import KVCache
+    from qvg.pipelines.world_model import image_frame, rollout
+    s = parse(["--frames", "7", "--method", "bf16", "--actions", "right,down", "--quiet"])
+    loaded = load_model(s)
+    cfg = dict(loaded.info["world_config"], world_rope=True)
+    loaded = dataclasses.replace(loaded, info={"world_config": cfg})
+    loaded.transformer.world_rope = True
+    gen = Generation(s, loaded=loaded)
+    ours = torch.cat([gen.lead] + [c.video for c in gen], 1)
+    cache = KVCache(len(loaded.transformer.blocks), "bf16", chunk_frames=3, tokens_per_frame=gen.cache.tokens_per_frame)
+    start = image_frame(s["image"], cfg["frame_size"])
+    ref = torch.cat([start[:, None]] + [r.video[0] for r in rollout(loaded.transformer, cfg, start, s["actions"],
+                                                                      cache, seed=s["seed"])], 1)
+    assert torch.equal(ours, ref)

@@ -254,3 +254,66 @@ def test_streaming_vae_decode_equals_one_shot_decode(tiny):
     with torch.no_grad():
         full = vae.decode(z).sample
     torch.testing.assert_close(torch.cat([c.video for c in chunks], 2), full, atol=1e-5, rtol=0)
+
+
+def _rope_with(rope, x, offsets):
+    rope.spatial_offsets = offsets
+    try:
+        return rope(x)
+    finally:
+        rope.spatial_offsets = None
+
+
+def test_spatial_offsets_none_zero_and_shifted_tables(model):
+    """None: Wan's tables (row i, column j); zero offsets: the same values per sample; offsets (dy, dx): row dy + i
+    and column dx + j, negative positions exact (cos even, sin odd); an index past the table: one ValueError."""
+    rope, x = model.rope, torch.zeros(2, 4, 3, 8, 8)
+    cos, sin = rope(x)
+    _, fh, fw = rope.freqs_cos.split([rope.t_dim, rope.h_dim, rope.w_dim], dim=1)
+    grid = cos.view(3, 4, 4, -1)
+    assert cos.shape == (1, 3 * TPF, 1, 64) and torch.equal(grid[1, 2, 3, rope.t_dim:], torch.cat([fh[2], fw[3]]))
+    zc, zs = _rope_with(rope, x, torch.zeros(2, 3, 2, dtype=torch.long))
+    assert zc.shape == (2, 3 * TPF, 1, 64) and torch.equal(zc, cos.expand(2, -1, -1, -1))
+    assert torch.equal(zs, sin.expand(2, -1, -1, -1))
+    off = torch.tensor([[[0, 0], [1, -2], [-3, 5]], [[2, 2], [0, 0], [0, 0]]])
+    oc, os_ = _rope_with(rope, x, off)
+    from diffusers.models.embeddings import get_1d_rotary_pos_embed
+    pos = torch.arange(-10, 10)
+    ref_cos, ref_sin = get_1d_rotary_pos_embed(rope.h_dim, pos.double(), 10000.0, use_real=True,
+                                               repeat_interleave_real=True, freqs_dtype=torch.float64)
+    for b, f, i, j in ((0, 1, 0, 3), (0, 2, 1, 0), (1, 0, 3, 3), (0, 0, 2, 1)):
+        dy, dx = off[b, f].tolist()
+        for got, ref in ((oc, ref_cos), (os_, ref_sin)):
+            tok = got[b].view(3, 4, 4, -1)[f, i, j]
+            assert torch.allclose(tok[rope.t_dim:rope.t_dim + rope.h_dim], ref[dy + i + 10].float(), atol=1e-6)
+            assert torch.allclose(tok[rope.t_dim + rope.h_dim:], ref[dx + j + 10].float(), atol=1e-6)
+        assert torch.equal(oc[b].view(3, 4, 4, -1)[f, i, j, :rope.t_dim], grid[f, i, j, :rope.t_dim])  # time as is
+    for bad in (torch.tensor([[[0, 61]] * 3] * 2), torch.tensor([[[-64, 0]] * 3] * 2)):  # table: +-63 (64 rows)
+        with pytest.raises(ValueError, match=r"outside the table's \+-63"):
+            _rope_with(rope, x, bad)
+    with pytest.raises(ValueError, match=r"integer tensor \[2, 3, 2\]"):
+        _rope_with(rope, x, torch.zeros(1, 3, 2, dtype=torch.long))
+
+
+def test_chunkwise_cache_with_spatial_offsets_equals_full_forward(model):
+    """World-coordinate RoPE: each chunk's keys enter the cache after RoPE with their own offsets, so the chunk-wise
+    cached forward equals the full block-causal forward given all frames' offsets (two samples, different offsets);
+    zero offsets give exactly the plain forward, and real offsets change what later chunks see."""
+    x, t, txt = _inputs()
+    x, txt = torch.cat([x, x.flip(2)]), txt.expand(2, -1, -1)
+    off = torch.tensor([[[0, 0], [0, 0], [0, 1], [0, 2], [-1, 2], [-2, 2]],
+                        [[0, 0], [0, 0], [0, -1], [0, -2], [0, -3], [1, -3]]])
+    cache = KVCache(2, "bf16", chunk_frames=CF, tokens_per_frame=TPF)
+    outs = []
+    with torch.no_grad():
+        full = model(x, t, txt, chunk_frames=CF, spatial_offsets=off)
+        for c in range(3):
+            sl = slice(c * CF, (c + 1) * CF)
+            outs.append(model(x[:, :, sl], t, txt, frame_offset=c * CF, cache=cache, spatial_offsets=off[:, sl]))
+            cache.commit()
+        plain = model(x, t, txt, chunk_frames=CF)
+        zero = model(x, t, txt, chunk_frames=CF, spatial_offsets=torch.zeros_like(off))
+    got = torch.cat(outs, 2)
+    assert (got - full).abs().max() < 2e-3 * full.abs().max()  # BF16 storage, as the plain parity test
+    assert torch.equal(zero, plain)
+    assert not torch.allclose(full[:, :, CF:], plain[:, :, CF:], atol=1e-4)

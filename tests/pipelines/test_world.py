@@ -172,3 +172,76 @@ def test_photo_view_cuts_the_centre_at_the_training_scale():
     assert torch.allclose(v[0], torch.ones(64, 64), atol=0.05) and v[1:].max() < -0.95
     small = photo_view(torch.rand(3, 40, 50) * 2 - 1)  # smaller than the view: upscaled, still a full frame
     assert small.shape == (3, 64, 64) and torch.isfinite(small).all()
+
+
+WORLD = dict(SMALL, world_rope=True)
+
+
+def test_pan_offsets_follow_the_camera_and_shift_the_rope_columns():
+    """pan_offsets = the camera's path in patches (world_data's signs; zoom frames keep their offset), and a right
+    pan of k frames moves frame k's RoPE column index by exactly k patches (the cos / sin tables themselves)."""
+    from qvg.pipelines.world_model import pan_offsets, world_inputs
+    names = ["stay", "right", "down", "zoom_in", "left", "up", "up"]
+    off = pan_offsets(torch.tensor([[ACTIONS.index(a) for a in names]]), WORLD)[0]
+    start = Camera(200.0, 200.0, 1.0)
+    cams = cameras_for(start, names[:3], 3, WORLD)  # pans at z = 1: 4 view px = 4 canvas px = one patch
+    assert off[:9].tolist() == [[round((c.y - start.y) / 4), round((c.x - start.x) / 4)] for c in cams]
+    assert off[9:12].tolist() == [[3, 3]] * 3 and off[-1].tolist() == [-3, 0]
+    m = build_world(WORLD).eval()
+    with pytest.raises(ValueError, match="pass spatial_offsets"):
+        m(torch.zeros(1, 3, 3, 32, 32), torch.tensor([0.0]), m.null_text())
+    kw = world_inputs(WORLD, torch.tensor([[0, ACTIONS.index("right")]]))
+    assert kw["actions"].tolist() == [2] and kw["spatial_offsets"].tolist() == [[[0, 1], [0, 2], [0, 3]]]
+    x = torch.zeros(1, 3, 3, 32, 32)
+    m.rope.spatial_offsets = kw["spatial_offsets"]
+    try:
+        shifted = m.rope(x)
+    finally:
+        m.rope.spatial_offsets = None
+    w0 = m.rope.t_dim + m.rope.h_dim  # the column band's first channel
+    for got, table in zip(shifted, (m.rope.freqs_cos, m.rope.freqs_sin)):
+        g = got.view(3, 8, 8, -1)  # frames, rows, columns of 4 x 4 patches
+        for k in range(3):  # frame k has panned k + 1 patches right: column j reads table row j + k + 1
+            assert torch.equal(g[k, 5, :, w0:], table[k + 1:k + 9, w0:])
+            assert torch.equal(g[k, :, 0, m.rope.t_dim:w0], table[:8, m.rope.t_dim:w0])  # rows unchanged
+
+
+def test_trainer_offsets_follow_the_frame_ids_layout():
+    """Training's tokens hold clean copies of all frames, then noisy copies of chunks 1..: their spatial offsets are
+    the frames' pan offsets in exactly frame_ids' order, and they reach the model (the loss changes)."""
+    from qvg.pipelines.world_model import pan_offsets
+    args = dict(chunks=3, batch=2, warmup=2, total_steps=10)
+    tr = Trainer(args, WORLD, "cpu", attention="dense")
+    frames, actions = WorldData(0, 3, WORLD, revisit=0.0).batch(2)
+    actions = torch.tensor([[0, 2, 4], [0, 1, 5]])  # right then down; left then zoom_in
+    off = tr.spatial_offsets(actions)
+    per_frame = pan_offsets(actions, WORLD)
+    assert off.shape == (2, len(tr.frame_ids), 2) and tr.frame_ids.tolist() == list(range(9)) + list(range(3, 9))
+    assert torch.equal(off[:, :9], per_frame) and torch.equal(off[:, 9:], per_frame[:, 3:])
+    assert off[0, -1].tolist() == [3, 3] and off[1, -1].tolist() == [0, -3]
+    plain = Trainer(args, SMALL, "cpu", attention="dense")
+    assert plain.spatial_offsets(actions) is None
+    plain.model.load_state_dict(tr.model.state_dict())
+    for t in (tr, plain):
+        t.gen.manual_seed(7)
+    with torch.no_grad():
+        assert not torch.equal(tr.loss(frames, actions), plain.loss(frames, actions))
+
+
+def test_world_rope_rollout_gives_each_chunk_its_pan_offsets():
+    """rollout (and through it the eval runners) passes every forward of chunk c the offsets of chunk c's frames
+    after all earlier actions; with the same weights the video differs from screen-coordinate RoPE."""
+    from qvg.cache import KVCache
+    m = build_world(WORLD, seed=2).eval()
+    seen = []
+    m.register_forward_pre_hook(lambda mod, a, kw: seen.append(kw["spatial_offsets"].tolist()), with_kwargs=True)
+    start = torch.rand(3, 32, 32) * 2 - 1
+    acts = [ACTIONS.index("right"), ACTIONS.index("up")]
+    vid = torch.cat([r.video for r in rollout(m, WORLD, start, acts, KVCache(1, "bf16", chunk_frames=3,
+                                                                          tokens_per_frame=64), seed=0)], 2)
+    steps = len(WORLD["steps"]) + 1  # denoising steps + the clean re-run
+    assert seen == [[[[0, 0]] * 3]] + [[[[0, 1], [0, 2], [0, 3]]]] * steps + [[[[-1, 3], [-2, 3], [-3, 3]]]] * steps
+    plain = build_world(SMALL, seed=2).eval()
+    ref = torch.cat([r.video for r in rollout(plain, SMALL, start, acts, KVCache(1, "bf16", chunk_frames=3,
+                                                                             tokens_per_frame=64), seed=0)], 2)
+    assert not torch.equal(vid, ref)
