@@ -22,19 +22,15 @@ lpips (found, never imported); sys.modules is left as it was (no torchvision in 
 from __future__ import annotations
 
 import argparse
-import ast
 import hashlib
-import importlib.util
-import os
 import re
-import sys
 import types
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from .musiq_parity import _changed_files, _load, _stand_in
+from .source_loading import exec_function, isolated_modules, load, source_folder, stand_in
 
 ENV = "QVG_LPIPS_SRC"
 NETS = ("alex", "vgg")
@@ -46,17 +42,8 @@ _TAKEN = ("lpips", "torchvision")
 
 def lpips_folder(explicit=None) -> Path | None:
     """The folder holding lpips/ (its lpips.py and weights/v0.1/), or None."""
-    def ok(p):
-        return all((p / f).is_file() for f in ("lpips.py", "pretrained_networks.py", "weights/v0.1/alex.pth"))
-    for cand in (explicit, os.environ.get(ENV)):
-        if cand and ok(Path(cand) / "lpips"):
-            return Path(cand)
-    try:
-        spec = importlib.util.find_spec("lpips")
-    except (ImportError, ValueError):
-        return None
-    locs = list(spec.submodule_search_locations or []) if spec else []
-    return Path(locs[0]).parent if locs and ok(Path(locs[0])) else None
+    return source_folder("lpips", ENV, explicit, lambda p: all(
+        (p / f).is_file() for f in ("lpips.py", "pretrained_networks.py", "weights/v0.1/alex.pth")))
 
 
 def _backbone(make):
@@ -76,27 +63,17 @@ def load_lpips_package(folder) -> types.SimpleNamespace:
     is left as it was)."""
     from .lpips import alexnet_features, vgg16_features
     root = Path(folder) / "lpips"
-    saved = {k: v for k, v in sys.modules.items() if k.split(".")[0] in _TAKEN}
-    try:
-        for k in list(saved):
-            del sys.modules[k]
-        tv = _stand_in("torchvision.models", alexnet=_backbone(alexnet_features), vgg16=_backbone(vgg16_features))
-        _stand_in("torchvision", models=tv)
-        pkg = _stand_in("lpips", root, torch=torch)
-        src = (root / "__init__.py").read_text()
-        fn = next(n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef) and n.name == "normalize_tensor")
-        exec(compile(ast.Module([fn], []), str(root / "__init__.py"), "exec"), pkg.__dict__)
-        pn = _load("lpips.pretrained_networks", root / "pretrained_networks.py")
-        pkg.pretrained_networks = pn
-        mod = _load("lpips.lpips", root / "lpips.py")
+    with isolated_modules(*_TAKEN):
+        tv = stand_in("torchvision.models", alexnet=_backbone(alexnet_features), vgg16=_backbone(vgg16_features))
+        stand_in("torchvision", models=tv)
+        pkg = stand_in("lpips", root, torch=torch)
+        exec_function(root / "__init__.py", "normalize_tensor", pkg.__dict__)
+        pkg.pretrained_networks = load("lpips.pretrained_networks", root / "pretrained_networks.py")
+        mod = load("lpips.lpips", root / "lpips.py")
         files = {n: _sha256(root / n) for n in ("lpips.py", "pretrained_networks.py", "__init__.py")}
         files.update({f"weights/v0.1/{n}.pth": _sha256(root / "weights" / "v0.1" / f"{n}.pth") for n in NETS})
         return types.SimpleNamespace(LPIPS=mod.LPIPS, version=_version(Path(folder), root), sha256=files,
                                      weights=root / "weights" / "v0.1")
-    finally:
-        for k in [k for k in sys.modules if k.split(".")[0] in _TAKEN]:
-            del sys.modules[k]
-        sys.modules.update(saved)
 
 
 def _version(folder: Path, root: Path) -> str:
@@ -209,7 +186,7 @@ def run(ref, nets=NETS, seed: int = 0, **kw) -> dict:
 
 
 def main(argv=None) -> int:
-    from .provenance import command_line, emit_json, meta
+    from .provenance import changed_files, command_line, emit_json, meta
     p = argparse.ArgumentParser(prog="python -m qvg.eval.lpips_parity", description=__doc__.split("\n\n")[0])
     p.add_argument("--lpips", default=None, help=f"folder holding lpips/ (default ${ENV}, else an installed lpips)")
     p.add_argument("--seed", type=int, default=0)
@@ -221,7 +198,7 @@ def main(argv=None) -> int:
     ref = load_lpips_package(folder)
     nets = run(ref, seed=a.seed)
     res = {"meta": meta(command_line("python -m qvg.eval.lpips_parity", argv), "cpu",
-                        changed_files=_changed_files()), "device": "CPU",
+                        changed_files=changed_files()), "device": "CPU",
            "lpips": {"version": ref.version, "sha256": ref.sha256},
            "what": "the lpips package's LPIPS (lpips.py + pretrained_networks.py, loaded from its files; "
                    "pretrained=True: its shipped weights/v0.1 lin layers; pnet_rand=True: a random backbone under "

@@ -14,17 +14,15 @@ stand-ins. The pyiqa folder is --pyiqa, else $QVG_PYIQA_SRC, else an installed p
 from __future__ import annotations
 
 import argparse
-import ast
 import hashlib
-import importlib.util
-import os
 import re
-import subprocess
 import sys
 import types
 from pathlib import Path
 
 import torch
+
+from .source_loading import exec_function, isolated_modules, load, source_folder, stand_in
 
 ENV = "QVG_PYIQA_SRC"
 PHOTOS = ("astronaut", "coffee", "rocket", "chelsea", "camera")  # rocket: longer side 640 -> VBench's resize
@@ -33,32 +31,7 @@ RANDOM_SIZES = ((64, 96), (200, 300), (389, 517))
 
 def pyiqa_folder(explicit=None) -> Path | None:
     """The folder holding pyiqa/ (its musiq_arch.py), or None."""
-    for cand in (explicit, os.environ.get(ENV)):
-        if cand and (Path(cand) / "pyiqa" / "archs" / "musiq_arch.py").is_file():
-            return Path(cand)
-    try:
-        spec = importlib.util.find_spec("pyiqa")
-    except (ImportError, ValueError):
-        return None
-    locs = list(spec.submodule_search_locations or []) if spec else []
-    return Path(locs[0]).parent if locs and (Path(locs[0]) / "archs" / "musiq_arch.py").is_file() else None
-
-
-def _stand_in(name: str, path: Path | None = None, **attrs) -> types.ModuleType:
-    m = types.ModuleType(name)
-    if path is not None:
-        m.__path__ = [str(path)]
-    m.__dict__.update(attrs)
-    sys.modules[name] = m
-    return m
-
-
-def _load(name: str, path: Path) -> types.ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    m = importlib.util.module_from_spec(spec)
-    sys.modules[name] = m
-    spec.loader.exec_module(m)
-    return m
+    return source_folder("pyiqa", ENV, explicit, lambda p: (p / "archs" / "musiq_arch.py").is_file())
 
 
 class _Registry:
@@ -74,42 +47,27 @@ def load_pyiqa_musiq(folder) -> types.SimpleNamespace:
     """pyiqa's MUSIQ class and get_multiscale_patches, loaded from `folder`/pyiqa without importing its package
     (sys.modules is left as it was)."""
     root = Path(folder) / "pyiqa"
-    saved = {k: v for k, v in sys.modules.items() if k == "pyiqa" or k.startswith("pyiqa.")}
-    try:
+    with isolated_modules("pyiqa"):
         for sub in ("", "archs", "matlab_utils", "utils", "data"):
-            _stand_in("pyiqa" + (f".{sub}" if sub else ""), root / sub)
-        padding = _load("pyiqa.matlab_utils.padding", root / "matlab_utils" / "padding.py")
+            stand_in("pyiqa" + (f".{sub}" if sub else ""), root / sub)
+        padding = load("pyiqa.matlab_utils.padding", root / "matlab_utils" / "padding.py")
         sys.modules["pyiqa.matlab_utils"].__dict__.update(ExactPadding2d=padding.ExactPadding2d,
                                                           exact_padding_2d=padding.exact_padding_2d)
-        _stand_in("pyiqa.utils.registry", ARCH_REGISTRY=_Registry())
-        multiscale = _load("pyiqa.data.multiscale_trans_util", root / "data" / "multiscale_trans_util.py")
-        util = _stand_in("pyiqa.archs.arch_util", torch=torch, get_url_from_name=lambda name, *a, **k: name,
-                         load_pretrained_network=_no_download)
-        src = (root / "archs" / "arch_util.py").read_text()
-        fn = next(n for n in ast.parse(src).body if isinstance(n, ast.FunctionDef) and n.name == "dist_to_mos")
-        exec(compile(ast.Module([fn], []), str(root / "archs" / "arch_util.py"), "exec"), util.__dict__)
-        arch = _load("pyiqa.archs.musiq_arch", root / "archs" / "musiq_arch.py")
+        stand_in("pyiqa.utils.registry", ARCH_REGISTRY=_Registry())
+        multiscale = load("pyiqa.data.multiscale_trans_util", root / "data" / "multiscale_trans_util.py")
+        util = stand_in("pyiqa.archs.arch_util", torch=torch, get_url_from_name=lambda name, *a, **k: name,
+                        load_pretrained_network=_no_download)
+        exec_function(root / "archs" / "arch_util.py", "dist_to_mos", util.__dict__)
+        arch = load("pyiqa.archs.musiq_arch", root / "archs" / "musiq_arch.py")
         return types.SimpleNamespace(MUSIQ=arch.MUSIQ, get_multiscale_patches=multiscale.get_multiscale_patches,
                                      version=_version(root), musiq_sha256=hashlib.sha256(
                                          (root / "archs" / "musiq_arch.py").read_bytes()).hexdigest())
-    finally:
-        for k in [k for k in sys.modules if k == "pyiqa" or k.startswith("pyiqa.")]:
-            del sys.modules[k]
-        sys.modules.update(saved)
 
 
 def _version(root: Path) -> str:
     f = root / "version.py"
     m = re.search(r"^__version__[^:\n]*=[^'\"\n]*['\"]([^'\"]+)['\"]", f.read_text() if f.is_file() else "", re.M)
     return m.group(1) if m else "unknown"
-
-
-def _changed_files() -> list[str]:
-    """Tracked files that differ from the commit (what git_dirty is about)."""
-    from .provenance import REPO
-    out = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-                         capture_output=True, text=True, timeout=10)
-    return [line[3:] for line in out.stdout.splitlines()] if out.returncode == 0 else []
 
 
 def pair(ref, seed: int = 0, **config):
@@ -158,7 +116,7 @@ def images(seed: int = 0):
 
 
 def main(argv=None) -> int:
-    from .provenance import command_line, emit_json, meta
+    from .provenance import changed_files, command_line, emit_json, meta
     p = argparse.ArgumentParser(prog="python -m qvg.eval.musiq_parity", description=__doc__.split("\n\n")[0])
     p.add_argument("--pyiqa", default=None, help=f"folder holding pyiqa/ (default ${ENV}, else an installed pyiqa)")
     p.add_argument("--seed", type=int, default=0)
@@ -171,7 +129,7 @@ def main(argv=None) -> int:
     theirs, ours = pair(ref, a.seed)
     rows = {name: compare_image(ref, theirs, ours, img) for name, img in images(a.seed)}
     res = {"meta": meta(command_line("python -m qvg.eval.musiq_parity", argv), "cpu",
-                        changed_files=_changed_files()), "device": "CPU",
+                        changed_files=changed_files()), "device": "CPU",
            "pyiqa": {"version": ref.version, "musiq_arch.py sha256": ref.musiq_sha256},
            "what": "pyiqa's MUSIQ (VBench's configuration: num_class 1; pretrained=False, random weights: "
                    f"pyiqa's init under torch.manual_seed({a.seed}), + N(0, 0.02^2) on every parameter) vs "

@@ -34,6 +34,13 @@ def git_commit() -> tuple[str, bool | None]:
         return "unknown", None
 
 
+def changed_files() -> list[str]:
+    """Tracked files that differ from the commit (what git_dirty is about)."""
+    out = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+                         capture_output=True, text=True, timeout=10)
+    return [line[3:] for line in out.stdout.splitlines()] if out.returncode == 0 else []
+
+
 def device_name(device) -> str:
     d = torch.device(device)
     if d.type == "cuda":

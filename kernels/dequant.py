@@ -53,56 +53,45 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
     gh = tl.program_id(1)
     P: tl.constexpr = 8 // BITS  # planes per byte
     W: tl.constexpr = D // P  # bytes per row
-    for blk in range(pid, NBLK, PROGS):
-        _dequant_block(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_ptr, out_ptr, N, L, C, K, GH,
-                       ROW0, ROW_END, OUT_N, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF, D, BITS, GROUP,
-                       GRID, OFFSET, FP8, STAGES, BLOCK_N, ROPE, SPLIT_H, SPLIT_W, INTERP, blk, gh, P, W,
-                       tl.program_id(2) if PLANE_SPLIT else 0, 1 if PLANE_SPLIT else P, SP)
-
-
-@triton.jit
-def _dequant_block(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_ptr, out_ptr, N, L, C, K, GH,
-                   ROW0, ROW_END, OUT_N, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF,
-                   D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr,
-                   OFFSET: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr, BLOCK_N: tl.constexpr,
-                   ROPE: tl.constexpr, SPLIT_H: tl.constexpr, SPLIT_W: tl.constexpr, INTERP: tl.constexpr,
-                   pid_n, gh, P: tl.constexpr, W: tl.constexpr, p0, NP: tl.constexpr, SP: tl.constexpr):
-    rows = ROW0 + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # tokens [ROW0, ROW_END) -> output rows [0, OUT_N)
-    rmask = rows < ROW_END
-    tok = gh.to(tl.int64) * N + rows  # flat token index
-    otok = gh.to(tl.int64) * OUT_N + rows - ROW0
-    cols = tl.arange(0, W)
-    m2 = rmask[:, None]
-    byte = tl.load(codes_ptr + tok[:, None] * W + cols[None, :], mask=m2, other=0)
-    chunk = rows // L  # a PackedSequence holds C chunks of L tokens, each with its own tscale and centroids
-    ts = 1.0
-    if FP8:
-        ts = tl.load(tscale_ptr + gh.to(tl.int64) * C + chunk, mask=rmask, other=1.0)[:, None]
-    if STAGES > 0:  # every stage's id, loaded once for all planes: [BLOCK_N, SP]
-        sidx = tl.arange(0, SP)
-        all_ids = tl.load(ids_ptr + sidx[None, :] * GH * N + tok[:, None], mask=m2 & (sidx < STAGES)[None, :],
-                          other=0).to(tl.int32)
+    p0 = tl.program_id(2) if PLANE_SPLIT else 0
+    NP: tl.constexpr = 1 if PLANE_SPLIT else P
     G2: tl.constexpr = W // GROUP if GROUP < W else 1  # groups per plane
     gi = tl.arange(0, G2)
-    for pi in tl.static_range(NP):
-        p = p0 + pi
-        col = p * W + cols
-        c = (byte >> (p * BITS)) & ((1 << BITS) - 1)
-        # the plane's G2 scales per row (one load each), then widened to its W columns
-        goff = tok[:, None] * (D // GROUP) + (p * W) // GROUP + gi[None, :]
-        s = _widen(decode_scale(tl.load(scale_ptr + goff, mask=m2, other=0), ts, FP8), BLOCK_N, G2, W)
-        z = 0.0
-        if GRID == 2:
-            z = _widen(bf16_bits_to_f32(tl.load(zero_ptr + goff, mask=m2, other=0)), BLOCK_N, G2, W)
-        v = dequant_codes(c, s, z, OFFSET, GRID)
-        for st in tl.static_range(STAGES):
-            cid = tl.sum(tl.where(sidx[None, :] == st, all_ids, 0), 1).to(tl.int64)
-            crow = ((st * GH + gh).to(tl.int64) * C + chunk) * K + cid
-            v += tl.load(cent_ptr + crow[:, None] * D + col[None, :], mask=m2, other=0.0).to(tl.float32)
-        if ROPE:  # keys stored before RoPE: rotate channel pairs (2j, 2j+1) by the token's 3D position
-            v = _rope(v, rows, chunk, L, rmask, p * W // 2, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF,
-                      D, W, BLOCK_N, SPLIT_H, SPLIT_W)
-        tl.store(out_ptr + otok[:, None] * D + col[None, :], to_out(v, out_ptr, INTERP), mask=m2)
+    cols = tl.arange(0, W)
+    sidx = tl.arange(0, SP)
+    for pid_n in range(pid, NBLK, PROGS):
+        rows = ROW0 + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # tokens [ROW0, ROW_END) -> output rows [0, OUT_N)
+        rmask = rows < ROW_END
+        tok = gh.to(tl.int64) * N + rows  # flat token index
+        otok = gh.to(tl.int64) * OUT_N + rows - ROW0
+        m2 = rmask[:, None]
+        byte = tl.load(codes_ptr + tok[:, None] * W + cols[None, :], mask=m2, other=0)
+        chunk = rows // L  # a PackedSequence holds C chunks of L tokens, each with its own tscale and centroids
+        ts = 1.0
+        if FP8:
+            ts = tl.load(tscale_ptr + gh.to(tl.int64) * C + chunk, mask=rmask, other=1.0)[:, None]
+        if STAGES > 0:  # every stage's id, loaded once for all planes: [BLOCK_N, SP]
+            all_ids = tl.load(ids_ptr + sidx[None, :] * GH * N + tok[:, None], mask=m2 & (sidx < STAGES)[None, :],
+                              other=0).to(tl.int32)
+        for pi in tl.static_range(NP):
+            p = p0 + pi
+            col = p * W + cols
+            c = (byte >> (p * BITS)) & ((1 << BITS) - 1)
+            # the plane's G2 scales per row (one load each), then widened to its W columns
+            goff = tok[:, None] * (D // GROUP) + (p * W) // GROUP + gi[None, :]
+            s = _widen(decode_scale(tl.load(scale_ptr + goff, mask=m2, other=0), ts, FP8), BLOCK_N, G2, W)
+            z = 0.0
+            if GRID == 2:
+                z = _widen(bf16_bits_to_f32(tl.load(zero_ptr + goff, mask=m2, other=0)), BLOCK_N, G2, W)
+            v = dequant_codes(c, s, z, OFFSET, GRID)
+            for st in tl.static_range(STAGES):
+                cid = tl.sum(tl.where(sidx[None, :] == st, all_ids, 0), 1).to(tl.int64)
+                crow = ((st * GH + gh).to(tl.int64) * C + chunk) * K + cid
+                v += tl.load(cent_ptr + crow[:, None] * D + col[None, :], mask=m2, other=0.0).to(tl.float32)
+            if ROPE:  # keys stored before RoPE: rotate channel pairs (2j, 2j+1) by the token's 3D position
+                v = _rope(v, rows, chunk, L, rmask, p * W // 2, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF,
+                          D, W, BLOCK_N, SPLIT_H, SPLIT_W)
+            tl.store(out_ptr + otok[:, None] * D + col[None, :], to_out(v, out_ptr, INTERP), mask=m2)
 
 
 def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None, block_n: int = 32,

@@ -108,8 +108,7 @@ class PackedSequence:
         """A new sequence with `chunk` at the end (one copy of the stored bytes; the cache calls it once per commit
         while the history grows)."""
         self._check(chunk)
-        return PackedSequence(_joined([self.in_order().tensors, _chunk_tensors(chunk)]), self.spec, self.stages,
-                              self.chunk_len, self.dtype)
+        return self._rebuilt(self._parts() + [_chunk_tensors(chunk)])
 
     def replace_oldest(self, chunk: Packed) -> "PackedSequence":
         """Overwrite the oldest chunk's slot with `chunk` in place, which becomes the newest: a ring, so a rolling
@@ -124,11 +123,16 @@ class PackedSequence:
 
     def in_order(self) -> "PackedSequence":
         """The same chunks oldest first: self when the slots are in order, else a copy."""
-        if not self.head:
-            return self
-        rest = self.num_chunks - self.head
-        parts = [{n: self._span(n, self.head, rest) for n in self.tensors},
-                 {n: self._span(n, 0, self.head) for n in self.tensors}]
+        return self._rebuilt(self._parts()) if self.head else self
+
+    def _parts(self, skip: int = 0) -> list[dict[str, torch.Tensor]]:
+        """Views of the chunks in time order without the oldest `skip`: one or two runs of slots."""
+        c = self.num_chunks
+        first, n = (self.head + skip) % c, c - skip
+        runs = [(first, n)] if first + n <= c else [(first, c - first), (0, n - (c - first))]
+        return [{n: self._span(n, a, k) for n in self.tensors} for a, k in runs]
+
+    def _rebuilt(self, parts: list[dict[str, torch.Tensor]]) -> "PackedSequence":
         return PackedSequence(_joined(parts), self.spec, self.stages, self.chunk_len, self.dtype)
 
     def drop_first(self, count: int) -> "PackedSequence | None":
@@ -136,9 +140,7 @@ class PackedSequence:
         remain."""
         if count >= self.num_chunks:
             return None
-        s = self.in_order()
-        kept = {n: s._span(n, count, s.num_chunks - count) for n in s.tensors}
-        return PackedSequence(_joined([kept]), self.spec, self.stages, self.chunk_len, self.dtype)
+        return self._rebuilt(self._parts(count))
 
     @property
     def num_chunks(self) -> int:
