@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", default=None, help="quantization group size (divides the head dim)")
     p.add_argument("--centroids", default=None, help="k-means centroids K (qvg, qvg-pro)")
     p.add_argument("--commit-every", default="1", help="compress every k chunks (default 1)")
+    p.add_argument("--key-storage", default="auto", help="pack keys before RoPE (pre-rope: rotated again on read; "
+                   "the default for rtn, qvg and qvg-pro) or after it (post-rope: the default for kivi and quarot)")
     p.add_argument("--history", default="full", help="full, or window:N (keep N past latent frames)")
     p.add_argument("--sink", default="0", help="latent frames kept in BF16 at the start (a multiple of 3)")
     p.add_argument("--seed", default="0")
@@ -100,6 +102,18 @@ def _commit() -> str:
         return f"qvg {qvg.__version__} (no git checkout)"
 
 
+def _key_storage(given: str, method: str) -> str:
+    from qvg.cache import KEY_STORAGE
+    from qvg.sequence import PER_TOKEN_METHODS
+    if given == "auto":
+        return "pre-rope" if method in PER_TOKEN_METHODS else "post-rope"
+    if given not in KEY_STORAGE:
+        raise UsageError(f"--key-storage must be auto, {' or '.join(KEY_STORAGE)}, got {given!r}")
+    if given == "pre-rope" and method not in ("bf16", *PER_TOKEN_METHODS):
+        raise UsageError(f"--key-storage pre-rope is for {', '.join(PER_TOKEN_METHODS)}, not --method {method}")
+    return given
+
+
 def parse(argv) -> dict:
     """Check every argument (cheap checks first, before any model is built) -> the run's settings."""
     from qvg.cache import CACHE_METHODS
@@ -126,6 +140,7 @@ def parse(argv) -> dict:
     if a.method == "bf16" and s["options"]:
         raise UsageError(f"--method bf16 stores BF16: {', '.join('--' + k.replace('_', '-') for k in s['options'])}"
                          " do not apply")
+    s["key_storage"] = _key_storage(a.key_storage, a.method)
     if a.history == "full":
         s["window"] = None
     elif a.history.startswith("window:"):
@@ -332,6 +347,7 @@ class Generation:
 def report(s, gen: Generation, frames: int, seconds: float, mem: dict) -> dict:
     """The JSON report of a run (README: qvg-generate); mem: cache.memory() at the cache's largest."""
     import torch
+    from qvg.cache import MEMORY_COMPONENTS
     dev = s["device"]
     rep = {
         "method": s["method"], "options": s.get("resolved_options", {}), "pipeline": s["pipeline"],
@@ -339,8 +355,8 @@ def report(s, gen: Generation, frames: int, seconds: float, mem: dict) -> dict:
            else {"prompt": s["prompt"]}),
         "seed": s["seed"], "frames": frames, "fps": gen.fps, "latent_frames": gen.latent_frames,
         "history": "full" if s["window"] is None else f"window:{s['window']}", "sink": s["sink"],
-        "commit_every": s["commit_every"], "seconds": round(seconds, 3),
-        "kv_bytes": {k: mem[k] for k in ("codes", "scales", "ids", "centroids", "bf16", "workspace", "total")},
+        "commit_every": s["commit_every"], "key_storage": s["key_storage"], "seconds": round(seconds, 3),
+        "kv_bytes": {k: mem[k] for k in (*MEMORY_COMPONENTS, "total")},
         "bf16_zones": {k[5:]: mem[k] for k in ("bf16_sink", "bf16_pending", "bf16_current", "bf16_residual")
                        if k in mem},
         "bf16_equivalent_bytes": mem["bf16_equivalent"], "compression_ratio": round(mem["compression_ratio"], 4),
@@ -380,7 +396,8 @@ def _cache(s, transformer, latent_hw):
             raise UsageError(f"--{name} must be a multiple of the chunk size ({cf} latent frames), got {frames}")
     s["options"] = opts
     return KVCache(len(transformer.blocks), s["method"], chunk_frames=cf, tokens_per_frame=tpf,
-                   sink_frames=s["sink"], window_frames=s["window"], commit_every=s["commit_every"], **opts)
+                   sink_frames=s["sink"], window_frames=s["window"], commit_every=s["commit_every"],
+                   key_storage=s["key_storage"], **opts)
 
 
 def run(s) -> dict:

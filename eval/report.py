@@ -26,8 +26,7 @@ import torch
 from . import analyses, sweep
 from .provenance import meta, weight_files
 
-# the cache's bytes by component (`qvg.cache.KVCache.memory`): they sum to its total
-MEMORY_COMPONENTS = ("codes", "scales", "ids", "centroids", "bf16", "workspace")
+from qvg.cache import MEMORY_COMPONENTS  # the cache's bytes by component: they sum to its total
 
 METHODS = ["rtn", "kivi", "quarot", "qvg", "qvg-pro"]
 PRESETS = {
@@ -195,7 +194,7 @@ def _sweep_md(sw: dict) -> list[str]:
         rows.append([r["method"], "BF16" if r["bits"] == 16 else f"INT{r['bits']}"]
                     + [f"{r[c]:,}" for c in (*MEMORY_COMPONENTS, "total", "bf16_equivalent")]
                     + [f"{r['bf16_equivalent'] / r['total']:.2f}x"])
-    L += _table(["method", "bits", "codes", "scales", "ids", "centroids", "bf16 (current chunk + room)",
+    L += _table(["method", "bits", "codes", "scales", "ids", "centroids", "positions", "bf16 (current chunk + room)",
                  "workspace", "total", "BF16 equivalent", "ratio"], rows)
     L += ["", "The components add up to `total`; `workspace` is the compression's CUDA graphs (their static tensors "
           "and private memory pools: rtn, qvg, qvg-pro on CUDA; 0 on the CPU)."]

@@ -172,6 +172,7 @@ def table_markdown(res: dict) -> str:
 
 def memory_rows(res: dict) -> list[dict]:
     """Bytes by component of the cache at its largest, per (method, bits) (the first run of each)."""
+    from qvg.cache import MEMORY_COMPONENTS
     seen, out = set(), []
     for r in res["runs"]:
         key = (r["method"], r["bits"])
@@ -180,7 +181,7 @@ def memory_rows(res: dict) -> list[dict]:
         seen.add(key)
         m = r["memory"]
         out.append({"method": r["method"], "bits": r["bits"],
-                    **{c: m.get(c, 0) for c in ("codes", "scales", "ids", "centroids", "bf16", "workspace",
+                    **{c: m.get(c, 0) for c in (*MEMORY_COMPONENTS,
                                                 "bf16_sink", "bf16_pending", "bf16_current", "bf16_residual",
                                                 "total", "bf16_equivalent")}})
     return out

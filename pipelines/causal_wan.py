@@ -210,6 +210,20 @@ class CausalWanTransformer(WanTransformer3DModel):
         _, ph, pw = self.config.patch_size
         return (height // ph) * (width // pw)
 
+    def rope_positions(self, shape, frame_offset: int = 0, frame_ids: torch.Tensor | None = None,
+                       spatial_offsets: torch.Tensor | None = None) -> tuple[torch.Tensor, int, int]:
+        """The RoPE position of each input frame as a cache's `set_positions` takes it (keys stored before RoPE):
+        (int [B, F, 3] of (time index, dy, dx), token rows, token columns) for hidden_states of this shape."""
+        batch, _, frames, height, width = shape
+        pt, ph, pw = self.config.patch_size
+        f = frames // pt
+        ids = torch.arange(frame_offset, frame_offset + f) if frame_ids is None else frame_ids.cpu().long()
+        pos = torch.zeros(batch, f, 3, dtype=torch.int32)
+        pos[..., 0] = ids.to(torch.int32)
+        if spatial_offsets is not None:
+            pos[..., 1:] = spatial_offsets.cpu().to(torch.int32)
+        return pos, height // ph, width // pw
+
     def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
                 *, frame_offset: int = 0, cache=None, cross: CrossKV | None = None, chunk_frames: int | None = None,
                 commit: bool = False, frame_ids: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
@@ -224,7 +238,8 @@ class CausalWanTransformer(WanTransformer3DModel):
         (e.g. a rolling window's reference, or training's clean + noisy copies); frame_ids: each input frame's
         RoPE time index (instead of frame_offset + 0, 1, ...). spatial_offsets: int [B, F, 2], each input frame's
         (dy, dx) added to its RoPE row / column indices, in patches (`OffsetRotaryPosEmbed`; None: screen
-        coordinates). Keys enter the cache after RoPE, so each cached key keeps the position it was written with.
+        coordinates). Keys enter the cache after RoPE, so each cached key keeps the position it was written with; a
+        cache with key_storage "pre-rope" also gets each chunk's positions (`rope_positions`) to undo and redo it.
         timestep may be [B] or per token [B, N] (diffusers' Wan 2.2 path)."""
         if cache is not None and (chunk_frames is not None or attn_mask is not None):
             raise ValueError("chunk_frames and attn_mask are for the cache-free (full-sequence) forward")
@@ -235,6 +250,8 @@ class CausalWanTransformer(WanTransformer3DModel):
         _, _, frames, height, width = hidden_states.shape
         self.rope.frame_offset, self.rope.frame_ids = frame_offset, frame_ids
         self.rope.spatial_offsets = spatial_offsets
+        if cache is not None and getattr(cache, "key_storage", "post-rope") == "pre-rope":
+            cache.set_positions(*self.rope_positions(hidden_states.shape, frame_offset, frame_ids, spatial_offsets))
         ctx = self._ctx
         ctx.cache, ctx.cross, ctx.commit, ctx.attn_mask = cache, cross, commit, attn_mask
         ctx.block_tokens = None if chunk_frames is None else chunk_frames * self.tokens_per_latent_frame(height, width)

@@ -22,8 +22,13 @@ Per layer, three zones, for keys and values alike ([B, H, tokens, D], H = kv hea
   qvg-pro is decoded window by window (<= 1 GiB of one layer's BF16 K + V, never the whole history) and
   attended by torch's SDPA (cuDNN), windows merged by log-sum-exp (kernels/windowed_sdpa.py); kivi / quarot and
   CPU decode the history first (the reference path). The BF16 zones are one contiguous buffer, read as a view.
-- `memory()`: bytes by component (codes, scales, ids, centroids, bf16, and workspace: the compression graphs'
-  static tensors and private memory pools) and in total, next to the BF16 bytes the same tokens would take; `bf16`
+- Key storage (`key_storage`): "post-rope" packs the keys as written (after RoPE: Self-Forcing's layout);
+  "pre-rope" (rtn / qvg / qvg-pro) turns each key back to before RoPE when it is packed and rotates it again when it
+  is read, so k-means groups keys by content rather than by position (eval/results/rope_storage.md: 1.8x lower
+  INT2 key error for qvg). The model gives each chunk's per-frame positions (`set_positions`); each packed unit
+  keeps them (a few integers per frame). The BF16 zones always hold keys after RoPE.
+- `memory()`: bytes by component (codes, scales, ids, centroids, positions, bf16, and workspace: the compression
+  graphs' static tensors and private memory pools) and in total, next to the BF16 bytes the same tokens would take; `bf16`
   is also split by zone (bf16_sink, bf16_pending, bf16_current, bf16_residual), which sum to it exactly.
 
 Method "bf16" keeps everything in the BF16 buffer (no compression): the reference every method is compared with.
@@ -37,9 +42,13 @@ from . import compression
 from .attention import attend_reference, sdpa_gqa
 from .compression.graphed import GraphedCompress
 from .packed import COMPONENTS
+from .rope import RopeTables, apply_rope, frame_angles
 from .sequence import PER_TOKEN_METHODS, PackedSequence
 
 CACHE_METHODS = ("bf16", *compression.methods())
+KEY_STORAGE = ("post-rope", "pre-rope")
+# memory()'s components: they sum to its total
+MEMORY_COMPONENTS = ("codes", "scales", "ids", "centroids", "positions", "bf16", "workspace")
 
 
 class _Layer:
@@ -53,6 +62,8 @@ class _Layer:
         self.hist: list = [None, None]  # K, V history: PackedSequence (rtn/qvg/qvg-pro) or list[Packed]
         self.warm: list = [None, None]  # centroids of the last packed unit when no history holds them
         self.committed = False  # committed by commit_layer since the last commit()
+        self.pos_pending: list[torch.Tensor] = []  # pre-rope: positions [B, F, 3] of each pending chunk
+        self.pos_hist: list[torch.Tensor] = []  # pre-rope: positions [B, F_unit, 3] of each packed unit, oldest first
 
     def tail(self, i: int) -> torch.Tensor:
         return self.buf[i][:, :, :self.n_sink + self.n_pending + self.n_cur]
@@ -63,13 +74,20 @@ class KVCache:
     (`bits`, `block_size`, `stages`, `centroids`, ...). chunk_frames / tokens_per_frame: the chunk layout (every
     write holds chunk_frames * tokens_per_frame tokens). sink_frames and window_frames are multiples of
     chunk_frames; window_frames=None keeps the whole history. cuda_graphs: on CUDA, warm-started compression
-    replays a captured graph (qvg.compression.graphed; same result, a fraction of the host time)."""
+    replays a captured graph (qvg.compression.graphed; same result, a fraction of the host time). key_storage:
+    "post-rope" or "pre-rope" (see the module docstring; pre-rope needs `set_positions` before each chunk's writes).
+    """
 
     def __init__(self, num_layers: int, method: str = "qvg", *, chunk_frames: int, tokens_per_frame: int,
                  sink_frames: int = 0, window_frames: int | None = None, commit_every: int = 1,
-                 cuda_graphs: bool = True, **options):
+                 cuda_graphs: bool = True, key_storage: str = "post-rope", **options):
         if method not in CACHE_METHODS:
             raise ValueError(f"unknown cache method {method!r}; choose one of: {', '.join(CACHE_METHODS)}")
+        if key_storage not in KEY_STORAGE:
+            raise ValueError(f"key_storage must be one of {', '.join(KEY_STORAGE)}, got {key_storage!r}")
+        if key_storage == "pre-rope" and method not in ("bf16", *PER_TOKEN_METHODS):
+            raise ValueError(f"pre-rope key storage is for {', '.join(PER_TOKEN_METHODS)} (and bf16, which packs "
+                             f"nothing), not {method!r}")
         for name, v in (("num_layers", num_layers), ("chunk_frames", chunk_frames),
                         ("tokens_per_frame", tokens_per_frame), ("commit_every", commit_every)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -83,6 +101,10 @@ class KVCache:
         self.chunk_frames, self.tokens_per_frame = chunk_frames, tokens_per_frame
         self.sink_frames, self.window_frames, self.commit_every = sink_frames, window_frames, commit_every
         self.num_layers = num_layers
+        self.key_storage = key_storage
+        self._positions = None  # pre-rope: the current chunk's positions [B, F, 3] (set_positions)
+        self._grid = None  # pre-rope: (height, width, theta) of the token grid
+        self._angles_memo = (None, None)  # (unit positions' ids, angles) of the last history rotated
         self.layers = [_Layer() for _ in range(num_layers)]
         self.frames = 0  # frames committed so far (the next chunk's start frame: its RoPE time offset)
         self.commits = 0
@@ -92,7 +114,46 @@ class KVCache:
     def chunk_tokens(self) -> int:
         return self.chunk_frames * self.tokens_per_frame
 
+    @property
+    def _pre_rope(self) -> bool:
+        return self.key_storage == "pre-rope" and self.method != "bf16"
+
+    def _angles(self, units: list[torch.Tensor], device, head_dim: int) -> torch.Tensor:
+        """RoPE angles [B, 1, N, D / 2] (float32) of the tokens of these units' positions, in order (one tensor for
+        every layer of a forward: they all hold the same positions)."""
+        pos = torch.cat(units, 1)
+        key = (pos.shape, pos.numpy().tobytes(), str(device), head_dim)
+        if self._angles_memo[0] != key:
+            h, w, theta = self._grid
+            self._angles_memo = (key, frame_angles(pos, h, w, head_dim, theta).float().to(device)[:, None])
+        return self._angles_memo[1]
+
+    def _rope_tables(self, L: _Layer, device) -> RopeTables | None:
+        """The history's RoPE as the dequant kernel's factorized tables (frame0 per ring slot), or None when they
+        cannot say it: spatial offsets, positions that differ across the batch, or frames out of step."""
+        pos = torch.stack(L.pos_hist)  # [C, B, F, 3]
+        c, _, f, _ = pos.shape
+        steps = torch.arange(f, dtype=pos.dtype)
+        if pos[..., 1:].any() or (pos[..., 0] != pos[:, :1, :1, 0] + steps).any():
+            return None
+        t0 = torch.roll(pos[:, 0, 0, 0], L.hist[0].head)  # slot s holds the unit (s - head) mod C
+        h, w, theta = self._grid
+        return RopeTables(h, w, L.hist[0].shape[3], t0.to(device), int(pos[..., 0].max()) + 1, theta)
+
     # ---- writing ------------------------------------------------------------------------------------------
+    def set_positions(self, positions: torch.Tensor, height: int, width: int, theta: float = 10000.0) -> None:
+        """The current chunk's RoPE positions (pre-rope key storage; the model calls it once per forward): integer
+        [B, chunk_frames, 3], per frame (time index, row offset dy, column offset dx) on a height x width token
+        grid, Wan's 3D RoPE with base theta (qvg.rope.frame_angles)."""
+        if (positions.dim() != 3 or positions.shape[1:] != (self.chunk_frames, 3)
+                or positions.is_floating_point()):
+            raise ValueError(f"positions must be an integer tensor [B, {self.chunk_frames}, 3], got "
+                             f"{positions.dtype} {list(positions.shape)}")
+        if height * width != self.tokens_per_frame:
+            raise ValueError(f"a {height} x {width} token grid does not hold {self.tokens_per_frame} tokens per frame")
+        self._positions = positions.detach().to("cpu", torch.int32).clone()
+        self._grid = (height, width, float(theta))
+
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store the current chunk's K/V [B, H, chunk_tokens, D] of `layer` (overwrites the previous write)."""
         if k.shape != v.shape or k.dim() != 4 or k.shape[2] != self.chunk_tokens:
@@ -145,6 +206,11 @@ class KVCache:
             L.n_sink += L.n_cur
         else:
             L.n_pending += L.n_cur
+            if self._pre_rope:
+                if self._positions is None:
+                    raise RuntimeError("pre-rope key storage: call set_positions(...) with the chunk's positions "
+                                       "before committing it")
+                L.pos_pending.append(self._positions)
         L.n_cur = 0
         if self.method != "bf16" and L.n_pending >= self.commit_every * self.chunk_tokens:
             self._pack_pending(L)
@@ -158,6 +224,8 @@ class KVCache:
             self.window_frames * self.tokens_per_frame <= held < self.window_frames * self.tokens_per_frame + b - a)
         for i, role in enumerate(("key", "value")):
             x = L.buf[i][:, :, a:b]
+            if i == 0 and self._pre_rope:  # back to before RoPE (fp32 rotation, BF16 as written)
+                x = apply_rope(x, self._angles(L.pos_pending, x.device, x.shape[3]), inverse=True).to(x.dtype)
             opts = dict(self.options)
             if self.method == "kivi":  # the pending / current zones are KIVI's full-precision recent window
                 opts = {"role": role, "residual": 0, **opts}
@@ -174,6 +242,10 @@ class KVCache:
                 L.hist[i] = (L.hist[i] or []) + [p]
             L.warm[i] = None
         L.n_pending = 0
+        if self._pre_rope:
+            unit = torch.cat(L.pos_pending, 1)
+            L.pos_hist = (L.pos_hist[1:] if ring and L.hist[0].chunk_len == b - a else L.pos_hist) + [unit]
+            L.pos_pending = []
 
     def _warm_start(self, L: _Layer, i: int):
         if self.method not in ("qvg", "qvg-pro") or self.options.get("stages") == 0:
@@ -199,6 +271,7 @@ class KVCache:
                     L.hist[i] = h.drop_first(1)
                 else:
                     L.hist[i] = h[1:] or None
+            L.pos_hist = L.pos_hist[1:]
         over = self._hist_tokens(L) + L.n_pending - limit
         if over > 0 and L.n_pending and L.hist[0] is None:
             drop = min(L.n_pending, -(-over // self.chunk_tokens) * self.chunk_tokens)
@@ -209,6 +282,8 @@ class KVCache:
                     w = min(drop, keep - s)
                     buf[:, :, a + s:a + s + w] = buf[:, :, a + drop + s:a + drop + s + w]
             L.n_pending = keep
+            if L.pos_pending:
+                L.pos_pending = L.pos_pending[drop // self.chunk_tokens:]
 
     @staticmethod
     def _hist_tokens(L: _Layer) -> int:
@@ -232,6 +307,14 @@ class KVCache:
             return sdpa_gqa(q, kt, vt, scale)
         if isinstance(kh, PackedSequence):
             from .backend import use_kernels
+            if self._pre_rope:
+                tables = self._rope_tables(L, q.device) if use_kernels(q) else None
+                if tables is not None:
+                    from .kernels.windowed_sdpa import windowed_attention
+                    return windowed_attention(q, kh, vh, kt, vt, scale=scale, rope=tables)
+                k = apply_rope(kh.decompress(), self._angles(L.pos_hist, q.device, kh.shape[3]))  # (materializes: the reference)
+                return sdpa_gqa(q.float(), torch.cat([k, kt.float()], 2),
+                                torch.cat([vh.decompress().float(), vt.float()], 2), scale).to(q.dtype)
             if use_kernels(q):
                 from .kernels.windowed_sdpa import windowed_attention
                 return windowed_attention(q, kh, vh, kt, vt, scale=scale)
@@ -248,7 +331,8 @@ class KVCache:
             h = L.hist[i]
             parts = [L.buf[i][:, :, :L.n_sink]]
             if isinstance(h, PackedSequence):
-                parts.append(h.decompress())
+                y = h.decompress()
+                parts.append(apply_rope(y, self._angles(L.pos_hist, y.device, y.shape[3])) if i == 0 and self._pre_rope else y)
             elif h is not None:
                 parts += [compression.decompress(p) for p in h]
             parts.append(L.buf[i][:, :, L.n_sink:L.n_sink + L.n_pending + L.n_cur])
@@ -263,7 +347,8 @@ class KVCache:
 
     def memory(self) -> dict:
         """Bytes held, by component and in total, and the BF16 bytes of the same tokens. Components (they sum to
-        `total`): codes, scales, ids, centroids, bf16, workspace. `bf16` counts the whole allocated BF16 buffers
+        `total`): codes, scales, ids, centroids, positions (pre-rope: each packed or pending chunk's RoPE positions),
+        bf16, workspace. `bf16` counts the whole allocated BF16 buffers
         (sink, pending and current zones, with their reserved room) and any full-precision tokens a method keeps
         inside its packed history. The BF16 equivalent is what a BF16 cache of the same tokens holds: the sink,
         history, pending and current tokens, plus, for method "bf16" itself, its buffers' rounding room (so it is
@@ -275,7 +360,7 @@ class KVCache:
           buffers' reserved room (room for `commit_every` chunks; on CUDA, the allocator granule's rounding);
         - bf16_residual: full-precision tokens inside the packed history (kivi's key tail that fills no token
           group; 0 for the other methods)."""
-        comp = {c: 0 for c in ("codes", "scales", "ids", "centroids", "bf16", "workspace")}
+        comp = {c: 0 for c in MEMORY_COMPONENTS}
         zones = {z: 0 for z in ("bf16_sink", "bf16_pending", "bf16_current", "bf16_residual")}
         equiv = 0
         for L in self.layers:
@@ -306,6 +391,7 @@ class KVCache:
                         zones["bf16_residual"] += t.numel() * t.element_size()
                 if L.warm[i] is not None:
                     comp["centroids"] += L.warm[i].numel() * L.warm[i].element_size()
+            comp["positions"] += sum(p.numel() * p.element_size() for p in L.pos_hist + L.pos_pending)
         comp["workspace"] = self._graphed.nbytes if self._graphed is not None else 0  # the compression graphs
         total = sum(comp.values())
         return {**comp, **zones, "total": total, "bf16_equivalent": equiv,
@@ -317,6 +403,7 @@ class KVCache:
         self.layers = [_Layer() for _ in range(self.num_layers)]
         self.frames = 0
         self.commits = 0
+        self._positions = None
         if self._graphed is not None:
             self._graphed.clear()
 

@@ -35,6 +35,28 @@ def grid_angles(frames: int, height: int, width: int, head_dim: int, t0: int = 0
                       aw[None, None, :].expand(frames, height, width, -1).reshape(n, -1)], -1)
 
 
+def frame_angles(positions: torch.Tensor, height: int, width: int, head_dim: int,
+                 theta: float = 10000.0) -> torch.Tensor:
+    """Angles [B, F * height * width, D / 2] (float64) of the tokens of F frames per sample, frame f of sample b at
+    time positions[b, f, 0] with its rows and columns offset by positions[b, f, 1:] = (dy, dx): token (i, j) sits
+    at row dy + i, column dx + j (the causal Wan model's `frame_ids` / `spatial_offsets`; zero offsets: screen
+    coordinates, as `grid_angles`). positions: integer [B, F, 3]."""
+    if positions.dim() != 3 or positions.shape[-1] != 3 or positions.is_floating_point():
+        raise ValueError(f"positions must be an integer tensor [B, F, 3] (t, dy, dx per frame), got "
+                         f"{positions.dtype} {list(positions.shape)}")
+    bt, bh, bw = bands(head_dim)
+    b, f, _ = positions.shape
+    p = positions.cpu().double()
+    at = axis_angles(p[..., 0].reshape(-1), bt, theta).view(b, f, 1, 1, -1)
+    rows = p[..., 1:2] + torch.arange(height, dtype=torch.float64)  # [B, F, H]
+    cols = p[..., 2:3] + torch.arange(width, dtype=torch.float64)
+    ah = axis_angles(rows.reshape(-1), bh, theta).view(b, f, height, 1, -1)
+    aw = axis_angles(cols.reshape(-1), bw, theta).view(b, f, 1, width, -1)
+    shape = (b, f, height, width)
+    return torch.cat([at.expand(*shape, -1), ah.expand(*shape, -1), aw.expand(*shape, -1)], -1).reshape(
+        b, f * height * width, -1)
+
+
 def apply_rope(x: torch.Tensor, angles: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Rotate channel pairs of x [..., N, D] by angles [N, D / 2] (or back, with inverse=True); float32 out."""
     a = -angles if inverse else angles

@@ -12,7 +12,7 @@ SMALL = {"qvg": dict(centroids=8), "qvg-pro": dict(centroids=8), "kivi": dict(),
          "bf16": dict()}
 
 
-COMPONENTS = ("codes", "scales", "ids", "centroids", "bf16", "workspace")  # memory()'s parts of total
+COMPONENTS = ("codes", "scales", "ids", "centroids", "positions", "bf16", "workspace")  # memory()'s parts of total
 ZONES = ("bf16_sink", "bf16_pending", "bf16_current", "bf16_residual")  # memory()'s parts of bf16
 
 

@@ -15,7 +15,8 @@ def test_writes_mp4_and_report(tmp_path, method, capsys):
     assert main(["--frames", "13", "--method", method, "--out", str(out), "--quiet"]) == 0
     rep = json.loads(out.with_suffix(".json").read_text())
     assert KEYS <= set(rep) and rep["frames"] == 13 and rep["method"] == method
-    assert set(rep["kv_bytes"]) == {"codes", "scales", "ids", "centroids", "bf16", "workspace", "total"}
+    assert set(rep["kv_bytes"]) == {"codes", "scales", "ids", "centroids", "positions", "bf16", "workspace",
+                                 "total"}
     assert rep["kv_bytes"]["total"] == sum(v for k, v in rep["kv_bytes"].items() if k != "total")
     assert sum(rep["bf16_zones"].values()) == rep["kv_bytes"]["bf16"]
     assert rep["image"].startswith("bundled photo 'astronaut'") and len(rep["actions"]) == 4
@@ -25,8 +26,11 @@ def test_writes_mp4_and_report(tmp_path, method, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v.json", "v.mp4"]
     if method == "bf16":
         assert rep["compression_ratio"] == 1.0 and rep["options"] == {}
+        assert rep["key_storage"] == "post-rope" and rep["kv_bytes"]["positions"] == 0
     else:
         assert {"bits", "block_size", "stages", "centroids"} <= set(rep["options"])
+        # keys packed before RoPE by default: each packed chunk keeps its frames' (t, dy, dx) in each layer
+        assert rep["key_storage"] == "pre-rope" and rep["kv_bytes"]["positions"] == 6 * 5 * 3 * 3 * 4  # 5 packed chunks of 3 frames, int32
 
 
 def test_bf16_with_a_window_is_still_1x(tmp_path):
@@ -37,6 +41,8 @@ def test_bf16_with_a_window_is_still_1x(tmp_path):
 
 BAD = [
     (["--bits", "3"], "--bits must be 2, 4 or 8"),
+    (["--key-storage", "pre"], "--key-storage must be auto, post-rope or pre-rope"),
+    (["--method", "kivi", "--key-storage", "pre-rope"], "--key-storage pre-rope is for rtn, qvg, qvg-pro"),
     (["--frames", "0"], "--frames must be in"),
     (["--frames", "x"], "--frames must be an integer"),
     (["--method", "fp4"], "unknown method"),

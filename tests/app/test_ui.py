@@ -114,8 +114,8 @@ def test_live_chunks_memory_panel_mp4_and_report(client):
     assert [r[:2] for r in table["data"]] == [[1, "right"], [2, "left"]]
     head = table["headers"]
     comps = [h for h in head if h.startswith("qvg ") and h.endswith(" KiB") and h != "qvg KV KiB"]
-    assert comps == [f"qvg {c} KiB" for c in ("codes", "scales", "ids", "centroids", "bf16_sink", "bf16_pending",
-                                               "bf16_current", "bf16_residual", "workspace")]
+    assert comps == [f"qvg {c} KiB" for c in ("codes", "scales", "ids", "centroids", "positions", "bf16_sink",
+                                               "bf16_pending", "bf16_current", "bf16_residual", "workspace")]
     for r in table["data"]:
         row = dict(zip(head, r))
         assert row["qvg ratio"] > 1 and row["qvg KV KiB"] < row["BF16 equiv. KiB"] and row["qvg s"] > 0

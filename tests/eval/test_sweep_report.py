@@ -97,7 +97,7 @@ def test_memory_breakdown_adds_up_to_the_total(tmp_path, monkeypatch):
         body = md[i + 2:md.index("", i)]
         assert body and all(sum(int(c.strip().replace(",", "")) for c in cells[a:t]) ==
                             int(cells[t].strip().replace(",", "")) for cells in (r.strip("|").split("|") for r in body))
-    assert "| rtn | INT2 | 5,308,416 | 333,504 | 0 | 0 | 4,718,592 | 2,491,392 | 12,851,904 |" in "\n".join(md)
+    assert "| rtn | INT2 | 5,308,416 | 333,504 | 0 | 0 | 0 | 4,718,592 | 2,491,392 | 12,851,904 |" in "\n".join(md)
     ax = figs[1].axes[0]  # memory_breakdown: one stacked bar per (method, bits)
     tops = {}
     for bar in ax.patches:

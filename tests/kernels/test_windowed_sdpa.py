@@ -80,3 +80,30 @@ def test_lse_merge_is_the_softmax_of_the_union(device):
         acc, lse = merge_lse(acc, lse, *sdpa_lse(q, k[:, :, a:b], v[:, :, a:b], 0.2))
     assert torch.allclose(lse, whole_lse, atol=1e-2, rtol=1e-3)
     assert rel_err(acc.to(dt), whole) < TOL
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_pre_rope_cache_tables_rotate_as_the_reference(window, device):
+    """A pre-RoPE KVCache's history through the dequant kernel's rotation (the tables `KVCache._rope_tables` builds
+    for its GPU path, frame0 per ring slot) attends as the cache's reference path (decode, rotate by the stored
+    positions' angles, SDPA), also after the rolling window's ring wrapped."""
+    from qvg.cache import KVCache
+    from qvg.rope import apply_rope, frame_angles
+    g = torch.Generator().manual_seed(3)
+    cache = KVCache(1, "qvg", chunk_frames=2, tokens_per_frame=16, window_frames=window, key_storage="pre-rope",
+                    bits=4, centroids=4)
+    for c in range(5):
+        pos = torch.zeros(1, 2, 3, dtype=torch.int32)
+        pos[..., 0] = torch.arange(2 * c, 2 * c + 2)
+        k = apply_rope(torch.randn(1, 2, 32, 64, generator=g), frame_angles(pos, 4, 4, 64)[:, None])
+        cache.set_positions(pos, 4, 4)
+        cache.write(0, k.to(torch.bfloat16), torch.randn(1, 2, 32, 64, generator=g).to(torch.bfloat16))
+        cache.commit()
+    cache.write(0, *(torch.randn(1, 2, 32, 64, generator=g).to(torch.bfloat16) for _ in range(2)))
+    L = cache.layers[0]
+    assert window is None or L.hist[0].head == 2  # 3 slots: a wrong slot order rotates wrongly
+    q = torch.randn(1, 4, 32, 64, generator=g).to(torch.bfloat16)
+    ref = cache.attend(0, q)
+    tables = cache._rope_tables(L, device)
+    err = rel_err(_run(device, q, *L.hist, L.tail(0), L.tail(1), rope=tables), ref)
+    assert err < TOL, f"window {window}: {err:.4f}"
