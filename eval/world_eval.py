@@ -122,7 +122,9 @@ def report(res: dict, out: Path) -> None:
     lines = [f"# Embedded world model: evaluation on held-out photos ({res['device']})", "",
              f"- date {res['date']}; commit `{res['commit']}`; model trained {res['model']} steps; "
              f"{res['seconds']} s",
-             f"- command: `python -m qvg.eval.world_eval {' '.join(res.get('argv', []))}`",
+             *([f"- command: `python -m qvg.eval.world_eval {' '.join(res['argv'])}`"] if "argv" in res else
+               [f"- {len(res['argv_runs'])} processes at once (seconds: the longest), merged with `--merge`:"]
+               + [f"  - `python -m qvg.eval.world_eval {' '.join(argv)}`" for argv in res["argv_runs"]]),
              f"- trajectory seed {st.get('trajectory_seed', TRAJECTORY_SEED)}; sampling seeds "
              f"{st.get('seed_offset', 0)}..{st.get('seed_offset', 0) + st['seeds'] - 1}",
              f"- {st['trajectories']} trajectories per held-out photo ({', '.join(photo_names('eval'))}) and kind, "
@@ -306,9 +308,19 @@ def main(argv=None) -> int:
     p.add_argument("--seed-offset", type=int, default=0, help="sampling seeds are offset, offset+1, ...")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--report", default=None, help="only render .md / .png from this results JSON")
+    p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                   help="merge results JSONs of one set (same photos, trajectories, seeds, m; e.g. configurations "
+                        "run in parallel processes) into --out (.json, .md, .png), differences recomputed")
     a = p.parse_args(argv)
     if a.report:
         report(json.loads(Path(a.report).read_text()), Path(a.report))
+        return 0
+    if a.merge:
+        try:
+            res = merge([json.loads(Path(f).read_text()) for f in a.merge])
+        except (OSError, json.JSONDecodeError, KeyError, ValueError) as e:
+            p.error(f"--merge: {e}")
+        _write(res, Path(a.out))
         return 0
     table = configs(DEFAULT_CONFIG)
     if a.add_configs:
@@ -378,15 +390,57 @@ def main(argv=None) -> int:
                      "method": method, "window": window, "options": opts,
                      "kv_bytes_at_end": hist, "compression_ratio": round(mem["compression_ratio"], 3)}
         print(cname, rv[cname]["returning_psnr"], rv[cname]["consistency_psnr"], flush=True)
+        res["revisit"] = rv
+        res["differences"] = differences(rv)
+        res["seconds"] = round(time.time() - t0, 1)
+        _write(res, Path(a.out), markdown=False)  # after every configuration: a time limit keeps what is done
     res["revisit"] = rv
     res["differences"] = differences(rv)
     res["seconds"] = round(time.time() - t0, 1)
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(res, indent=1))
-    report(res, out)
+    _write(res, Path(a.out))
     print(json.dumps(res.get("quality")), flush=True)
     return 0
+
+
+def _write(res: dict, out: Path, markdown: bool = True) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(res, indent=1))
+    tmp.replace(out.with_suffix(".json"))
+    if markdown:
+        report(res, out)
+
+
+SAME_SET = ("m", "seeds", "trajectories", "trajectory_seed", "seed_offset", "chunks", "first", "model")
+
+
+def merge(parts: list[dict]) -> dict:
+    """One results dict from runs of the same set (SAME_SET settings, device, commit): revisit configurations in
+    the order given (a name in two runs must hold the same numbers: the runs are deterministic), the quality part
+    of the run that has one, differences recomputed over all configurations; `argv` lists every run's."""
+    first = parts[0]
+    for r in parts[1:]:
+        for k in SAME_SET:
+            if r["settings"].get(k) != first["settings"].get(k):
+                raise ValueError(f"setting {k} differs: {first['settings'].get(k)!r} vs {r['settings'].get(k)!r}")
+        for k in ("device", "commit", "model"):
+            if r.get(k) != first.get(k):
+                raise ValueError(f"{k} differs: {first.get(k)!r} vs {r.get(k)!r}")
+    res = {k: v for k, v in first.items() if k not in ("revisit", "differences", "quality", "quality_per_chunk_psnr")}
+    rv = {}
+    for r in parts:
+        for name, d in r["revisit"].items():
+            if name in rv and rv[name]["per_seed"] != d["per_seed"]:
+                raise ValueError(f"configuration {name!r} has different numbers in two runs")
+            rv.setdefault(name, d)
+        for k in ("quality", "quality_per_chunk_psnr"):
+            if k in r:
+                res[k] = r[k]
+    res["revisit"], res["differences"] = rv, differences(rv)
+    res["argv_runs"] = [r.get("argv", []) for r in parts]
+    res.pop("argv", None)
+    res["seconds"] = max(r["seconds"] for r in parts)
+    return res
 
 
 if __name__ == "__main__":

@@ -1,0 +1,27 @@
+"""world_eval: results are written after every configuration, and runs of one set made in parallel processes
+merge into one results file with the differences recomputed (CPU, the shipped model, a tiny set)."""
+import json
+
+import pytest
+
+from qvg.eval import world_eval
+
+SET = ["--m", "1", "--seeds", "2", "--trajectories", "1", "--skip-quality", "--device", "cpu"]
+
+
+def test_parallel_runs_merge_into_one_result(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert world_eval.main(SET + ["--configs", "bf16 full", "--out", str(a)]) == 0
+    assert world_eval.main(SET + ["--configs", "bf16 window:3,bf16 full", "--out", str(b)]) == 0
+    ra, rb = (json.loads(p.with_suffix(".json").read_text()) for p in (a, b))
+    assert ra["revisit"]["bf16 full"]["per_seed"] == rb["revisit"]["bf16 full"]["per_seed"]  # deterministic
+    assert world_eval.main(["--merge", str(a.with_suffix(".json")), str(b.with_suffix(".json")),
+                            "--out", str(tmp_path / "m")]) == 0
+    m = json.loads((tmp_path / "m.json").read_text())
+    assert list(m["revisit"]) == ["bf16 full", "bf16 window:3"] and len(m["argv_runs"]) == 2
+    assert m["differences"] == world_eval.differences(rb["revisit"])
+    md = (tmp_path / "m.md").read_text()
+    assert "2 processes at once" in md and "bf16 full - bf16 window:3: region_psnr" in md
+    other = dict(ra, settings=dict(ra["settings"], seed_offset=5))
+    with pytest.raises(ValueError, match="setting seed_offset differs"):
+        world_eval.merge([ra, other])
