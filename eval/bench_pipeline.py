@@ -36,10 +36,12 @@ def wan_model(**config):
 
 
 def new_cache(model, method: str, window: int, options: dict):
-    """A 30-layer cache of 3-frame chunks with a rolling window (options apply to the compressed methods)."""
+    """A 30-layer cache of 3-frame chunks with a rolling window (options apply to the compressed methods).
+    method "NAME:pre-rope": keys packed before RoPE (KVCache key_storage)."""
     from qvg.cache import KVCache
-    return KVCache(30, method, chunk_frames=3, tokens_per_frame=model.tokens_per_latent_frame(*LATENT_HW),
-                   window_frames=window, **({} if method == "bf16" else options))
+    name, _, storage = method.partition(":")
+    return KVCache(30, name, chunk_frames=3, tokens_per_frame=model.tokens_per_latent_frame(*LATENT_HW),
+                   window_frames=window, key_storage=storage or "post-rope", **({} if name == "bf16" else options))
 
 
 def cuda_ms(fn) -> float:
@@ -57,6 +59,10 @@ def _fill(cache, frames: int, heads: int, seed: int = 0):
     g = torch.Generator(device="cuda").manual_seed(seed)
     t = cache.chunk_tokens
     for _ in range(frames // cache.chunk_frames):
+        if cache.key_storage == "pre-rope":  # (the model passes them itself when it runs)
+            pos = torch.zeros(1, cache.chunk_frames, 3, dtype=torch.int32)
+            pos[..., 0] = torch.arange(cache.frames, cache.frames + cache.chunk_frames)
+            cache.set_positions(pos, LATENT_HW[0] // 2, LATENT_HW[1] // 2)
         for layer in range(cache.num_layers):
             centres = torch.randn(2, 1, heads, 64, 128, device="cuda", generator=g) * 3
             ids = torch.randint(0, 64, (t,), device="cuda", generator=g)

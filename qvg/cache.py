@@ -104,7 +104,7 @@ class KVCache:
         self.key_storage = key_storage
         self._positions = None  # pre-rope: the current chunk's positions [B, F, 3] (set_positions)
         self._grid = None  # pre-rope: (height, width, theta) of the token grid
-        self._angles_memo = (None, None)  # (unit positions' ids, angles) of the last history rotated
+        self._rope_memo: dict = {}  # angles / kernel tables by positions (shared by the layers of a forward)
         self.layers = [_Layer() for _ in range(num_layers)]
         self.frames = 0  # frames committed so far (the next chunk's start frame: its RoPE time offset)
         self.commits = 0
@@ -122,23 +122,33 @@ class KVCache:
         """RoPE angles [B, 1, N, D / 2] (float32) of the tokens of these units' positions, in order (one tensor for
         every layer of a forward: they all hold the same positions)."""
         pos = torch.cat(units, 1)
-        key = (pos.shape, pos.numpy().tobytes(), str(device), head_dim)
-        if self._angles_memo[0] != key:
-            h, w, theta = self._grid
-            self._angles_memo = (key, frame_angles(pos, h, w, head_dim, theta).float().to(device)[:, None])
-        return self._angles_memo[1]
+        return self._memo(("angles", pos.shape, pos.numpy().tobytes(), str(device), head_dim),
+                          lambda: frame_angles(pos, *self._grid[:2], head_dim, self._grid[2]).float().to(device)[:, None])
+
+    def _memo(self, key, make):
+        """One value per key for as long as the positions last: during the clean re-run the committed layers hold
+        one more unit than the rest, so a few keys are live at once; anything older is dropped."""
+        if key not in self._rope_memo:
+            if len(self._rope_memo) >= 4:
+                self._rope_memo.pop(next(iter(self._rope_memo)))
+            self._rope_memo[key] = make()
+        return self._rope_memo[key]
 
     def _rope_tables(self, L: _Layer, device) -> RopeTables | None:
         """The history's RoPE as the dequant kernel's factorized tables (frame0 per ring slot), or None when they
         cannot say it: spatial offsets, positions that differ across the batch, or frames out of step."""
         pos = torch.stack(L.pos_hist)  # [C, B, F, 3]
-        c, _, f, _ = pos.shape
-        steps = torch.arange(f, dtype=pos.dtype)
+        head = L.hist[0].head
+        return self._memo(("tables", pos.shape, pos.numpy().tobytes(), head, str(device), L.hist[0].shape[3]),
+                          lambda: self._make_tables(pos, head, device, L.hist[0].shape[3]))
+
+    def _make_tables(self, pos: torch.Tensor, head: int, device, head_dim: int) -> RopeTables | None:
+        steps = torch.arange(pos.shape[2], dtype=pos.dtype)
         if pos[..., 1:].any() or (pos[..., 0] != pos[:, :1, :1, 0] + steps).any():
             return None
-        t0 = torch.roll(pos[:, 0, 0, 0], L.hist[0].head)  # slot s holds the unit (s - head) mod C
+        t0 = torch.roll(pos[:, 0, 0, 0], head)  # slot s holds the unit (s - head) mod C
         h, w, theta = self._grid
-        return RopeTables(h, w, L.hist[0].shape[3], t0.to(device), int(pos[..., 0].max()) + 1, theta)
+        return RopeTables(h, w, head_dim, t0.to(device), int(pos[..., 0].max()) + 1, theta)
 
     # ---- writing ------------------------------------------------------------------------------------------
     def set_positions(self, positions: torch.Tensor, height: int, width: int, theta: float = 10000.0) -> None:
@@ -404,6 +414,7 @@ class KVCache:
         self.frames = 0
         self.commits = 0
         self._positions = None
+        self._rope_memo = {}
         if self._graphed is not None:
             self._graphed.clear()
 
