@@ -198,3 +198,15 @@ def test_steerable_chunks_match_the_world_rollout_with_world_rope():
     ref = torch.cat([start[:, None]] + [r.video[0] for r in rollout(loaded.transformer, cfg, start, s["actions"],
                                                                       cache, seed=s["seed"])], 1)
     assert torch.equal(ours, ref)
+
+
+def test_key_storage_auto_is_pre_rope_on_the_embedded_model_only(tmp_path):
+    """auto packs keys before RoPE where it was measured to pay (the embedded model); Self-Forcing keeps post-RoPE
+    keys (pre-RoPE costs ~6% per chunk there); an explicit choice wins."""
+    from qvg.app.generate import parse
+    out = ["--out", str(tmp_path / "v.mp4")]
+    assert parse(out)["key_storage"] == "pre-rope"
+    assert parse(out + ["--method", "kivi"])["key_storage"] == "post-rope"
+    sf = ["--pipeline", "self-forcing", "--checkpoint", str(tmp_path)] + out
+    assert parse(sf)["key_storage"] == "post-rope"
+    assert parse(sf + ["--key-storage", "pre-rope"])["key_storage"] == "pre-rope"
