@@ -191,10 +191,13 @@ class Trainer:
         v = out[:, :, a["chunks"] * cf:].float()
         return F.mse_loss(v, noise - x0)
 
-    def train(self, data: WorldData, minutes: float, log_every: int = 50, max_steps: int | None = None) -> None:
+    def train(self, data: WorldData, minutes: float, log_every: int = 50, max_steps: int | None = None,
+              save_every: int | None = None, save_to=None) -> None:
+        """Train until `minutes` pass, `max_steps` steps are done in this call or total_steps is reached; with
+        save_to, the state is saved there every `save_every` steps too (a run killed from outside loses less)."""
         a = self.args
         from concurrent.futures import ThreadPoolExecutor
-        t0 = time.perf_counter()
+        t0 = counted = time.perf_counter()
         run_start = self.step
         pool = ThreadPoolExecutor(1)  # the next batch is drawn while this one trains
         nxt = pool.submit(data.batch, a["batch"])
@@ -226,8 +229,12 @@ class Trainer:
                        "lr": self.lr_at(self.step - 1), "seconds": round(el, 1)}
                 self.log.append(rec)
                 print(json.dumps(rec), flush=True)
+            if save_to is not None and save_every and self.step % save_every == 0:
+                now = time.perf_counter()
+                self.elapsed, counted = self.elapsed + now - counted, now
+                self.save(save_to)
         pool.shutdown(wait=True, cancel_futures=True)
-        self.elapsed += time.perf_counter() - t0
+        self.elapsed += time.perf_counter() - counted
 
     # state: sharded safetensors (FP32 weights, BF16 Adam moments) + state.json
     def save(self, directory) -> None:
@@ -249,18 +256,21 @@ class Trainer:
                 cur, size = {}, 0
             cur[k], size = tensors[k].contiguous(), size + nb
         shards.append(cur)
-        for old in d.glob("state-*.safetensors"):
-            old.unlink()
-        files = []
-        for i, sh in enumerate(shards):
-            name = f"state-{i + 1:02d}-of-{len(shards):02d}.safetensors"
+        files = []  # new files first, then state.json (renamed into place), then the old files: a run killed
+        for i, sh in enumerate(shards):  # mid-save still has a complete state, the old or the new one
+            name = f"state-s{self.step}-{i + 1:02d}-of-{len(shards):02d}.safetensors"
             save_file(sh, str(d / name))
             files.append(name)
         meta = {"step": self.step, "elapsed_seconds": round(self.elapsed, 1), "args": self.args,
                 "config": self.cfg, "files": files, "log": self.log}
         if self.init:
             meta["init"] = self.init
-        (d / "state.json").write_text(json.dumps(meta, indent=1, default=list))
+        tmp = d / "state.json.tmp"
+        tmp.write_text(json.dumps(meta, indent=1, default=list))
+        tmp.replace(d / "state.json")
+        for old in d.glob("state-*.safetensors"):
+            if old.name not in files:
+                old.unlink()
 
     def init_from(self, directory) -> None:
         """Start from an exported model's weights (FP16 -> FP32), with a fresh optimizer: a fine-tune."""
@@ -300,6 +310,7 @@ def main(argv=None) -> int:
     p.add_argument("--attention", default="auto", choices=("auto", "flex", "dense"))
     p.add_argument("--compile", action="store_true", help="torch.compile the model (CUDA)")
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps in this run")
+    p.add_argument("--save-every", type=int, default=200, help="also save the state every this many steps")
     p.add_argument("--init", default=None, help="a new run starts from this exported model's weights (fine-tune)")
     p.add_argument("--world-rope", action="store_true", help="a new run: world-coordinate spatial RoPE")
     for k, v in DEFAULTS.items():
@@ -333,7 +344,7 @@ def main(argv=None) -> int:
     print(f"{'resumed at step ' + str(tr.step) if resumed else 'new run'}; {json.dumps(tr.args)}", flush=True)
     data = WorldData(tr.args["seed"] * 1000003 + tr.step, tr.args["chunks"], tr.cfg, "train", a.device,
                      revisit=tr.args["revisit_fraction"])
-    tr.train(data, a.minutes, max_steps=a.max_steps)
+    tr.train(data, a.minutes, max_steps=a.max_steps, save_every=a.save_every, save_to=ck)
     tr.save(ck)
     print(f"saved step {tr.step} ({tr.elapsed:.0f} s of training) to {ck}", flush=True)
     return 0

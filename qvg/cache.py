@@ -26,9 +26,11 @@ Per layer, three zones, for keys and values alike ([B, H, tokens, D], H = kv hea
   "pre-rope" (rtn / qvg / qvg-pro) turns each key back to before RoPE when it is packed and rotates it again when it
   is read, so k-means groups keys by content rather than by position (eval/results/rope_storage.md: 1.8x lower
   INT2 key error for qvg). The model gives each chunk's per-frame positions (`set_positions`); each packed unit
-  keeps them (a few integers per frame). The BF16 zones always hold keys after RoPE.
+  keeps them (a few integers per frame). The BF16 zones always hold keys after RoPE. On the GPU the dequant kernel
+  rotates as it decodes when the positions are plain time steps (its tables hold time offsets only); with spatial
+  offsets (the world model's pans) the history is decoded whole and rotated in torch, a transient of its size.
 - `memory()`: bytes by component (codes, scales, ids, centroids, positions, bf16, and workspace: the compression
-  graphs' static tensors and private memory pools) and in total, next to the BF16 bytes the same tokens would take; `bf16`
+  graphs' static tensors and private memory pools, and the kernel's rotation tables) and in total, next to the BF16 bytes the same tokens would take; `bf16`
   is also split by zone (bf16_sink, bf16_pending, bf16_current, bf16_residual), which sum to it exactly.
 
 Method "bf16" keeps everything in the BF16 buffer (no compression): the reference every method is compared with.
@@ -104,7 +106,7 @@ class KVCache:
         self.key_storage = key_storage
         self._positions = None  # pre-rope: the current chunk's positions [B, F, 3] (set_positions)
         self._grid = None  # pre-rope: (height, width, theta) of the token grid
-        self._rope_memo: dict = {}  # angles / kernel tables by positions (shared by the layers of a forward)
+        self._rope_memo: dict = {}  # the dequant kernel's rotation tables by positions (shared by the layers)
         self.layers = [_Layer() for _ in range(num_layers)]
         self.frames = 0  # frames committed so far (the next chunk's start frame: its RoPE time offset)
         self.commits = 0
@@ -119,17 +121,17 @@ class KVCache:
         return self.key_storage == "pre-rope" and self.method != "bf16"
 
     def _angles(self, units: list[torch.Tensor], device, head_dim: int) -> torch.Tensor:
-        """RoPE angles [B, 1, N, D / 2] (float32) of the tokens of these units' positions, in order (one tensor for
-        every layer of a forward: they all hold the same positions)."""
-        pos = torch.cat(units, 1)
-        return self._memo(("angles", pos.shape, pos.numpy().tobytes(), str(device), head_dim),
-                          lambda: frame_angles(pos, *self._grid[:2], head_dim, self._grid[2]).float().to(device)[:, None])
+        """RoPE angles [B, 1, N, D / 2] (float32) of the tokens of these units' positions, in order: computed per
+        call, a transient like the decoded history it rotates (the cache keeps no per-token table)."""
+        h, w, theta = self._grid
+        return frame_angles(torch.cat(units, 1), h, w, head_dim, theta).float().to(device)[:, None]
 
     def _memo(self, key, make):
-        """One value per key for as long as the positions last: during the clean re-run the committed layers hold
-        one more unit than the rest, so a few keys are live at once; anything older is dropped."""
+        """The dequant kernel's rotation tables, one per key for as long as the positions last (during the clean
+        re-run the committed layers hold one more unit than the rest, so two keys are live; older ones are
+        dropped). They are counted in memory()'s workspace."""
         if key not in self._rope_memo:
-            if len(self._rope_memo) >= 4:
+            if len(self._rope_memo) >= 2:
                 self._rope_memo.pop(next(iter(self._rope_memo)))
             self._rope_memo[key] = make()
         return self._rope_memo[key]
@@ -198,6 +200,7 @@ class KVCache:
             if not L.committed:
                 self._commit(L)
             L.committed = False
+        self._positions = None  # the next chunk's must be given again
         self.frames += self.chunk_frames
         self.commits += 1
 
@@ -403,6 +406,8 @@ class KVCache:
                     comp["centroids"] += L.warm[i].numel() * L.warm[i].element_size()
             comp["positions"] += sum(p.numel() * p.element_size() for p in L.pos_hist + L.pos_pending)
         comp["workspace"] = self._graphed.nbytes if self._graphed is not None else 0  # the compression graphs
+        comp["workspace"] += sum(t.table.numel() * 4 + t.frame0.numel() * 4 for t in self._rope_memo.values()
+                                 if t is not None)  # and the kernel's rotation tables (pre-rope keys)
         total = sum(comp.values())
         return {**comp, **zones, "total": total, "bf16_equivalent": equiv,
                 "compression_ratio": equiv / total if total else 1.0}

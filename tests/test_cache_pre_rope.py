@@ -164,3 +164,30 @@ def test_errors():
     cache.write(0, _content(0).to(torch.bfloat16), _content(1).to(torch.bfloat16))
     with pytest.raises(RuntimeError, match="call set_positions"):
         cache.commit()
+
+
+@pytest.mark.parametrize("method", ["qvg", "rtn"])
+@pytest.mark.parametrize("sink,every,window", [(4, 1, None), (0, 2, None), (4, 2, 8), (2, 1, 4)])
+def test_pre_rope_matches_post_rope_with_sinks_units_and_windows(method, sink, every, window):
+    """With a BF16 sink, units of several chunks (commit_every) and a rolling window, a pre-RoPE cache at 8 bits
+    holds and attends to what a post-RoPE cache does (its positions follow the units it packs and evicts)."""
+    q = torch.randn(B, H, T, D, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    caches = {}
+    for ks in ("post-rope", "pre-rope"):
+        c = KVCache(1, method, chunk_frames=CF, tokens_per_frame=TPF, sink_frames=sink, commit_every=every,
+                    window_frames=window, key_storage=ks, bits=8, **({"centroids": 4} if method == "qvg" else {}))
+        _feed(c, 7)
+        c.set_positions(_positions(7), *HW)
+        c.write(0, _content(7).to(torch.bfloat16), _content(107).to(torch.bfloat16))
+        caches[ks] = c
+    (kp, vp), (kq, vq) = caches["post-rope"].read(0), caches["pre-rope"].read(0)
+    assert kp.shape == kq.shape and torch.equal(vp, vq)
+    assert (kq.float() - kp.float()).norm() / kp.float().norm() < 2e-2
+    outs = [c.attend(0, q).float() for c in caches.values()]
+    assert (outs[1] - outs[0]).norm() / outs[0].norm() < 2e-2
+    L = caches["pre-rope"].layers[0]
+    units = L.hist[0].num_chunks if L.hist[0] is not None else 0
+    assert len(L.pos_hist) == units and len(L.pos_pending) * T == L.n_pending
+    assert caches["pre-rope"]._positions is not None  # set for the chunk being written
+    caches["pre-rope"].commit()
+    assert caches["pre-rope"]._positions is None  # a commit forgets them: the next chunk must give its own

@@ -123,6 +123,20 @@ def test_trainer_steps_and_resumes(tmp_path):
     assert tr2.step == 3
 
 
+def test_trainer_saves_every_n_steps_and_a_save_replaces_the_old_state(tmp_path):
+    """save_every: the state on disk follows the run (a run killed from outside resumes from the last save); each
+    save writes its files before state.json and removes the old ones after it."""
+    tr = Trainer(dict(chunks=3, batch=2, warmup=2, total_steps=10), SMALL, "cpu", attention="dense")
+    saved = []
+    orig = tr.save
+    tr.save = lambda d: (orig(d), saved.append(json.loads((tmp_path / "ck" / "state.json").read_text())["step"]))
+    tr.train(WorldData(0, 3, SMALL, revisit=0.7), minutes=5, max_steps=5, save_every=2, save_to=tmp_path / "ck")
+    assert saved == [2, 4]
+    meta = json.loads((tmp_path / "ck" / "state.json").read_text())
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == sorted(meta["files"] + ["state.json"])
+    assert all(f.startswith("state-s4-") for f in meta["files"]) and meta["elapsed_seconds"] <= tr.elapsed
+
+
 def test_rollout_context_is_the_models_own_generation():
     args = dict(chunks=4, batch=2, warmup=2, total_steps=10, rollout_fraction=1.0)
     tr = Trainer(args, SMALL, "cpu", attention="dense")
