@@ -8,11 +8,6 @@ t = 0 + commit) with a rolling window of that history, timed with CUDA events (t
 the cache does not change them). KV bytes: `torch.cuda.memory_allocated` delta across the fill, plus the free blocks of the
 compression graphs' private pools (held for the replays; memory_allocated omits them), vs the cache's own
 accounting. Writes pipeline-<gpu>.json.
-
-Methods: a cache method name, optionally followed by ":"-separated flags, in any order: "pre-rope" (keys packed
-before RoPE: KVCache key_storage="pre-rope") and "batch" (all layers' units packed in one compress call per commit:
-KVCache batch_commit=True), e.g. --methods bf16,qvg,qvg:batch,qvg:pre-rope,qvg:batch:pre-rope. The flagged name is
-the row's "method".
 """
 from __future__ import annotations
 
@@ -40,27 +35,13 @@ def wan_model(**config):
     return CausalWanTransformer(**{**WAN_1_3B, **config}).to("cuda", torch.bfloat16).eval()
 
 
-METHOD_FLAGS = ("pre-rope", "batch")
-
-
-def parse_method(method: str) -> tuple[str, set]:
-    """"NAME[:FLAG...]" -> (NAME, flags); flags from METHOD_FLAGS (module docstring)."""
-    name, *flags = method.split(":")
-    bad = [f for f in flags if f not in METHOD_FLAGS]
-    if bad:
-        raise ValueError(f"method {method!r}: unknown flag {bad[0]!r}; flags: {', '.join(METHOD_FLAGS)}")
-    return name, set(flags)
-
-
 def new_cache(model, method: str, window: int, options: dict):
     """A 30-layer cache of 3-frame chunks with a rolling window (options apply to the compressed methods).
-    method "NAME[:FLAG...]": "pre-rope" packs keys before RoPE (KVCache key_storage), "batch" packs all layers'
-    units in one call per commit (KVCache batch_commit)."""
+    method "NAME:pre-rope": keys packed before RoPE (KVCache key_storage)."""
     from qvg.cache import KVCache
-    name, flags = parse_method(method)
+    name, _, storage = method.partition(":")
     return KVCache(30, name, chunk_frames=3, tokens_per_frame=model.tokens_per_latent_frame(*LATENT_HW),
-                   window_frames=window, key_storage="pre-rope" if "pre-rope" in flags else "post-rope",
-                   batch_commit="batch" in flags, **({} if name == "bf16" else options))
+                   window_frames=window, key_storage=storage or "post-rope", **({} if name == "bf16" else options))
 
 
 def cuda_ms(fn) -> float:
@@ -266,10 +247,9 @@ def run_max_history(methods_opts: list[tuple[str, dict]]) -> list[dict]:
     for method, opts in methods_opts:
         small = _fits(model, method, 21, opts)  # bytes per frame and the fixed part, from a small history
         kv = small["kv"]  # bf16: 21 past + 3 current frames in BF16; else 21 packed frames + the BF16 zone
-        bf16 = parse_method(method)[0] == "bf16"
-        per_frame = kv["total"] / 24 if bf16 else (kv["total"] - kv["bf16"] - kv["workspace"]) / 21
+        per_frame = kv["total"] / 24 if method == "bf16" else (kv["total"] - kv["bf16"] - kv["workspace"]) / 21
         from qvg.kernels.windowed_sdpa import WINDOW_BYTES  # the staging window grows to its cap on long histories
-        guess = int((total * 0.97 - small["peak_bytes"] - (WINDOW_BYTES if not bf16 else 0)) / per_frame) + 21
+        guess = int((total * 0.97 - small["peak_bytes"] - (WINDOW_BYTES if method != "bf16" else 0)) / per_frame) + 21
         print(f"max-history {method} {opts}: {per_frame / 2**20:.1f} MiB per frame, first guess {guess}", flush=True)
         out.append({**max_history(model, method, opts, guess), "bytes_per_frame_estimate": per_frame,
                     "gpu_total_bytes": total})
@@ -280,7 +260,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="eval/results")
     ap.add_argument("--history", default="21,60")
-    ap.add_argument("--methods", default="bf16,qvg,qvg-pro", help="NAME[:pre-rope][:batch],... (module docstring)")
+    ap.add_argument("--methods", default="bf16,qvg,qvg-pro")
     ap.add_argument("--options", default='{"centroids": 64}', help="JSON options of the compressed methods")
     ap.add_argument("--repeat", type=int, default=7, help="timed chunks per method (rounds over the methods)")
     ap.add_argument("--max-history", default=None, metavar="M1,M2",
@@ -294,8 +274,7 @@ def main(argv=None) -> int:
         "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
     opts = json.loads(args.options)
     if args.max_history:
-        res["max_history"] = run_max_history([(m, {} if parse_method(m)[0] == "bf16" else opts)
-                                              for m in args.max_history.split(",")])
+        res["max_history"] = run_max_history([(m, {} if m == "bf16" else opts) for m in args.max_history.split(",")])
         name = "max-history-"
     else:
         res["options"] = opts

@@ -18,16 +18,6 @@ Per layer, three zones, for keys and values alike ([B, H, tokens, D], H = kv hea
   unit's bytes, not the whole history's.
 - `commit_layer(layer)`: the same for one layer, called by the model right after that layer's last attention of
   the chunk (the clean re-run), so compression interleaves with the forward; `commit()` then finishes the rest.
-- `batch_commit=True` (rtn / qvg / qvg-pro): `commit_layer` only moves the chunk into the layer's pending zone;
-  `commit()` then packs the units of all layers at once: every layer's K units stacked along the head dim
-  ([B, layers * H, N, D], keys un-rotated first with pre-rope storage) in one compress call (one graph replay on
-  CUDA), the result split back per layer along the head dim, then the same for V (K and V share one graph). It
-  replaces 2 x layers small calls per commit with two large ones, bitwise the same units as per-layer packing:
-  quantization and warm-started k-means work per (batch, head) group. A commit whose units cannot batch packs them
-  layer by layer: differing shapes, or a qvg / qvg-pro unit without a warm start (the cold first unit: k-means++
-  seeding draws per call, not per group). Cost on CUDA: the one graph's static input, outputs and pool are sized
-  for every layer's unit, not one layer's (its BF16 input alone: 30 x 12 x 4,680 x 128 x 2 B = 431 MB on
-  Self-Forcing), counted in memory()'s workspace. Default off (issue 4 measures it: bench_pipeline "qvg:batch").
 - `attend(layer, q)`: attention of q over sink + history + pending + current. On CUDA the history of rtn / qvg /
   qvg-pro is decoded window by window (<= 1 GiB of one layer's BF16 K + V, never the whole history) and
   attended by torch's SDPA (cuDNN), windows merged by log-sum-exp (kernels/windowed_sdpa.py); kivi / quarot and
@@ -53,7 +43,7 @@ import torch
 from . import compression
 from .attention import attend_reference, sdpa_gqa
 from .compression.graphed import GraphedCompress
-from .packed import COMPONENTS, Packed
+from .packed import COMPONENTS
 from .rope import RopeTables, apply_rope, frame_angles
 from .sequence import PER_TOKEN_METHODS, PackedSequence
 
@@ -88,13 +78,11 @@ class KVCache:
     chunk_frames; window_frames=None keeps the whole history. cuda_graphs: on CUDA, warm-started compression
     replays a captured graph (qvg.compression.graphed; same result, a fraction of the host time). key_storage:
     "post-rope" or "pre-rope" (see the module docstring; pre-rope needs `set_positions` before each chunk's writes).
-    batch_commit: pack all layers' units of a commit in one compress call (rtn / qvg / qvg-pro; module docstring).
     """
 
     def __init__(self, num_layers: int, method: str = "qvg", *, chunk_frames: int, tokens_per_frame: int,
                  sink_frames: int = 0, window_frames: int | None = None, commit_every: int = 1,
-                 cuda_graphs: bool = True, key_storage: str = "post-rope", batch_commit: bool = False,
-                 **options):
+                 cuda_graphs: bool = True, key_storage: str = "post-rope", **options):
         if method not in CACHE_METHODS:
             raise ValueError(f"unknown cache method {method!r}; choose one of: {', '.join(CACHE_METHODS)}")
         if key_storage not in KEY_STORAGE:
@@ -109,8 +97,6 @@ class KVCache:
         for name, v in (("sink_frames", sink_frames), ("window_frames", window_frames)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0 or v % chunk_frames):
                 raise ValueError(f"{name} must be a non-negative multiple of chunk_frames ({chunk_frames}), got {v!r}")
-        if not isinstance(batch_commit, bool):
-            raise ValueError(f"batch_commit must be True or False, got {batch_commit!r}")
         if method == "bf16" and options:
             raise ValueError(f"method 'bf16' takes no options, got {', '.join(sorted(options))}")
         self.method, self.options = method, dict(options)
@@ -118,7 +104,6 @@ class KVCache:
         self.sink_frames, self.window_frames, self.commit_every = sink_frames, window_frames, commit_every
         self.num_layers = num_layers
         self.key_storage = key_storage
-        self.batch_commit = batch_commit and method in PER_TOKEN_METHODS  # (kivi / quarot pack layer by layer)
         self._positions = None  # pre-rope: the current chunk's positions [B, F, 3] (set_positions)
         self._grid = None  # pre-rope: (height, width, theta) of the token grid
         self._rope_memo: dict = {}  # the dequant kernel's rotation tables by positions (shared by the layers)
@@ -207,27 +192,13 @@ class KVCache:
     def commit(self) -> None:
         """Make the current chunk history in every layer (fill the sink, pack every `commit_every` chunks, evict
         outside the window) and advance the frame count. Every layer must have been written since the last commit
-        (layers already committed by `commit_layer` are done; with batch_commit their packing happens here)."""
+        (layers already committed by `commit_layer` are done)."""
         for i, L in enumerate(self.layers):
             if not L.n_cur and not L.committed:
                 raise RuntimeError(f"commit: layer {i} has no current chunk (write it first)")
-        if self.batch_commit:
-            for L in self.layers:
-                if not L.committed:
-                    self._take(L)
-            due = [L for L in self.layers if self._due(L)]
-            if self._batchable(due):
-                self._pack(due)
-            else:
-                for L in due:
-                    self._pack([L])
-            for L in self.layers:
-                self._evict(L)
-        else:
-            for L in self.layers:
-                if not L.committed:
-                    self._commit(L)
         for L in self.layers:
+            if not L.committed:
+                self._commit(L)
             L.committed = False
         self._positions = None  # the next chunk's must be given again
         self.frames += self.chunk_frames
@@ -235,26 +206,15 @@ class KVCache:
 
     def commit_layer(self, layer: int) -> None:
         """Commit one layer now (its compression is queued right behind that layer's last attention, while the
-        GPU still runs the layers before it: the host's launch work hides behind the forward; with batch_commit
-        the chunk only joins the pending zone: `commit()` packs every layer at once). `commit()` must still follow
-        once every layer is done; until then the layer takes no new write."""
+        GPU still runs the layers before it: the host's launch work hides behind the forward). `commit()` must
+        still follow once every layer is done; until then the layer takes no new write."""
         L = self.layers[layer]
         if L.committed or not L.n_cur:
             raise RuntimeError(f"commit_layer: layer {layer} has no current chunk (write it first)")
-        if self.batch_commit:
-            self._take(L)
-        else:
-            self._commit(L)
+        self._commit(L)
         L.committed = True
 
     def _commit(self, L: _Layer) -> None:
-        self._take(L)
-        if self._due(L):
-            self._pack([L])
-        self._evict(L)
-
-    def _take(self, L: _Layer) -> None:
-        """The current chunk joins the sink, or else the pending zone (with its positions, pre-rope)."""
         if L.n_sink < self.sink_frames * self.tokens_per_frame:
             L.n_sink += L.n_cur
         else:
@@ -265,85 +225,40 @@ class KVCache:
                                        "before committing it")
                 L.pos_pending.append(self._positions)
         L.n_cur = 0
+        if self.method != "bf16" and L.n_pending >= self.commit_every * self.chunk_tokens:
+            self._pack_pending(L)
+        self._evict(L)
 
-    def _due(self, L: _Layer) -> bool:
-        """The pending zone holds a whole unit to pack."""
-        return self.method != "bf16" and L.n_pending >= self.commit_every * self.chunk_tokens
-
-    def _batchable(self, layers: list[_Layer]) -> bool:
-        """Whether these layers' units can pack in one call, bitwise as layer by layer: the same shapes, and a warm
-        start for every unit or (rtn, stages=0) for none (cold k-means++ seeding is not per group)."""
-        if len(layers) < 2 or "init" in self.options:
-            return False
-        if len({(L.buf[0].shape[:2], L.buf[0].shape[3], L.buf[0].device, L.n_sink, L.n_pending)
-                for L in layers}) > 1:
-            return False
-        cold = self.method != "rtn" and self.options.get("stages") != 0  # no warm start: k-means++ seeding
-        for i in range(2):
-            warm = [self._warm_start(L, i) for L in layers]
-            if any(w is None for w in warm):
-                if cold or not all(w is None for w in warm):
-                    return False
-            elif len({tuple(w.shape) for w in warm}) > 1:
-                return False
-        return True
-
-    def _pack(self, layers: list[_Layer]) -> None:
-        """Pack the pending unit of each layer: K first, then V, each in one compress call over the layers' units
-        stacked along the head dim (one layer: no stacking), split back and stored in each layer's history."""
+    def _pack_pending(self, L: _Layer) -> None:
+        a, b = L.n_sink, L.n_sink + L.n_pending
         # a full rolling window would evict exactly its oldest unit after this one: overwrite that unit in place
-        rings = [self._ring(L) for L in layers]
+        held = self._hist_tokens(L)
+        ring = self.window_frames is not None and 0 < held and (
+            self.window_frames * self.tokens_per_frame <= held < self.window_frames * self.tokens_per_frame + b - a)
         for i, role in enumerate(("key", "value")):
+            x = L.buf[i][:, :, a:b]
+            if i == 0 and self._pre_rope:  # back to before RoPE (fp32 rotation, BF16 as written)
+                x = apply_rope(x, self._angles(L.pos_pending, x.device, x.shape[3]), inverse=True).to(x.dtype)
             opts = dict(self.options)
             if self.method == "kivi":  # the pending / current zones are KIVI's full-precision recent window
                 opts = {"role": role, "residual": 0, **opts}
-            xs = [self._unit(L, i) for L in layers]
-            warms = [self._warm_start(L, i) if "init" not in opts else None for L in layers]
-            p = self._compress(xs, None if warms[0] is None else warms, opts)
-            # (a graphed p is the graph's static output: each layer's part is copied into its history before V
-            # replays the same graph)
-            for L, part, ring in zip(layers, _split_heads(p, len(layers)), rings):
-                self._store(L, i, part, ring)
-        for L, ring in zip(layers, rings):
-            L.n_pending = 0
-            if self._pre_rope:
-                unit = torch.cat(L.pos_pending, 1)
-                L.pos_hist = (L.pos_hist[1:] if ring else L.pos_hist) + [unit]
-                L.pos_pending = []
-
-    def _ring(self, L: _Layer) -> bool:
-        """Whether the layer's pending unit overwrites its oldest unit's slot (a full rolling window that would
-        evict exactly that unit after this one)."""
-        h, held = L.hist[0], self._hist_tokens(L)
-        return (self.window_frames is not None and isinstance(h, PackedSequence) and h.chunk_len == L.n_pending
-                and self.window_frames * self.tokens_per_frame <= held
-                < self.window_frames * self.tokens_per_frame + L.n_pending)
-
-    def _unit(self, L: _Layer, i: int) -> torch.Tensor:
-        """The pending unit of K (i = 0) or V [B, H, N, D] as it is packed: pre-rope keys turned back to before
-        RoPE (fp32 rotation, BF16 as written)."""
-        x = L.buf[i][:, :, L.n_sink:L.n_sink + L.n_pending]
-        if i == 0 and self._pre_rope:
-            x = apply_rope(x, self._angles(L.pos_pending, x.device, x.shape[3]), inverse=True).to(x.dtype)
-        return x
-
-    def _compress(self, xs: list[torch.Tensor], warms: list[torch.Tensor] | None, opts: dict):
-        """One compress of the units xs stacked along the head dim (warm starts stacked likewise)."""
-        if self._graphed is not None and self._graphed.supports(xs[0], self.method, warms and warms[0], opts):
-            return self._graphed(xs, self.method, warms, **opts)  # one graph replay (copied into the history)
-        x = xs[0] if len(xs) == 1 else torch.cat(xs, 1)
-        warm = None if warms is None else warms[0] if len(warms) == 1 else torch.cat(warms, 2)
-        return compression.compress(x, self.method, check_finite=False, init=warm, **opts)  # no host sync
-
-    def _store(self, L: _Layer, i: int, p, ring: bool) -> None:
-        """Put a packed unit at the end of the layer's K (i = 0) or V history (in the oldest slot when `ring`)."""
-        if self.method in PER_TOKEN_METHODS:
-            h = L.hist[i]
-            L.hist[i] = (PackedSequence.from_chunks([p]) if h is None else
-                         h.replace_oldest(p) if ring else h.append(p))
-        else:
-            L.hist[i] = (L.hist[i] or []) + [p]
-        L.warm[i] = None
+            warm = self._warm_start(L, i) if "init" not in opts else None
+            if self._graphed is not None and self._graphed.supports(x, self.method, warm, opts):
+                p = self._graphed(x, self.method, warm, **opts)  # one graph replay (copied into the history below)
+            else:
+                p = compression.compress(x, self.method, check_finite=False, init=warm, **opts)  # no host sync
+            if self.method in PER_TOKEN_METHODS:
+                h = L.hist[i]
+                L.hist[i] = (PackedSequence.from_chunks([p]) if h is None else
+                             h.replace_oldest(p) if ring and h.chunk_len == b - a else h.append(p))
+            else:
+                L.hist[i] = (L.hist[i] or []) + [p]
+            L.warm[i] = None
+        L.n_pending = 0
+        if self._pre_rope:
+            unit = torch.cat(L.pos_pending, 1)
+            L.pos_hist = (L.pos_hist[1:] if ring and L.hist[0].chunk_len == b - a else L.pos_hist) + [unit]
+            L.pos_pending = []
 
     def _warm_start(self, L: _Layer, i: int):
         if self.method not in ("qvg", "qvg-pro") or self.options.get("stages") == 0:
@@ -507,19 +422,6 @@ class KVCache:
         self._rope_memo = {}
         if self._graphed is not None:
             self._graphed.clear()
-
-
-def _split_heads(p: Packed, parts: int) -> list[Packed]:
-    """The per-layer units of a Packed made from `parts` units stacked along the head dim (views): its head dim is
-    1 in codes / scale / zero [B, H, N, ...] and tscale [B, H], 2 in ids [S, B, H, N] and centroids
-    [S, B, H, K, D]."""
-    if parts == 1:
-        return [p]
-    b, h, n, d = p.shape
-    h //= parts
-    return [Packed(p.method, (b, h, n, d), p.dtype,
-                   {name: t.narrow(2 if name in ("ids", "centroids") else 1, j * h, h)
-                    for name, t in p.tensors.items()}, dict(p.meta)) for j in range(parts)]
 
 
 def _stored(hist) -> list:

@@ -8,12 +8,10 @@ replays the same kernels in the same order (bitwise the same result) for one lau
 Graphs exist only where compress has no host-side work to replay: rtn, and qvg / qvg-pro warm-started from the
 previous unit's centroids (the cold first unit seeds k-means++ from a CPU generator and runs eagerly). One graph
 per (method, options, shape, warm-start shape); the input and the warm start are copied into the graph's static
-tensors; either may be given as a list of parts, concatenated along the head dim straight into the static tensor
-(the cache's batch_commit: every layer's unit in one call, no staging copy). The returned Packed holds the graph's
-static outputs: valid until the next call with the same key (the cache copies them into its history at once).
-`nbytes`: the memory the graphs hold: their static inputs and their private memory pools, outputs and the captured
-intermediates' blocks alike (reserved for the replays, usable by no other allocation). `clear()` drops every graph
-and its memory (the cache's `reset`).
+tensors. The returned Packed holds the graph's static outputs: valid until the next call with the same key (the
+cache copies them into its history at once). `nbytes`: the memory the graphs hold: their static inputs and their
+private memory pools, outputs and the captured intermediates' blocks alike (reserved for the replays, usable by no
+other allocation). `clear()` drops every graph and its memory (the cache's `reset`).
 """
 from __future__ import annotations
 
@@ -42,22 +40,15 @@ class GraphedCompress:
             return False
         return method == "rtn" or options.get("stages") == 0 or init is not None
 
-    def __call__(self, x: torch.Tensor | list[torch.Tensor], method: str,
-                 init: torch.Tensor | list[torch.Tensor] | None = None, **options) -> Packed:
-        """compress(x, method, init=init, **options) by a graph replay. x [B, H, N, D] or a list of such parts
-        (concatenated along H); init [S, B, H, K, D] or a list of parts likewise (along its H, dim 2)."""
-        xs = x if isinstance(x, list) else [x]
-        inits = init if isinstance(init, list) or init is None else [init]
-        shape = _cat_shape(xs, 1)
-        key = (method, repr(sorted(options.items())), shape, xs[0].dtype, xs[0].device,
-               None if inits is None else (_cat_shape(inits, 2), inits[0].dtype))
+    def __call__(self, x: torch.Tensor, method: str, init: torch.Tensor | None = None, **options) -> Packed:
+        key = (method, repr(sorted(options.items())), tuple(x.shape), x.dtype, x.device,
+               None if init is None else (tuple(init.shape), init.dtype))
         e = self._graphs.get(key)
         if e is None:
-            e = self._graphs[key] = self._capture(torch.cat(xs, 1), method,
-                                                  None if inits is None else torch.cat(inits, 2), options)
-        torch.cat(xs, 1, out=e["x"])
-        if inits is not None:
-            torch.cat(inits, 2, out=e["init"])
+            e = self._graphs[key] = self._capture(x, method, init, options)
+        e["x"].copy_(x)
+        if init is not None:
+            e["init"].copy_(init)
         e["graph"].replay()
         return e["out"]
 
@@ -84,12 +75,6 @@ class GraphedCompress:
         # pool's free blocks: the intermediates', which memory_allocated no longer counts but the pool keeps
         self.nbytes += torch.cuda.memory_allocated(x.device) - before + pool_free_bytes(x.device, graph.pool())
         return {"graph": graph, "x": sx, "init": si, "out": out}
-
-
-def _cat_shape(parts: list[torch.Tensor], dim: int) -> tuple[int, ...]:
-    shape = list(parts[0].shape)
-    shape[dim] = sum(t.shape[dim] for t in parts)
-    return tuple(shape)
 
 
 def pool_free_bytes(device: torch.device, pool=None) -> int:
