@@ -124,7 +124,8 @@ class KVCache:
         """RoPE angles [B, 1, N, D / 2] (float32) of the tokens of these units' positions, in order: computed per
         call, a transient like the decoded history it rotates (the cache keeps no per-token table)."""
         h, w, theta = self._grid
-        return frame_angles(torch.cat(units, 1), h, w, head_dim, theta).float().to(device)[:, None]
+        pos = torch.cat(units, 1).to(device, non_blocking=True)  # a few integers: no blocking copy, no table copy
+        return frame_angles(pos, h, w, head_dim, theta).float()[:, None]
 
     def _memo(self, key, make):
         """The dequant kernel's rotation tables, one per key for as long as the positions last (during the clean

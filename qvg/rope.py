@@ -17,8 +17,8 @@ def bands(head_dim: int) -> tuple[int, int, int]:
 
 
 def axis_angles(positions: torch.Tensor, band: int, theta: float = 10000.0) -> torch.Tensor:
-    """[P] positions -> [P, band / 2] rotation angles."""
-    inv = theta ** (-torch.arange(0, band, 2, dtype=torch.float64) / band)
+    """[P] positions -> [P, band / 2] rotation angles (float64, on the positions' device)."""
+    inv = theta ** (-torch.arange(0, band, 2, dtype=torch.float64, device=positions.device) / band)
     return positions.double()[:, None] * inv[None, :]
 
 
@@ -40,16 +40,16 @@ def frame_angles(positions: torch.Tensor, height: int, width: int, head_dim: int
     """Angles [B, F * height * width, D / 2] (float64) of the tokens of F frames per sample, frame f of sample b at
     time positions[b, f, 0] with its rows and columns offset by positions[b, f, 1:] = (dy, dx): token (i, j) sits
     at row dy + i, column dx + j (the causal Wan model's `frame_ids` / `spatial_offsets`; zero offsets: screen
-    coordinates, as `grid_angles`). positions: integer [B, F, 3]."""
+    coordinates, as `grid_angles`). positions: integer [B, F, 3]; computed on its device."""
     if positions.dim() != 3 or positions.shape[-1] != 3 or positions.is_floating_point():
         raise ValueError(f"positions must be an integer tensor [B, F, 3] (t, dy, dx per frame), got "
                          f"{positions.dtype} {list(positions.shape)}")
     bt, bh, bw = bands(head_dim)
     b, f, _ = positions.shape
-    p = positions.cpu().double()
+    p = positions.double()
     at = axis_angles(p[..., 0].reshape(-1), bt, theta).view(b, f, 1, 1, -1)
-    rows = p[..., 1:2] + torch.arange(height, dtype=torch.float64)  # [B, F, H]
-    cols = p[..., 2:3] + torch.arange(width, dtype=torch.float64)
+    rows = p[..., 1:2] + torch.arange(height, dtype=torch.float64, device=p.device)  # [B, F, H]
+    cols = p[..., 2:3] + torch.arange(width, dtype=torch.float64, device=p.device)
     ah = axis_angles(rows.reshape(-1), bh, theta).view(b, f, height, 1, -1)
     aw = axis_angles(cols.reshape(-1), bw, theta).view(b, f, 1, width, -1)
     shape = (b, f, height, width)
