@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--commit-every", default="1", help="compress every k chunks (default 1)")
     p.add_argument("--key-storage", default="auto", help="pack keys before RoPE (pre-rope: rotated again on read) or "
                    "after it (post-rope). auto: pre-rope for rtn / qvg / qvg-pro on the embedded model (1.8 dB better "
-                   "on its revisits), post-rope otherwise (on Self-Forcing pre-rope costs ~6%% more time per chunk)")
+                   "on its revisits), post-rope otherwise (on Self-Forcing pre-rope costs 4-7%% more time per chunk)")
     p.add_argument("--history", default="full", help="full, or window:N (keep N past latent frames)")
     p.add_argument("--sink", default="0", help="latent frames kept in BF16 at the start (a multiple of 3)")
     p.add_argument("--seed", default="0")
@@ -105,8 +105,9 @@ def _commit() -> str:
 
 def _key_storage(given: str, method: str, pipeline: str) -> str:
     """auto: pre-RoPE keys where they are measured to pay (the embedded model: eval/results/world-confirm2-m6-h100.md,
-    QVG INT2 B16 -0.34 dB vs BF16 against -2.15 post-RoPE); on Self-Forcing they cost +6% per chunk at 21-60 latent
-    frames (pipeline-h100.prerope-1996894.json) for a gain not yet measured on real weights."""
+    QVG INT2 B16 -0.34 dB vs BF16 against -2.15 post-RoPE); on Self-Forcing they cost 4-7% more per chunk at 21-60 latent
+    frames than post-RoPE keys (pipeline-h100.prerope-{1996894,168b957}.json) for a gain not yet measured on real
+    weights."""
     from qvg.cache import KEY_STORAGE
     from qvg.sequence import PER_TOKEN_METHODS
     if given == "auto":
