@@ -127,23 +127,19 @@ class KVCache:
         pos = torch.cat(units, 1).to(device, non_blocking=True)  # a few integers: no blocking copy, no table copy
         return frame_angles(pos, h, w, head_dim, theta).float()[:, None]
 
-    def _memo(self, key, make):
-        """The dequant kernel's rotation tables, one per key for as long as the positions last (during the clean
-        re-run the committed layers hold one more unit than the rest, so two keys are live; older ones are
-        dropped). They are counted in memory()'s workspace."""
+    def _rope_tables(self, L: _Layer, device) -> RopeTables | None:
+        """The history's RoPE as the dequant kernel's factorized tables (frame0 per ring slot), or None when they
+        cannot say it: spatial offsets, positions that differ across the batch, or frames out of step. Kept per
+        positions while they last (during the clean re-run the committed layers hold one more unit than the rest:
+        two live keys; older ones are dropped) and counted in memory()'s workspace."""
+        pos = torch.stack(L.pos_hist)  # [C, B, F, 3]
+        head, d = L.hist[0].head, L.hist[0].shape[3]
+        key = (pos.shape, pos.numpy().tobytes(), head, str(device), d)
         if key not in self._rope_memo:
             if len(self._rope_memo) >= 2:
                 self._rope_memo.pop(next(iter(self._rope_memo)))
-            self._rope_memo[key] = make()
+            self._rope_memo[key] = self._make_tables(pos, head, device, d)
         return self._rope_memo[key]
-
-    def _rope_tables(self, L: _Layer, device) -> RopeTables | None:
-        """The history's RoPE as the dequant kernel's factorized tables (frame0 per ring slot), or None when they
-        cannot say it: spatial offsets, positions that differ across the batch, or frames out of step."""
-        pos = torch.stack(L.pos_hist)  # [C, B, F, 3]
-        head = L.hist[0].head
-        return self._memo(("tables", pos.shape, pos.numpy().tobytes(), head, str(device), L.hist[0].shape[3]),
-                          lambda: self._make_tables(pos, head, device, L.hist[0].shape[3]))
 
     def _make_tables(self, pos: torch.Tensor, head: int, device, head_dim: int) -> RopeTables | None:
         steps = torch.arange(pos.shape[2], dtype=pos.dtype)
