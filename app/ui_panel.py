@@ -13,8 +13,9 @@ from pathlib import Path
 COMPONENTS = ("codes", "scales", "ids", "centroids", "positions", "bf16_sink", "bf16_pending", "bf16_current",
               "bf16_residual", "workspace")
 BF16_ZONES = ("bf16_sink", "bf16_pending", "bf16_current")
-COLORS = {"codes": "#1f77b4", "scales": "#ff7f0e", "ids": "#2ca02c", "centroids": "#d62728", "positions": "#17becf", "bf16_sink": "#9467bd",
-          "bf16_pending": "#8c564b", "bf16_current": "#c7c7c7", "bf16_residual": "#e377c2", "workspace": "#bcbd22"}
+COLORS = {"codes": "#1f77b4", "scales": "#ff7f0e", "ids": "#2ca02c", "centroids": "#d62728", "positions": "#17becf",
+          "bf16_sink": "#9467bd", "bf16_pending": "#8c564b", "bf16_current": "#c7c7c7", "bf16_residual": "#e377c2",
+          "workspace": "#bcbd22"}
 # the live frames' preview (the page shows it 300 pixels high): scaled by a whole factor, up (nearest) or down (box
 # average), to a shortest side of at most DISPLAY and a longest of at most MAX_SIDE
 DISPLAY, MAX_SIDE = 256, 512

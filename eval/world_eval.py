@@ -390,13 +390,8 @@ def main(argv=None) -> int:
                      "method": method, "window": window, "options": opts,
                      "kv_bytes_at_end": hist, "compression_ratio": round(mem["compression_ratio"], 3)}
         print(cname, rv[cname]["returning_psnr"], rv[cname]["consistency_psnr"], flush=True)
-        res["revisit"] = rv
-        res["differences"] = differences(rv)
-        res["seconds"] = round(time.time() - t0, 1)
+        res.update(revisit=rv, differences=differences(rv), seconds=round(time.time() - t0, 1))
         _write(res, Path(a.out), markdown=False)  # after every configuration: a time limit keeps what is done
-    res["revisit"] = rv
-    res["differences"] = differences(rv)
-    res["seconds"] = round(time.time() - t0, 1)
     _write(res, Path(a.out))
     print(json.dumps(res.get("quality")), flush=True)
     return 0
@@ -417,7 +412,7 @@ SAME_SET = ("m", "seeds", "trajectories", "trajectory_seed", "seed_offset", "chu
 def merge(parts: list[dict]) -> dict:
     """One results dict from runs of the same set (SAME_SET settings, device, commit): revisit configurations in
     the order given (a name in two runs must hold the same numbers: the runs are deterministic), the quality part
-    of the run that has one, differences recomputed over all configurations; `argv` lists every run's."""
+    of the run that has one, differences recomputed over all configurations; `argv_runs` lists every run's argv."""
     first = parts[0]
     for r in parts[1:]:
         for k in SAME_SET:

@@ -7,14 +7,15 @@ embedding (WorldPlay-style; one action per chunk at sampling, per token in train
 (3 channels in [-1, 1], 4 x 4 patches; `PixelDecoder` stands in for the VAE). The start image is the first chunk
 (`chunk_frames` copies, action "stay"), run clean at t = 0 into the cache before the first generated chunk.
 
-World-coordinate RoPE (config "world_rope", default false; the shipped model is trained without it): each frame's
+World-coordinate RoPE (config "world_rope", default false; the shipped model is trained with it on): each frame's
 spatial RoPE indices are offset by the camera's accumulated pan in patches (`pan_offsets`), so a token and the
 remembered token at the same place in the world share a row / column position. Only pans move it (a pan of
 `pan_pixels` view pixels per frame must be a whole number of patches); zoom changes the scale, which no integer
 offset expresses, so zoom frames keep the offset they have, and pans after a zoom count in the zoomed view's patches.
 Per chunk the model takes `world_inputs(config, actions so far)`: the chunk's action and, with world_rope, its
-frames' offsets. The KV cache holds keys after RoPE (`qvg.cache.KVCache.write` gets them rotated; no pre-RoPE key
-storage is used on this path), so each cached key keeps the world position it was written with.
+frames' offsets. The KV cache gets keys after RoPE (`qvg.cache.KVCache.write`), so each cached key keeps the world
+position it was written with; with key_storage "pre-rope" (qvg-generate's default for this model) the cache packs
+them un-rotated, with each chunk's positions, and rotates them back as it reads them.
 """
 from __future__ import annotations
 

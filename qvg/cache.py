@@ -30,8 +30,9 @@ Per layer, three zones, for keys and values alike ([B, H, tokens, D], H = kv hea
   rotates as it decodes when the positions are plain time steps (its tables hold time offsets only); with spatial
   offsets (the world model's pans) the history is decoded whole and rotated in torch, a transient of its size.
 - `memory()`: bytes by component (codes, scales, ids, centroids, positions, bf16, and workspace: the compression
-  graphs' static tensors and private memory pools, and the kernel's rotation tables) and in total, next to the BF16 bytes the same tokens would take; `bf16`
-  is also split by zone (bf16_sink, bf16_pending, bf16_current, bf16_residual), which sum to it exactly.
+  graphs' static tensors and private memory pools, and the kernel's rotation tables) and in total, next to the BF16
+  bytes the same tokens would take; `bf16` is also split by zone (bf16_sink, bf16_pending, bf16_current,
+  bf16_residual), which sum to it exactly.
 
 Method "bf16" keeps everything in the BF16 buffer (no compression): the reference every method is compared with.
 Attention has no mask: past chunks are fully visible, the current chunk attends to itself (block-causal).
@@ -322,7 +323,8 @@ class KVCache:
                 if tables is not None:
                     from .kernels.windowed_sdpa import windowed_attention
                     return windowed_attention(q, kh, vh, kt, vt, scale=scale, rope=tables)
-                k = apply_rope(kh.decompress(), self._angles(L.pos_hist, q.device, kh.shape[3]))  # (materializes: the reference)
+                # the reference (it materializes the history): decode, rotate, attend
+                k = apply_rope(kh.decompress(), self._angles(L.pos_hist, q.device, kh.shape[3]))
                 return sdpa_gqa(q.float(), torch.cat([k, kt.float()], 2),
                                 torch.cat([vh.decompress().float(), vt.float()], 2), scale).to(q.dtype)
             if use_kernels(q):
@@ -342,7 +344,9 @@ class KVCache:
             parts = [L.buf[i][:, :, :L.n_sink]]
             if isinstance(h, PackedSequence):
                 y = h.decompress()
-                parts.append(apply_rope(y, self._angles(L.pos_hist, y.device, y.shape[3])) if i == 0 and self._pre_rope else y)
+                if i == 0 and self._pre_rope:
+                    y = apply_rope(y, self._angles(L.pos_hist, y.device, y.shape[3]))
+                parts.append(y)
             elif h is not None:
                 parts += [compression.decompress(p) for p in h]
             parts.append(L.buf[i][:, :, L.n_sink:L.n_sink + L.n_pending + L.n_cur])

@@ -24,15 +24,11 @@ def axis_angles(positions: torch.Tensor, band: int, theta: float = 10000.0) -> t
 
 def grid_angles(frames: int, height: int, width: int, head_dim: int, t0: int = 0,
                 theta: float = 10000.0) -> torch.Tensor:
-    """Angles [frames * height * width, D / 2] for tokens in T x H x W order starting at frame t0."""
-    bt, bh, bw = bands(head_dim)
-    at = axis_angles(torch.arange(t0, t0 + frames), bt, theta)
-    ah = axis_angles(torch.arange(height), bh, theta)
-    aw = axis_angles(torch.arange(width), bw, theta)
-    n = frames * height * width
-    return torch.cat([at[:, None, None].expand(frames, height, width, -1).reshape(n, -1),
-                      ah[None, :, None].expand(frames, height, width, -1).reshape(n, -1),
-                      aw[None, None, :].expand(frames, height, width, -1).reshape(n, -1)], -1)
+    """Angles [frames * height * width, D / 2] for tokens in T x H x W order starting at frame t0 (screen
+    coordinates: `frame_angles` with zero offsets)."""
+    pos = torch.zeros(1, frames, 3, dtype=torch.long)
+    pos[0, :, 0] = torch.arange(t0, t0 + frames)
+    return frame_angles(pos, height, width, head_dim, theta)[0]
 
 
 def frame_angles(positions: torch.Tensor, height: int, width: int, head_dim: int,
