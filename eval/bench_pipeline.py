@@ -37,11 +37,16 @@ def wan_model(**config):
 
 def new_cache(model, method: str, window: int, options: dict):
     """A 30-layer cache of 3-frame chunks with a rolling window (options apply to the compressed methods).
-    method "NAME:pre-rope": keys packed before RoPE (KVCache key_storage)."""
+    method "NAME[:pre-rope][:sync]": keys packed before RoPE (KVCache key_storage); commits in line with the
+    forward instead of on the cache's side stream (KVCache async_commit=False)."""
     from qvg.cache import KVCache
-    name, _, storage = method.partition(":")
+    name, *flags = method.split(":")
+    unknown = set(flags) - {"pre-rope", "sync"}
+    if unknown:
+        raise ValueError(f"unknown method flag(s) {', '.join(sorted(unknown))} in {method!r} (pre-rope, sync)")
     return KVCache(30, name, chunk_frames=3, tokens_per_frame=model.tokens_per_latent_frame(*LATENT_HW),
-                   window_frames=window, key_storage=storage or "post-rope", **({} if name == "bf16" else options))
+                   window_frames=window, key_storage="pre-rope" if "pre-rope" in flags else "post-rope",
+                   async_commit="sync" not in flags, **({} if name == "bf16" else options))
 
 
 def cuda_ms(fn) -> float:

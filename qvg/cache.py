@@ -18,6 +18,11 @@ Per layer, three zones, for keys and values alike ([B, H, tokens, D], H = kv hea
   unit's bytes, not the whole history's.
 - `commit_layer(layer)`: the same for one layer, called by the model right after that layer's last attention of
   the chunk (the clean re-run), so compression interleaves with the forward; `commit()` then finishes the rest.
+- Asynchronous commits (`async_commit`, on by default; CUDA only): a commit's GPU work (compression, the copy into
+  the history, eviction) is queued on a side stream behind the current stream's work so far, so it runs beside
+  the later layers' forward instead of in line with it. The cache orders every later use: `attend` / `read` of
+  a layer wait for its commit, and `commit()` makes the current stream wait for all of them (no host sync), so
+  the next chunk's writes and reads see the finished history. Bitwise the same history as synchronous commits.
 - `attend(layer, q)`: attention of q over sink + history + pending + current. On CUDA the history of rtn / qvg /
   qvg-pro is decoded window by window (<= 1 GiB of one layer's BF16 K + V, never the whole history) and
   attended by torch's SDPA (cuDNN), windows merged by log-sum-exp (kernels/windowed_sdpa.py); kivi / quarot and
@@ -67,6 +72,7 @@ class _Layer:
         self.committed = False  # committed by commit_layer since the last commit()
         self.pos_pending: list[torch.Tensor] = []  # pre-rope: positions [B, F, 3] of each pending chunk
         self.pos_hist: list[torch.Tensor] = []  # pre-rope: positions [B, F_unit, 3] of each packed unit, oldest first
+        self.done = None  # async commit: (device, CUDA event recorded after this layer's queued commit work) or None
 
     def tail(self, i: int) -> torch.Tensor:
         return self.buf[i][:, :, :self.n_sink + self.n_pending + self.n_cur]
@@ -79,11 +85,12 @@ class KVCache:
     chunk_frames; window_frames=None keeps the whole history. cuda_graphs: on CUDA, warm-started compression
     replays a captured graph (qvg.compression.graphed; same result, a fraction of the host time). key_storage:
     "post-rope" or "pre-rope" (see the module docstring; pre-rope needs `set_positions` before each chunk's writes).
+    async_commit: on CUDA, commits run on a side stream (see the module docstring); False: in line.
     """
 
     def __init__(self, num_layers: int, method: str = "qvg", *, chunk_frames: int, tokens_per_frame: int,
                  sink_frames: int = 0, window_frames: int | None = None, commit_every: int = 1,
-                 cuda_graphs: bool = True, key_storage: str = "post-rope", **options):
+                 cuda_graphs: bool = True, key_storage: str = "post-rope", async_commit: bool = True, **options):
         if method not in CACHE_METHODS:
             raise ValueError(f"unknown cache method {method!r}; choose one of: {', '.join(CACHE_METHODS)}")
         if key_storage not in KEY_STORAGE:
@@ -98,6 +105,8 @@ class KVCache:
         for name, v in (("sink_frames", sink_frames), ("window_frames", window_frames)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0 or v % chunk_frames):
                 raise ValueError(f"{name} must be a non-negative multiple of chunk_frames ({chunk_frames}), got {v!r}")
+        if not isinstance(async_commit, bool):
+            raise ValueError(f"async_commit must be True or False, got {async_commit!r}")
         if method == "bf16" and options:
             raise ValueError(f"method 'bf16' takes no options, got {', '.join(sorted(options))}")
         self.method, self.options = method, dict(options)
@@ -112,6 +121,8 @@ class KVCache:
         self.frames = 0  # frames committed so far (the next chunk's start frame: its RoPE time offset)
         self.commits = 0
         self._graphed = GraphedCompress() if cuda_graphs and method != "bf16" else None
+        self.async_commit = async_commit
+        self._side: dict = {}  # device -> the CUDA side stream of the async commits
 
     @property
     def chunk_tokens(self) -> int:
@@ -198,6 +209,7 @@ class KVCache:
             if not L.committed:
                 self._commit(L)
             L.committed = False
+        self._join()
         self._positions = None  # the next chunk's must be given again
         self.frames += self.chunk_frames
         self.commits += 1
@@ -213,6 +225,35 @@ class KVCache:
         L.committed = True
 
     def _commit(self, L: _Layer) -> None:
+        dev = L.buf[0].device
+        if not (self.async_commit and dev.type == "cuda"):
+            return self._commit_now(L)
+        side = self._side.get(dev)
+        if side is None:
+            side = self._side[dev] = torch.cuda.Stream(dev)
+        # queued behind everything so far: this chunk's writes and the layer's attention reads
+        side.wait_stream(torch.cuda.current_stream(dev))
+        for t in _layer_tensors(L):  # a block this commit frees (an appended or evicted history's) may have
+            t.record_stream(side)  # been allocated on the current stream: not reused there before the side is done
+        with torch.cuda.stream(side):
+            self._commit_now(L)
+        L.done = (dev, torch.cuda.Event())
+        L.done[1].record(side)
+
+    @staticmethod
+    def _wait(L: _Layer) -> None:
+        """The current stream waits for the layer's queued commit (no host sync)."""
+        if L.done is not None:
+            torch.cuda.current_stream(L.done[0]).wait_event(L.done[1])
+
+    def _join(self) -> None:
+        """The current stream waits for every queued commit (the next chunk then writes over what they read)."""
+        for dev, side in self._side.items():
+            torch.cuda.current_stream(dev).wait_stream(side)
+        for L in self.layers:
+            L.done = None
+
+    def _commit_now(self, L: _Layer) -> None:
         if L.n_sink < self.sink_frames * self.tokens_per_frame:
             L.n_sink += L.n_cur
         else:
@@ -312,6 +353,7 @@ class KVCache:
         L = self.layers[layer]
         if L.buf is None:
             raise RuntimeError(f"attend: layer {layer} holds nothing (write the current chunk first)")
+        self._wait(L)
         kt, vt = L.tail(0), L.tail(1)
         kh, vh = L.hist
         if kh is None:
@@ -338,6 +380,7 @@ class KVCache:
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's K and V as BF16 [B, H, tokens, D] in attention order (decoded: tests and analyses only)."""
         L = self.layers[layer]
+        self._wait(L)
         out = []
         for i in range(2):
             h = L.hist[i]
@@ -416,6 +459,7 @@ class KVCache:
     def reset(self) -> None:
         """Forget everything (a new video), the compression graphs and their memory too: a reset cache holds no
         bytes (the next video captures its graphs again, at its first warm-started commit)."""
+        self._join()  # (queued commits still read the buffers dropped here)
         self.layers = [_Layer() for _ in range(self.num_layers)]
         self.frames = 0
         self.commits = 0
@@ -432,6 +476,14 @@ def _stored(hist) -> list:
     if isinstance(hist, PackedSequence):
         return list(hist.tensors.items())
     return [kv for p in hist for kv in p.tensors.items()]
+
+
+def _layer_tensors(L: _Layer) -> list[torch.Tensor]:
+    """Every GPU array a layer holds: its BF16 buffers, histories and warm starts."""
+    out = list(L.buf or []) + [t for w in L.warm if w is not None for t in [w]]
+    for i in range(2):
+        out += [t for _, t in _stored(L.hist[i])]
+    return out
 
 
 def _grown(old: torch.Tensor | None, used: int, need: int, like: torch.Tensor) -> torch.Tensor:

@@ -327,3 +327,16 @@ def test_bf16_equivalent_is_what_a_bf16_cache_holds_between_chunks():
     bf, q = caches["bf16"].memory(), caches["qvg"].memory()
     assert bf["compression_ratio"] == 1.0 and q["bf16_equivalent"] == bf["total"] == 2 * B * H * D * 2 * 3 * T
     assert q["bf16_current"] > 0 and q["compression_ratio"] == q["bf16_equivalent"] / q["total"]
+
+
+def test_async_commit_option():
+    with pytest.raises(ValueError, match="async_commit must be True or False"):
+        KVCache(1, "qvg", chunk_frames=CF, tokens_per_frame=TPF, async_commit="yes")
+    # on the CPU there is no side stream: both settings commit in line, with the same result
+    caches = [KVCache(1, "qvg", chunk_frames=CF, tokens_per_frame=TPF, window_frames=2 * CF, async_commit=flag,
+                      **SMALL["qvg"]) for flag in (True, False)]
+    for c in caches:
+        _run(c, 3)
+    for a, b in zip(caches[0].read(0), caches[1].read(0)):
+        assert torch.equal(a, b)
+    assert not caches[0]._side

@@ -1,0 +1,63 @@
+"""KVCache's asynchronous commits (CUDA only): queued on a side stream, they leave bitwise the same history, the
+same attention outputs and the same accounting as commits in line with the forward, through sinks, ring
+evictions, pre-RoPE keys, the graphed compression and reads that come before `commit()`."""
+import pytest
+import torch
+
+from kernel_helpers import clustered
+from qvg.cache import KVCache
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="streams need a GPU")
+
+TPF, CF, LAYERS = 48, 2, 3
+CASES = [("qvg", {"centroids": 8}, "post-rope"), ("qvg", {"centroids": 8}, "pre-rope"),
+         ("qvg-pro", {"centroids": 8}, "post-rope"), ("rtn", {"bits": 4}, "post-rope"), ("kivi", {}, "post-rope"),
+         ("bf16", {}, "post-rope")]
+
+
+def _positions(frame):
+    pos = torch.zeros(1, CF, 3, dtype=torch.int32)
+    pos[..., 0] = torch.arange(frame, frame + CF)
+    return pos
+
+
+@pytest.mark.parametrize("method,opts,storage", CASES)
+def test_async_commit_equals_sync(method, opts, storage):
+    caches = [KVCache(LAYERS, method, chunk_frames=CF, tokens_per_frame=TPF, sink_frames=CF, window_frames=2 * CF,
+                      key_storage=storage, async_commit=flag, **opts) for flag in (True, False)]
+    q = torch.randn(1, 4, CF * TPF, 64, device="cuda").bfloat16()  # 4 query heads over 2 kv heads (GQA)
+    for i in range(6):  # sink, then the ring fills and wraps
+        x = clustered(2 * LAYERS, 2, CF * TPF, 64, spread=1.0, noise=0.5, seed=40 + i).bfloat16().cuda()
+        outs = []
+        for c in caches:
+            if storage == "pre-rope":
+                c.set_positions(_positions(c.frames), 6, 8)
+            got = []
+            for layer in range(LAYERS):  # the pipeline's clean re-run: write, attend, commit the layer
+                c.write(layer, x[2 * layer:2 * layer + 1], x[2 * layer + 1:2 * layer + 2])
+                got.append(c.attend(layer, q))
+                c.commit_layer(layer)
+            got += list(c.read(0))  # read before commit(): waits for the layer's queued commit
+            c.commit()
+            outs.append(got)
+        for a, b in zip(*outs):
+            assert torch.equal(a, b), (method, storage, i)
+    for layer in range(LAYERS):
+        for a, b in zip(caches[0].read(layer), caches[1].read(layer)):
+            assert torch.equal(a, b)
+    ma, mb = caches[0].memory(), caches[1].memory()
+    skip = ("workspace", "total", "compression_ratio")  # (graph pools are sized by the allocator: may differ)
+    assert {k: v for k, v in ma.items() if k not in skip} == {k: v for k, v in mb.items() if k not in skip}
+    assert caches[0]._side and not caches[1]._side  # the async cache really used its side stream
+
+
+def test_reset_waits_for_queued_commits():
+    c = KVCache(1, "qvg", chunk_frames=CF, tokens_per_frame=TPF, centroids=8)
+    for i in range(3):
+        x = clustered(2, 2, CF * TPF, 64, seed=i).bfloat16().cuda()
+        c.write(0, x[:1], x[1:])
+        c.commit_layer(0)
+        if i < 2:
+            c.commit()
+    c.reset()  # with a commit still queued
+    assert c.memory()["total"] == 0 and all(L.done is None for L in c.layers)
