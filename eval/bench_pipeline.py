@@ -49,6 +49,14 @@ def new_cache(model, method: str, window: int, options: dict):
                    async_commit="sync" not in flags, **({} if name == "bf16" else options))
 
 
+def settle() -> None:
+    """Synchronize, then let the caching allocator release the blocks whose frees waited on another stream's work
+    (the cache's side-stream commits): it does so at its next allocation, and until then memory_allocated counts
+    them."""
+    torch.cuda.synchronize()
+    torch.empty(1, device="cuda")
+
+
 def cuda_ms(fn) -> float:
     """Milliseconds of fn() between two CUDA events (synchronized)."""
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -111,7 +119,7 @@ def run(histories, methods, options, repeat: int = 7) -> list[dict]:
             free_before = pool_free_bytes(torch.device("cuda"))  # (the caches built before this one keep theirs)
             cache = new_cache(model, method, hist, options)
             _fill(cache, hist, 12)
-            torch.cuda.synchronize()
+            settle()
             # graph pools: memory_allocated omits their free blocks
             pool_free = pool_free_bytes(torch.device("cuda")) - free_before
             delta = torch.cuda.memory_allocated() - before + pool_free

@@ -51,7 +51,7 @@ from .attention import attend_reference, sdpa_gqa
 from .compression.graphed import GraphedCompress
 from .packed import COMPONENTS
 from .rope import RopeTables, apply_rope, frame_angles
-from .sequence import PER_TOKEN_METHODS, PackedSequence
+from .sequence import PER_TOKEN_METHODS, PackedSequence, allocate_on
 
 CACHE_METHODS = ("bf16", *compression.methods())
 KEY_STORAGE = ("post-rope", "pre-rope")
@@ -231,11 +231,12 @@ class KVCache:
         side = self._side.get(dev)
         if side is None:
             side = self._side[dev] = torch.cuda.Stream(dev)
+        main = torch.cuda.current_stream(dev)
         # queued behind everything so far: this chunk's writes and the layer's attention reads
-        side.wait_stream(torch.cuda.current_stream(dev))
+        side.wait_stream(main)
         for t in _layer_tensors(L):  # a block this commit frees (an appended or evicted history's) may have
             t.record_stream(side)  # been allocated on the current stream: not reused there before the side is done
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side), allocate_on(main):  # (the history's memory: see allocate_on)
             self._commit_now(L)
         L.done = (dev, torch.cuda.Event())
         L.done[1].record(side)
