@@ -18,11 +18,13 @@ Per layer, three zones, for keys and values alike ([B, H, tokens, D], H = kv hea
   unit's bytes, not the whole history's.
 - `commit_layer(layer)`: the same for one layer, called by the model right after that layer's last attention of
   the chunk (the clean re-run), so compression interleaves with the forward; `commit()` then finishes the rest.
-- Asynchronous commits (`async_commit`, on by default; CUDA only): a commit's GPU work (compression, the copy into
-  the history, eviction) is queued on a side stream behind the current stream's work so far, so it runs beside
-  the later layers' forward instead of in line with it. The cache orders every later use: `attend` / `read` of
-  a layer wait for its commit, and `commit()` makes the current stream wait for all of them (no host sync), so
-  the next chunk's writes and reads see the finished history. Bitwise the same history as synchronous commits.
+- Asynchronous commits (`async_commit`, on by default; CUDA only): once a rolling window is full, a commit's GPU
+  work (compression and the copy into the evicted unit's slot) is queued on a side stream behind the current
+  stream's work so far, so it runs beside the later layers' forward instead of in line with it. Commits that grow
+  the history (the first window's fill, a full history) allocate, and run in line (see `_in_place`). The cache
+  orders every later use: `attend` / `read` of a layer wait for its commit, and `commit()` makes the current
+  stream wait for all of them (no host sync), so the next chunk's writes and reads see the finished history.
+  Bitwise the same history as synchronous commits.
 - `attend(layer, q)`: attention of q over sink + history + pending + current. On CUDA the history of rtn / qvg /
   qvg-pro is decoded window by window (<= 1 GiB of one layer's BF16 K + V, never the whole history) and
   attended by torch's SDPA (cuDNN), windows merged by log-sum-exp (kernels/windowed_sdpa.py); kivi / quarot and
@@ -51,7 +53,7 @@ from .attention import attend_reference, sdpa_gqa
 from .compression.graphed import GraphedCompress
 from .packed import COMPONENTS
 from .rope import RopeTables, apply_rope, frame_angles
-from .sequence import PER_TOKEN_METHODS, PackedSequence, allocate_on
+from .sequence import PER_TOKEN_METHODS, PackedSequence
 
 CACHE_METHODS = ("bf16", *compression.methods())
 KEY_STORAGE = ("post-rope", "pre-rope")
@@ -226,20 +228,32 @@ class KVCache:
 
     def _commit(self, L: _Layer) -> None:
         dev = L.buf[0].device
-        if not (self.async_commit and dev.type == "cuda"):
+        if not (self.async_commit and dev.type == "cuda" and self._in_place(L)):
             return self._commit_now(L)
         side = self._side.get(dev)
         if side is None:
             side = self._side[dev] = torch.cuda.Stream(dev)
-        main = torch.cuda.current_stream(dev)
-        # queued behind everything so far: this chunk's writes and the layer's attention reads
-        side.wait_stream(main)
-        for t in _layer_tensors(L):  # a block this commit frees (an appended or evicted history's) may have
-            t.record_stream(side)  # been allocated on the current stream: not reused there before the side is done
-        with torch.cuda.stream(side), allocate_on(main):  # (the history's memory: see allocate_on)
+        side.wait_stream(torch.cuda.current_stream(dev))  # behind this chunk's writes and the layer's reads
+        with torch.cuda.stream(side):
             self._commit_now(L)
         L.done = (dev, torch.cuda.Event())
         L.done[1].record(side)
+
+    def _in_place(self, L: _Layer) -> bool:
+        """Whether committing the layer's current chunk allocates and frees nothing: method bf16 (counters, and
+        a full window's shift within its buffer), or a unit packed into the slot of the oldest one of a full
+        rolling window (`PackedSequence.replace_oldest`). Only such commits go to the side stream: a commit that
+        grows the history there would free blocks the allocator could not reuse until the side stream caught up
+        (cached, still counted by memory_allocated), and measured 1-2% more allocator bytes than the cache holds
+        at 60 frames (eval/results/pipeline-h100.md); so the first window's growth commits in line."""
+        if self.method == "bf16":
+            return True
+        unit = L.n_pending + L.n_cur
+        if (self.method not in PER_TOKEN_METHODS or self.window_frames is None or L.hist[0] is None
+                or L.n_sink < self.sink_frames * self.tokens_per_frame or unit < self.commit_every * self.chunk_tokens):
+            return False
+        held, limit = self._hist_tokens(L), self.window_frames * self.tokens_per_frame
+        return limit <= held < limit + unit and L.hist[0].chunk_len == unit
 
     @staticmethod
     def _wait(L: _Layer) -> None:
@@ -477,14 +491,6 @@ def _stored(hist) -> list:
     if isinstance(hist, PackedSequence):
         return list(hist.tensors.items())
     return [kv for p in hist for kv in p.tensors.items()]
-
-
-def _layer_tensors(L: _Layer) -> list[torch.Tensor]:
-    """Every GPU array a layer holds: its BF16 buffers, histories and warm starts."""
-    out = list(L.buf or []) + [t for w in L.warm if w is not None for t in [w]]
-    for i in range(2):
-        out += [t for _, t in _stored(L.hist[i])]
-    return out
 
 
 def _grown(old: torch.Tensor | None, used: int, need: int, like: torch.Tensor) -> torch.Tensor:

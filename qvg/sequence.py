@@ -12,8 +12,6 @@ the slots).
 """
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
 from dataclasses import dataclass
 
@@ -36,21 +34,6 @@ def _layout(p: Packed) -> tuple:
 
 
 _ALIGN = 256  # bytes: every array of a sequence starts aligned in the shared allocation
-_ALLOC_STREAM = contextvars.ContextVar("qvg_sequence_alloc_stream", default=None)
-
-
-@contextlib.contextmanager
-def allocate_on(stream):
-    """New sequences' memory comes from `stream`'s pool of the CUDA caching allocator while their bytes are
-    written on the current stream (the KV cache's side-stream commits: the history then shares the main stream's
-    pool, whose mixed traffic leaves fewer odd-sized free blocks than a pool of history copies alone, so fewer
-    blocks are handed out oversized). Such memory is marked used by the writing stream too (`record_stream`):
-    once freed, it is reused only after that stream's work queued so far."""
-    token = _ALLOC_STREAM.set(stream)
-    try:
-        yield
-    finally:
-        _ALLOC_STREAM.reset(token)
 
 
 def _carve(like: dict[str, torch.Tensor], sizes: dict[str, int], device) -> dict[str, torch.Tensor]:
@@ -64,13 +47,7 @@ def _carve(like: dict[str, torch.Tensor], sizes: dict[str, int], device) -> dict
         shapes[name] = shape
         offs[name] = total
         total += -(-math.prod(shape) * t.element_size() // _ALIGN) * _ALIGN
-    stream = _ALLOC_STREAM.get()
-    if stream is None or torch.device(device).type != "cuda":
-        buf = torch.empty(total, dtype=torch.uint8, device=device)
-    else:
-        with torch.cuda.stream(stream):
-            buf = torch.empty(total, dtype=torch.uint8, device=device)
-        buf.record_stream(torch.cuda.current_stream(device))
+    buf = torch.empty(total, dtype=torch.uint8, device=device)
     return {name: buf[offs[name]:offs[name] + math.prod(shapes[name]) * like[name].element_size()]
             .view(like[name].dtype).view(shapes[name]) for name in like}
 

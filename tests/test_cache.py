@@ -340,3 +340,21 @@ def test_async_commit_option():
     for a, b in zip(caches[0].read(0), caches[1].read(0)):
         assert torch.equal(a, b)
     assert not caches[0]._side
+
+
+def test_only_commits_that_allocate_nothing_are_in_place():
+    """KVCache._in_place (what may run on the side stream): bf16 always; a packed method once its rolling window
+    is full (the new unit overwrites the oldest one's slot); never while the history grows, nor for kivi."""
+    def states(method, window, n=4):
+        cache = KVCache(1, method, chunk_frames=CF, tokens_per_frame=TPF, window_frames=window, **SMALL[method])
+        out = []
+        for i in range(n):
+            x = _chunk(i)
+            cache.write(0, x[0, 0], x[0, 1])
+            out.append(cache._in_place(cache.layers[0]))
+            cache.commit()
+        return out
+    assert states("qvg", 2 * CF) == [False, False, True, True]  # two chunks fill the window, then the ring
+    assert states("qvg", None) == [False] * 4
+    assert states("kivi", 2 * CF) == [False] * 4
+    assert states("bf16", 2 * CF) == [True] * 4
