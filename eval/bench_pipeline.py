@@ -50,9 +50,8 @@ def new_cache(model, method: str, window: int, options: dict):
 
 
 def settle() -> None:
-    """Synchronize, then let the caching allocator release the blocks whose frees waited on another stream's work
-    (the cache's side-stream commits): it does so at its next allocation, and until then memory_allocated counts
-    them."""
+    """Synchronize, then make one allocation: the caching allocator releases blocks whose frees wait on another
+    stream's events (record_stream) only at its next allocation, and memory_allocated counts them until then."""
     torch.cuda.synchronize()
     torch.empty(1, device="cuda")
 

@@ -345,8 +345,9 @@ def test_async_commit_option():
 def test_only_commits_that_allocate_nothing_are_in_place():
     """KVCache._in_place (what may run on the side stream): bf16 always; a packed method once its rolling window
     is full (the new unit overwrites the oldest one's slot); never while the history grows, nor for kivi."""
-    def states(method, window, n=4):
-        cache = KVCache(1, method, chunk_frames=CF, tokens_per_frame=TPF, window_frames=window, **SMALL[method])
+    def states(method, window, n=4, **kw):
+        cache = KVCache(1, method, chunk_frames=CF, tokens_per_frame=TPF, window_frames=window, **kw,
+                        **SMALL[method])
         out = []
         for i in range(n):
             x = _chunk(i)
@@ -358,3 +359,6 @@ def test_only_commits_that_allocate_nothing_are_in_place():
     assert states("qvg", None) == [False] * 4
     assert states("kivi", 2 * CF) == [False] * 4
     assert states("bf16", 2 * CF) == [True] * 4
+    assert states("qvg-pro", CF, sink_frames=CF) == [False, False, True, True]  # the sink, one unit, the ring
+    # units of two chunks: the first chunk of a unit only waits (in line), the second packs into the ring slot
+    assert states("rtn", 2 * CF, n=8, commit_every=2) == [False, False, False, True, False, True, False, True]
