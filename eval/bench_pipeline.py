@@ -49,13 +49,6 @@ def new_cache(model, method: str, window: int, options: dict):
                    async_commit="sync" not in flags, **({} if name == "bf16" else options))
 
 
-def settle() -> None:
-    """Synchronize, then make one allocation: the caching allocator releases blocks whose frees wait on another
-    stream's events (record_stream) only at its next allocation, and memory_allocated counts them until then."""
-    torch.cuda.synchronize()
-    torch.empty(1, device="cuda")
-
-
 def cuda_ms(fn) -> float:
     """Milliseconds of fn() between two CUDA events (synchronized)."""
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -118,7 +111,7 @@ def run(histories, methods, options, repeat: int = 7) -> list[dict]:
             free_before = pool_free_bytes(torch.device("cuda"))  # (the caches built before this one keep theirs)
             cache = new_cache(model, method, hist, options)
             _fill(cache, hist, 12)
-            settle()
+            torch.cuda.synchronize()
             # graph pools: memory_allocated omits their free blocks
             pool_free = pool_free_bytes(torch.device("cuda")) - free_before
             delta = torch.cuda.memory_allocated() - before + pool_free

@@ -252,11 +252,17 @@ class KVCache:
         if self.method == "bf16":
             return True
         unit = L.n_pending + L.n_cur
-        if (self.method not in PER_TOKEN_METHODS or self.window_frames is None or L.hist[0] is None
-                or L.n_sink < self.sink_frames * self.tokens_per_frame or unit < self.commit_every * self.chunk_tokens):
+        return (L.n_sink >= self.sink_frames * self.tokens_per_frame and unit >= self.commit_every * self.chunk_tokens
+                and self._ring_slot(L, unit))
+
+    def _ring_slot(self, L: _Layer, unit: int) -> bool:
+        """Whether a new packed unit of `unit` tokens goes into the slot of the oldest one, in place: a full rolling
+        window of same-length units, which would evict exactly that unit after this one."""
+        h = L.hist[0]
+        if self.window_frames is None or not isinstance(h, PackedSequence) or h.chunk_len != unit:
             return False
-        held, limit = self._hist_tokens(L), self.window_frames * self.tokens_per_frame
-        return limit <= held < limit + unit and L.hist[0].chunk_len == unit
+        limit = self.window_frames * self.tokens_per_frame
+        return limit <= h.shape[2] < limit + unit
 
     @staticmethod
     def _wait(L: _Layer) -> None:
@@ -288,10 +294,7 @@ class KVCache:
 
     def _pack_pending(self, L: _Layer) -> None:
         a, b = L.n_sink, L.n_sink + L.n_pending
-        # a full rolling window would evict exactly its oldest unit after this one: overwrite that unit in place
-        held = self._hist_tokens(L)
-        ring = self.window_frames is not None and 0 < held and (
-            self.window_frames * self.tokens_per_frame <= held < self.window_frames * self.tokens_per_frame + b - a)
+        ring = self._ring_slot(L, b - a)
         for i, role in enumerate(("key", "value")):
             x = L.buf[i][:, :, a:b]
             if i == 0 and self._pre_rope:  # back to before RoPE (fp32 rotation, BF16 as written)
@@ -307,14 +310,14 @@ class KVCache:
             if self.method in PER_TOKEN_METHODS:
                 h = L.hist[i]
                 L.hist[i] = (PackedSequence.from_chunks([p]) if h is None else
-                             h.replace_oldest(p) if ring and h.chunk_len == b - a else h.append(p))
+                             h.replace_oldest(p) if ring else h.append(p))
             else:
                 L.hist[i] = (L.hist[i] or []) + [p]
             L.warm[i] = None
         L.n_pending = 0
         if self._pre_rope:
             unit = torch.cat(L.pos_pending, 1)
-            L.pos_hist = (L.pos_hist[1:] if ring and L.hist[0].chunk_len == b - a else L.pos_hist) + [unit]
+            L.pos_hist = (L.pos_hist[1:] if ring else L.pos_hist) + [unit]
             L.pos_pending = []
 
     def _warm_start(self, L: _Layer, i: int):
