@@ -119,7 +119,9 @@ def dequant_section(copy_tbps, quick):
     return rows
 
 
-def compress_section(quick):
+def compress_section(quick, variants=()):
+    """Compress at the LongCat span for each of `variants` (kernels/compress.py's COMPRESS_VARIANTS names; default:
+    the default variant). The API time, the torch reference and the parity with it are of the default variant."""
     import qvg
     from qvg.kernels.compress import COMPRESS_VARIANT, COMPRESS_VARIANTS, compress_prq
     from qvg.compression import resolve_options
@@ -132,58 +134,74 @@ def compress_section(quick):
         prev = qvg.compress(x0, method)  # cold start (not timed): its centroids warm-start the next chunk
         o = resolve_options(method, shape)
         warm = init_centroids(prev, o, shape)
-        ms = bench(lambda: compress_prq(x1, o, warm, 2), warmup=5, rep=30)
-        # the same pipeline replayed from a CUDA graph (chunks have a fixed shape, so a cache can capture it once):
-        # GPU time without Python/launch overhead
-        try:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    compress_prq(x1, o, warm, 2)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                compress_prq(x1, o, warm, 2)
-            graph_ms = bench(graph.replay, warmup=5, rep=30)
-        except Exception as e:  # reported, the rest of the section still runs
-            graph_ms = f"{type(e).__name__}: {str(e)[:120]}"
         api_ms = bench(lambda: qvg.compress(x1, method, init=prev, iters=2), warmup=3, rep=20)
         ref_ms = with_torch_backend(lambda: bench(lambda: qvg.compress(x1, method, init=prev, iters=2), 1, 5))
         # parity with the torch reference on the same warm start
-        pk = qvg.compress(x1, method, init=prev, iters=2)
         pr = with_torch_backend(lambda: qvg.compress(x1, method, init=prev, iters=2))
-        ids_agree = float((pk.tensors["ids"] == pr.tensors["ids"]).float().mean())
-        mse_k = float((qvg.decompress(pk).float() - x1.float()).pow(2).mean())
         mse_r = float((with_torch_backend(lambda: qvg.decompress(pr)).float() - x1.float()).pow(2).mean())
-        from qvg.kernels.kmeans import assign, update
-        from qvg.kernels.quantize import quantize_packed
-        from qvg.compression.registry import token_spec
-        xg = x1.view(-1, shape[2], shape[3])
-        c0 = warm[0]
-        ids0, _ = assign(xg, c0)
-        v = COMPRESS_VARIANTS[COMPRESS_VARIANT]
-        # the default variant's pieces, and the one-hot update it replaced (variant sweeps: python -m
-        # qvg.eval.profile_compress --variants)
-        parts = {"variant": COMPRESS_VARIANT,
-                 "assign_ms": bench(lambda: assign(xg, c0, True, **v["assign_kw"])),
-                 "update_ms": bench(lambda: update(xg, ids0, c0, **v["update_kw"])),
-                 "update_onehot_ms": bench(lambda: update(xg, ids0, c0, method="onehot")),
-                 "pack_ms": bench(lambda: quantize_packed(x1, token_spec(o), pk.tensors.get("ids"),
-                                                          pk.tensors.get("centroids"), **v["pack_kw"]))}
-        if o["stages"] > 1:
-            from qvg.kernels.compress import residual_bf16
-            ids_t = pk.tensors["ids"].view(o["stages"], -1, shape[2])
-            cents_t = pk.tensors["centroids"].view(o["stages"], -1, o["centroids"], shape[3])
-            parts["residual_ms"] = bench(lambda: residual_bf16(xg, ids_t, cents_t, o["stages"] - 1))
-        print(f"    parts: {parts}", flush=True)
-        rows.append({"shape": list(shape), "method": method, "iters": 2, "warm_start": True, "ms": ms,
-                     "cuda_graph_ms": graph_ms, **parts,
-                     "api_ms": api_ms, "torch_reference_ms": ref_ms, "ids_agree_with_reference": ids_agree,
-                     "mse_kernels": mse_k, "mse_reference": mse_r})
-        print(f"  compress {shape} {method}: {ms:.3f} ms (CUDA graph replay {graph_ms} ms; API incl. input checks {api_ms:.3f} ms; torch ref "
-              f"{ref_ms:.2f} ms); ids agree {ids_agree:.4f}; mse {mse_k:.4g} vs ref {mse_r:.4g}", flush=True)
+        for name in variants or (COMPRESS_VARIANT,):
+            v = COMPRESS_VARIANTS[name]
+            rows.append({"shape": list(shape), "method": method, "iters": 2, "warm_start": True,
+                         **_compress_row(x1, o, warm, name, v, compress_prq, shape),
+                         **_parity(compress_prq(x1, o, warm, 2, variant=name), pr, x1, method, o, mse_r),
+                         **({"api_ms": api_ms, "torch_reference_ms": ref_ms} if name == COMPRESS_VARIANT else {})})
+            r = rows[-1]
+            print(f"  compress {shape} {method} [{name}]: {r['ms']:.3f} ms (CUDA graph replay {r['cuda_graph_ms']} "
+                  f"ms; API incl. input checks {api_ms:.3f} ms; torch ref {ref_ms:.2f} ms); ids agree "
+                  f"{r['ids_agree_with_reference']:.4f}; mse {r['mse_kernels']:.4g} vs ref {mse_r:.4g}", flush=True)
     return rows
+
+
+def _parity(tensors, pr, x1, method, o, mse_r) -> dict:
+    import qvg
+    pk = qvg.Packed(method, tuple(x1.shape), x1.dtype, tensors, o)
+    return {"ids_agree_with_reference": float((pk.tensors["ids"] == pr.tensors["ids"]).float().mean()),
+            "mse_kernels": float((qvg.decompress(pk).float() - x1.float()).pow(2).mean()), "mse_reference": mse_r}
+
+
+def _compress_row(x1, o, warm, name, v, compress_prq, shape) -> dict:
+    """One variant's compress time (eager and replayed from a CUDA graph) and its pieces."""
+    ms = bench(lambda: compress_prq(x1, o, warm, 2, variant=name), warmup=5, rep=30)
+    # the same pipeline replayed from a CUDA graph (chunks have a fixed shape, so a cache can capture it once):
+    # GPU time without Python/launch overhead
+    try:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                compress_prq(x1, o, warm, 2, variant=name)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            compress_prq(x1, o, warm, 2, variant=name)
+        graph_ms = bench(graph.replay, warmup=5, rep=30)
+    except Exception as e:  # reported, the rest of the section still runs
+        graph_ms = f"{type(e).__name__}: {str(e)[:120]}"
+    from qvg.kernels.kmeans import assign, update
+    from qvg.kernels.quantize import quantize_packed
+    from qvg.compression.registry import token_spec
+    xg = x1.view(-1, shape[2], shape[3])
+    c0 = warm[0]
+    ids0, _ = assign(xg, c0)
+    pk = compress_prq(x1, o, warm, 2, variant=name)
+    # the variant's pieces, and the one-hot update the segmented sum replaced (variant sweeps: python -m
+    # qvg.eval.profile_compress --variants)
+    parts = {"variant": name, "ms": ms, "cuda_graph_ms": graph_ms,
+             "assign_ms": bench(lambda: assign(xg, c0, True, **v["assign_kw"])),
+             "update_ms": bench(lambda: update(xg, ids0, c0, **v["update_kw"])),
+             "update_onehot_ms": bench(lambda: update(xg, ids0, c0, method="onehot")),
+             "pack_ms": bench(lambda: quantize_packed(x1, token_spec(o), pk.get("ids"), pk.get("centroids"),
+                                                      **v["pack_kw"]))}
+    if v.get("step_kw") is not None:  # one iteration's assign + update in one pass (kernels/kmeans_fused.py)
+        from qvg.kernels.kmeans_fused import assign_update
+        parts["step_ms"] = bench(lambda: assign_update(xg, c0, **v["step_kw"]))
+    if o["stages"] > 1:
+        from qvg.kernels.compress import residual_bf16
+        ids_t = pk["ids"].view(o["stages"], -1, shape[2])
+        cents_t = pk["centroids"].view(o["stages"], -1, o["centroids"], shape[3])
+        parts["residual_ms"] = bench(lambda: residual_bf16(xg, ids_t, cents_t, o["stages"] - 1))
+    print(f"    parts: {parts}", flush=True)
+    return parts
 
 
 def _history(h, n_hist, chunk, method="qvg"):
@@ -370,6 +388,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="eval/results")
     ap.add_argument("--quick", action="store_true", help="small shapes (smoke test)")
     ap.add_argument("--only", default="", help="comma list of sections: ceilings,dequant,compress,attention,kmeans")
+    ap.add_argument("--compress-variants", default="",
+                    help="comma list of kernels/compress.py COMPRESS_VARIANTS to time (default: the default one)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels: needs a CUDA GPU", file=sys.stderr)
@@ -384,7 +404,7 @@ def main(argv=None) -> int:
     sections = [("ceilings", lambda: ceilings(args.quick)),
                 ("kmeans", kmeans_parity_section),
                 ("dequant", lambda: dequant_section(res["ceilings"]["copy_TBps"], args.quick)),
-                ("compress", lambda: compress_section(args.quick)),
+                ("compress", lambda: compress_section(args.quick, tuple(filter(None, args.compress_variants.split(","))))),
                 ("attention", lambda: attention_section(args.quick)),
                 ("ablation", attention_ablation_section)]
     for name, fn in sections:
