@@ -29,7 +29,7 @@ FUSED_MAX_K = 256  # the program's FP32 sums [K, D] live in registers
 @triton.jit
 def _assign_update_kernel(x_ptr, c_ptr, csq_ptr, ids_ptr, dist_ptr, sums_ptr, cnt_ptr, N, K, NBLK, PROGS,
                           D: tl.constexpr, KP: tl.constexpr, BLOCK_N: tl.constexpr, PARTS: tl.constexpr,
-                          INTERP: tl.constexpr):
+                          INTERP: tl.constexpr, TRANS: tl.constexpr = False, HIST: tl.constexpr = False):
     """Program (p, g) takes token blocks p, p + PROGS, ... of group g and writes its partial sums [K, D] and
     cluster sizes [K] at slot (g, p)."""
     pid = tl.program_id(0)
@@ -39,7 +39,10 @@ def _assign_update_kernel(x_ptr, c_ptr, csq_ptr, ids_ptr, dist_ptr, sums_ptr, cn
     kmask = kt < K
     c = tl.load(c_ptr + (g * K + kt)[:, None] * D + dcols[None, :], mask=kmask[:, None], other=0.0)
     csq = tl.load(csq_ptr + g * K + kt, mask=kmask, other=float("inf"))
-    acc = tl.zeros((KP, D), tl.float32)
+    if TRANS:
+        acc = tl.zeros((D, KP), tl.float32)
+    else:
+        acc = tl.zeros((KP, D), tl.float32)
     cnt = tl.zeros((KP,), tl.int32)
     for blk in range(pid, NBLK, PROGS):
         rows = blk * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -50,23 +53,37 @@ def _assign_update_kernel(x_ptr, c_ptr, csq_ptr, ids_ptr, dist_ptr, sums_ptr, cn
         tl.store(ids_ptr + g * N + rows, best_id.to(ids_ptr.dtype.element_ty), mask=rmask)
         xf = x.to(tl.float32)
         tl.store(dist_ptr + g * N + rows, tl.maximum(best + tl.sum(xf * xf, 1), 0.0), mask=rmask)
-        oh = kt[:, None] == tl.where(rmask, best_id, -1)[None, :]  # [KP, BLOCK_N]; padding rows match nothing
+        idv = tl.where(rmask, best_id, -1)  # padding rows match no centroid
+        if TRANS:
+            oh = idv[:, None] == kt[None, :]  # [BLOCK_N, KP], the distances' layout
+        else:
+            oh = kt[:, None] == idv[None, :]  # [KP, BLOCK_N]
         ohb = tl.where(oh, 1.0, 0.0).to(tl.bfloat16)
-        if PARTS == 1:  # BF16 x: the one-hot product is exact
-            acc = dot_bf16(ohb, x, acc, INTERP)
-        else:  # FP32 x as PARTS BF16 pieces (hi + mid + lo carry its 24 mantissa bits)
-            for _ in tl.static_range(PARTS):
-                part = to_bf16(xf, INTERP)
+        for _ in tl.static_range(PARTS):  # BF16 x: exact; FP32 x as PARTS BF16 pieces (hi + mid + lo)
+            part = x if PARTS == 1 else to_bf16(xf, INTERP)
+            if TRANS:
+                acc = dot_bf16(tl.trans(part), ohb, acc, INTERP)
+            else:
                 acc = dot_bf16(ohb, part, acc, INTERP)
+            if PARTS > 1:
                 xf = xf - part.to(tl.float32)
-        cnt += tl.sum(oh.to(tl.int32), 1)
+        if HIST:
+            cnt += tl.histogram(tl.where(rmask, best_id, 0), KP) - tl.where(kt == 0, BLOCK_N - tl.sum(
+                rmask.to(tl.int32), 0), 0)
+        elif TRANS:
+            cnt += tl.sum(oh.to(tl.int32), 0)
+        else:
+            cnt += tl.sum(oh.to(tl.int32), 1)
     base = (g * PROGS + pid) * K + kt
-    tl.store(sums_ptr + base[:, None] * D + dcols[None, :], acc, mask=kmask[:, None])
+    if TRANS:
+        tl.store(sums_ptr + base[None, :] * D + dcols[:, None], acc, mask=kmask[None, :])
+    else:
+        tl.store(sums_ptr + base[:, None] * D + dcols[None, :], acc, mask=kmask[:, None])
     tl.store(cnt_ptr + base, cnt, mask=kmask)
 
 
 def assign_update(x: torch.Tensor, c: torch.Tensor, block_n: int = 64, num_warps: int = 8, num_stages: int = 2,
-                  progs: int | str = "auto"):
+                  progs: int | str = "auto", trans: bool = False, hist: bool = False):
     """One k-means iteration: x [G, N, D] (bf16 / fp32), c [G, K, D] (K <= FUSED_MAX_K) ->
     (ids [G, N] narrow dtype, squared distances [G, N] fp32, new centroids [G, K, D] fp32, cluster sizes [G, K]
     int32): `assign(x, c, want_dist=True)` and `update_with_counts(x, ids, c)` in one pass over x.
@@ -90,7 +107,8 @@ def assign_update(x: torch.Tensor, c: torch.Tensor, block_n: int = 64, num_warps
     cnt = torch.empty(g, progs, k, device=x.device, dtype=torch.int32)
     _assign_update_kernel[(progs, g)](x.contiguous(), cb, csq, ids, dist, sums, cnt, n, k, nblk, progs, D=d, KP=kp,
                                       BLOCK_N=block_n, PARTS=1 if x.dtype == torch.bfloat16 else 3,
-                                      INTERP=INTERPRET, num_warps=num_warps, num_stages=num_stages)
+                                      INTERP=INTERPRET, TRANS=trans, HIST=hist, num_warps=num_warps,
+                                      num_stages=num_stages)
     c_new = torch.empty(g, k, d, device=x.device, dtype=torch.float32)
     counts = torch.empty(g, k, device=x.device, dtype=torch.int32)
     fk = min(32, kp)
