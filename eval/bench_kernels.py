@@ -192,9 +192,6 @@ def _compress_row(x1, o, warm, name, v, compress_prq, shape) -> dict:
              "update_onehot_ms": bench(lambda: update(xg, ids0, c0, method="onehot")),
              "pack_ms": bench(lambda: quantize_packed(x1, token_spec(o), pk.get("ids"), pk.get("centroids"),
                                                       **v["pack_kw"]))}
-    if v.get("step_kw") is not None:  # one iteration's assign + update in one pass (kernels/kmeans_fused.py)
-        from qvg.kernels.kmeans_fused import assign_update
-        parts["step_ms"] = bench(lambda: assign_update(xg, c0, **v["step_kw"]))
     if o["stages"] > 1:
         from qvg.kernels.compress import residual_bf16
         ids_t = pk["ids"].view(o["stages"], -1, shape[2])

@@ -51,12 +51,14 @@ def render(d: dict, notes: str = "") -> str:
         for r in d["compress"]:
             tgt = TARGETS["compress_s1_ms"] if r["method"] == "qvg" else TARGETS["compress_s4_ms"]
             g = r["cuda_graph_ms"]
-            out.append(_row(r["shape"], r["method"], f"{r['ms']:.3f}",
+            method = r["method"] + (f" [{r['variant']}]" if "variant" in r else "")
+            out.append(_row(r["shape"], method, f"{r['ms']:.3f}",
                             f"{g:.3f}" if isinstance(g, float) else f"failed: {g}", f"{r['assign_ms']:.3f}",
                             f"{r['update_ms']:.3f}" + "".join(f" ({r[k]:.3f})" for k in ("update_onehot_ms", "update_sort_ms")
                                                           if k in r),
                             f"{r['residual_ms']:.3f}" if "residual_ms" in r else "-", f"{r['pack_ms']:.3f}",
-                            f"{r['api_ms']:.3f}", f"{r['torch_reference_ms']:.2f}",
+                            f"{r['api_ms']:.3f}" if "api_ms" in r else "-",
+                            f"{r['torch_reference_ms']:.2f}" if "torch_reference_ms" in r else "-",
                             f"{r['ids_agree_with_reference']:.4f}",
                             f"{r['mse_kernels']:.4g} / {r['mse_reference']:.4g}",
                             f"<= {tgt} ms: {_ok(r['ms'] <= tgt)}"))

@@ -7,11 +7,8 @@ At [1, 32, 29640, 128] (the LongCat span), K = 256, warm-started from the previo
   reseeding (torch vs one launch, also with half the clusters emptied) and, per method, the pack (current vs
   fused); each checked against the current kernel: ids and distances bitwise, counts equal and the centroid
   difference, reseeded centroids bitwise, packed tensors bitwise;
-- the fused iteration (kernels/kmeans_fused.py: assign + update in one pass over the tokens), its tilings,
-  checked against the assignment (ids) and the update of its own ids;
 - per method (qvg S1/B64, qvg-pro S4/B16): compress_prq eager and replayed from a CUDA graph for "current",
-  kernels/compress.py's "fast" and "fused" presets and "best" (each piece's fastest verified variant, the fused
-  iteration when it beats assign + update), with ids agreement,
+  kernels/compress.py's "fast" preset and "best" (each piece's fastest verified variant), with ids agreement,
   centroid difference and reconstruction MSE against "current", replay == eager bitwise, and the kernel profile
   of "best".
 The printed `recommended` dict is the COMPRESS_VARIANTS entry to paste into kernels/compress.py.
@@ -44,12 +41,6 @@ UPDATE = [("current: onehot k64 n32 c4096 w4 s3", {})] + [
                             (256, 64, 4, 2, 1024), (256, 64, 8, 2, 1024), (512, 64, 8, 2, 1024),
                             (256, 32, 4, 3, 1024), (256, 64, 4, 3, 1024), (256, 16, 2, 2, 1024),
                             (256, 32, 4, 2, 256), (256, 32, 4, 2, 4096))]
-
-STEP = [(f"fused bn{bn} w{nw} s{st} p{p}", dict(block_n=bn, num_warps=nw, num_stages=st, progs=p))
-        for bn, nw, st, p in ((32, 4, 2, "auto"), (64, 4, 2, "auto"), (64, 8, 2, "auto"), (64, 8, 3, "auto"),
-                              (128, 8, 2, "auto"), (64, 16, 2, "auto"), (128, 16, 2, "auto"), (128, 16, 3, "auto"),
-                              (32, 4, 2, 8), (64, 4, 2, 8), (64, 8, 2, 8), (128, 8, 2, 8), (64, 8, 2, 2),
-                              (128, 16, 2, 2))]
 
 PACK = [("current: bn16 w2", {}), ("current bn8 w2", dict(block_n=8))] + [
     (f"fused bn{bn} w{nw}", dict(fused=True, block_n=bn, num_warps=nw))
@@ -139,15 +130,6 @@ def pieces(xg: torch.Tensor, c0: torch.Tensor) -> dict:
                 "bitwise_fraction": float((_raw(o[0]) == _raw(new_ref)).float().mean())}
     out["update"] = _sweep("update", _smoke(UPDATE, (0, 1, 10)),
                            lambda kw: kk.update_with_counts(xg, ids_ref, c0, **kw), upd_check)
-    from qvg.kernels.kmeans_fused import assign_update
-
-    def step_check(o):  # the same nearest-centroid ids as the assignment, and their exact update
-        want, cnt = kk.update_with_counts(xg, o[0], c0)
-        diff = float((o[2] - want).abs().amax())
-        return {"ok": float((o[0] == ids_ref).float().mean()) >= 0.999 and bool(torch.equal(o[3], cnt))
-                and diff <= 1e-5 * scale, "ids_equal_assign": float((o[0] == ids_ref).float().mean()),
-                "dist_bitwise_assign": _bitwise(o[1], dist_ref), "max_abs_diff_update": diff}
-    out["step"] = _sweep("step", _smoke(STEP, (0, 8)), lambda kw: assign_update(xg, c0, **kw), step_check)
     k = c0.shape[1]
     out["sort_by_cluster_ms"] = _ms(lambda: sort_by_cluster(ids_ref, k))
     out["x_read_floor_ms"] = _x_read_ms(xg)
@@ -195,12 +177,7 @@ def recommended(p: dict, packs: list[list[dict]]) -> dict:
                 totals[r["name"]][1] += 1
     full = {n: v for n, v in totals.items() if v[1] == len(packs)}
     pack = min(full.values(), key=lambda v: v[0])[2] if full else {}
-    rec = dict(assign_kw=dict(a), update_kw=dict(u), reseed=reseed, pack_kw=dict(pack))
-    step = _best(p["step"]) if p.get("step") else {}
-    a_ms, u_ms = _best(p["assign"]).get("ms"), _best(p["update"]).get("ms")
-    if step.get("ok") and a_ms is not None and u_ms is not None and step["ms"] < a_ms + u_ms:
-        rec["step_kw"] = dict(step["kw"])  # one pass beats the two steps
-    return rec
+    return dict(assign_kw=dict(a), update_kw=dict(u), reseed=reseed, pack_kw=dict(pack))
 
 
 def _graph_ms(fn):
@@ -287,6 +264,6 @@ def run_variants(quick: bool) -> dict:
     res["compress"] = []
     for method, (o, warm, ref) in setups.items():
         res["compress"] += compress_rows(method, x1, o, warm, {"current": "current", "fast": COMPRESS_VARIANTS["fast"],
-                                                               "fused": COMPRESS_VARIANTS["fused"], "best": rec}, ref)
+                                                               "best": rec}, ref)
     res["sweep_seconds"] = time.perf_counter() - t0
     return res

@@ -29,11 +29,6 @@ COMPRESS_VARIANTS = {
     "fast": dict(assign_kw=dict(mode="min", block_n=64, block_k=256, num_warps=4, progs="auto"),
                  update_kw=dict(method="segsum", item=256, rows=32, num_warps=4, num_stages=3, sort_block=1024),
                  reseed="fused", pack_kw=dict(fused=True, block_n=32, num_warps=4)),
-    # each k-means iteration's assignment and update in one pass over the tokens (kernels/kmeans_fused.py)
-    "fused": dict(assign_kw=dict(mode="min", block_n=64, block_k=256, num_warps=4, progs="auto"),
-                  update_kw=dict(method="segsum", item=256, rows=32, num_warps=4, num_stages=3, sort_block=1024),
-                  step_kw=dict(block_n=64, num_warps=8, progs="auto"),
-                  reseed="fused", pack_kw=dict(fused=True, block_n=32, num_warps=4)),
 }
 COMPRESS_VARIANT = "fast"
 
@@ -80,7 +75,7 @@ def compress_prq(x: torch.Tensor, o: dict, warm: torch.Tensor | None, iters: int
         r = xg.to(torch.bfloat16) if s == 0 else residual_bf16(xg, ids_t, cents_t, s)
         res = kmeans(r, k, iters=iters, init=None if warm is None else warm[s], seed=o["seed"] + s,
                      seeding=o["seeding"], assign_kw=v.get("assign_kw"), update_kw=v.get("update_kw"),
-                     reseed=v.get("reseed", "torch"), step_kw=v.get("step_kw"))
+                     reseed=v.get("reseed", "torch"))
         if ids_t is None:
             ids_t = torch.empty(s_count, g, n, device=x.device, dtype=res.ids.dtype)
             cents_t = torch.empty(s_count, g, k, d, device=x.device, dtype=torch.bfloat16)

@@ -11,7 +11,6 @@
   program per (group, cluster) sums its tokens in a fixed order in FP32.
 - update method="segsum": counting sort + load-balanced segmented sum, memory-bound (kernels/kmeans_segsum.py).
 - reseed="fused": the empty-cluster reseeding in one launch (kernels/kmeans_reseed.py).
-- assign + update in one pass (K <= 256): kernels/kmeans_fused.py (`kmeans(..., step_kw=...)`).
 - kmeans: the reference's loop (and seeding) with these two steps, no host synchronisation inside.
 """
 from __future__ import annotations
@@ -281,18 +280,11 @@ def _update_sort(x, ids, c, block_n: int = 32, num_warps: int = 2):
 
 def kmeans(x: torch.Tensor, k: int, *, iters: int = 2, init: torch.Tensor | None = None, seed: int = 0,
            seeding: str = "k-means++", track: bool = False, assign_kw: dict | None = None,
-           update_kw: dict | None = None, reseed: str = "torch", step_kw: dict | None = None) -> KMeansResult:
+           update_kw: dict | None = None, reseed: str = "torch") -> KMeansResult:
     """`qvg.kmeans.kmeans` (same seeding, loop and result) with the Triton assignment and update steps.
     assign_kw / update_kw: options of `assign` / `update_with_counts` (variants, tiles); reseed: "torch"
-    (`qvg.kmeans.reseed_empty`) or "fused" (the same in one launch, K <= 512: kernels/kmeans_reseed.py);
-    step_kw (a dict, K <= 256): each iteration's assignment and update in one pass over x, with these options of
-    `kmeans_fused.assign_update` (assign_kw then only serves iters=0)."""
-    from .kmeans_fused import FUSED_MAX_K, assign_update
+    (`qvg.kmeans.reseed_empty`) or "fused" (the same in one launch, K <= 512: kernels/kmeans_reseed.py)."""
     akw, ukw = dict(assign_kw or {}), dict(update_kw or {})
-    step_fn = None
-    if step_kw is not None and k <= FUSED_MAX_K:
-        skw = dict(step_kw)
-        step_fn = lambda x_, c_: assign_update(x_, c_, **skw)  # noqa: E731
     reseed_fn = None
     if reseed == "fused" and k <= RESEED_MAX_K:
         reseed_fn = reseed_empty_fused
@@ -300,5 +292,4 @@ def kmeans(x: torch.Tensor, k: int, *, iters: int = 2, init: torch.Tensor | None
         raise ValueError(f"unknown reseed {reseed!r}; choose torch or fused")
     return ref_kmeans(x, k, iters=iters, init=init, seed=seed, seeding=seeding, track=track,
                       assign_fn=lambda x_, c: assign(x_, c, True, **akw),
-                      update_fn=lambda x_, i_, c_: update_with_counts(x_, i_, c_, **ukw), reseed_fn=reseed_fn,
-                      step_fn=step_fn)
+                      update_fn=lambda x_, i_, c_: update_with_counts(x_, i_, c_, **ukw), reseed_fn=reseed_fn)

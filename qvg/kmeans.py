@@ -131,7 +131,7 @@ def objective(x: torch.Tensor, ids: torch.Tensor, c: torch.Tensor) -> torch.Tens
 
 def kmeans(x: torch.Tensor, k: int, *, iters: int = 2, init: torch.Tensor | None = None, seed: int = 0,
            seeding: str = "k-means++", track: bool = False, assign_fn=None, update_fn=None,
-           reseed_fn=None, step_fn=None) -> KMeansResult:
+           reseed_fn=None) -> KMeansResult:
     """Batched Lloyd k-means. x [G, N, D]; init [G, K, D] warm-starts (the seeding is then skipped).
 
     One iteration = assign every token to its nearest centroid, then move each centroid to the mean of its
@@ -143,9 +143,7 @@ def kmeans(x: torch.Tensor, k: int, *, iters: int = 2, init: torch.Tensor | None
     track=True also returns the mean squared token-to-centroid distance after each assignment plus that of the
     returned (ids, centroids) pair: [iters + 1] values (a device tensor; reading it is the caller's only sync).
     assign_fn (-> ids, distances) / update_fn (-> centroids, cluster sizes) / reseed_fn (`reseed_empty`'s contract)
-    swap in other implementations of the steps (the Triton kernels use this loop); step_fn (x, c -> ids, distances,
-    updated centroids, cluster sizes) does one iteration's assignment and update together (default: assign_fn
-    then update_fn).
+    swap in other implementations of the steps (the Triton kernels use this loop).
     """
     if x.dim() != 3:
         raise ValueError(f"k-means input must be [G, N, D], got shape {tuple(x.shape)}")
@@ -164,18 +162,15 @@ def kmeans(x: torch.Tensor, k: int, *, iters: int = 2, init: torch.Tensor | None
     assign_fn = assign_fn or assign
     update_fn = update_fn or update_with_counts
     reseed_fn = reseed_fn or reseed_empty
-    if step_fn is None:
-        def step_fn(x_, c_):
-            ids_, dist_ = assign_fn(x_, c_)
-            return (ids_, dist_, *update_fn(x_, ids_, c_))
     trace = []
-    if not iters:
-        ids, dist = assign_fn(x, c)
-    for _ in range(iters):
-        ids, dist, c, counts = step_fn(x, c)
+    ids, dist = assign_fn(x, c)
+    for i in range(iters):
         if track:
             trace.append(dist.mean())
+        c, counts = update_fn(x, ids, c)
         c = reseed_fn(x, c, counts, dist)
+        if i + 1 < iters:
+            ids, dist = assign_fn(x, c)
     if track:
         trace.append(objective(x, ids, c) if iters else dist.mean())
     return KMeansResult(c, ids.to(dt), torch.stack(trace) if track else None)

@@ -158,54 +158,11 @@ def test_assign_min_mode_equals_tiles(kw, k, device):
     assert (got <= full.amin(2) * (1 + 1e-5) + 1e-4).all(), f"ids {kw} are not nearest centroids"
 
 
-@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("k, progs", [(20, 1), (20, 3), (256, "auto"), (200, 2)])
-def test_assign_update_is_assign_then_update(k, progs, x_dtype, device):
-    """kmeans_fused.assign_update (one pass) = assign(mode="min", one tile) then update_with_counts on its ids:
-    ids, distances and cluster sizes exactly, centroids to FP32 rounding (the sums' order differs); far-off
-    centroids stay empty and keep their old values; deterministic."""
-    from qvg.kernels.kmeans_fused import assign_update
-    x, centres = _blobs(2, 333, 32, min(k, 24), seed=k + 7)
-    x = x.to(x_dtype)
-    c = torch.cat([centres, torch.randn(2, k - centres.shape[1], 32, generator=gen(3)) * 3], 1)
-    c[:, -3:] = 1e4  # never nearest: empty clusters
-    c[:, k // 2] = c[:, 5]  # a tie: the lower id wins
-    with poisoned():
-        ids, dist, new, cnt = assign_update(x.to(device), c.to(device), block_n=32, num_warps=4, progs=progs)
-    want_ids, want_dist = kk.assign(x.to(device), c.to(device), True, mode="min", block_n=32, block_k=256,
-                                    num_warps=4)
-    assert ids.dtype == want_ids.dtype and new.dtype == torch.float32 and cnt.dtype == torch.int32
-    if device == "cpu":
-        assert_bitwise_equal(ids, want_ids, "ids")
-        assert_bitwise_equal(dist, want_dist, "distances")
-    else:  # (another kernel: its dot may be split differently) every id a nearest centroid
-        torch.testing.assert_close(dist.cpu(), want_dist.cpu(), rtol=1e-5, atol=1e-4)
-        full = torch.cdist(x.float().bfloat16().float(), c.bfloat16().float()).pow(2)
-        got = full.gather(2, ids.cpu().long()[..., None])[..., 0]
-        assert (got <= full.amin(2) * (1 + 1e-5) + 1e-4).all()
-    ids = ids.cpu().long()
-    want, wcnt = ref.update_with_counts(x.float(), ids, c)
-    assert torch.equal(cnt.cpu().float(), wcnt)
-    assert (wcnt[:, -3:] == 0).all() and int(ids.max()) < k
-    torch.testing.assert_close(new.cpu(), want, atol=1e-5 * x.float().abs().amax().item(), rtol=0)
-    assert_bitwise_equal(new.cpu()[:, -3:], c[:, -3:], "empty clusters keep the old centroid")
-    again = assign_update(x.to(device), c.to(device), block_n=32, num_warps=4, progs=progs)
-    assert_bitwise_equal(again[2], new, "assign_update is deterministic")
-
-
-def test_assign_update_rejects_more_than_256_centroids(device):
-    from qvg.kernels.kmeans_fused import assign_update
-    x, _ = _blobs(1, 400, 16, 8, seed=1)
-    with pytest.raises(ValueError, match="at most 256"):
-        assign_update(x.to(device), x[:, :300].to(device))
-
-
 FAST = {k: v for k, v in COMPRESS_VARIANTS["fast"].items() if k != "pack_kw"}
-FUSED = {k: v for k, v in COMPRESS_VARIANTS["fused"].items() if k != "pack_kw"}
 
 
 @pytest.mark.parametrize("warm", [False, True])
-@pytest.mark.parametrize("variant", [{}, FAST, FUSED])
+@pytest.mark.parametrize("variant", [{}, FAST])
 def test_kmeans_end_to_end(warm, variant, device):
     x, centres = _blobs(2, 300, 32, 16, seed=5)
     k = 16
