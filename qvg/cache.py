@@ -15,7 +15,9 @@ Per layer, three zones, for keys and values alike ([B, H, tokens, D], H = kv hea
   evicted while `window_frames` past frames would still remain besides the sink (exactly that many with
   commit_every = 1; units of several chunks can leave up to a unit less one chunk more). Once the window is full,
   the new unit overwrites the evicted one's slot in place (`PackedSequence.replace_oldest`): a commit moves one
-  unit's bytes, not the whole history's.
+  unit's bytes, not the whole history's. While the history grows, a layer's K and V sequences are rebuilt into one
+  allocation (`PackedSequence.append_pair`): the allocator's rounding of large blocks (up to 1 MiB each) is then
+  paid once per layer, not twice.
 - `commit_layer(layer)`: the same for one layer, called by the model right after that layer's last attention of
   the chunk (the clean re-run), so compression interleaves with the forward; `commit()` then finishes the rest.
 - Asynchronous commits (`async_commit`, on by default; CUDA only): once a rolling window is full, a commit's GPU
@@ -295,6 +297,7 @@ class KVCache:
     def _pack_pending(self, L: _Layer) -> None:
         a, b = L.n_sink, L.n_sink + L.n_pending
         ring = self._ring_slot(L, b - a)
+        finish_v = None  # growth: K and V's new sequences share one allocation (PackedSequence.append_pair)
         for i, role in enumerate(("key", "value")):
             x = L.buf[i][:, :, a:b]
             if i == 0 and self._pre_rope:  # back to before RoPE (fp32 rotation, BF16 as written)
@@ -308,9 +311,12 @@ class KVCache:
             else:
                 p = compression.compress(x, self.method, check_finite=False, init=warm, **opts)  # no host sync
             if self.method in PER_TOKEN_METHODS:
-                h = L.hist[i]
-                L.hist[i] = (PackedSequence.from_chunks([p]) if h is None else
-                             h.replace_oldest(p) if ring else h.append(p))
+                if ring:
+                    L.hist[i] = L.hist[i].replace_oldest(p)
+                elif i == 0:  # (K's chunk is copied now: V's compression may reuse the buffers it came in)
+                    L.hist[0], finish_v = PackedSequence.append_pair(L.hist[0], p, L.hist[1])
+                else:
+                    L.hist[1] = finish_v(p)
             else:
                 L.hist[i] = (L.hist[i] or []) + [p]
             L.warm[i] = None

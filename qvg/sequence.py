@@ -25,31 +25,36 @@ _TOKEN_DIM = {"codes": 2, "scale": 2, "zero": 2, "tscale": 2, "ids": 3, "centroi
 
 
 def _layout(p: Packed) -> tuple:
-    """(spec, stages, chunk length, dtype, (B, H, D)) of a chunk; chunks of one sequence share it."""
+    """(spec, stages, chunk length, dtype, (B, H, D, K centroids)) of a chunk; chunks of one sequence share it."""
     from .compression.registry import token_spec
     if p.method not in PER_TOKEN_METHODS:
         raise ValueError(f"packed attention reads {PER_TOKEN_METHODS}, not {p.method!r}")
     b, h, n, d = p.shape
-    return token_spec(p.meta), p.meta.get("stages", 0), n, p.dtype, (b, h, d)
+    k = p.tensors["centroids"].shape[-2] if "centroids" in p.tensors else 0
+    return token_spec(p.meta), p.meta.get("stages", 0), n, p.dtype, (b, h, d, k)
 
 
 _ALIGN = 256  # bytes: every array of a sequence starts aligned in the shared allocation
 
 
-def _carve(like: dict[str, torch.Tensor], sizes: dict[str, int], device) -> dict[str, torch.Tensor]:
-    """Empty arrays shaped like `like` except along their token dim (`sizes`), all views of ONE allocation: the
-    CUDA caching allocator may round each large block up by as much as 1 MiB, so a sequence pays that once, not
-    once per array (codes, scales and ids are each over 1 MiB for a few frames of history)."""
-    shapes, offs, total = {}, {}, 0
+def _carve(like: dict[str, torch.Tensor], sizes: dict[str, int], device, copies: int = 1) -> list[dict]:
+    """`copies` sets of empty arrays shaped like `like` except along their token dim (`sizes`), all views of ONE
+    allocation: the CUDA caching allocator may round each large block up by as much as 1 MiB, so a sequence (or a
+    layer's K and V sequences: `copies=2`) pays that once, not once per array (codes, scales and ids are each over
+    1 MiB for a few frames of history)."""
+    shapes, offs, total = {}, [], 0
     for name, t in like.items():
         shape = list(t.shape)
         shape[_TOKEN_DIM[name]] = sizes[name]
         shapes[name] = shape
-        offs[name] = total
-        total += -(-math.prod(shape) * t.element_size() // _ALIGN) * _ALIGN
+    for _ in range(copies):
+        offs.append({})
+        for name, t in like.items():
+            offs[-1][name] = total
+            total += -(-math.prod(shapes[name]) * t.element_size() // _ALIGN) * _ALIGN
     buf = torch.empty(total, dtype=torch.uint8, device=device)
-    return {name: buf[offs[name]:offs[name] + math.prod(shapes[name]) * like[name].element_size()]
-            .view(like[name].dtype).view(shapes[name]) for name in like}
+    return [{name: buf[off[name]:off[name] + math.prod(shapes[name]) * like[name].element_size()]
+             .view(like[name].dtype).view(shapes[name]) for name in like} for off in offs]
 
 
 def _chunk_tensors(p: Packed) -> dict[str, torch.Tensor]:
@@ -62,17 +67,28 @@ def _chunk_tensors(p: Packed) -> dict[str, torch.Tensor]:
     return t
 
 
-def _joined(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """The parts' arrays concatenated along their token dims, into one allocation (`_carve`)."""
+def _joined(parts: list[dict[str, torch.Tensor]], copies: int = 1) -> dict[str, torch.Tensor] | list[dict]:
+    """The parts' arrays concatenated along their token dims, into one allocation (`_carve`). copies > 1: also that
+    many more empty sets of the same arrays in the same allocation -> [filled, empty, ...]."""
     first = parts[0]
     sizes = {n: sum(p[n].shape[_TOKEN_DIM[n]] for p in parts) for n in first}
-    out = _carve(first, sizes, next(iter(first.values())).device)
-    for n, dest in out.items():
+    out = _carve(first, sizes, next(iter(first.values())).device, copies)
+    _fill(out[0], parts)
+    return out if copies > 1 else out[0]
+
+
+def _fill(dest: dict[str, torch.Tensor], parts: list[dict[str, torch.Tensor]]) -> None:
+    for n, d in dest.items():
         if len(parts) == 1:
-            dest.copy_(first[n])
+            d.copy_(parts[0][n])
         else:
-            torch.cat([p[n] for p in parts], _TOKEN_DIM[n], out=dest)
-    return out
+            torch.cat([p[n] for p in parts], _TOKEN_DIM[n], out=d)
+
+
+def _layout_of(seq: "PackedSequence") -> tuple:
+    b, h, _, d = seq.shape
+    k = seq.tensors["centroids"].shape[-2] if "centroids" in seq.tensors else 0
+    return seq.spec, seq.stages, seq.chunk_len, seq.dtype, (b, h, d, k)
 
 
 @dataclass
@@ -95,8 +111,7 @@ class PackedSequence:
         return cls(_joined(parts), *lay[:4])
 
     def _check(self, chunk: Packed) -> None:
-        b, h, _, d = self.shape
-        if _layout(chunk) != (self.spec, self.stages, self.chunk_len, self.dtype, (b, h, d)):
+        if _layout(chunk) != _layout_of(self):
             raise ValueError("an appended chunk needs the sequence's storage options and shape")
 
     def _span(self, name: str, first: int, count: int) -> torch.Tensor:
@@ -109,6 +124,29 @@ class PackedSequence:
         while the history grows)."""
         self._check(chunk)
         return self._rebuilt(self._parts() + [_chunk_tensors(chunk)])
+
+    @staticmethod
+    def append_pair(k_seq: "PackedSequence | None", k_chunk: Packed, v_seq: "PackedSequence | None"):
+        """A layer's K and V sequences, each with one more chunk, carved from ONE allocation (the allocator then
+        rounds one block per layer, not two). V's chunk usually comes later (its compression may reuse the
+        buffers K's came in), so this returns (K's new sequence, finish) and finish(v_chunk) returns V's. The V
+        sequence must hold as many chunks of the same layout as K's (or both be None)."""
+        lay = _layout(k_chunk)
+        if k_seq is not None:
+            k_seq._check(k_chunk)
+        if (k_seq is None) != (v_seq is None) or (v_seq is not None and (
+                v_seq.num_chunks != k_seq.num_chunks or v_seq.head != k_seq.head
+                or _layout_of(v_seq) != _layout_of(k_seq))):
+            raise ValueError("append_pair: the K and V sequences must hold the same chunks' layout")
+        k_parts = (k_seq._parts() if k_seq is not None else []) + [_chunk_tensors(k_chunk)]
+        dk, dv = _joined(k_parts, copies=2)
+
+        def finish(v_chunk: Packed) -> PackedSequence:
+            if _layout(v_chunk) != lay:
+                raise ValueError("append_pair: V's chunk needs K's storage options and shape")
+            _fill(dv, (v_seq._parts() if v_seq is not None else []) + [_chunk_tensors(v_chunk)])
+            return PackedSequence(dv, *lay[:4])
+        return PackedSequence(dk, *lay[:4]), finish
 
     def replace_oldest(self, chunk: Packed) -> "PackedSequence":
         """Overwrite the oldest chunk's slot with `chunk` in place, which becomes the newest: a ring, so a rolling

@@ -77,6 +77,17 @@ def test_rolling_window_keeps_the_sink_and_the_latest_frames(method):
     assert cache.frames == 6 * CF
 
 
+@pytest.mark.parametrize("method", ["qvg", "qvg-pro", "rtn"])
+def test_a_layers_k_and_v_history_share_one_allocation(method):
+    """While the history grows, each layer's K and V sequences live in one allocation (the caching allocator
+    rounds each large block up by as much as 1 MiB: one block per layer, not two), and stay there in the ring."""
+    cache = KVCache(2, method, chunk_frames=CF, tokens_per_frame=TPF, window_frames=2 * CF, **SMALL[method])
+    for n in (1, 2, 2):  # growth, growth, then ring commits
+        _run(cache, n, layers=2)
+        for L in cache.layers:
+            assert len({t.untyped_storage().data_ptr() for h in L.hist for t in h.tensors.values()}) == 1
+
+
 @pytest.mark.parametrize("method,every", [("qvg", 1), ("qvg-pro", 1), ("rtn", 1), ("qvg", 2)])
 def test_full_window_commits_in_place(method, every, monkeypatch):
     """Once the rolling window is full, a commit overwrites the evicted unit's slot (the history's storage stays

@@ -60,3 +60,26 @@ def test_wrapped_ring_rotates_keys_by_their_slots_frames():
     in_time = RopeTables(4, 5, 64, torch.tensor([2, 4, 6]), max_frames=16)
     want = PackedSequence.from_chunks(ch[1:4]).decompress(in_time)
     assert torch.equal(ring.decompress(by_slot), want)
+
+
+def test_append_pair_puts_a_layers_k_and_v_in_one_allocation():
+    """The cache's growth path: K's and V's sequences, each one chunk longer, in ONE allocation (one allocator
+    block per layer), holding exactly what separate appends hold."""
+    import pytest
+    ks, vs = _chunks(3), _chunks(4)[1:]
+    k_seq = v_seq = None
+    for kc, vc in zip(ks, vs):
+        k_seq, finish = PackedSequence.append_pair(k_seq, kc, v_seq)
+        v_seq = finish(vc)
+        assert len({t.untyped_storage().data_ptr() for s in (k_seq, v_seq) for t in s.tensors.values()}) == 1
+    assert torch.equal(k_seq.decompress(), PackedSequence.from_chunks(ks).decompress())
+    assert torch.equal(v_seq.decompress(), PackedSequence.from_chunks(vs).decompress())
+    assert k_seq.nbytes + v_seq.nbytes == sum(c.nbytes for c in ks + vs)
+    with pytest.raises(ValueError, match="same chunks"):
+        PackedSequence.append_pair(k_seq, ks[0], None)
+    with pytest.raises(ValueError, match="same chunks"):
+        PackedSequence.append_pair(k_seq, ks[0], v_seq.drop_first(1))
+    other = qvg.compress(torch.randn(1, 2, 40, 64).bfloat16(), "qvg", centroids=8)
+    _, finish = PackedSequence.append_pair(k_seq, ks[0], v_seq)
+    with pytest.raises(ValueError, match="V's chunk"):
+        finish(other)
