@@ -123,7 +123,7 @@ def compress_section(quick, variants=()):
     """Compress at the LongCat span for each of `variants` (kernels/compress.py's COMPRESS_VARIANTS names; default:
     the default variant). The API time, the torch reference and the parity with it are of the default variant."""
     import qvg
-    from qvg.kernels.compress import COMPRESS_VARIANT, COMPRESS_VARIANTS, compress_prq
+    from qvg.kernels.compress import COMPRESS_VARIANT, compress_prq
     from qvg.compression import resolve_options
     from qvg.compression.prq import init_centroids
     shape = (1, 32, 29640, 128) if not quick else (1, 4, 4680, 128)
@@ -140,10 +140,10 @@ def compress_section(quick, variants=()):
         pr = with_torch_backend(lambda: qvg.compress(x1, method, init=prev, iters=2))
         mse_r = float((with_torch_backend(lambda: qvg.decompress(pr)).float() - x1.float()).pow(2).mean())
         for name in variants or (COMPRESS_VARIANT,):
-            v = COMPRESS_VARIANTS[name]
+            tensors = compress_prq(x1, o, warm, 2, variant=name)  # (its pieces and its parity both use it)
             rows.append({"shape": list(shape), "method": method, "iters": 2, "warm_start": True,
-                         **_compress_row(x1, o, warm, name, v, compress_prq, shape),
-                         **_parity(compress_prq(x1, o, warm, 2, variant=name), pr, x1, method, o, mse_r),
+                         **_compress_row(x1, o, warm, name, tensors, shape),
+                         **_parity(tensors, pr, x1, method, o, mse_r),
                          **({"api_ms": api_ms, "torch_reference_ms": ref_ms} if name == COMPRESS_VARIANT else {})})
             r = rows[-1]
             print(f"  compress {shape} {method} [{name}]: {r['ms']:.3f} ms (CUDA graph replay {r['cuda_graph_ms']} "
@@ -159,8 +159,10 @@ def _parity(tensors, pr, x1, method, o, mse_r) -> dict:
             "mse_kernels": float((qvg.decompress(pk).float() - x1.float()).pow(2).mean()), "mse_reference": mse_r}
 
 
-def _compress_row(x1, o, warm, name, v, compress_prq, shape) -> dict:
-    """One variant's compress time (eager and replayed from a CUDA graph) and its pieces."""
+def _compress_row(x1, o, warm, name, pk, shape) -> dict:
+    """One variant's compress time (eager and replayed from a CUDA graph) and its pieces; pk: its output."""
+    from qvg.kernels.compress import COMPRESS_VARIANTS, compress_prq
+    v = COMPRESS_VARIANTS[name]
     ms = bench(lambda: compress_prq(x1, o, warm, 2, variant=name), warmup=5, rep=30)
     # the same pipeline replayed from a CUDA graph (chunks have a fixed shape, so a cache can capture it once):
     # GPU time without Python/launch overhead
@@ -183,7 +185,6 @@ def _compress_row(x1, o, warm, name, v, compress_prq, shape) -> dict:
     xg = x1.view(-1, shape[2], shape[3])
     c0 = warm[0]
     ids0, _ = assign(xg, c0)
-    pk = compress_prq(x1, o, warm, 2, variant=name)
     # the variant's pieces, and the one-hot update the segmented sum replaced (variant sweeps: python -m
     # qvg.eval.profile_compress --variants)
     parts = {"variant": name, "ms": ms, "cuda_graph_ms": graph_ms,

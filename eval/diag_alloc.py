@@ -46,7 +46,7 @@ def main():
         row = dict(method=method, delta=d1, delta_after_malloc=d2, block_bytes=t1 - t0, requested=r1 - r0,
                    pool_free=pf, accounted=acc, err=(acc - d1 - pf) / (d1 + pf))
         print(json.dumps(row), flush=True)
-        out.append((cache, row))
+        out.append((cache, row))  # each cache stays alive: the next one is built beside it, as in bench_pipeline
 
 
 if __name__ == "__main__":
