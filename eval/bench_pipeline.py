@@ -37,16 +37,22 @@ def wan_model(**config):
 
 def new_cache(model, method: str, window: int, options: dict):
     """A 30-layer cache of 3-frame chunks with a rolling window (options apply to the compressed methods).
-    method "NAME[:pre-rope][:sync]": keys packed before RoPE (KVCache key_storage); commits in line with the
-    forward instead of on the cache's side stream (KVCache async_commit=False)."""
+    method "NAME[:pre-rope][:sync][:noprefetch|:prefetch-all]": keys packed before RoPE (KVCache key_storage);
+    commits in line with the forward instead of on the cache's side stream (KVCache async_commit=False); every
+    history decoded in line before its attention (KVCache prefetch_bytes=0), or prefetched up to the largest
+    staging window (prefetch_bytes=WINDOW_BYTES) instead of the default budget."""
     from qvg.cache import KVCache
+    from qvg.kernels.windowed_sdpa import WINDOW_BYTES
     name, *flags = method.split(":")
-    unknown = set(flags) - {"pre-rope", "sync"}
+    prefetch = {"noprefetch": 0, "prefetch-all": WINDOW_BYTES}
+    unknown = set(flags) - {"pre-rope", "sync", *prefetch}
     if unknown:
-        raise ValueError(f"unknown method flag(s) {', '.join(sorted(unknown))} in {method!r} (pre-rope, sync)")
+        raise ValueError(f"unknown method flag(s) {', '.join(sorted(unknown))} in {method!r} (pre-rope, sync, "
+                         f"{', '.join(prefetch)})")
     return KVCache(30, name, chunk_frames=3, tokens_per_frame=model.tokens_per_latent_frame(*LATENT_HW),
                    window_frames=window, key_storage="pre-rope" if "pre-rope" in flags else "post-rope",
-                   async_commit="sync" not in flags, **({} if name == "bf16" else options))
+                   async_commit="sync" not in flags, **{"prefetch_bytes": prefetch[f] for f in flags if f in prefetch},
+                   **({} if name == "bf16" else options))
 
 
 def cuda_ms(fn) -> float:
@@ -104,7 +110,7 @@ def run(histories, methods, options, repeat: int = 7) -> list[dict]:
     model = wan_model()
     rows = []
     for hist in histories:
-        runs = {}
+        runs, caches = {}, {}
         for method in methods:  # every method's cache is built first, then the chunks are timed in rounds
             torch.cuda.synchronize()
             before = torch.cuda.memory_allocated()
@@ -120,6 +126,7 @@ def run(histories, methods, options, repeat: int = 7) -> list[dict]:
             with torch.no_grad():
                 chunk()  # warm-up (compiles kernels, fills the text K/V)
             runs[method] = chunk
+            caches[method] = cache
             row = {"history_frames": hist, "method": method, "chunk_ms_all": [],
                    "kv_bytes_allocator_delta": delta, "graph_pool_free_bytes": pool_free,
                    "kv_bytes_accounted": acc["total"],
@@ -137,6 +144,7 @@ def run(histories, methods, options, repeat: int = 7) -> list[dict]:
                     r["chunk_ms_all"].append(cuda_ms(runs[r["method"]]))
         for r in mine:
             r["chunk_ms"] = statistics.median(r["chunk_ms_all"])
+            r["prefetch_stats"] = dict(caches[r["method"]].prefetch_stats)  # (the warm-up and timed chunks)
             print(f"history {hist} {r['method']}: chunk {r['chunk_ms']:.1f} ms (median of {repeat}; "
                   f"min {min(r['chunk_ms_all']):.1f})", flush=True)
         for r in mine:  # peak while one chunk runs (the other methods' caches are resident: subtracted)
@@ -146,7 +154,7 @@ def run(histories, methods, options, repeat: int = 7) -> list[dict]:
                 runs[r["method"]]()
             torch.cuda.synchronize()
             r["peak_bytes_during_chunk_above_resident"] = torch.cuda.max_memory_allocated() - base_alloc
-        runs = None
+        runs = caches = None
         torch.cuda.empty_cache()
         base = next(r for r in rows if r["history_frames"] == hist and r["method"] == "bf16")
         for r in rows:

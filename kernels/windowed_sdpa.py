@@ -8,7 +8,9 @@ small part of the call, so this is the cache's default GPU path. The BF16 histor
 exists: the transient is one window of one layer (`WINDOW_BYTES` of K + V), whatever the history length.
 
 When the history and the tail fit one window (the common case: a rolling window of a few dozen latent frames),
-the tail is copied behind the decoded history and one plain SDPA call does it all (no merge).
+the tail is copied behind the decoded history and one plain SDPA call does it all (no merge). That window can be
+decoded ahead of time (`decode_window`, then `windowed_attention(..., decoded=...)`): the cache does so on a side
+stream while the previous layer finishes (`KVCache(prefetch_bytes=...)`).
 Reference: qvg.attention.attend_reference (tests/kernels/test_windowed_sdpa.py).
 """
 from __future__ import annotations
@@ -54,14 +56,38 @@ def merge_lse(acc: torch.Tensor | None, lse: torch.Tensor | None, out: torch.Ten
     return acc, new
 
 
+def window_tokens(k_hist: PackedSequence, window_bytes: int = WINDOW_BYTES) -> int:
+    """Tokens of one staging window: BF16 K + V of that many tokens take at most `window_bytes`."""
+    bsz, hkv, _, d = k_hist.shape
+    return max(1, window_bytes // (2 * bsz * hkv * d * 2))
+
+
+def decode_window(k_hist: PackedSequence, v_hist: PackedSequence, extra: int = 0,
+                  rope: RopeTables | None = None, rows: tuple[int, int] | None = None, out: tuple | None = None):
+    """History rows `rows` (default: all) decoded into BF16 [B, H, r1 - r0 + extra, D] K and V buffers (new, or
+    `out`); their last `extra` rows are left for the tail. (The cache also runs it ahead of time on a side stream
+    into buffers it allocated on the main one: `KVCache(prefetch_bytes=...)`.)"""
+    from .dequant import dequantize
+    r0, r1 = rows or (0, k_hist.shape[2])
+    bsz, hkv, _, d = k_hist.shape
+    if out is None:
+        ks = torch.empty(bsz, hkv, r1 - r0 + extra, d, device=k_hist.tensors["codes"].device,
+                         dtype=torch.bfloat16)
+        out = ks, torch.empty_like(ks)
+    ks, vs = out
+    dequantize(k_hist, out=ks, rows=(r0, r1), rope=rope)
+    dequantize(v_hist, out=vs, rows=(r0, r1))
+    return ks, vs
+
+
 def windowed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: PackedSequence | None,
                        k_tail: torch.Tensor | None = None, v_tail: torch.Tensor | None = None,
                        scale: float | None = None, window_bytes: int = WINDOW_BYTES,
-                       rope: RopeTables | None = None) -> torch.Tensor:
+                       rope: RopeTables | None = None, decoded: tuple | None = None) -> torch.Tensor:
     """softmax(q [history; tail]^T * scale) [history; tail]. q [B, Hq, M, D]; histories: PackedSequence with Hkv
     heads (Hq a multiple of Hkv); tails [B, Hkv, T, D] BF16 (views are fine). `rope`: the history keys were stored
-    before RoPE and are rotated as they are decoded."""
-    from .dequant import dequantize
+    before RoPE and are rotated as they are decoded. `decoded`: the (K, V) buffers `decode_window(k_hist, v_hist,
+    T, rope)` returned (history and tail in one window), decoded ahead of time; the tail is copied into them."""
     if k_hist is None and k_tail is None:
         raise ValueError("attention needs a history or a tail")
     bsz, hq, m, d = q.shape
@@ -73,24 +99,24 @@ def windowed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: P
     t = 0 if k_tail is None else k_tail.shape[2]
     if n == 0:
         return sdpa_gqa(q, k_tail, v_tail, scale)
-    cap = max(1, window_bytes // (2 * bsz * hkv * d * 2))  # tokens per window
+    cap = window_tokens(k_hist, window_bytes)
     bounds = [(r0, min(n, r0 + cap)) for r0 in range(0, n, cap)]
     tail_inline = t and bounds[-1][1] - bounds[-1][0] + t <= cap  # the tail rides in the last window
+    if decoded is not None and (len(bounds) != 1 or decoded[0].shape[2] != n + t):
+        raise ValueError(f"decoded buffers of {decoded[0].shape[2]} tokens do not hold one window of {n} history "
+                         f"+ {t} tail tokens")
     acc = lse = None
     for i, (r0, r1) in enumerate(bounds):
         extra = t if tail_inline and i == len(bounds) - 1 else 0
-        ks = torch.empty(bsz, hkv, r1 - r0 + extra, d, device=q.device, dtype=torch.bfloat16)
-        vs = torch.empty_like(ks)
-        dequantize(k_hist, out=ks, rows=(r0, r1), rope=rope)
-        dequantize(v_hist, out=vs, rows=(r0, r1))
+        ks, vs = decoded if decoded is not None else decode_window(k_hist, v_hist, extra, rope, (r0, r1))
+        decoded = None  # (the buffers go with the window: the next one reuses the memory)
         if extra:
             ks[:, :, r1 - r0:] = k_tail
             vs[:, :, r1 - r0:] = v_tail
         if len(bounds) == 1 and (tail_inline or not t):
             return sdpa_gqa(q, ks, vs, scale)
         acc, lse = merge_lse(acc, lse, *sdpa_lse(q, *repeat_kv(ks, vs, hq), scale))
-        del ks, vs  # (the next window reuses the memory)
+        del ks, vs
     if t and not tail_inline:
         acc, lse = merge_lse(acc, lse, *sdpa_lse(q, *repeat_kv(k_tail.contiguous(), v_tail.contiguous(), hq), scale))
     return acc.to(q.dtype)
-

@@ -31,6 +31,14 @@ Per layer, three zones, for keys and values alike ([B, H, tokens, D], H = kv hea
   qvg-pro is decoded window by window (<= 1 GiB of one layer's BF16 K + V, never the whole history) and
   attended by torch's SDPA (cuDNN), windows merged by log-sum-exp (kernels/windowed_sdpa.py); kivi / quarot and
   CPU decode the history first (the reference path). The BF16 zones are one contiguous buffer, read as a view.
+- Decode prefetch (`prefetch_bytes`; CUDA only): right after a layer's attention is queued, the next layer's
+  history is decoded into its staging window on a second side stream, so the decode runs beside the rest of
+  the forward instead of in line before that attention (it would cost the dequant's full time there: 13.8 ms of a
+  21-frame Self-Forcing chunk). Only when history and tail fit one window of at most `prefetch_bytes` (512 MiB by
+  default; a chunk's peak then holds two windows, not one). A prefetch is used only if its layer was not
+  committed since (a version count per layer) and the tail has the same length; else it is dropped and the
+  layer decodes in line. The last layer prefetches the first one for the next forward, except after the first
+  layer's commit in this chunk: nothing is held across `commit()`. Bitwise the same outputs as without.
 - Key storage (`key_storage`): "post-rope" packs the keys as written (after RoPE: Self-Forcing's layout);
   "pre-rope" (rtn / qvg / qvg-pro) turns each key back to before RoPE when it is packed and rotates it again when it
   is read, so k-means groups keys by content rather than by position (eval/results/rope_storage.md: 1.8x lower
@@ -61,6 +69,7 @@ CACHE_METHODS = ("bf16", *compression.methods())
 KEY_STORAGE = ("post-rope", "pre-rope")
 # memory()'s components: they sum to its total
 MEMORY_COMPONENTS = ("codes", "scales", "ids", "centroids", "positions", "bf16", "workspace")
+PREFETCH_BYTES = 512 << 20  # the largest staging window (BF16 K + V) decoded ahead (Self-Forcing: 21 frames, 230 MB)
 
 
 class _Layer:
@@ -77,6 +86,8 @@ class _Layer:
         self.pos_pending: list[torch.Tensor] = []  # pre-rope: positions [B, F, 3] of each pending chunk
         self.pos_hist: list[torch.Tensor] = []  # pre-rope: positions [B, F_unit, 3] of each packed unit, oldest first
         self.done = None  # async commit: (device, CUDA event recorded after this layer's queued commit work) or None
+        self.version = 0  # bumped by every commit of the layer (a decode prefetched before it is stale)
+        self.prefetch = None  # (version, tail tokens, K, V, CUDA event): the history decoded ahead on a side stream
 
     def tail(self, i: int) -> torch.Tensor:
         return self.buf[i][:, :, :self.n_sink + self.n_pending + self.n_cur]
@@ -90,11 +101,15 @@ class KVCache:
     replays a captured graph (qvg.compression.graphed; same result, a fraction of the host time). key_storage:
     "post-rope" or "pre-rope" (see the module docstring; pre-rope needs `set_positions` before each chunk's writes).
     async_commit: on CUDA, commits run on a side stream (see the module docstring); False: in line.
+    prefetch_bytes: on CUDA, while a layer attends, the next layer's history is decoded on a side stream when its
+    staging window (BF16 K + V of history and tail) takes at most this many bytes (see the module docstring); 0: no
+    prefetch.
     """
 
     def __init__(self, num_layers: int, method: str = "qvg", *, chunk_frames: int, tokens_per_frame: int,
                  sink_frames: int = 0, window_frames: int | None = None, commit_every: int = 1,
-                 cuda_graphs: bool = True, key_storage: str = "post-rope", async_commit: bool = True, **options):
+                 cuda_graphs: bool = True, key_storage: str = "post-rope", async_commit: bool = True,
+                 prefetch_bytes: int = PREFETCH_BYTES, **options):
         if method not in CACHE_METHODS:
             raise ValueError(f"unknown cache method {method!r}; choose one of: {', '.join(CACHE_METHODS)}")
         if key_storage not in KEY_STORAGE:
@@ -111,6 +126,8 @@ class KVCache:
                 raise ValueError(f"{name} must be a non-negative multiple of chunk_frames ({chunk_frames}), got {v!r}")
         if not isinstance(async_commit, bool):
             raise ValueError(f"async_commit must be True or False, got {async_commit!r}")
+        if isinstance(prefetch_bytes, bool) or not isinstance(prefetch_bytes, int) or prefetch_bytes < 0:
+            raise ValueError(f"prefetch_bytes must be a non-negative integer (0: no prefetch), got {prefetch_bytes!r}")
         if method == "bf16" and options:
             raise ValueError(f"method 'bf16' takes no options, got {', '.join(sorted(options))}")
         self.method, self.options = method, dict(options)
@@ -127,6 +144,9 @@ class KVCache:
         self._graphed = GraphedCompress() if cuda_graphs and method != "bf16" else None
         self.async_commit = async_commit
         self._side: dict = {}  # device -> the CUDA side stream of the async commits
+        self.prefetch_bytes = prefetch_bytes
+        self._ahead: dict = {}  # device -> the CUDA side stream of the prefetched decodes
+        self.prefetch_stats = {"used": 0, "dropped": 0}  # prefetched windows attended / dropped as stale
 
     @property
     def chunk_tokens(self) -> int:
@@ -229,6 +249,8 @@ class KVCache:
         L.committed = True
 
     def _commit(self, L: _Layer) -> None:
+        self._drop_prefetch(L)  # (its history changes now)
+        L.version += 1
         dev = L.buf[0].device
         if not (self.async_commit and dev.type == "cuda" and self._in_place(L)):
             if any(x.done is not None for x in self.layers):  # queued commits first: the layers share the
@@ -387,22 +409,77 @@ class KVCache:
             return sdpa_gqa(q, kt, vt, scale)
         if isinstance(kh, PackedSequence):
             from .backend import use_kernels
-            if self._pre_rope:
-                tables = self._rope_tables(L, q.device) if use_kernels(q) else None
-                if tables is not None:
-                    from .kernels.windowed_sdpa import windowed_attention
-                    return windowed_attention(q, kh, vh, kt, vt, scale=scale, rope=tables)
-                # the reference (it materializes the history): decode, rotate, attend
+            if use_kernels(q):
+                tables = self._rope_tables(L, q.device) if self._pre_rope else None
+                if tables is not None or not self._pre_rope:
+                    return self._attend_windowed(layer, q, kt, vt, scale, tables)
+            if self._pre_rope:  # the reference (it materializes the history): decode, rotate, attend
                 k = apply_rope(kh.decompress(), self._angles(L.pos_hist, q.device, kh.shape[3]))
                 return sdpa_gqa(q.float(), torch.cat([k, kt.float()], 2),
                                 torch.cat([vh.decompress().float(), vt.float()], 2), scale).to(q.dtype)
-            if use_kernels(q):
-                from .kernels.windowed_sdpa import windowed_attention
-                return windowed_attention(q, kh, vh, kt, vt, scale=scale)
             return attend_reference(q, kh, vh, kt, vt, scale=scale)
         k = torch.cat([compression.decompress(p).to(kt.dtype) for p in kh] + [kt], 2)
         v = torch.cat([compression.decompress(p).to(vt.dtype) for p in vh] + [vt], 2)
         return sdpa_gqa(q, k, v, scale)
+
+    def _attend_windowed(self, layer: int, q: torch.Tensor, kt, vt, scale, rope) -> torch.Tensor:
+        """The GPU path: the history decoded into a staging window (or taken from this layer's prefetch), then
+        SDPA; afterwards the next layer's history is prefetched."""
+        from .kernels.windowed_sdpa import windowed_attention
+        L = self.layers[layer]
+        out = windowed_attention(q, *L.hist, kt, vt, scale=scale, rope=rope,
+                                 decoded=self._take_prefetch(L, kt.shape[2]))
+        self._prefetch(self.layers[(layer + 1) % self.num_layers], kt.shape[2])
+        return out
+
+    def _prefetch(self, L: _Layer, tail: int) -> None:
+        """Queue the decode of L's history (and room for a tail of `tail` tokens) on a side stream, behind the
+        current stream's work so far: it then runs beside the rest of this layer's forward instead of in line
+        before L's attention. Only when that one window takes at most `prefetch_bytes`, L holds no prefetch yet and
+        L has not been committed in this chunk (then its next read is the next chunk's, after `commit()`: nothing
+        is held across chunks). The buffers come from the current stream's pool: its later kernels use and free
+        them after waiting for the decode."""
+        from .kernels.windowed_sdpa import WINDOW_BYTES, decode_window
+        kh, vh = L.hist
+        if not self.prefetch_bytes or L.prefetch is not None or L.committed or not isinstance(kh, PackedSequence):
+            return
+        dev = kh.tensors["codes"].device
+        b, h, n, d = kh.shape
+        if dev.type != "cuda" or 2 * b * h * (n + tail) * d * 2 > min(self.prefetch_bytes, WINDOW_BYTES):
+            return
+        rope = self._rope_tables(L, dev) if self._pre_rope else None
+        if self._pre_rope and rope is None:
+            return
+        ks = torch.empty(b, h, n + tail, d, device=dev, dtype=torch.bfloat16)
+        vs = torch.empty_like(ks)
+        side = self._ahead.get(dev)
+        if side is None:
+            side = self._ahead[dev] = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        if L.done is not None:  # (a commit of L still queued on the commit stream)
+            side.wait_event(L.done[1])
+        with torch.cuda.stream(side):
+            decode_window(kh, vh, tail, rope, out=(ks, vs))
+        event = torch.cuda.Event()
+        event.record(side)
+        L.prefetch = (L.version, tail, ks, vs, event)
+
+    def _take_prefetch(self, L: _Layer, tail: int):
+        """L's prefetched (K, V) window if it still matches L's history and this tail, else None (dropped). The
+        current stream waits for the decode either way, so the buffers are safe to use or free on it."""
+        p, L.prefetch = L.prefetch, None
+        if p is None:
+            return None
+        version, t, ks, vs, event = p
+        torch.cuda.current_stream(ks.device).wait_event(event)
+        if version != L.version or t != tail or ks.shape[2] != L.hist[0].shape[2] + tail:
+            self.prefetch_stats["dropped"] += 1
+            return None
+        self.prefetch_stats["used"] += 1
+        return ks, vs
+
+    def _drop_prefetch(self, L: _Layer) -> None:
+        self._take_prefetch(L, -1)
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's K and V as BF16 [B, H, tokens, D] in attention order (decoded: tests and analyses only)."""
@@ -487,6 +564,8 @@ class KVCache:
         """Forget everything (a new video), the compression graphs and their memory too: a reset cache holds no
         bytes (the next video captures its graphs again, at its first warm-started commit)."""
         self._join()  # (queued commits still read the buffers dropped here)
+        for L in self.layers:
+            self._drop_prefetch(L)  # (and queued decodes still write theirs)
         self.layers = [_Layer() for _ in range(self.num_layers)]
         self.frames = 0
         self.commits = 0

@@ -343,6 +343,9 @@ def test_bf16_equivalent_is_what_a_bf16_cache_holds_between_chunks():
 def test_async_commit_option():
     with pytest.raises(ValueError, match="async_commit must be True or False"):
         KVCache(1, "qvg", chunk_frames=CF, tokens_per_frame=TPF, async_commit="yes")
+    for bad in (-1, True, 1.5, "1"):
+        with pytest.raises(ValueError, match="prefetch_bytes must be a non-negative integer"):
+            KVCache(1, "qvg", chunk_frames=CF, tokens_per_frame=TPF, prefetch_bytes=bad)
     # on the CPU there is no side stream: both settings commit in line, with the same result
     caches = [KVCache(1, "qvg", chunk_frames=CF, tokens_per_frame=TPF, window_frames=2 * CF, async_commit=flag,
                       **SMALL["qvg"]) for flag in (True, False)]

@@ -5,7 +5,7 @@ import torch
 
 from kernel_helpers import gen, poisoned, rel_err
 from qvg.attention import attend_reference
-from qvg.kernels.windowed_sdpa import merge_lse, sdpa_lse, windowed_attention
+from qvg.kernels.windowed_sdpa import decode_window, merge_lse, sdpa_lse, windowed_attention
 from test_attention_kernel import HKV, TOL, _history, _qkv, _to
 
 
@@ -107,3 +107,20 @@ def test_pre_rope_cache_tables_rotate_as_the_reference(window, device):
     tables = cache._rope_tables(L, device)
     err = rel_err(_run(device, q, *L.hist, L.tail(0), L.tail(1), rope=tables), ref)
     assert err < TOL, f"window {window}: {err:.4f}"
+
+
+@pytest.mark.parametrize("name", ["qvg", "qvg-pro"])
+def test_decoded_ahead_is_the_same(name, device):
+    """A window decoded ahead (`decode_window`, as the cache's prefetch does) gives bitwise the same attention;
+    buffers that do not hold history + tail in one window are refused."""
+    kh, vh = _history(name)
+    q, kt, vt = _qkv()
+    kh, vh, q, kt, vt = _to(kh, device), _to(vh, device), q.to(device), kt.to(device), vt.to(device)
+    want = windowed_attention(q, kh, vh, kt, vt)
+    with poisoned():
+        decoded = decode_window(kh, vh, kt.shape[2])
+    assert torch.equal(windowed_attention(q, kh, vh, kt, vt, decoded=decoded), want)
+    with pytest.raises(ValueError, match="do not hold one window"):
+        windowed_attention(q, kh, vh, kt, vt, decoded=decode_window(kh, vh, 0))
+    with pytest.raises(ValueError, match="do not hold one window"):  # history over several windows
+        windowed_attention(q, kh, vh, kt, vt, window_bytes=_bytes(50), decoded=decode_window(kh, vh, kt.shape[2]))
