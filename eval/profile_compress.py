@@ -133,6 +133,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="a small shape (smoke test)")
     ap.add_argument("--variants", action="store_true",
                     help="time the kernel variants (assign, update, reseed, pack, whole compress) against the current")
+    ap.add_argument("--shape", help="with --variants: B,H,N,D instead of the LongCat span (e.g. 1,12,4680,128: a "
+                    "Self-Forcing chunk as the cache commits it)")
+    ap.add_argument("--centroids", type=int, help="with --variants: K instead of the method's default")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
     if not cuda and not (args.variants and args.quick):
@@ -150,12 +153,15 @@ def main(argv=None) -> int:
                                                                       __import__("sys").argv[1:])}
     if args.variants:
         from .profile_compress_variants import run_variants
-        res.update(run_variants(args.quick))
+        shape = tuple(int(v) for v in args.shape.split(",")) if args.shape else None
+        res.update(run_variants(args.quick, shape, args.centroids))
     else:
         res["rows"] = run((1, 32, 29640, 128) if not args.quick else (1, 4, 4680, 128), args.sweep)
     os.makedirs(args.out, exist_ok=True)
     gpu = res["device"].split()[1].lower() if cuda else "cpu"
     tag = ("variants-" if args.variants else "") + gpu + ("-quick" if args.quick and args.variants else "")
+    if args.variants and args.shape:
+        tag += "-" + args.shape.replace(",", "x") + (f"-k{args.centroids}" if args.centroids else "")
     name = f"profile-compress-{tag}.json"
     with open(os.path.join(args.out, name), "w") as f:
         json.dump(res, f, indent=1)

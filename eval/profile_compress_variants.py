@@ -32,7 +32,13 @@ ASSIGN = [("current: tiles 64x64 w4 s2", {}),
           ("min one-tile 128x256 w8", dict(mode="min", block_n=128, block_k=256, num_warps=8)),
           ("min one-tile 128x256 w8 s3", dict(mode="min", block_n=128, block_k=256, num_warps=8, num_stages=3))] + [
     (f"min persistent {bn}x256 w{nw} p{p}/group", dict(mode="min", block_n=bn, block_k=256, num_warps=nw, progs=p))
-    for bn, nw, p in ((64, 4, 8), (64, 8, 4), (64, 8, 8), (128, 8, 4), (128, 8, 8))]
+    for bn, nw, p in ((64, 4, 8), (64, 8, 4), (64, 8, 8), (128, 8, 4), (128, 8, 8))] + [
+    # small spans (a Self-Forcing chunk: 12 groups x 4,680 tokens): more programs per group, smaller blocks
+    ("min one-tile 32x256 w4", dict(mode="min", block_n=32, block_k=256, num_warps=4)),
+    ("min one-tile 32x256 w2", dict(mode="min", block_n=32, block_k=256, num_warps=2)),
+    ("min one-tile 16x256 w2", dict(mode="min", block_n=16, block_k=256, num_warps=2)),
+    ("min persistent 64x256 w4 auto", dict(mode="min", block_n=64, block_k=256, num_warps=4, progs="auto")),
+    ("min persistent 32x256 w4 auto", dict(mode="min", block_n=32, block_k=256, num_warps=4, progs="auto"))]
 
 UPDATE = [("current: onehot k64 n32 c4096 w4 s3", {})] + [
     (f"segsum item{i} rows{r} w{w} s{st} sort{sb}",
@@ -40,7 +46,12 @@ UPDATE = [("current: onehot k64 n32 c4096 w4 s3", {})] + [
     for i, r, w, st, sb in ((256, 32, 4, 2, 1024), (128, 32, 4, 2, 1024), (512, 32, 4, 2, 1024),
                             (256, 64, 4, 2, 1024), (256, 64, 8, 2, 1024), (512, 64, 8, 2, 1024),
                             (256, 32, 4, 3, 1024), (256, 64, 4, 3, 1024), (256, 16, 2, 2, 1024),
-                            (256, 32, 4, 2, 256), (256, 32, 4, 2, 4096))]
+                            (256, 32, 4, 2, 256), (256, 32, 4, 2, 4096),
+                            # small spans: shorter work items and sort blocks (more programs per group)
+                            (64, 16, 2, 2, 256), (64, 32, 4, 2, 256), (128, 16, 2, 2, 256), (128, 32, 4, 2, 256),
+                            (64, 16, 2, 2, 512), (128, 32, 4, 2, 512), (32, 16, 2, 2, 128))] + [
+    (f"onehot k64 n{bn} c{ch} w{w}", dict(method="onehot", block_k=64, block_n=bn, chunk=ch, num_warps=w))
+    for bn, ch, w in ((32, 256, 4), (32, 512, 4), (64, 512, 4), (32, 1024, 4), (64, 1024, 8), (16, 256, 2))]
 
 PACK = [("current: bn16 w2", {}), ("current bn8 w2", dict(block_n=8))] + [
     (f"fused bn{bn} w{nw}", dict(fused=True, block_n=bn, num_warps=nw))
@@ -235,19 +246,20 @@ def compress_rows(method, x1, o, warm, variants: dict, ref: dict) -> list[dict]:
     return rows
 
 
-def run_variants(quick: bool) -> dict:
+def run_variants(quick: bool, shape: tuple | None = None, centroids: int | None = None) -> dict:
     import qvg
     from qvg.compression import resolve_options
     from qvg.compression.prq import init_centroids
     from qvg.kernels.compress import COMPRESS_VARIANTS, compress_prq
     dev = "cuda" if CUDA else "cpu"
-    shape = (1, 32, 29640, 128) if not quick else ((1, 4, 4680, 128) if CUDA else (1, 1, 300, 128))
+    shape = shape or ((1, 32, 29640, 128) if not quick else ((1, 4, 4680, 128) if CUDA else (1, 1, 300, 128)))
+    extra = {} if centroids is None else {"centroids": centroids}
     x0 = clustered(shape, seed=1, device=dev)
     x1 = (x0.float() + 0.1 * torch.randn_like(x0.float())).bfloat16()
     setups = {}
     for method in ("qvg", "qvg-pro"):
-        prev = qvg.compress(x0, method)  # cold start (not timed): its centroids warm-start the next chunk
-        o = resolve_options(method, shape)
+        prev = qvg.compress(x0, method, **extra)  # cold start (not timed): its centroids warm-start the next chunk
+        o = resolve_options(method, shape, **extra)
         warm = init_centroids(prev, o, shape)
         setups[method] = (o, warm, compress_prq(x1, o, warm, 2, variant="current"))
     t0 = time.perf_counter()
