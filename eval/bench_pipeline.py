@@ -4,8 +4,9 @@
 The full Wan2.1-T2V-1.3B transformer config with random weights, 480x832 (1560 tokens per latent frame), batch 1,
 bf16. For each history length and method: the cache is filled with synthetic committed chunks (clustered K/V,
 compressed by the method as the pipeline would), then one chunk runs (4 denoising steps + the clean re-run at
-t = 0 + commit) with a rolling window of that history, timed with CUDA events (text encoder and VAE excluded:
-the cache does not change them). KV bytes: `torch.cuda.memory_allocated` delta across the fill, plus the free blocks of the
+t = 0 + commit) with a rolling window of that history, timed with CUDA events right behind an untimed chunk
+(`steady_ms`: the steady state of generation, where a chunk's queued commits run into the next one; text encoder
+and VAE excluded: the cache does not change them). KV bytes: `torch.cuda.memory_allocated` delta across the fill, plus the free blocks of the
 compression graphs' private pools (held for the replays; memory_allocated omits them), vs the cache's own
 accounting. Writes pipeline-<gpu>.json.
 """
@@ -37,32 +38,42 @@ def wan_model(**config):
 
 def new_cache(model, method: str, window: int, options: dict):
     """A 30-layer cache of 3-frame chunks with a rolling window (options apply to the compressed methods).
-    method "NAME[:pre-rope][:sync][:noprefetch|:prefetch-all]": keys packed before RoPE (KVCache key_storage);
-    commits in line with the forward instead of on the cache's side stream (KVCache async_commit=False); every
+    method "NAME[:pre-rope][:sync][:eager-commit][:noprefetch|:prefetch-all]": keys packed before RoPE (KVCache
+    key_storage); commits in line with the forward instead of on the cache's side stream (KVCache
+    async_commit=False); side-stream commits queued by each layer's commit_layer (KVCache defer_commits=False); every
     history decoded in line before its attention (KVCache prefetch_bytes=0), or prefetched up to the largest
     staging window (prefetch_bytes=WINDOW_BYTES) instead of the default budget."""
     from qvg.cache import KVCache
     from qvg.kernels.windowed_sdpa import WINDOW_BYTES
     name, *flags = method.split(":")
     prefetch = {"noprefetch": 0, "prefetch-all": WINDOW_BYTES}
-    unknown = set(flags) - {"pre-rope", "sync", *prefetch}
+    unknown = set(flags) - {"pre-rope", "sync", "eager-commit", *prefetch}
     if unknown:
         raise ValueError(f"unknown method flag(s) {', '.join(sorted(unknown))} in {method!r} (pre-rope, sync, "
-                         f"{', '.join(prefetch)})")
+                         f"eager-commit, {', '.join(prefetch)})")
     return KVCache(30, name, chunk_frames=3, tokens_per_frame=model.tokens_per_latent_frame(*LATENT_HW),
                    window_frames=window, key_storage="pre-rope" if "pre-rope" in flags else "post-rope",
-                   async_commit="sync" not in flags, **{"prefetch_bytes": prefetch[f] for f in flags if f in prefetch},
+                   async_commit="sync" not in flags, defer_commits="eager-commit" not in flags, **{"prefetch_bytes": prefetch[f] for f in flags if f in prefetch},
                    **({} if name == "bf16" else options))
 
 
 def cuda_ms(fn) -> float:
-    """Milliseconds of fn() between two CUDA events (synchronized)."""
+    """Milliseconds of fn() between two CUDA events on the current stream (synchronized)."""
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
     fn()
     b.record()
     torch.cuda.synchronize()
     return a.elapsed_time(b)
+
+
+def steady_ms(chunk) -> float:
+    """Milliseconds of one chunk right behind another, as in generation: the chunk before (not timed) leaves its
+    queued side-stream commits running into this one, whose writes and reads wait for them; this chunk's own are
+    left to the next (a cache's `commit()` does not join them). Timing a chunk alone after a synchronize would
+    drop every queued commit from the measurement."""
+    chunk()
+    return cuda_ms(chunk)
 
 
 def _fill(cache, frames: int, heads: int, seed: int = 0):
@@ -141,7 +152,7 @@ def run(histories, methods, options, repeat: int = 7) -> list[dict]:
         with torch.no_grad():  # rounds: each method's chunk once per round, so clock drift hits all alike
             for _ in range(repeat):
                 for r in mine:
-                    r["chunk_ms_all"].append(cuda_ms(runs[r["method"]]))
+                    r["chunk_ms_all"].append(steady_ms(runs[r["method"]]))
         for r in mine:
             r["chunk_ms"] = statistics.median(r["chunk_ms_all"])
             r["prefetch_stats"] = dict(caches[r["method"]].prefetch_stats)  # (the warm-up and timed chunks)

@@ -231,8 +231,8 @@ class CausalWanTransformer(WanTransformer3DModel):
         """hidden_states [B, C, F, H, W] (one chunk with a cache; any number of frames without), timestep [B]
         -> the model output [B, C, F, H, W]. frame_offset: the first frame's time index. cache: a KVCache to
         write into and attend over. commit: each layer commits the chunk right after its attention
-        (`cache.commit_layer`; the clean re-run), so compression overlaps the forward; the caller still calls
-        `cache.commit()` after it. chunk_frames (without a cache): attend block-causally in chunks of that many
+        (`cache.commit_layer`; the clean re-run; the cache decides when the compression is queued); the caller
+        still calls `cache.commit()` after it. chunk_frames (without a cache): attend block-causally in chunks of that many
         frames. attn_mask (without a cache): an explicit boolean [N, N] token mask, True where a query may attend, or a
         flex-attention BlockMask
         (e.g. a rolling window's reference, or training's clean + noisy copies); frame_ids: each input frame's

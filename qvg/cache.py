@@ -19,14 +19,17 @@ Per layer, three zones, for keys and values alike ([B, H, tokens, D], H = kv hea
   allocation (`PackedSequence.append_pair`): the allocator's rounding of large blocks (up to 1 MiB each) is then
   paid once per layer, not twice.
 - `commit_layer(layer)`: the same for one layer, called by the model right after that layer's last attention of
-  the chunk (the clean re-run), so compression interleaves with the forward; `commit()` then finishes the rest.
+  the chunk (the clean re-run); `commit()` then finishes the rest.
 - Asynchronous commits (`async_commit`, on by default; CUDA only): once a rolling window is full, a commit's GPU
   work (compression and the copy into the evicted unit's slot) is queued on a side stream behind the current
-  stream's work so far, so it runs beside the later layers' forward instead of in line with it. Commits that grow
-  the history (the first window's fill, a full history) allocate, and run in line (see `_in_place`). The cache
-  orders every later use: `attend` / `read` of a layer wait for its commit, and `commit()` makes the current
-  stream wait for all of them (no host sync), so the next chunk's writes and reads see the finished history.
-  Bitwise the same history as synchronous commits.
+  stream's work so far, instead of in line with the forward. Commits that grow the history (the first window's
+  fill, a full history) allocate, and run in line (see `_in_place`). With `defer_commits` (the default) the
+  side-stream commits that `commit_layer` asks for are queued at `commit()`, all layers at once: they then run on
+  into the next chunk's first forward, whose start leaves the GPU waiting for the host's launches, rather than
+  beside the re-run's later layers (False: each is queued by its `commit_layer`, as before). The cache orders every
+  later use without a host sync: a layer's next `write` / `attend` / `read` waits for that layer's queued commit
+  (a read before `commit()` queues the layer's deferred commit first). Bitwise the same history as synchronous
+  commits.
 - `attend(layer, q)`: attention of q over sink + history + pending + current. On CUDA the history of rtn / qvg /
   qvg-pro is decoded window by window (<= 1 GiB of one layer's BF16 K + V, never the whole history) and
   attended by torch's SDPA (cuDNN), windows merged by log-sum-exp (kernels/windowed_sdpa.py); kivi / quarot and
@@ -83,6 +86,7 @@ class _Layer:
         self.hist: list = [None, None]  # K, V history: PackedSequence (rtn/qvg/qvg-pro) or list[Packed]
         self.warm: list = [None, None]  # centroids of the last packed unit when no history holds them
         self.committed = False  # committed by commit_layer since the last commit()
+        self.deferred = False  # committed by commit_layer, its work queued only at commit() (defer_commits)
         self.pos_pending: list[torch.Tensor] = []  # pre-rope: positions [B, F, 3] of each pending chunk
         self.pos_hist: list[torch.Tensor] = []  # pre-rope: positions [B, F_unit, 3] of each packed unit, oldest first
         self.done = None  # async commit: (device, CUDA event recorded after this layer's queued commit work) or None
@@ -101,6 +105,8 @@ class KVCache:
     replays a captured graph (qvg.compression.graphed; same result, a fraction of the host time). key_storage:
     "post-rope" or "pre-rope" (see the module docstring; pre-rope needs `set_positions` before each chunk's writes).
     async_commit: on CUDA, commits run on a side stream (see the module docstring); False: in line.
+    defer_commits: with async_commit, a side-stream commit asked for by `commit_layer` is queued at `commit()`, all
+    layers together, instead of right away (see the module docstring).
     prefetch_bytes: on CUDA, while a layer attends, the next layer's history is decoded on a side stream when its
     staging window (BF16 K + V of history and tail) takes at most this many bytes (see the module docstring); 0: no
     prefetch.
@@ -109,7 +115,7 @@ class KVCache:
     def __init__(self, num_layers: int, method: str = "qvg", *, chunk_frames: int, tokens_per_frame: int,
                  sink_frames: int = 0, window_frames: int | None = None, commit_every: int = 1,
                  cuda_graphs: bool = True, key_storage: str = "post-rope", async_commit: bool = True,
-                 prefetch_bytes: int = PREFETCH_BYTES, **options):
+                 prefetch_bytes: int = PREFETCH_BYTES, defer_commits: bool = True, **options):
         if method not in CACHE_METHODS:
             raise ValueError(f"unknown cache method {method!r}; choose one of: {', '.join(CACHE_METHODS)}")
         if key_storage not in KEY_STORAGE:
@@ -124,8 +130,9 @@ class KVCache:
         for name, v in (("sink_frames", sink_frames), ("window_frames", window_frames)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0 or v % chunk_frames):
                 raise ValueError(f"{name} must be a non-negative multiple of chunk_frames ({chunk_frames}), got {v!r}")
-        if not isinstance(async_commit, bool):
-            raise ValueError(f"async_commit must be True or False, got {async_commit!r}")
+        for name, v in (("async_commit", async_commit), ("defer_commits", defer_commits)):
+            if not isinstance(v, bool):
+                raise ValueError(f"{name} must be True or False, got {v!r}")
         if isinstance(prefetch_bytes, bool) or not isinstance(prefetch_bytes, int) or prefetch_bytes < 0:
             raise ValueError(f"prefetch_bytes must be a non-negative integer (0: no prefetch), got {prefetch_bytes!r}")
         if method == "bf16" and options:
@@ -142,7 +149,7 @@ class KVCache:
         self.frames = 0  # frames committed so far (the next chunk's start frame: its RoPE time offset)
         self.commits = 0
         self._graphed = GraphedCompress() if cuda_graphs and method != "bf16" else None
-        self.async_commit = async_commit
+        self.async_commit, self.defer_commits = async_commit, defer_commits
         self._side: dict = {}  # device -> the CUDA side stream of the async commits
         self.prefetch_bytes = prefetch_bytes
         self._ahead: dict = {}  # device -> the CUDA side stream of the prefetched decodes
@@ -208,6 +215,7 @@ class KVCache:
         if L.committed:
             raise RuntimeError(f"write: layer {layer} was committed by commit_layer; call commit() before the next "
                                "chunk")
+        self._wait(L)  # (its queued commit still reads the zone this write overwrites)
         if L.buf is not None and (L.buf[0].shape[:2] != k.shape[:2] or L.buf[0].shape[3] != k.shape[3]
                                   or L.buf[0].device != k.device):
             if L.n_sink or L.n_pending or L.hist[0] is not None:
@@ -230,10 +238,11 @@ class KVCache:
             if not L.n_cur and not L.committed:
                 raise RuntimeError(f"commit: layer {i} has no current chunk (write it first)")
         for L in self.layers:
-            if not L.committed:
+            if not L.committed or L.deferred:
                 self._commit(L)
-            L.committed = False
-        self._join()
+            L.committed = L.deferred = False
+        # no join: each layer's next write / attend / read waits for its own queued commit, so the queued work runs
+        # on into the next chunk's first forward (its start, where the GPU waits for the host's launches)
         self._positions = None  # the next chunk's must be given again
         self.frames += self.chunk_frames
         self.commits += 1
@@ -245,14 +254,27 @@ class KVCache:
         L = self.layers[layer]
         if L.committed or not L.n_cur:
             raise RuntimeError(f"commit_layer: layer {layer} has no current chunk (write it first)")
-        self._commit(L)
+        if self.defer_commits and self._queued(L):
+            L.deferred = True  # (queued by commit(); a read of the layer before that queues it then)
+        else:
+            self._commit(L)
         L.committed = True
+
+    def _queued(self, L: _Layer) -> bool:
+        """Whether L's commit goes to the side stream (else it runs in line)."""
+        return self.async_commit and L.buf[0].device.type == "cuda" and self._in_place(L)
+
+    def _settle(self, L: _Layer) -> None:
+        """Queue L's deferred commit now (a read of the layer comes before `commit()`)."""
+        if L.deferred:
+            self._commit(L)
+            L.deferred = False
 
     def _commit(self, L: _Layer) -> None:
         self._drop_prefetch(L)  # (its history changes now)
         L.version += 1
         dev = L.buf[0].device
-        if not (self.async_commit and dev.type == "cuda" and self._in_place(L)):
+        if not self._queued(L):
             if any(x.done is not None for x in self.layers):  # queued commits first: the layers share the
                 self._join()  # compression graphs' static tensors
             return self._commit_now(L)
@@ -402,6 +424,7 @@ class KVCache:
         L = self.layers[layer]
         if L.buf is None:
             raise RuntimeError(f"attend: layer {layer} holds nothing (write the current chunk first)")
+        self._settle(L)
         self._wait(L)
         kt, vt = L.tail(0), L.tail(1)
         kh, vh = L.hist
@@ -484,6 +507,7 @@ class KVCache:
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's K and V as BF16 [B, H, tokens, D] in attention order (decoded: tests and analyses only)."""
         L = self.layers[layer]
+        self._settle(L)
         self._wait(L)
         out = []
         for i in range(2):

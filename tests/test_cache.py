@@ -343,6 +343,8 @@ def test_bf16_equivalent_is_what_a_bf16_cache_holds_between_chunks():
 def test_async_commit_option():
     with pytest.raises(ValueError, match="async_commit must be True or False"):
         KVCache(1, "qvg", chunk_frames=CF, tokens_per_frame=TPF, async_commit="yes")
+    with pytest.raises(ValueError, match="defer_commits must be True or False"):
+        KVCache(1, "qvg", chunk_frames=CF, tokens_per_frame=TPF, defer_commits=1)
     for bad in (-1, True, 1.5, "1"):
         with pytest.raises(ValueError, match="prefetch_bytes must be a non-negative integer"):
             KVCache(1, "qvg", chunk_frames=CF, tokens_per_frame=TPF, prefetch_bytes=bad)

@@ -25,7 +25,8 @@ def _positions(frame):
 @pytest.mark.parametrize("method,opts,storage", CASES)
 def test_async_commit_equals_sync(method, opts, storage):
     caches = [KVCache(LAYERS, method, chunk_frames=CF, tokens_per_frame=TPF, sink_frames=CF, window_frames=2 * CF,
-                      key_storage=storage, async_commit=flag, **opts) for flag in (True, False)]
+                      key_storage=storage, async_commit=flag, defer_commits=defer, **opts)
+              for flag, defer in ((True, True), (False, True), (True, False))]
     q = torch.randn(1, 4, CF * TPF, 64, device="cuda").bfloat16()  # 4 query heads over 2 kv heads (GQA)
     for i in range(6):  # sink, then the ring fills and wraps
         x = clustered(2 * LAYERS, 2, CF * TPF, 64, spread=1.0, noise=0.5, seed=40 + i).bfloat16().cuda()
@@ -41,26 +42,55 @@ def test_async_commit_equals_sync(method, opts, storage):
             got += list(c.read(0))  # read before commit(): waits for the layer's queued commit
             c.commit()
             outs.append(got)
-        for a, b in zip(*outs):
-            assert torch.equal(a, b), (method, storage, i)
+        for other in outs[1:]:
+            for a, b in zip(outs[0], other):
+                assert torch.equal(a, b), (method, storage, i)
     for layer in range(LAYERS):
-        for a, b in zip(caches[0].read(layer), caches[1].read(layer)):
-            assert torch.equal(a, b)
-    ma, mb = caches[0].memory(), caches[1].memory()
+        for c in caches[1:]:
+            for a, b in zip(caches[0].read(layer), c.read(layer)):
+                assert torch.equal(a, b)
     skip = ("workspace", "total", "compression_ratio")  # (graph pools are sized by the allocator: may differ)
-    assert {k: v for k, v in ma.items() if k not in skip} == {k: v for k, v in mb.items() if k not in skip}
-    # the async cache used its side stream once the window was full (kivi's units are not packed in place)
-    assert bool(caches[0]._side) == (method != "kivi") and not caches[1]._side
+    ma = {k: v for k, v in caches[0].memory().items() if k not in skip}
+    assert all(ma == {k: v for k, v in c.memory().items() if k not in skip} for c in caches[1:])
+    # the async caches used their side stream once the window was full (kivi's units are not packed in place)
+    assert bool(caches[0]._side) == bool(caches[2]._side) == (method != "kivi") and not caches[1]._side
 
 
-def test_reset_waits_for_queued_commits():
-    c = KVCache(1, "qvg", chunk_frames=CF, tokens_per_frame=TPF, window_frames=CF, centroids=8)
+@pytest.mark.parametrize("defer", [True, False])
+def test_chunks_back_to_back(defer):
+    """No synchronize between chunks: the next chunk's writes overwrite the zones that the queued commits still
+    read, and its reads need their history: every use waits for its layer's commit (outputs equal the in-line
+    cache's, computed with a synchronize after every call)."""
+    caches = [KVCache(LAYERS, "qvg", chunk_frames=CF, tokens_per_frame=TPF, window_frames=2 * CF, centroids=8,
+                      async_commit=flag, defer_commits=defer) for flag in (True, False)]
+    q = torch.randn(1, 2, CF * TPF, 64, device="cuda").bfloat16()
+    xs = [clustered(2 * LAYERS, 2, CF * TPF, 64, seed=300 + i).bfloat16().cuda() for i in range(8)]
+    outs = [[], []]
+    for j, c in enumerate(caches):
+        for x in xs:
+            for layer in range(LAYERS):
+                c.write(layer, x[2 * layer:2 * layer + 1], x[2 * layer + 1:2 * layer + 2])
+                outs[j].append(c.attend(layer, q))
+                c.commit_layer(layer)
+                if j:
+                    torch.cuda.synchronize()
+            c.commit()
+    torch.cuda.synchronize()
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("defer", [True, False])
+def test_reset_waits_for_queued_commits(defer):
+    c = KVCache(1, "qvg", chunk_frames=CF, tokens_per_frame=TPF, window_frames=CF, centroids=8,
+                defer_commits=defer)
     for i in range(3):
         x = clustered(2, 2, CF * TPF, 64, seed=i).bfloat16().cuda()
         c.write(0, x[:1], x[1:])
         c.commit_layer(0)
         if i < 2:
             c.commit()
-    assert c.layers[0].done is not None  # (the full one-unit window commits on the side stream)
-    c.reset()  # with a commit still queued
+    # (the full one-unit window commits on the side stream: queued now, or at commit() when deferred)
+    assert (c.layers[0].done is None and c.layers[0].deferred) if defer else c.layers[0].done is not None
+    c.reset()  # with a commit still queued (or deferred)
     assert c.memory()["total"] == 0 and all(L.done is None for L in c.layers)
