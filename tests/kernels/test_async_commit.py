@@ -91,6 +91,7 @@ def test_reset_waits_for_queued_commits(defer):
         if i < 2:
             c.commit()
     # (the full one-unit window commits on the side stream: queued now, or at commit() when deferred)
-    assert (c.layers[0].done is None and c.layers[0].deferred) if defer else c.layers[0].done is not None
+    assert c.layers[0].done is not None and c.layers[0].deferred == defer  # (the last chunk's, and this one's
+    # deferred until commit(), or already queued)
     c.reset()  # with a commit still queued (or deferred)
     assert c.memory()["total"] == 0 and all(L.done is None for L in c.layers)
