@@ -27,8 +27,9 @@ except ImportError:  # (Triton < 3.3: no direct path)
 
 
 def _hooks_set() -> bool:
+    """Whether a launch hook is installed (Triton 3.6 keeps an empty HookChain there when none is)."""
     rt = _knobs.runtime
-    return rt.launch_enter_hook is not None or rt.launch_exit_hook is not None
+    return any(h is not None and getattr(h, "calls", True) for h in (rt.launch_enter_hook, rt.launch_exit_hook))
 
 
 def _spec(value, constexpr: bool):

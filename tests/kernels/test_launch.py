@@ -16,7 +16,7 @@ def _history(device, chunks=3, n=64):
     return PackedSequence.from_chunks([compression.compress(x, "qvg", bits=2, centroids=8)] * chunks)
 
 
-def test_key_holds_every_parameter_and_the_specializations():
+def test_key_holds_every_parameter_and_the_specializations(device):
     calls = []
 
     class Spy(FastLaunch):
@@ -26,7 +26,7 @@ def test_key_holds_every_parameter_and_the_specializations():
     spy = Spy(dq._dequant_kernel)
     saved, dq._DEQUANT = dq._DEQUANT, spy
     try:
-        seq = _history("cpu")
+        seq = _history(device)
         dq.dequantize(seq)
         dq.dequantize(seq, rows=(1, 2 * 64))
     finally:
@@ -35,7 +35,7 @@ def test_key_holds_every_parameter_and_the_specializations():
     assert len(params_a) == len(spy.names) and sum(spy.constexpr) >= 10
     assert key_a != key_b  # r0 = 1 is specialized (== 1), r0 = 0 is not
     assert ("num_warps", 4) in key_a[0]
-    t = torch.zeros(8, dtype=torch.uint8)
+    t = torch.zeros(32, dtype=torch.uint8, device=device)
     assert _spec(t, False) != _spec(t[1:], False)  # 16-byte alignment
     assert _spec(1, False) != _spec(2, False) != _spec(16, False) and _spec(2, False) == _spec(3, False)
     assert _spec(2 ** 31, False) != _spec(3, False) and _spec(64, True) != _spec(128, True)
@@ -43,8 +43,10 @@ def test_key_holds_every_parameter_and_the_specializations():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the direct launch is CUDA's")
 def test_direct_launch_equals_triton_launch():
+    from qvg.kernels.launch import _hooks_set
     seq = _history("cuda")
     fast = dq._DEQUANT
+    assert fast.direct and not _hooks_set()
     before = fast.direct_launches
     outs = [dq.dequantize(seq) for _ in range(3)]  # (compiled or cached by earlier tests, then direct)
     assert fast.direct_launches >= before + 2
