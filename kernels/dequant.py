@@ -12,7 +12,6 @@ from qvg.rope import RopeTables
 from qvg.sequence import PER_TOKEN_METHODS, PackedSequence
 
 from .common import INTERPRET, bf16_bits_to_f32, decode_scale, dequant_codes, grid_constants, raw_view, to_out
-from .launch import FastLaunch
 
 
 @triton.jit
@@ -95,9 +94,6 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
             tl.store(out_ptr + otok[:, None] * D + col[None, :], to_out(v, out_ptr, INTERP), mask=m2)
 
 
-_DEQUANT = FastLaunch(_dequant_kernel)  # (launched at every attention call: see kernels/launch.py)
-
-
 def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None, block_n: int = 32,
                rows: tuple[int, int] | None = None, num_warps: int = 4, rope: RopeTables | None = None,
                progs: int = 0, plane_split: bool = False) -> torch.Tensor:
@@ -125,7 +121,7 @@ def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None,
     progs = nblk if progs <= 0 else min(progs, nblk)
     planes = 8 // spec.bits if plane_split else 1
     grid = (progs, b * h, planes)
-    _DEQUANT(grid,
+    _dequant_kernel[grid](
         t["codes"], raw_view(t["scale"]), raw_view(t["zero"]) if "zero" in t else dummy,
         t.get("tscale", dummy), t["ids"] if stages else dummy,
         t["centroids"] if stages else dummy, out, n, chunk_len, n // chunk_len, k, b * h, r0, r1, out.shape[2],
