@@ -2,10 +2,11 @@
 [--history 21,60] [--methods bf16,qvg]`.
 
 Same set-up as bench_pipeline (Wan2.1-1.3B config, random weights, 480x832, the cache filled with synthetic
-committed chunks, a rolling window of that history). For one chunk: wall time (layers committed inside the
-clean re-run, as the pipeline does), GPU busy time (sum of kernel times; wall - busy = time the GPU waited for
-the host), the forwards and the whole commit timed apart (the commit then runs after the forwards, not
-interleaved), the CUDA kernels by total time, and the host functions by cumulative time (cProfile). Writes profile-pipeline-<gpu>.json.
+committed chunks, a rolling window of that history). For one chunk: wall time (right behind another chunk, as
+bench_pipeline's steady_ms; layers committed inside the clean re-run, as the pipeline does), GPU busy time (sum of
+kernel times; wall - busy: the time the GPU waited for the host, a lower bound once side streams overlap the
+main one), the forwards and the whole commit timed apart (the commit then runs after the forwards, its side-stream
+work included), the CUDA kernels by total time, and the host functions by cumulative time (cProfile). Writes profile-pipeline-<gpu>.json.
 """
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def run(histories, methods, options) -> list[dict]:
                 chunk()
                 wall = sorted(steady_ms(chunk) for _ in range(3))[1]
                 fwd = sorted(cuda_ms(plain) for _ in range(3))[1]  # (re-writes the current chunk: same work)
-                commit_ms = cuda_ms(cache.commit)
+                commit_ms = cuda_ms(lambda: (cache.commit(), cache.wait_side_streams()))
                 kernels = _profile(chunk, calls=2)
                 host = _host_profile(chunk, calls=2)
             busy = sum(r["us_per_call"] for r in kernels) / 1e3

@@ -102,7 +102,7 @@ def windowed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: P
     cap = window_tokens(k_hist, window_bytes)
     bounds = [(r0, min(n, r0 + cap)) for r0 in range(0, n, cap)]
     tail_inline = t and bounds[-1][1] - bounds[-1][0] + t <= cap  # the tail rides in the last window
-    if decoded is not None and (len(bounds) != 1 or decoded[0].shape[2] != n + t):
+    if decoded is not None and (len(bounds) != 1 or not (tail_inline or not t) or decoded[0].shape[2] != n + t):
         raise ValueError(f"decoded buffers of {decoded[0].shape[2]} tokens do not hold one window of {n} history "
                          f"+ {t} tail tokens")
     acc = lse = None

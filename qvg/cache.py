@@ -38,7 +38,9 @@ Per layer, three zones, for keys and values alike ([B, H, tokens, D], H = kv hea
   history is decoded into its staging window on a second side stream, so the decode runs beside the rest of
   the forward instead of in line before that attention (it would cost the dequant's full time there: 13.8 ms of a
   21-frame Self-Forcing chunk). Only when history and tail fit one window of at most `prefetch_bytes` (512 MiB by
-  default; a chunk's peak then holds two windows, not one). A prefetch is used only if its layer was not
+  default). The prefetched window is alive beside the rest of the layer's forward: a 21-frame chunk's peak above
+  the resident cache was 461 MB with it, 322 MB without (eval/results/pipeline-h100.md). Like the staging window
+  itself it is attention workspace, not counted by `memory()`. A prefetch is used only if its layer was not
   committed since (a version count per layer) and the tail has the same length; else it is dropped and the
   layer decodes in line. The last layer prefetches the first one for the next forward, except after the first
   layer's commit in this chunk: nothing is held across `commit()`. Bitwise the same outputs as without.
@@ -173,8 +175,8 @@ class KVCache:
     def _rope_tables(self, L: _Layer, device) -> RopeTables | None:
         """The history's RoPE as the dequant kernel's factorized tables (frame0 per ring slot), or None when they
         cannot say it: spatial offsets, positions that differ across the batch, or frames out of step. Kept per
-        positions while they last (during the clean re-run the committed layers hold one more unit than the rest:
-        two live keys; older ones are dropped) and counted in memory()'s workspace."""
+        positions while they last (during the clean re-run, layers committed already hold one more unit than the
+        rest: two live keys; older ones are dropped) and counted in memory()'s workspace."""
         pos = torch.stack(L.pos_hist)  # [C, B, F, 3]
         head, d = L.hist[0].head, L.hist[0].shape[3]
         key = (pos.shape, pos.numpy().tobytes(), head, str(device), d)
@@ -248,9 +250,10 @@ class KVCache:
         self.commits += 1
 
     def commit_layer(self, layer: int) -> None:
-        """Commit one layer now (its compression is queued right behind that layer's last attention, while the
-        GPU still runs the layers before it: the host's launch work hides behind the forward). `commit()` must
-        still follow once every layer is done; until then the layer takes no new write."""
+        """Commit one layer (called right after its last attention of the chunk). A commit that goes to the side
+        stream is queued by `commit()` with the others when `defer_commits` (the default), else right away; one in
+        line runs now. `commit()` must still follow once every layer is done; until then the layer takes no new
+        write."""
         L = self.layers[layer]
         if L.committed or not L.n_cur:
             raise RuntimeError(f"commit_layer: layer {layer} has no current chunk (write it first)")
@@ -322,6 +325,21 @@ class KVCache:
             torch.cuda.current_stream(dev).wait_stream(side)
         for L in self.layers:
             L.done = None
+
+    def wait_side_streams(self) -> None:
+        """The current stream waits for every commit and decode the cache queued on its side streams (no host
+        sync): timing a `commit()` whole, or before the cache's memory is handed back."""
+        self._join()
+        for dev, side in self._ahead.items():
+            torch.cuda.current_stream(dev).wait_stream(side)
+
+    def __del__(self):
+        # a cache dropped between chunks may still have commits (or a prefetch) queued that read and write blocks
+        # of the current stream's pool: make that stream wait for them before those blocks go back to it
+        try:
+            self.wait_side_streams()
+        except Exception:  # (interpreter shutdown)
+            pass
 
     def _commit_now(self, L: _Layer) -> None:
         if L.n_sink < self.sink_frames * self.tokens_per_frame:
@@ -593,6 +611,7 @@ class KVCache:
         self.layers = [_Layer() for _ in range(self.num_layers)]
         self.frames = 0
         self.commits = 0
+        self.prefetch_stats = {"used": 0, "dropped": 0}
         self._positions = None
         self._rope_memo = {}
         if self._graphed is not None:

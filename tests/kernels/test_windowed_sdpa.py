@@ -124,3 +124,6 @@ def test_decoded_ahead_is_the_same(name, device):
         windowed_attention(q, kh, vh, kt, vt, decoded=decode_window(kh, vh, 0))
     with pytest.raises(ValueError, match="do not hold one window"):  # history over several windows
         windowed_attention(q, kh, vh, kt, vt, window_bytes=_bytes(50), decoded=decode_window(kh, vh, kt.shape[2]))
+    with pytest.raises(ValueError, match="do not hold one window"):  # the history fits one window, the tail not
+        windowed_attention(q, kh, vh, kt, vt, window_bytes=_bytes(kh.shape[2] + 1),
+                           decoded=decode_window(kh, vh, kt.shape[2]))
