@@ -53,7 +53,8 @@ def new_cache(model, method: str, window: int, options: dict):
                          f"eager-commit, {', '.join(prefetch)})")
     return KVCache(30, name, chunk_frames=3, tokens_per_frame=model.tokens_per_latent_frame(*LATENT_HW),
                    window_frames=window, key_storage="pre-rope" if "pre-rope" in flags else "post-rope",
-                   async_commit="sync" not in flags, defer_commits="eager-commit" not in flags, **{"prefetch_bytes": prefetch[f] for f in flags if f in prefetch},
+                   async_commit="sync" not in flags, defer_commits="eager-commit" not in flags,
+                   **{"prefetch_bytes": prefetch[f] for f in flags if f in prefetch},
                    **({} if name == "bf16" else options))
 
 

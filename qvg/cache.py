@@ -40,9 +40,8 @@ Per layer, three zones, for keys and values alike ([B, H, tokens, D], H = kv hea
   21-frame Self-Forcing chunk). Only when history and tail fit one window of at most `prefetch_bytes` (512 MiB by
   default). The prefetched window is alive beside the rest of the layer's forward: a 21-frame chunk's peak above
   the resident cache was 461 MB with it, 322 MB without (eval/results/pipeline-h100.md). Like the staging window
-  itself it is attention workspace, not counted by `memory()`. A prefetch is used only if its layer was not
-  committed since (a version count per layer) and the tail has the same length; else it is dropped and the
-  layer decodes in line. The last layer prefetches the first one for the next forward, except after the first
+  itself it is attention workspace, not counted by `memory()`. A commit of the layer drops its prefetch; one whose
+  tail length no longer matches is dropped too, and the layer decodes in line. The last layer prefetches the first one for the next forward, except after the first
   layer's commit in this chunk: nothing is held across `commit()`. Bitwise the same outputs as without.
 - Key storage (`key_storage`): "post-rope" packs the keys as written (after RoPE: Self-Forcing's layout);
   "pre-rope" (rtn / qvg / qvg-pro) turns each key back to before RoPE when it is packed and rotates it again when it
@@ -92,8 +91,8 @@ class _Layer:
         self.pos_pending: list[torch.Tensor] = []  # pre-rope: positions [B, F, 3] of each pending chunk
         self.pos_hist: list[torch.Tensor] = []  # pre-rope: positions [B, F_unit, 3] of each packed unit, oldest first
         self.done = None  # async commit: (device, CUDA event recorded after this layer's queued commit work) or None
-        self.version = 0  # bumped by every commit of the layer (a decode prefetched before it is stale)
-        self.prefetch = None  # (version, tail tokens, K, V, CUDA event): the history decoded ahead on a side stream
+        self.prefetch = None  # (tail tokens, K, V, CUDA event): the history decoded ahead on a side stream (every
+        # commit of the layer drops it first, so a held one always matches the history)
 
     def tail(self, i: int) -> torch.Tensor:
         return self.buf[i][:, :, :self.n_sink + self.n_pending + self.n_cur]
@@ -275,7 +274,6 @@ class KVCache:
 
     def _commit(self, L: _Layer) -> None:
         self._drop_prefetch(L)  # (its history changes now)
-        L.version += 1
         dev = L.buf[0].device
         if not self._queued(L):
             if any(x.done is not None for x in self.layers):  # queued commits first: the layers share the
@@ -503,24 +501,24 @@ class KVCache:
             decode_window(kh, vh, tail, rope, out=(ks, vs))
         event = torch.cuda.Event()
         event.record(side)
-        L.prefetch = (L.version, tail, ks, vs, event)
+        L.prefetch = (tail, ks, vs, event)
 
-    def _take_prefetch(self, L: _Layer, tail: int):
-        """L's prefetched (K, V) window if it still matches L's history and this tail, else None (dropped). The
-        current stream waits for the decode either way, so the buffers are safe to use or free on it."""
+    def _take_prefetch(self, L: _Layer, tail: int | None):
+        """L's prefetched (K, V) window if it holds L's history and this tail, else None (dropped; tail None: drop
+        it). The current stream waits for the decode either way, so the buffers are safe to use or free on it."""
         p, L.prefetch = L.prefetch, None
         if p is None:
             return None
-        version, t, ks, vs, event = p
+        t, ks, vs, event = p
         torch.cuda.current_stream(ks.device).wait_event(event)
-        if version != L.version or t != tail or ks.shape[2] != L.hist[0].shape[2] + tail:
+        if t != tail or ks.shape[2] != L.hist[0].shape[2] + tail:
             self.prefetch_stats["dropped"] += 1
             return None
         self.prefetch_stats["used"] += 1
         return ks, vs
 
     def _drop_prefetch(self, L: _Layer) -> None:
-        self._take_prefetch(L, -1)
+        self._take_prefetch(L, None)
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's K and V as BF16 [B, H, tokens, D] in attention order (decoded: tests and analyses only)."""

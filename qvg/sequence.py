@@ -30,8 +30,11 @@ def _layout(p: Packed) -> tuple:
     if p.method not in PER_TOKEN_METHODS:
         raise ValueError(f"packed attention reads {PER_TOKEN_METHODS}, not {p.method!r}")
     b, h, n, d = p.shape
-    k = p.tensors["centroids"].shape[-2] if "centroids" in p.tensors else 0
-    return token_spec(p.meta), p.meta.get("stages", 0), n, p.dtype, (b, h, d, k)
+    return token_spec(p.meta), p.meta.get("stages", 0), n, p.dtype, (b, h, d, _centroid_count(p.tensors))
+
+
+def _centroid_count(tensors: dict) -> int:
+    return tensors["centroids"].shape[-2] if "centroids" in tensors else 0
 
 
 _ALIGN = 256  # bytes: every array of a sequence starts aligned in the shared allocation
@@ -87,8 +90,7 @@ def _fill(dest: dict[str, torch.Tensor], parts: list[dict[str, torch.Tensor]]) -
 
 def _layout_of(seq: "PackedSequence") -> tuple:
     b, h, _, d = seq.shape
-    k = seq.tensors["centroids"].shape[-2] if "centroids" in seq.tensors else 0
-    return seq.spec, seq.stages, seq.chunk_len, seq.dtype, (b, h, d, k)
+    return seq.spec, seq.stages, seq.chunk_len, seq.dtype, (b, h, d, _centroid_count(seq.tensors))
 
 
 @dataclass
