@@ -73,21 +73,23 @@ class OffsetRotaryPosEmbed(WanRotaryPosEmbed):
         pt, ph, pw = self.patch_size
         f, h, w = frames // pt, height // ph, width // pw
         ids = self.frame_ids
-        if ids is None:
-            ids = torch.arange(self.frame_offset, self.frame_offset + f)
+        if ids is None:  # (made where the tables are: a copy from host memory would wait for the GPU's queue)
+            ids = torch.arange(self.frame_offset, self.frame_offset + f, device=self.freqs_cos.device)
+            need = self.frame_offset + f
         elif ids.numel() != f:
             raise ValueError(f"frame_ids has {ids.numel()} entries for {f} frames")
-        need = int(ids.max()) + 1
+        else:
+            need = int(ids.max()) + 1
         off = None if self.spatial_offsets is None else self._checked_offsets(batch, f, h, w)
         b = 1 if off is None else batch
         out = []
         for which, table in enumerate((self.freqs_cos, self.freqs_sin)):
             _, fh, fw = table.split([self.t_dim, self.h_dim, self.w_dim], dim=1)
-            ft = self._time_table(table, which, need)[ids.to(table.device)]
+            ft = self._time_table(table, which, need)[ids.to(table.device, non_blocking=True)]
             if off is None:
                 rows, cols = fh[:h].view(1, 1, h, 1, -1), fw[:w].view(1, 1, 1, w, -1)
             else:
-                off = off.to(table.device)
+                off = off.to(table.device, non_blocking=True)
                 rows = self._shifted(fh, which, h, off[..., 0])[:, :, :, None]
                 cols = self._shifted(fw, which, w, off[..., 1])[:, :, None]
             grid = torch.cat([ft.view(1, f, 1, 1, -1).expand(b, f, h, w, -1), rows.expand(b, f, h, w, -1),

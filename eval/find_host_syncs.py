@@ -1,0 +1,91 @@
+"""Where one real-size Self-Forcing chunk makes the host wait for the GPU (GPU): `python -m qvg.eval.find_host_syncs
+[--history 6] [--methods bf16,qvg] [--out DIR]`.
+
+A synchronizing call (a blocking host <-> device copy, `.item()`, `int(tensor)` of a CUDA tensor, ...) empties the
+GPU's queue: the GPU then idles while the host launches the next kernels. The chunk-wise forward is partly
+host-bound, so each one costs wall time, and it also hides whatever side-stream work would have filled that idle
+time. This runs bench_pipeline's chunk (the Wan2.1-1.3B config, random weights, 480x832, 4 steps + the clean
+re-run + commit) once as warm-up, then once under `torch.cuda.set_sync_debug_mode("warn")`, and counts each
+synchronizing call by its innermost call site in this project or diffusers. Writes host-syncs-<gpu>.json (empty
+`sites`: no host sync in a chunk).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import traceback
+import warnings
+
+import torch
+
+from .provenance import command_line, emit_json, meta
+
+_OURS = (f"{os.sep}qvg{os.sep}", f"{os.sep}diffusers{os.sep}")
+
+
+def _site(stack) -> str:
+    """The innermost frame of this project or diffusers (torch's own frames skipped)."""
+    for fr in reversed(stack):
+        if any(p in fr.filename for p in _OURS) and "find_host_syncs" not in fr.filename:
+            return f"{fr.filename.split(os.sep + 'qvg' + os.sep)[-1].split('site-packages' + os.sep)[-1]}:" \
+                   f"{fr.lineno} {fr.line}"
+    return "(no project frame)"
+
+
+def count_syncs(fn) -> dict[str, int]:
+    """{call site: synchronizing calls} made by fn() (CUDA), most first."""
+    sites: collections.Counter = collections.Counter()
+    with warnings.catch_warnings():  # (restores showwarning and the filters on exit)
+        warnings.simplefilter("always")
+        show = warnings.showwarning
+
+        def record(message, category, filename, lineno, file=None, line=None):
+            if "synchronizing" in str(message):
+                sites[_site(traceback.extract_stack()[:-1])] += 1
+            else:
+                show(message, category, filename, lineno, file, line)
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return dict(sites.most_common())
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--history", type=int, default=6, help="past latent frames (a multiple of 3)")
+    ap.add_argument("--methods", default="bf16,qvg")
+    ap.add_argument("--options", default='{"centroids": 64}')
+    ap.add_argument("--out", default="eval/results")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("find_host_syncs: needs a CUDA GPU")
+    import json
+    from .bench_pipeline import _fill, chunk_runner, new_cache, wan_model
+    model = wan_model()
+    rows = []
+    for method in args.methods.split(","):
+        cache = new_cache(model, method, args.history, {} if method.split(":")[0] == "bf16" else
+                          json.loads(args.options))
+        _fill(cache, args.history, 12)
+        chunk, _ = chunk_runner(model, cache)
+        with torch.no_grad():
+            chunk()  # warm-up: kernel compiles, graph captures and the text K/V (first-time work is not counted)
+            chunk()
+            torch.cuda.synchronize()
+            sites = count_syncs(chunk)
+        torch.cuda.synchronize()
+        rows.append({"method": method, "history_frames": args.history, "syncs": sum(sites.values()), "sites": sites})
+        print(f"{method}: {sum(sites.values())} host syncs per chunk", flush=True)
+        cache = chunk = None
+    res = {"meta": meta(command_line("python -m qvg.eval.find_host_syncs", argv), "cuda"), "rows": rows}
+    os.makedirs(args.out, exist_ok=True)
+    emit_json(res, os.path.join(args.out, f"host-syncs-{torch.cuda.get_device_name().split()[1].lower()}.json"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,29 @@
+"""find_host_syncs' counting (CPU: torch's sync-debug warnings are emitted by hand)."""
+import traceback
+import warnings
+
+import torch
+
+from qvg.eval import find_host_syncs as fhs
+
+
+def test_counts_sync_warnings_by_site_and_passes_others_on(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda mode: None)
+    monkeypatch.setattr(fhs, "_site", lambda stack: "here")
+    passed = []
+    monkeypatch.setattr(warnings, "showwarning", lambda *a, **k: passed.append(str(a[0])))
+
+    def chunk():
+        for _ in range(3):
+            warnings.warn("called a synchronizing CUDA operation", UserWarning)
+        warnings.warn("something else", UserWarning)
+    assert fhs.count_syncs(chunk) == {"here": 3}
+    assert passed == ["something else"]
+
+
+def test_site_is_the_innermost_project_frame():
+    stack = [traceback.FrameSummary("/x/site-packages/torch/nn/modules/module.py", 1, "f", line="a"),
+             traceback.FrameSummary("/r/qvg/pipelines/causal_wan.py", 77, "g", line="ids.to(dev)"),
+             traceback.FrameSummary("/x/site-packages/torch/cuda/__init__.py", 9, "h", line="b")]
+    assert fhs._site(stack) == "pipelines/causal_wan.py:77 ids.to(dev)"
+    assert fhs._site(stack[:1]) == "(no project frame)"
