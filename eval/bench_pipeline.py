@@ -38,30 +38,23 @@ def wan_model(**config):
 
 def new_cache(model, method: str, window: int, options: dict):
     """A 30-layer cache of 3-frame chunks with a rolling window (options apply to the compressed methods).
-    method "NAME[:pre-rope][:sync][:eager-commit][:noprefetch|:prefetch-all][:batch=MIB]": keys packed before RoPE
-    (KVCache key_storage); commits in line with the forward instead of on the cache's side stream (KVCache
+    method "NAME[:pre-rope][:sync][:eager-commit][:noprefetch|:prefetch-all]": keys packed before RoPE (KVCache
+    key_storage); commits in line with the forward instead of on the cache's side stream (KVCache
     async_commit=False); side-stream commits queued by each layer's commit_layer (KVCache defer_commits=False); every
     history decoded in line before its attention (KVCache prefetch_bytes=0), or prefetched up to the largest
-    staging window (prefetch_bytes=WINDOW_BYTES) instead of the default budget; batched commits of at most MIB MiB
-    of input (KVCache commit_batch_bytes; 0: one compression per layer and K / V)."""
+    staging window (prefetch_bytes=WINDOW_BYTES) instead of the default budget."""
     from qvg.cache import KVCache
     from qvg.kernels.windowed_sdpa import WINDOW_BYTES
     name, *flags = method.split(":")
     prefetch = {"noprefetch": 0, "prefetch-all": WINDOW_BYTES}
-    kw = {"prefetch_bytes": prefetch[f] for f in flags if f in prefetch}
-    for f in [f for f in flags if f.startswith("batch=")]:
-        mib = f.split("=", 1)[1]
-        if not mib.isdigit():
-            raise ValueError(f"method flag {f!r}: batch=MIB takes a whole number of MiB")
-        kw["commit_batch_bytes"] = int(mib) << 20
-        flags.remove(f)
     unknown = set(flags) - {"pre-rope", "sync", "eager-commit", *prefetch}
     if unknown:
         raise ValueError(f"unknown method flag(s) {', '.join(sorted(unknown))} in {method!r} (pre-rope, sync, "
-                         f"eager-commit, {', '.join(prefetch)}, batch=MIB)")
+                         f"eager-commit, {', '.join(prefetch)})")
     return KVCache(30, name, chunk_frames=3, tokens_per_frame=model.tokens_per_latent_frame(*LATENT_HW),
                    window_frames=window, key_storage="pre-rope" if "pre-rope" in flags else "post-rope",
-                   async_commit="sync" not in flags, defer_commits="eager-commit" not in flags, **kw,
+                   async_commit="sync" not in flags, defer_commits="eager-commit" not in flags,
+                   **{"prefetch_bytes": prefetch[f] for f in flags if f in prefetch},
                    **({} if name == "bf16" else options))
 
 

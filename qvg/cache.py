@@ -30,12 +30,6 @@ Per layer, three zones, for keys and values alike ([B, H, tokens, D], H = kv hea
   later use without a host sync: a layer's next `write` / `attend` / `read` waits for that layer's queued commit
   (a read before `commit()` queues the layer's deferred commit first). Bitwise the same history as synchronous
   commits.
-- Batched commits (`commit_batch_bytes`): the in-place commits of rtn / qvg / qvg-pro that `commit()` does (those
-  deferred by `commit_layer`, or all when the model does not call it) are packed several layers at a time: each
-  group's K and V heads are concatenated (a transient of at most `commit_batch_bytes`) and compressed in one call,
-  then split into the layers' ring slots. One Self-Forcing unit (12 heads x 4,680 tokens) is too small to fill the
-  GPU: 60 of them per chunk were ~15 ms of GPU time beside the forward. k-means and the quantizer work per head,
-  so the history is bitwise what per-layer commits leave.
 - `attend(layer, q)`: attention of q over sink + history + pending + current. On CUDA the history of rtn / qvg /
   qvg-pro is decoded window by window (<= 1 GiB of one layer's BF16 K + V, never the whole history) and
   attended by torch's SDPA (cuDNN), windows merged by log-sum-exp (kernels/windowed_sdpa.py); kivi / quarot and
@@ -73,14 +67,13 @@ from .attention import attend_reference, sdpa_gqa
 from .compression.graphed import GraphedCompress
 from .packed import COMPONENTS
 from .rope import RopeTables, apply_rope, frame_angles
-from .sequence import PER_TOKEN_METHODS, PackedSequence, split_heads
+from .sequence import PER_TOKEN_METHODS, PackedSequence
 
 CACHE_METHODS = ("bf16", *compression.methods())
 KEY_STORAGE = ("post-rope", "pre-rope")
 # memory()'s components: they sum to its total
 MEMORY_COMPONENTS = ("codes", "scales", "ids", "centroids", "positions", "bf16", "workspace")
 PREFETCH_BYTES = 512 << 20  # the largest staging window (BF16 K + V) decoded ahead (Self-Forcing: 21 frames, 230 MB)
-COMMIT_BATCH_BYTES = 256 << 20  # the largest BF16 K + V input of one batched commit compression (Self-Forcing: 8 layers)
 
 
 class _Layer:
@@ -115,8 +108,6 @@ class KVCache:
     async_commit: on CUDA, commits run on a side stream (see the module docstring); False: in line.
     defer_commits: with async_commit, a side-stream commit asked for by `commit_layer` is queued at `commit()`, all
     layers together, instead of right away (see the module docstring).
-    commit_batch_bytes: the largest BF16 K + V input of one batched commit compression (see the module docstring);
-    0: one compression per layer and K / V.
     prefetch_bytes: on CUDA, while a layer attends, the next layer's history is decoded on a side stream when its
     staging window (BF16 K + V of history and tail) takes at most this many bytes (see the module docstring); 0: no
     prefetch.
@@ -125,8 +116,7 @@ class KVCache:
     def __init__(self, num_layers: int, method: str = "qvg", *, chunk_frames: int, tokens_per_frame: int,
                  sink_frames: int = 0, window_frames: int | None = None, commit_every: int = 1,
                  cuda_graphs: bool = True, key_storage: str = "post-rope", async_commit: bool = True,
-                 prefetch_bytes: int = PREFETCH_BYTES, defer_commits: bool = True,
-                 commit_batch_bytes: int = COMMIT_BATCH_BYTES, **options):
+                 prefetch_bytes: int = PREFETCH_BYTES, defer_commits: bool = True, **options):
         if method not in CACHE_METHODS:
             raise ValueError(f"unknown cache method {method!r}; choose one of: {', '.join(CACHE_METHODS)}")
         if key_storage not in KEY_STORAGE:
@@ -144,10 +134,8 @@ class KVCache:
         for name, v in (("async_commit", async_commit), ("defer_commits", defer_commits)):
             if not isinstance(v, bool):
                 raise ValueError(f"{name} must be True or False, got {v!r}")
-        for name, v, zero in (("prefetch_bytes", prefetch_bytes, "no prefetch"),
-                              ("commit_batch_bytes", commit_batch_bytes, "one compression per layer")):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"{name} must be a non-negative integer (0: {zero}), got {v!r}")
+        if isinstance(prefetch_bytes, bool) or not isinstance(prefetch_bytes, int) or prefetch_bytes < 0:
+            raise ValueError(f"prefetch_bytes must be a non-negative integer (0: no prefetch), got {prefetch_bytes!r}")
         if method == "bf16" and options:
             raise ValueError(f"method 'bf16' takes no options, got {', '.join(sorted(options))}")
         self.method, self.options = method, dict(options)
@@ -165,7 +153,6 @@ class KVCache:
         self.async_commit, self.defer_commits = async_commit, defer_commits
         self._side: dict = {}  # device -> the CUDA side stream of the async commits
         self.prefetch_bytes = prefetch_bytes
-        self.commit_batch_bytes = commit_batch_bytes
         self._ahead: dict = {}  # device -> the CUDA side stream of the prefetched decodes
         self.prefetch_stats = {"used": 0, "dropped": 0}  # prefetched windows attended / dropped as stale
 
@@ -251,13 +238,9 @@ class KVCache:
         for i, L in enumerate(self.layers):
             if not L.n_cur and not L.committed:
                 raise RuntimeError(f"commit: layer {i} has no current chunk (write it first)")
-        todo = [L for L in self.layers if not L.committed or L.deferred]
-        batched = [L for L in todo if self._batchable(L)]
-        for L in todo:
-            if not any(L is x for x in batched):
-                self._commit(L)
-        self._commit_batched(batched)
         for L in self.layers:
+            if not L.committed or L.deferred:
+                self._commit(L)
             L.committed = L.deferred = False
         # no join: each layer's next write / attend / read waits for its own queued commit, so the queued work runs
         # on into the next chunk's first forward (its start, where the GPU waits for the host's launches)
@@ -296,83 +279,14 @@ class KVCache:
             if any(x.done is not None for x in self.layers):  # queued commits first: the layers share the
                 self._join()  # compression graphs' static tensors
             return self._commit_now(L)
-        side = self._side_stream(dev)
+        side = self._side.get(dev)
+        if side is None:
+            side = self._side[dev] = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))  # behind this chunk's writes and the layer's reads
         with torch.cuda.stream(side):
             self._commit_now(L)
         L.done = (dev, torch.cuda.Event())
         L.done[1].record(side)
-
-    def _side_stream(self, dev) -> torch.cuda.Stream:
-        """The commits' side stream of `dev`, made to wait for the current stream's work so far (this chunk's
-        writes and the layers' reads)."""
-        side = self._side.get(dev)
-        if side is None:
-            side = self._side[dev] = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        return side
-
-    # ---- batched commits ----------------------------------------------------------------------------------
-    def _batchable(self, L: _Layer) -> bool:
-        """Whether `commit()` packs L's unit together with other layers' (`commit_batch_bytes`): a per-token
-        method's unit going into the slot of the oldest one of a full window (`_in_place`), warm-started from that
-        layer's own centroids when the method clusters."""
-        if not self.commit_batch_bytes or self.method not in PER_TOKEN_METHODS or "init" in self.options:
-            return False
-        if not self._in_place(L):
-            return False
-        return self.method == "rtn" or self.options.get("stages") == 0 or self._warm_start(L, 0) is not None
-
-    def _batches(self, layers: list[_Layer]) -> list[list[_Layer]]:
-        """Consecutive layers of the same shapes, each group's K + V input at most `commit_batch_bytes` (at least
-        one layer)."""
-        groups, size = [], 0
-        for L in layers:
-            x = L.buf[0]
-            nbytes = 2 * x.shape[0] * x.shape[1] * (L.n_pending + L.n_cur) * x.shape[3] * x.element_size()
-            key = (tuple(x.shape[:2]), x.shape[3], x.device)
-            if groups and groups[-1][0] == key and size + nbytes <= self.commit_batch_bytes:
-                groups[-1][1].append(L)
-                size += nbytes
-            else:
-                groups.append((key, [L]))
-                size = nbytes
-        return [g for _, g in groups]
-
-    def _commit_batched(self, layers: list[_Layer]) -> None:
-        """Commit these layers (all `_batchable`) with one compression per group of layers (`_batches`) instead of
-        one per layer and K / V: a Self-Forcing commit is 12 heads x 4,680 tokens, too small to fill the GPU, and
-        60 of them per chunk cost ~8 ms of GPU time alone (eval/results/pipeline-h100.md). The heads of the
-        group's K and V units are concatenated (a transient of at most `commit_batch_bytes`), compressed eagerly
-        (k-means and the scalar quantizer work per head, so each head's result is the one it gets alone) and
-        split back into each layer's ring slot. On CUDA with async_commit, on the side stream (each layer's
-        later use waits for its group); else in line."""
-        for L in layers:
-            self._drop_prefetch(L)
-        for group in self._batches(layers):
-            dev = group[0].buf[0].device
-            if not self._queued(group[0]):
-                self._pack_group(group)
-                continue
-            with torch.cuda.stream(self._side_stream(dev)):
-                self._pack_group(group)
-            event = torch.cuda.Event()
-            event.record(self._side[dev])
-            for L in group:
-                L.done = (dev, event)
-
-    def _pack_group(self, group: list[_Layer]) -> None:
-        for L in group:
-            self._advance(L)
-        inputs = [self._pack_input(L, i) for L in group for i in range(2)]
-        warms = [w for _, _, w in inputs]
-        p = compression.compress(torch.cat([x for x, _, _ in inputs], 1), self.method, check_finite=False,
-                                 init=None if warms[0] is None else torch.cat(warms, 2), **self.options)
-        parts = split_heads(p, [x.shape[1] for x, _, _ in inputs])
-        for j, L in enumerate(group):
-            for i in range(2):
-                L.hist[i] = L.hist[i].replace_oldest(parts[2 * j + i])
-            self._packed(L, ring=True)
-            self._evict(L)
 
     def _in_place(self, L: _Layer) -> bool:
         """Whether committing the layer's current chunk leaves the history's memory as it is: method bf16
@@ -426,13 +340,6 @@ class KVCache:
             pass
 
     def _commit_now(self, L: _Layer) -> None:
-        self._advance(L)
-        if self.method != "bf16" and L.n_pending >= self.commit_every * self.chunk_tokens:
-            self._pack_pending(L)
-        self._evict(L)
-
-    def _advance(self, L: _Layer) -> None:
-        """The current chunk joins the sink, or the pending zone (pre-rope: with its positions)."""
         if L.n_sink < self.sink_frames * self.tokens_per_frame:
             L.n_sink += L.n_cur
         else:
@@ -443,22 +350,22 @@ class KVCache:
                                        "before committing it")
                 L.pos_pending.append(self._positions)
         L.n_cur = 0
-
-    def _pack_input(self, L: _Layer, i: int) -> tuple:
-        """(x, options, warm start) of packing L's pending zone of K (i = 0) or V (1)."""
-        x = L.buf[i][:, :, L.n_sink:L.n_sink + L.n_pending]
-        if i == 0 and self._pre_rope:  # back to before RoPE (fp32 rotation, BF16 as written)
-            x = apply_rope(x, self._angles(L.pos_pending, x.device, x.shape[3]), inverse=True).to(x.dtype)
-        opts = dict(self.options)
-        if self.method == "kivi":  # the pending / current zones are KIVI's full-precision recent window
-            opts = {"role": ("key", "value")[i], "residual": 0, **opts}
-        return x, opts, self._warm_start(L, i) if "init" not in opts else None
+        if self.method != "bf16" and L.n_pending >= self.commit_every * self.chunk_tokens:
+            self._pack_pending(L)
+        self._evict(L)
 
     def _pack_pending(self, L: _Layer) -> None:
-        ring = self._ring_slot(L, L.n_pending)
+        a, b = L.n_sink, L.n_sink + L.n_pending
+        ring = self._ring_slot(L, b - a)
         finish_v = None  # growth: K and V's new sequences share one allocation (PackedSequence.append_pair)
-        for i in range(2):
-            x, opts, warm = self._pack_input(L, i)
+        for i, role in enumerate(("key", "value")):
+            x = L.buf[i][:, :, a:b]
+            if i == 0 and self._pre_rope:  # back to before RoPE (fp32 rotation, BF16 as written)
+                x = apply_rope(x, self._angles(L.pos_pending, x.device, x.shape[3]), inverse=True).to(x.dtype)
+            opts = dict(self.options)
+            if self.method == "kivi":  # the pending / current zones are KIVI's full-precision recent window
+                opts = {"role": role, "residual": 0, **opts}
+            warm = self._warm_start(L, i) if "init" not in opts else None
             if self._graphed is not None and self._graphed.supports(x, self.method, warm, opts):
                 p = self._graphed(x, self.method, warm, **opts)  # one graph replay (copied into the history below)
             else:
@@ -472,11 +379,7 @@ class KVCache:
                     L.hist[1] = finish_v(p)
             else:
                 L.hist[i] = (L.hist[i] or []) + [p]
-        self._packed(L, ring)
-
-    def _packed(self, L: _Layer, ring: bool) -> None:
-        """Bookkeeping once L's pending unit is in its history (ring: in the oldest unit's slot)."""
-        L.warm = [None, None]
+            L.warm[i] = None
         L.n_pending = 0
         if self._pre_rope:
             unit = torch.cat(L.pos_pending, 1)

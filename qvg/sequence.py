@@ -22,7 +22,6 @@ from .quant import QuantSpec, dequantize_packed
 
 PER_TOKEN_METHODS = ("rtn", "qvg", "qvg-pro")
 _TOKEN_DIM = {"codes": 2, "scale": 2, "zero": 2, "tscale": 2, "ids": 3, "centroids": 3}  # the dim chunks extend
-_HEAD_DIM = {"codes": 1, "scale": 1, "zero": 1, "tscale": 1, "ids": 2, "centroids": 2}  # a chunk's (not a sequence's)
 
 
 def _layout(p: Packed) -> tuple:
@@ -59,21 +58,6 @@ def _carve(like: dict[str, torch.Tensor], sizes: dict[str, int], device, copies:
     buf = torch.empty(total, dtype=torch.uint8, device=device)
     return [{name: buf[off[name]:off[name] + math.prod(shapes[name]) * like[name].element_size()]
              .view(like[name].dtype).view(shapes[name]) for name in like} for off in offs]
-
-
-def split_heads(p: Packed, heads: list[int]) -> list[Packed]:
-    """A qvg / qvg-pro / rtn chunk of several tensors' heads concatenated (x [B, sum(heads), N, D]) -> one chunk
-    per tensor (views). Their packs work per head (k-means, the FP8 tscale), so each part is what that tensor
-    packed alone holds."""
-    if p.method not in PER_TOKEN_METHODS or sum(heads) != p.shape[1]:
-        raise ValueError(f"split_heads: a {PER_TOKEN_METHODS} chunk of {p.shape[1]} heads, not {p.method!r} into "
-                         f"{heads}")
-    out, first = [], 0
-    for h in heads:
-        t = {n: v.narrow(_HEAD_DIM[n], first, h) for n, v in p.tensors.items()}
-        out.append(Packed(p.method, (p.shape[0], h, *p.shape[2:]), p.dtype, t, p.meta))
-        first += h
-    return out
 
 
 def _chunk_tensors(p: Packed) -> dict[str, torch.Tensor]:

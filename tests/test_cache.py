@@ -135,8 +135,7 @@ def test_streaming_warm_start_uses_the_previous_units_centroids(monkeypatch):
         seen.append(kw.get("init"))
         return real(x, method, **kw)
     monkeypatch.setattr(qvg.compression, "compress", spy)
-    cache = KVCache(1, "qvg", chunk_frames=CF, tokens_per_frame=TPF, window_frames=CF, commit_batch_bytes=0,
-                    **SMALL["qvg"])  # (K and V one call each; tests/test_cache_batched_commit.py: batched)
+    cache = KVCache(1, "qvg", chunk_frames=CF, tokens_per_frame=TPF, window_frames=CF, **SMALL["qvg"])
     _run(cache, 1)
     assert seen == [None, None]  # the first unit starts cold (K and V)
     first = [h.last_centroids().clone() for h in cache.layers[0].hist]
