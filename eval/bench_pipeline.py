@@ -118,7 +118,9 @@ def chunk_runner(model, cache, commit_layers: bool = True):
     return chunk, forwards
 
 
-def run(histories, methods, options, repeat: int = 7) -> list[dict]:
+def run(histories, methods, options, repeat: int = 7, split: bool = False) -> list[dict]:
+    """split: also time the chunk's forwards without any commit (`forwards_ms`: the reads' cost alone; the chunk
+    time less it is what the commits add)."""
     model = wan_model()
     rows = []
     for hist in histories:
@@ -138,6 +140,8 @@ def run(histories, methods, options, repeat: int = 7) -> list[dict]:
             with torch.no_grad():
                 chunk()  # warm-up (compiles kernels, fills the text K/V)
             runs[method] = chunk
+            if split:
+                runs[method, "forwards"] = chunk_runner(model, cache, commit_layers=False)[1]
             caches[method] = cache
             row = {"history_frames": hist, "method": method, "chunk_ms_all": [],
                    "kv_bytes_allocator_delta": delta, "graph_pool_free_bytes": pool_free,
@@ -154,12 +158,17 @@ def run(histories, methods, options, repeat: int = 7) -> list[dict]:
             for _ in range(repeat):
                 for r in mine:
                     r["chunk_ms_all"].append(steady_ms(runs[r["method"]]))
+                    if split:  # (its own untimed call first; the chunk after it overwrites its writes)
+                        r.setdefault("forwards_ms_all", []).append(steady_ms(runs[r["method"], "forwards"]))
         for r in mine:
             r["chunk_ms"] = statistics.median(r["chunk_ms_all"])
+            if split:
+                r["forwards_ms"] = statistics.median(r["forwards_ms_all"])
             r["prefetch_stats"] = dict(caches[r["method"]].prefetch_stats)  # (the warm-up and timed chunks)
             print(f"history {hist} {r['method']}: chunk {r['chunk_ms']:.1f} ms (median of {repeat}; "
-                  f"min {min(r['chunk_ms_all']):.1f})", flush=True)
-        for r in mine:  # peak while one chunk runs (the other methods' caches are resident: subtracted)
+                  f"min {min(r['chunk_ms_all']):.1f})"
+                  + (f", forwards without commits {r['forwards_ms']:.1f} ms" if split else ""), flush=True)
+        for r in mine:  # peak while one whole chunk runs (the other methods' caches are resident: subtracted)
             base_alloc = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
             with torch.no_grad():
@@ -172,6 +181,8 @@ def run(histories, methods, options, repeat: int = 7) -> list[dict]:
         for r in rows:
             if r["history_frames"] == hist:
                 r["overhead_vs_bf16"] = r["chunk_ms"] / base["chunk_ms"] - 1
+                if split:
+                    r["forwards_overhead_vs_bf16"] = r["forwards_ms"] / base["forwards_ms"] - 1
     return rows
 
 
@@ -288,6 +299,8 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", default="bf16,qvg,qvg-pro")
     ap.add_argument("--options", default='{"centroids": 64}', help="JSON options of the compressed methods")
     ap.add_argument("--repeat", type=int, default=7, help="timed chunks per method (rounds over the methods)")
+    ap.add_argument("--split", action="store_true",
+                    help="also time each chunk's forwards without commits (what the reads cost alone)")
     ap.add_argument("--max-history", default=None, metavar="M1,M2",
                     help="instead: the largest history that still runs one chunk, for these methods (e.g. bf16,qvg)")
     args = ap.parse_args(argv)
@@ -303,7 +316,8 @@ def main(argv=None) -> int:
         name = "max-history-"
     else:
         res["options"] = opts
-        res["rows"] = run([int(h) for h in args.history.split(",")], args.methods.split(","), opts, args.repeat)
+        res["rows"] = run([int(h) for h in args.history.split(",")], args.methods.split(","), opts, args.repeat,
+                          args.split)
         name = "pipeline-"
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, name + res["device"].split()[1].lower() + ".json"), "w") as f:

@@ -24,13 +24,21 @@ from .provenance import command_line, emit_json, meta
 _OURS = (f"{os.sep}qvg{os.sep}", f"{os.sep}diffusers{os.sep}")
 
 
+def _where(fr) -> str:
+    name = fr.filename.split(os.sep + "qvg" + os.sep)[-1].split("site-packages" + os.sep)[-1]
+    return f"{name}:{fr.lineno} {fr.line}"
+
+
 def _site(stack) -> str:
-    """The innermost frame of this project or diffusers (torch's own frames skipped)."""
+    """The innermost frame of this project or diffusers (torch's own frames skipped); else the innermost frame
+    outside torch and the warnings machinery, marked as such."""
     for fr in reversed(stack):
         if any(p in fr.filename for p in _OURS) and "find_host_syncs" not in fr.filename:
-            return f"{fr.filename.split(os.sep + 'qvg' + os.sep)[-1].split('site-packages' + os.sep)[-1]}:" \
-                   f"{fr.lineno} {fr.line}"
-    return "(no project frame)"
+            return _where(fr)
+    for fr in reversed(stack):
+        if f"{os.sep}torch{os.sep}" not in fr.filename and not fr.filename.endswith("warnings.py"):
+            return "(outside the project) " + _where(fr)
+    return "(no Python frame)"
 
 
 def count_syncs(fn) -> dict[str, int]:

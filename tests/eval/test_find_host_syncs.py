@@ -26,4 +26,6 @@ def test_site_is_the_innermost_project_frame():
              traceback.FrameSummary("/r/qvg/pipelines/causal_wan.py", 77, "g", line="ids.to(dev)"),
              traceback.FrameSummary("/x/site-packages/torch/cuda/__init__.py", 9, "h", line="b")]
     assert fhs._site(stack) == "pipelines/causal_wan.py:77 ids.to(dev)"
-    assert fhs._site(stack[:1]) == "(no project frame)"
+    assert fhs._site(stack[:1]) == "(no Python frame)"
+    other = traceback.FrameSummary("/usr/lib/python3.12/threading.py", 5, "run", line="x()")
+    assert fhs._site([other, stack[0]]) == "(outside the project) /usr/lib/python3.12/threading.py:5 x()"
