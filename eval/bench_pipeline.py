@@ -169,6 +169,9 @@ def run(histories, methods, options, repeat: int = 7, split: bool = False) -> li
                   f"min {min(r['chunk_ms_all']):.1f})"
                   + (f", forwards without commits {r['forwards_ms']:.1f} ms" if split else ""), flush=True)
         for r in mine:  # peak while one whole chunk runs (the other methods' caches are resident: subtracted)
+            with torch.no_grad():  # (first a whole chunk: a forwards-only run leaves layer 0's prefetch held)
+                runs[r["method"]]()
+            torch.cuda.synchronize()
             base_alloc = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
             with torch.no_grad():

@@ -19,13 +19,13 @@ import warnings
 
 import torch
 
-from .provenance import command_line, emit_json, meta
+from .provenance import REPO, command_line, emit_json, meta
 
-_OURS = (f"{os.sep}qvg{os.sep}", f"{os.sep}diffusers{os.sep}")
+_OURS = (str(REPO) + os.sep, f"{os.sep}diffusers{os.sep}")  # this checkout (any folder name), diffusers
 
 
 def _where(fr) -> str:
-    name = fr.filename.split(os.sep + "qvg" + os.sep)[-1].split("site-packages" + os.sep)[-1]
+    name = fr.filename.removeprefix(_OURS[0]).split("site-packages" + os.sep)[-1]
     return f"{name}:{fr.lineno} {fr.line}"
 
 
@@ -33,7 +33,7 @@ def _site(stack) -> str:
     """The innermost frame of this project or diffusers (torch's own frames skipped); else the innermost frame
     outside torch and the warnings machinery, marked as such."""
     for fr in reversed(stack):
-        if any(p in fr.filename for p in _OURS) and "find_host_syncs" not in fr.filename:
+        if (fr.filename.startswith(_OURS[0]) or _OURS[1] in fr.filename) and "find_host_syncs" not in fr.filename:
             return _where(fr)
     for fr in reversed(stack):
         if f"{os.sep}torch{os.sep}" not in fr.filename and not fr.filename.endswith("warnings.py"):
@@ -54,11 +54,12 @@ def count_syncs(fn) -> dict[str, int]:
             else:
                 show(message, category, filename, lineno, file, line)
         warnings.showwarning = record
+        before = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode("warn")
         try:
             fn()
         finally:
-            torch.cuda.set_sync_debug_mode(0)
+            torch.cuda.set_sync_debug_mode(before)
     return dict(sites.most_common())
 
 

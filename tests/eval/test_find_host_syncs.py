@@ -8,7 +8,9 @@ from qvg.eval import find_host_syncs as fhs
 
 
 def test_counts_sync_warnings_by_site_and_passes_others_on(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", lambda mode: None)
+    modes = []
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 2)
     monkeypatch.setattr(fhs, "_site", lambda stack: "here")
     passed = []
     monkeypatch.setattr(warnings, "showwarning", lambda *a, **k: passed.append(str(a[0])))
@@ -18,12 +20,12 @@ def test_counts_sync_warnings_by_site_and_passes_others_on(monkeypatch):
             warnings.warn("called a synchronizing CUDA operation", UserWarning)
         warnings.warn("something else", UserWarning)
     assert fhs.count_syncs(chunk) == {"here": 3}
-    assert passed == ["something else"]
+    assert passed == ["something else"] and modes == ["warn", 2]  # (the mode before is restored)
 
 
 def test_site_is_the_innermost_project_frame():
     stack = [traceback.FrameSummary("/x/site-packages/torch/nn/modules/module.py", 1, "f", line="a"),
-             traceback.FrameSummary("/r/qvg/pipelines/causal_wan.py", 77, "g", line="ids.to(dev)"),
+             traceback.FrameSummary(str(fhs.REPO / "pipelines" / "causal_wan.py"), 77, "g", line="ids.to(dev)"),
              traceback.FrameSummary("/x/site-packages/torch/cuda/__init__.py", 9, "h", line="b")]
     assert fhs._site(stack) == "pipelines/causal_wan.py:77 ids.to(dev)"
     assert fhs._site(stack[:1]) == "(no Python frame)"
