@@ -6,8 +6,8 @@ bf16. For each history length and method: the cache is filled with synthetic com
 compressed by the method as the pipeline would), then one chunk runs (4 denoising steps + the clean re-run at
 t = 0 + commit) with a rolling window of that history, timed with CUDA events right behind an untimed chunk
 (`steady_ms`: the steady state of generation, where a chunk's queued commits run into the next one; text encoder
-and VAE excluded: the cache does not change them). KV bytes: `torch.cuda.memory_allocated` delta across the fill, plus the free blocks of the
-compression graphs' private pools (held for the replays; memory_allocated omits them), vs the cache's own
+and VAE excluded: the cache does not change them). KV bytes: `torch.cuda.memory_allocated` delta across the fill,
+plus the free blocks of the compression graphs' private pools (held for the replays; memory_allocated omits them), vs the cache's own
 accounting. Writes pipeline-<gpu>.json.
 """
 from __future__ import annotations

@@ -38,15 +38,14 @@ def run() -> dict:
     from qvg.attention import sdpa_gqa
     from qvg.kernels.windowed_sdpa import decode_window, windowed_attention
     from qvg.sequence import PackedSequence
+    from .bench_kernels import clustered
     t, chunks = 4680, 7
     g = torch.Generator(device="cuda").manual_seed(0)
 
-    def history():
-        centres = torch.randn(1, 12, 64, 128, device="cuda", generator=g) * 3
-        ids = torch.randint(0, 64, (t,), device="cuda", generator=g)
-        x = (centres[:, :, ids] + torch.randn(1, 12, t, 128, device="cuda", generator=g)).bfloat16()
+    def history(seed):
+        x = clustered((1, 12, t, 128), seed=seed, spread=3.0)
         return PackedSequence.from_chunks([compression.compress(x, "qvg", bits=2, centroids=64)] * chunks)
-    kh, vh = history(), history()
+    kh, vh = history(0), history(1)
     q, kt, vt = (torch.randn(1, 12, t, 128, device="cuda", generator=g).bfloat16() for _ in range(3))
     kb, vb = (torch.randn(1, 12, (chunks + 1) * t, 128, device="cuda", generator=g).bfloat16() for _ in range(2))
     out = decode_window(kh, vh, t)

@@ -6,7 +6,8 @@ committed chunks, a rolling window of that history). For one chunk: wall time (r
 bench_pipeline's steady_ms; layers committed inside the clean re-run, as the pipeline does), GPU busy time (sum of
 kernel times; wall - busy: the time the GPU waited for the host, a lower bound once side streams overlap the
 main one), the forwards and the whole commit timed apart (the commit then runs after the forwards, its side-stream
-work included), the CUDA kernels by total time, and the host functions by cumulative time (cProfile). Writes profile-pipeline-<gpu>.json.
+work included), the CUDA kernels by total time, and the host functions by cumulative time (cProfile). Writes
+profile-pipeline-<gpu>.json.
 """
 from __future__ import annotations
 

@@ -72,9 +72,10 @@ class OffsetRotaryPosEmbed(WanRotaryPosEmbed):
         batch, _, frames, height, width = hidden_states.shape
         pt, ph, pw = self.patch_size
         f, h, w = frames // pt, height // ph, width // pw
+        dev = self.freqs_cos.device  # (cos and sin tables: one device)
         ids = self.frame_ids
         if ids is None:  # (made where the tables are: a copy from host memory would wait for the GPU's queue)
-            ids = torch.arange(self.frame_offset, self.frame_offset + f, device=self.freqs_cos.device)
+            ids = torch.arange(self.frame_offset, self.frame_offset + f, device=dev)
             need = self.frame_offset + f
         elif ids.numel() != f:
             raise ValueError(f"frame_ids has {ids.numel()} entries for {f} frames")
@@ -82,14 +83,15 @@ class OffsetRotaryPosEmbed(WanRotaryPosEmbed):
             need = int(ids.max()) + 1
         off = None if self.spatial_offsets is None else self._checked_offsets(batch, f, h, w)
         b = 1 if off is None else batch
+        ids = ids.to(dev, non_blocking=True)
+        off = None if off is None else off.to(dev, non_blocking=True)
         out = []
         for which, table in enumerate((self.freqs_cos, self.freqs_sin)):
             _, fh, fw = table.split([self.t_dim, self.h_dim, self.w_dim], dim=1)
-            ft = self._time_table(table, which, need)[ids.to(table.device, non_blocking=True)]
+            ft = self._time_table(table, which, need)[ids]
             if off is None:
                 rows, cols = fh[:h].view(1, 1, h, 1, -1), fw[:w].view(1, 1, 1, w, -1)
             else:
-                off = off.to(table.device, non_blocking=True)
                 rows = self._shifted(fh, which, h, off[..., 0])[:, :, :, None]
                 cols = self._shifted(fw, which, w, off[..., 1])[:, :, None]
             grid = torch.cat([ft.view(1, f, 1, 1, -1).expand(b, f, h, w, -1), rows.expand(b, f, h, w, -1),
@@ -234,8 +236,8 @@ class CausalWanTransformer(WanTransformer3DModel):
         -> the model output [B, C, F, H, W]. frame_offset: the first frame's time index. cache: a KVCache to
         write into and attend over. commit: each layer commits the chunk right after its attention
         (`cache.commit_layer`; the clean re-run; the cache decides when the compression is queued); the caller
-        still calls `cache.commit()` after it. chunk_frames (without a cache): attend block-causally in chunks of that many
-        frames. attn_mask (without a cache): an explicit boolean [N, N] token mask, True where a query may attend, or a
+        still calls `cache.commit()` after it. chunk_frames (without a cache): attend block-causally in chunks of
+        that many frames. attn_mask (without a cache): an explicit boolean [N, N] token mask, True where a query may attend, or a
         flex-attention BlockMask
         (e.g. a rolling window's reference, or training's clean + noisy copies); frame_ids: each input frame's
         RoPE time index (instead of frame_offset + 0, 1, ...). spatial_offsets: int [B, F, 2], each input frame's

@@ -25,8 +25,7 @@ Per layer, three zones, for keys and values alike ([B, H, tokens, D], H = kv hea
   stream's work so far, instead of in line with the forward. Commits that grow the history (the first window's
   fill, a full history) allocate, and run in line (see `_in_place`). With `defer_commits` (the default) the
   side-stream commits that `commit_layer` asks for are queued at `commit()`, all layers at once: they then run on
-  into the next chunk's first forward, whose start leaves the GPU waiting for the host's launches, rather than
-  beside the re-run's later layers (False: each is queued by its `commit_layer`, as before). The cache orders every
+  into the next chunk's first forward rather than beside the re-run's later layers (False: each is queued by its `commit_layer`, as before). The cache orders every
   later use without a host sync: a layer's next `write` / `attend` / `read` waits for that layer's queued commit
   (a read before `commit()` queues the layer's deferred commit first). Bitwise the same history as synchronous
   commits.
@@ -41,8 +40,9 @@ Per layer, three zones, for keys and values alike ([B, H, tokens, D], H = kv hea
   default). The prefetched window is alive beside the rest of the layer's forward: a 21-frame chunk's peak above
   the resident cache was 461 MB with it, 322 MB without (eval/results/pipeline-h100.md). Like the staging window
   itself it is attention workspace, not counted by `memory()`. A commit of the layer drops its prefetch; one whose
-  tail length no longer matches is dropped too, and the layer decodes in line. The last layer prefetches the first one for the next forward, except after the first
-  layer's commit in this chunk: nothing is held across `commit()`. Bitwise the same outputs as without.
+  tail length no longer matches is dropped too, and the layer decodes in line. The last layer prefetches the
+  first one for the next forward, except after the first layer's commit in this chunk: nothing is held across
+  `commit()`. Bitwise the same outputs as without.
 - Key storage (`key_storage`): "post-rope" packs the keys as written (after RoPE: Self-Forcing's layout);
   "pre-rope" (rtn / qvg / qvg-pro) turns each key back to before RoPE when it is packed and rotates it again when it
   is read, so k-means groups keys by content rather than by position (eval/results/rope_storage.md: 1.8x lower
@@ -243,7 +243,7 @@ class KVCache:
                 self._commit(L)
             L.committed = L.deferred = False
         # no join: each layer's next write / attend / read waits for its own queued commit, so the queued work runs
-        # on into the next chunk's first forward (its start, where the GPU waits for the host's launches)
+        # on into the next chunk's first forward
         self._positions = None  # the next chunk's must be given again
         self.frames += self.chunk_frames
         self.commits += 1
@@ -279,9 +279,7 @@ class KVCache:
             if any(x.done is not None for x in self.layers):  # queued commits first: the layers share the
                 self._join()  # compression graphs' static tensors
             return self._commit_now(L)
-        side = self._side.get(dev)
-        if side is None:
-            side = self._side[dev] = torch.cuda.Stream(dev)
+        side = _stream(self._side, dev)
         side.wait_stream(torch.cuda.current_stream(dev))  # behind this chunk's writes and the layer's reads
         with torch.cuda.stream(side):
             self._commit_now(L)
@@ -491,9 +489,7 @@ class KVCache:
             return
         ks = torch.empty(b, h, n + tail, d, device=dev, dtype=torch.bfloat16)
         vs = torch.empty_like(ks)
-        side = self._ahead.get(dev)
-        if side is None:
-            side = self._ahead[dev] = torch.cuda.Stream(dev)
+        side = _stream(self._ahead, dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         if L.done is not None:  # (a commit of L still queued on the commit stream)
             side.wait_event(L.done[1])
@@ -553,8 +549,9 @@ class KVCache:
         (sink, pending and current zones, with their reserved room) and any full-precision tokens a method keeps
         inside its packed history. The BF16 equivalent is what a BF16 cache of the same tokens holds: the sink,
         history, pending and current tokens, plus, for method "bf16" itself, its buffers' rounding room (so it is
-        always 1.0x); a compressed cache's idle current-chunk slot between chunks is bytes it holds, not equivalent. `bf16` split by zone (not components: they sum to `bf16` exactly, not
-        counted again in `total`):
+        always 1.0x); a compressed cache's idle current-chunk slot between chunks is bytes it holds, not
+        equivalent. `bf16` split by zone (not components: they sum to `bf16` exactly, not counted again in
+        `total`):
         - bf16_sink: the sink's tokens;
         - bf16_pending: the committed chunks not packed yet (method "bf16": its whole history past the sink);
         - bf16_current: the rest of the buffers: the current chunk's slot (held between chunks too) and the
@@ -614,6 +611,13 @@ class KVCache:
         self._rope_memo = {}
         if self._graphed is not None:
             self._graphed.clear()
+
+
+def _stream(streams: dict, dev) -> torch.cuda.Stream:
+    """The side stream of `dev` in `streams` (made on first use)."""
+    if dev not in streams:
+        streams[dev] = torch.cuda.Stream(dev)
+    return streams[dev]
 
 
 def _stored(hist) -> list:
