@@ -20,7 +20,13 @@ from .bench_kernels import bench, clustered
 from .provenance import command_line, emit_json, meta
 
 
-def run(frames: int = 21, reps: int = 20) -> dict:
+VARIANTS = [  # (programs per head, 0 = one per block; token block; warps; layer on a high-priority stream)
+    (0, 32, 4, False), (0, 32, 4, True), (1, 32, 4, False), (2, 32, 4, False), (4, 32, 4, False),
+    (8, 32, 4, False), (2, 64, 8, False), (4, 64, 8, False), (8, 64, 8, False), (2, 32, 4, True),
+    (4, 32, 4, True), (4, 64, 8, True)]
+
+
+def run(frames: int = 21, reps: int = 20, variants: bool = False) -> dict:
     import qvg
     from qvg.kernels.dequant import dequantize
     from qvg.sequence import PackedSequence
@@ -44,9 +50,9 @@ def run(frames: int = 21, reps: int = 20) -> dict:
         y = a[0].transpose(0, 1).reshape(m, dim) @ w_o
         return torch.nn.functional.gelu(y @ w1) @ w2
 
-    def decode():
-        dequantize(kh, out=ks[:, :, :n])
-        dequantize(vh, out=vs[:, :, :n])
+    def decode(progs=0, block_n=32, warps=4):
+        dequantize(kh, out=ks[:, :, :n], progs=progs, block_n=block_n, num_warps=warps)
+        dequantize(vh, out=vs[:, :, :n], progs=progs, block_n=block_n, num_warps=warps)
 
     def serial():
         for _ in range(reps):
@@ -61,6 +67,21 @@ def run(frames: int = 21, reps: int = 20) -> dict:
             layer()
             torch.cuda.current_stream().wait_stream(side)
 
+    def variant(progs, block_n, warps, high):
+        main = torch.cuda.Stream(priority=-1) if high else torch.cuda.current_stream()
+
+        def fn():
+            main.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(main):
+                for _ in range(reps):
+                    side.wait_stream(main)
+                    with torch.cuda.stream(side):
+                        decode(progs, block_n, warps)
+                    layer()
+                    main.wait_stream(side)
+            torch.cuda.current_stream().wait_stream(main)
+        return fn
+
     t_layer = bench(lambda: [layer() for _ in range(reps)], warmup=2, rep=10) / reps
     t_decode = bench(lambda: [decode() for _ in range(reps)], warmup=2, rep=10) / reps
     t_serial = bench(serial, warmup=2, rep=10) / reps
@@ -68,6 +89,16 @@ def run(frames: int = 21, reps: int = 20) -> dict:
     res = {"frames": frames, "history_tokens": n, "layer_ms": t_layer, "decode_k_and_v_ms": t_decode,
            "serial_ms": t_serial, "concurrent_ms": t_conc,
            "hidden_fraction_of_decode": (t_serial - t_conc) / t_decode}
+    if variants:
+        res["variants"] = []
+        for progs, block_n, warps, high in VARIANTS:
+            t_alone = bench(lambda: [decode(progs, block_n, warps) for _ in range(reps)], warmup=2, rep=10) / reps
+            t = bench(variant(progs, block_n, warps, high), warmup=2, rep=10) / reps
+            row = {"progs_per_head": progs, "block_n": block_n, "num_warps": warps, "layer_high_priority": high,
+                   "decode_alone_ms": t_alone, "concurrent_ms": t, "added_ms": t - t_layer,
+                   "hidden_fraction_of_decode": (t_decode + t_layer - t) / t_decode}
+            print(row, flush=True)
+            res["variants"].append(row)
     print(res, flush=True)
     return res
 
@@ -76,12 +107,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="eval/results")
     ap.add_argument("--frames", default="21,60")
+    ap.add_argument("--variants", action="store_true", help="also the small-grid / priority decode variants")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_overlap: needs a CUDA GPU", file=sys.stderr)
         return 2
     res = {"meta": meta(command_line("python -m qvg.eval.bench_overlap", argv), "cuda"),
-           "rows": [run(int(f)) for f in args.frames.split(",")]}
+           "rows": [run(int(f), variants=args.variants) for f in args.frames.split(",")]}
     os.makedirs(args.out, exist_ok=True)
     emit_json(res, os.path.join(args.out, "overlap-" + torch.cuda.get_device_name().split()[1].lower() + ".json"))
     return 0

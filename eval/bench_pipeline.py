@@ -38,23 +38,26 @@ def wan_model(**config):
 
 def new_cache(model, method: str, window: int, options: dict):
     """A 30-layer cache of 3-frame chunks with a rolling window (options apply to the compressed methods).
-    method "NAME[:pre-rope][:sync][:eager-commit][:noprefetch|:prefetch-all]": keys packed before RoPE (KVCache
+    method "NAME[:pre-rope][:sync][:eager-commit][:noprefetch|:prefetch-all][:progs=N]": keys packed before RoPE (KVCache
     key_storage); commits in line with the forward instead of on the cache's side stream (KVCache
     async_commit=False); side-stream commits queued by each layer's commit_layer (KVCache defer_commits=False); every
     history decoded in line before its attention (KVCache prefetch_bytes=0), or prefetched up to the largest
-    staging window (prefetch_bytes=WINDOW_BYTES) instead of the default budget."""
+    staging window (prefetch_bytes=WINDOW_BYTES) instead of the default budget; the prefetched decode on N
+    programs per head (KVCache prefetch_programs)."""
     from qvg.cache import KVCache
     from qvg.kernels.windowed_sdpa import WINDOW_BYTES
     name, *flags = method.split(":")
     prefetch = {"noprefetch": 0, "prefetch-all": WINDOW_BYTES}
-    unknown = set(flags) - {"pre-rope", "sync", "eager-commit", *prefetch}
+    progs = [f for f in flags if f.startswith("progs=") and f[6:].isdigit()]
+    unknown = set(flags) - {"pre-rope", "sync", "eager-commit", *prefetch, *progs}
     if unknown:
         raise ValueError(f"unknown method flag(s) {', '.join(sorted(unknown))} in {method!r} (pre-rope, sync, "
-                         f"eager-commit, {', '.join(prefetch)})")
+                         f"eager-commit, {', '.join(prefetch)}, progs=N)")
     return KVCache(30, name, chunk_frames=3, tokens_per_frame=model.tokens_per_latent_frame(*LATENT_HW),
                    window_frames=window, key_storage="pre-rope" if "pre-rope" in flags else "post-rope",
                    async_commit="sync" not in flags, defer_commits="eager-commit" not in flags,
                    **{"prefetch_bytes": prefetch[f] for f in flags if f in prefetch},
+                   **{"prefetch_programs": int(f[6:]) for f in progs},
                    **({} if name == "bf16" else options))
 
 
