@@ -38,21 +38,22 @@ def wan_model(**config):
 
 def new_cache(model, method: str, window: int, options: dict):
     """A 30-layer cache of 3-frame chunks with a rolling window (options apply to the compressed methods).
-    method "NAME[:pre-rope][:sync][:eager-commit][:noprefetch|:prefetch-all][:progs=N]": keys packed before RoPE (KVCache
+    method "NAME[:pre-rope][:sync][:eager-commit][:noprefetch|:prefetch-all][:progs=N][:plain-writes]": keys packed before RoPE (KVCache
     key_storage); commits in line with the forward instead of on the cache's side stream (KVCache
     async_commit=False); side-stream commits queued by each layer's commit_layer (KVCache defer_commits=False); every
     history decoded in line before its attention (KVCache prefetch_bytes=0), or prefetched up to the largest
     staging window (prefetch_bytes=WINDOW_BYTES) instead of the default budget; the prefetched decode on N
-    programs per head (KVCache prefetch_programs)."""
+    programs per head (KVCache prefetch_programs); plain-writes: the chunk's denoising steps write as the re-run
+    does, not transient (the chunk runner reads this flag; the cache ignores it)."""
     from qvg.cache import KVCache
     from qvg.kernels.windowed_sdpa import WINDOW_BYTES
     name, *flags = method.split(":")
     prefetch = {"noprefetch": 0, "prefetch-all": WINDOW_BYTES}
     progs = [f for f in flags if f.startswith("progs=") and f[6:].isdigit()]
-    unknown = set(flags) - {"pre-rope", "sync", "eager-commit", *prefetch, *progs}
+    unknown = set(flags) - {"pre-rope", "sync", "eager-commit", "plain-writes", *prefetch, *progs}
     if unknown:
         raise ValueError(f"unknown method flag(s) {', '.join(sorted(unknown))} in {method!r} (pre-rope, sync, "
-                         f"eager-commit, {', '.join(prefetch)}, progs=N)")
+                         f"eager-commit, plain-writes, {', '.join(prefetch)}, progs=N)")
     return KVCache(30, name, chunk_frames=3, tokens_per_frame=model.tokens_per_latent_frame(*LATENT_HW),
                    window_frames=window, key_storage="pre-rope" if "pre-rope" in flags else "post-rope",
                    async_commit="sync" not in flags, defer_commits="eager-commit" not in flags,
@@ -97,10 +98,11 @@ def _fill(cache, frames: int, heads: int, seed: int = 0):
         cache.commit()
 
 
-def chunk_runner(model, cache, commit_layers: bool = True):
+def chunk_runner(model, cache, commit_layers: bool = True, transient: bool = True):
     """(chunk, forwards): one whole chunk at the cache's next frame (forwards + the final commit), and its
     forwards alone: the 4 denoising steps + the clean re-run at t = 0, each layer committed right after its
-    re-run attention as the pipeline does unless not commit_layers (fixed inputs: the cache's time and memory do
+    re-run attention as the pipeline does unless not commit_layers; the denoising steps' writes transient as in the
+    pipeline unless not transient (fixed inputs: the cache's time and memory do
     not depend on the values)."""
     from qvg.pipelines.causal_wan import CrossKV
     from qvg.pipelines.self_forcing import flow_sigmas
@@ -112,7 +114,8 @@ def chunk_runner(model, cache, commit_layers: bool = True):
     def forwards():
         f0 = cache.frames
         for sigma in flow_sigmas():
-            model(x, torch.full((1,), sigma * 1000, device="cuda"), text, frame_offset=f0, cache=cache, cross=cross)
+            model(x, torch.full((1,), sigma * 1000, device="cuda"), text, frame_offset=f0, cache=cache, cross=cross,
+                  transient=transient)
         model(x, torch.zeros(1, device="cuda"), text, frame_offset=f0, cache=cache, cross=cross, commit=commit_layers)
 
     def chunk():
@@ -139,12 +142,13 @@ def run(histories, methods, options, repeat: int = 7, split: bool = False) -> li
             pool_free = pool_free_bytes(torch.device("cuda")) - free_before
             delta = torch.cuda.memory_allocated() - before + pool_free
             acc = cache.memory()
-            chunk, _ = chunk_runner(model, cache)
+            transient = "plain-writes" not in method.split(":")
+            chunk, _ = chunk_runner(model, cache, transient=transient)
             with torch.no_grad():
                 chunk()  # warm-up (compiles kernels, fills the text K/V)
             runs[method] = chunk
             if split:
-                runs[method, "forwards"] = chunk_runner(model, cache, commit_layers=False)[1]
+                runs[method, "forwards"] = chunk_runner(model, cache, commit_layers=False, transient=transient)[1]
             caches[method] = cache
             row = {"history_frames": hist, "method": method, "chunk_ms_all": [],
                    "kv_bytes_allocator_delta": delta, "graph_pool_free_bytes": pool_free,

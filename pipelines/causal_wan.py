@@ -116,6 +116,7 @@ class _Context:
         self.attn_mask = None  # without a cache: an explicit [N, N] boolean mask (True: may attend)
         self.cross = None  # CrossKV, or None
         self.commit = False  # commit each layer's chunk right after its attention (the clean re-run)
+        self.transient = False  # this forward's K/V are overwritten before any commit (a denoising step)
 
 
 class CrossKV:
@@ -144,7 +145,7 @@ class _SelfAttention:
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, N, D]
         cache = self.ctx.cache
         if cache is not None:
-            cache.write(self.layer, k, v)
+            cache.write(self.layer, k, v, transient=self.ctx.transient)
             out = cache.attend(self.layer, q)
             if self.ctx.commit:
                 cache.commit_layer(self.layer)
@@ -230,13 +231,15 @@ class CausalWanTransformer(WanTransformer3DModel):
 
     def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
                 *, frame_offset: int = 0, cache=None, cross: CrossKV | None = None, chunk_frames: int | None = None,
-                commit: bool = False, frame_ids: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
+                commit: bool = False, transient: bool = False, frame_ids: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
                 spatial_offsets: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         """hidden_states [B, C, F, H, W] (one chunk with a cache; any number of frames without), timestep [B]
         -> the model output [B, C, F, H, W]. frame_offset: the first frame's time index. cache: a KVCache to
         write into and attend over. commit: each layer commits the chunk right after its attention
         (`cache.commit_layer`; the clean re-run; the cache decides when the compression is queued); the caller
-        still calls `cache.commit()` after it. chunk_frames (without a cache): attend block-causally in chunks of
+        still calls `cache.commit()` after it. transient: this forward's K/V serve only its own attention and a
+        later forward overwrites them before any commit (a denoising step): the cache may skip storing them
+        (`KVCache.write(..., transient=True)`). chunk_frames (without a cache): attend block-causally in chunks of
         that many frames. attn_mask (without a cache): an explicit boolean [N, N] token mask, True where a query may attend, or a
         flex-attention BlockMask
         (e.g. a rolling window's reference, or training's clean + noisy copies); frame_ids: each input frame's
@@ -251,6 +254,8 @@ class CausalWanTransformer(WanTransformer3DModel):
             raise ValueError("give chunk_frames or attn_mask, not both")
         if commit and cache is None:
             raise ValueError("commit needs a cache")
+        if commit and transient:
+            raise ValueError("a transient forward's K/V are not kept: it can't commit")
         _, _, frames, height, width = hidden_states.shape
         self.rope.frame_offset, self.rope.frame_ids = frame_offset, frame_ids
         self.rope.spatial_offsets = spatial_offsets
@@ -258,10 +263,11 @@ class CausalWanTransformer(WanTransformer3DModel):
             cache.set_positions(*self.rope_positions(hidden_states.shape, frame_offset, frame_ids, spatial_offsets))
         ctx = self._ctx
         ctx.cache, ctx.cross, ctx.commit, ctx.attn_mask = cache, cross, commit, attn_mask
+        ctx.transient = transient
         ctx.block_tokens = None if chunk_frames is None else chunk_frames * self.tokens_per_latent_frame(height, width)
         try:
             return super().forward(hidden_states, timestep, encoder_hidden_states, return_dict=False, **kwargs)[0]
         finally:
             self.rope.frame_offset, self.rope.frame_ids, self.rope.spatial_offsets = 0, None, None
             ctx.cache = ctx.cross = ctx.block_tokens = ctx.attn_mask = None
-            ctx.commit = False
+            ctx.commit = ctx.transient = False

@@ -119,7 +119,7 @@ class SelfForcingPipeline:
             x0 = x
             for i, sigma in enumerate(self.sigmas):
                 t = torch.full((batch,), sigma * 1000.0, device=dev)
-                v = model(x, t, text, frame_offset=f0, cache=cache, cross=cross, **kw)
+                v = model(x, t, text, frame_offset=f0, cache=cache, cross=cross, transient=True, **kw)
                 x0 = (x.float() - sigma * v.float()).to(dtype)
                 if i + 1 < len(self.sigmas):
                     nxt = self.sigmas[i + 1]

@@ -7,7 +7,11 @@ Per layer, three zones, for keys and values alike ([B, H, tokens, D], H = kv hea
       frames, never evicted                            not yet packed (written at every step)
 
 - `write(layer, k, v)`: the current chunk's K/V, overwriting the previous write (each denoising step, then the
-  clean re-run at t=0).
+  clean re-run at t=0). `write(..., transient=True)` (the denoising steps: their K/V serve one attention and are
+  overwritten before any commit): when the layer has no sink or pending tokens, the cache keeps references to k
+  and v instead of copying them into the current zone, and its next `attend` copies them once, straight into the
+  staging window behind the decoded history (else they would be copied twice: zone, then window). On the other
+  paths they are stored first, as by a plain write. A transient chunk can't be committed or read once attended.
 - `commit()` (after the clean re-run): the current chunk becomes history. The first `sink_frames` frames fill the
   sink; after that chunks wait in the pending zone until `commit_every` of them are there, then they are
   compressed as one unit (`qvg.compress`; qvg / qvg-pro warm-start k-means from the previous unit's centroids of
@@ -93,6 +97,8 @@ class _Layer:
         self.done = None  # async commit: (device, CUDA event recorded after this layer's queued commit work) or None
         self.prefetch = None  # (tail tokens, K, V, CUDA event): the history decoded ahead on a side stream (every
         # commit of the layer drops it first, so a held one always matches the history)
+        self.loose = None  # (K, V) of a transient write, not copied into the current zone (attend takes them)
+        self.spent = False  # a transient write was attended without being stored: no current chunk to keep
 
     def tail(self, i: int) -> torch.Tensor:
         return self.buf[i][:, :, :self.n_sink + self.n_pending + self.n_cur]
@@ -212,8 +218,10 @@ class KVCache:
         self._positions = positions.detach().to("cpu", torch.int32).clone()
         self._grid = (height, width, float(theta))
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store the current chunk's K/V [B, H, chunk_tokens, D] of `layer` (overwrites the previous write)."""
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, transient: bool = False) -> None:
+        """Store the current chunk's K/V [B, H, chunk_tokens, D] of `layer` (overwrites the previous write).
+        transient: they serve only the layer's next `attend` (a denoising step); the cache may hold k and v by
+        reference until then (see the module docstring): don't modify them in place before that attend."""
         if k.shape != v.shape or k.dim() != 4 or k.shape[2] != self.chunk_tokens:
             raise ValueError(f"write expects k and v of shape [B, H, {self.chunk_tokens}, D], got "
                              f"{tuple(k.shape)} and {tuple(v.shape)}")
@@ -232,9 +240,25 @@ class KVCache:
         need = start + self.chunk_tokens
         if L.buf is None or L.buf[0].shape[2] < need:  # grows to sink + commit_every chunks (bf16: + history)
             L.buf = [_grown(L.buf[i] if L.buf else None, start, need, k) for i in range(2)]
+        L.n_cur = self.chunk_tokens
+        L.spent = False
+        if transient and start == 0 and isinstance(L.hist[0], PackedSequence):
+            L.loose = (k, v)
+            return
+        L.loose = None
         L.buf[0][:, :, start:need] = k
         L.buf[1][:, :, start:need] = v
-        L.n_cur = self.chunk_tokens
+
+    def _store_loose(self, L: _Layer, what: str) -> None:
+        """Copy a transient write still held by reference into the current zone (before any other use of it)."""
+        if L.spent:
+            raise RuntimeError(f"{what}: layer {self.layers.index(L)}'s current chunk was written with transient=True "
+                               "and has been attended: write it again (without transient) first")
+        if L.loose is not None:
+            start = L.n_sink + L.n_pending
+            for i in range(2):
+                L.buf[i][:, :, start:start + L.n_cur] = L.loose[i]
+            L.loose = None
 
     def commit(self) -> None:
         """Make the current chunk history in every layer (fill the sink, pack every `commit_every` chunks, evict
@@ -243,6 +267,8 @@ class KVCache:
         for i, L in enumerate(self.layers):
             if not L.n_cur and not L.committed:
                 raise RuntimeError(f"commit: layer {i} has no current chunk (write it first)")
+            if not L.committed:
+                self._store_loose(L, "commit")
         for L in self.layers:
             if not L.committed or L.deferred:
                 self._commit(L)
@@ -261,6 +287,7 @@ class KVCache:
         L = self.layers[layer]
         if L.committed or not L.n_cur:
             raise RuntimeError(f"commit_layer: layer {layer} has no current chunk (write it first)")
+        self._store_loose(L, "commit_layer")
         if self.defer_commits and self._queued(L):
             L.deferred = True  # (queued by commit(); a read of the layer before that queues it then)
         else:
@@ -445,16 +472,22 @@ class KVCache:
             raise RuntimeError(f"attend: layer {layer} holds nothing (write the current chunk first)")
         self._settle(L)
         self._wait(L)
-        kt, vt = L.tail(0), L.tail(1)
         kh, vh = L.hist
-        if kh is None:
-            return sdpa_gqa(q, kt, vt, scale)
         if isinstance(kh, PackedSequence):
             from .backend import use_kernels
             if use_kernels(q):
                 tables = self._rope_tables(L, q.device) if self._pre_rope else None
                 if tables is not None or not self._pre_rope:
-                    return self._attend_windowed(layer, q, kt, vt, scale, tables)
+                    if L.loose is not None:  # (a transient write: it goes straight into the window)
+                        (kt, vt), L.loose, L.spent = L.loose, None, True
+                        return self._attend_windowed(layer, q, kt, vt, scale, tables)
+                    self._store_loose(L, "attend")
+                    return self._attend_windowed(layer, q, L.tail(0), L.tail(1), scale, tables)
+        self._store_loose(L, "attend")
+        kt, vt = L.tail(0), L.tail(1)
+        if kh is None:
+            return sdpa_gqa(q, kt, vt, scale)
+        if isinstance(kh, PackedSequence):
             if self._pre_rope:  # the reference (it materializes the history): decode, rotate, attend
                 k = apply_rope(kh.decompress(), self._angles(L.pos_hist, q.device, kh.shape[3]))
                 return sdpa_gqa(q.float(), torch.cat([k, kt.float()], 2),
@@ -526,6 +559,7 @@ class KVCache:
         L = self.layers[layer]
         self._settle(L)
         self._wait(L)
+        self._store_loose(L, "read")
         out = []
         for i in range(2):
             h = L.hist[i]

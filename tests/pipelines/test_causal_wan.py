@@ -55,6 +55,22 @@ def test_qvg_int8_cache_is_close_to_bf16(model):
     assert ((got - ref).norm() / ref.norm()) < 1e-2
 
 
+def test_transient_forward_equals_a_plain_one_and_cannot_commit(model):
+    """forward(transient=True) (the denoising steps: the cache may hold the K/V by reference until the attention)
+    gives the plain forward's output; with commit=True it is refused."""
+    x, t, txt = _inputs()
+    caches = [KVCache(2, "qvg", chunk_frames=CF, tokens_per_frame=TPF, bits=8, centroids=8) for _ in range(2)]
+    with torch.no_grad():
+        for cache in caches:
+            model(x[:, :, :CF], t, txt, cache=cache)
+            cache.commit()
+        outs = [model(x[:, :, CF:2 * CF], t, txt, frame_offset=CF, cache=c, transient=tr)
+                for c, tr in zip(caches, (True, False))]
+        assert torch.equal(*outs)
+        with pytest.raises(ValueError, match="transient forward"):
+            model(x[:, :, CF:2 * CF], t, txt, frame_offset=CF, cache=caches[0], transient=True, commit=True)
+
+
 def test_rope_offset_shifts_the_time_index(model):
     """RoPE of frames 5..6 = the last two frames of RoPE over frames 0..6 (RoPE being relative, a shift alone
     leaves one chunk's self-attention unchanged: the cached parity test above covers the cross-chunk effect)."""
