@@ -38,22 +38,24 @@ def wan_model(**config):
 
 def new_cache(model, method: str, window: int, options: dict):
     """A 30-layer cache of 3-frame chunks with a rolling window (options apply to the compressed methods).
-    method "NAME[:pre-rope][:sync][:eager-commit][:noprefetch|:prefetch-all][:progs=N][:plain-writes]": keys packed before RoPE (KVCache
+    method "NAME[:pre-rope][:sync][:eager-commit][:noprefetch|:prefetch-all][:progs=N][:plain-writes][:high-priority]": keys packed before RoPE (KVCache
     key_storage); commits in line with the forward instead of on the cache's side stream (KVCache
     async_commit=False); side-stream commits queued by each layer's commit_layer (KVCache defer_commits=False); every
     history decoded in line before its attention (KVCache prefetch_bytes=0), or prefetched up to the largest
     staging window (prefetch_bytes=WINDOW_BYTES) instead of the default budget; the prefetched decode on N
     programs per head (KVCache prefetch_programs); plain-writes: the chunk's denoising steps write as the re-run
-    does, not transient (the chunk runner reads this flag; the cache ignores it)."""
+    does, not transient; high-priority: the chunk runs on a high-priority CUDA stream, so the cache's side streams
+    (prefetched decodes, queued commits) get only the SMs its kernels leave idle (these two flags are read by
+    `run`; the cache ignores them)."""
     from qvg.cache import KVCache
     from qvg.kernels.windowed_sdpa import WINDOW_BYTES
     name, *flags = method.split(":")
     prefetch = {"noprefetch": 0, "prefetch-all": WINDOW_BYTES}
     progs = [f for f in flags if f.startswith("progs=") and f[6:].isdigit()]
-    unknown = set(flags) - {"pre-rope", "sync", "eager-commit", "plain-writes", *prefetch, *progs}
+    unknown = set(flags) - {"pre-rope", "sync", "eager-commit", "plain-writes", "high-priority", *prefetch, *progs}
     if unknown:
         raise ValueError(f"unknown method flag(s) {', '.join(sorted(unknown))} in {method!r} (pre-rope, sync, "
-                         f"eager-commit, plain-writes, {', '.join(prefetch)}, progs=N)")
+                         f"eager-commit, plain-writes, high-priority, {', '.join(prefetch)}, progs=N)")
     return KVCache(30, name, chunk_frames=3, tokens_per_frame=model.tokens_per_latent_frame(*LATENT_HW),
                    window_frames=window, key_storage="pre-rope" if "pre-rope" in flags else "post-rope",
                    async_commit="sync" not in flags, defer_commits="eager-commit" not in flags,
@@ -70,6 +72,21 @@ def cuda_ms(fn) -> float:
     b.record()
     torch.cuda.synchronize()
     return a.elapsed_time(b)
+
+
+def on_stream(fn, stream):
+    """fn run on `stream` (None: fn itself), ordered after the current stream's work so far and before its later
+    work."""
+    if stream is None:
+        return fn
+
+    def run():
+        cur = torch.cuda.current_stream()
+        stream.wait_stream(cur)
+        with torch.cuda.stream(stream):
+            fn()
+        cur.wait_stream(stream)
+    return run
 
 
 def steady_ms(chunk) -> float:
@@ -143,12 +160,13 @@ def run(histories, methods, options, repeat: int = 7, split: bool = False) -> li
             delta = torch.cuda.memory_allocated() - before + pool_free
             acc = cache.memory()
             transient = "plain-writes" not in method.split(":")
-            chunk, _ = chunk_runner(model, cache, transient=transient)
+            high = torch.cuda.Stream(priority=-1) if "high-priority" in method.split(":") else None
+            chunk = on_stream(chunk_runner(model, cache, transient=transient)[0], high)
             with torch.no_grad():
                 chunk()  # warm-up (compiles kernels, fills the text K/V)
             runs[method] = chunk
             if split:
-                runs[method, "forwards"] = chunk_runner(model, cache, commit_layers=False, transient=transient)[1]
+                runs[method, "forwards"] = on_stream(chunk_runner(model, cache, False, transient)[1], high)
             caches[method] = cache
             row = {"history_frames": hist, "method": method, "chunk_ms_all": [],
                    "kv_bytes_allocator_delta": delta, "graph_pool_free_bytes": pool_free,
