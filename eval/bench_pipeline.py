@@ -38,12 +38,11 @@ def wan_model(**config):
 
 def new_cache(model, method: str, window: int, options: dict):
     """A 30-layer cache of 3-frame chunks with a rolling window (options apply to the compressed methods).
-    method "NAME[:pre-rope][:sync][:eager-commit][:noprefetch|:prefetch-all][:progs=N][:plain-writes][:high-priority]": keys packed before RoPE (KVCache
+    method "NAME[:pre-rope][:sync][:eager-commit][:noprefetch|:prefetch-all][:plain-writes][:high-priority]": keys packed before RoPE (KVCache
     key_storage); commits in line with the forward instead of on the cache's side stream (KVCache
     async_commit=False); side-stream commits queued by each layer's commit_layer (KVCache defer_commits=False); every
     history decoded in line before its attention (KVCache prefetch_bytes=0), or prefetched up to the largest
-    staging window (prefetch_bytes=WINDOW_BYTES) instead of the default budget; the prefetched decode on N
-    programs per head (KVCache prefetch_programs); plain-writes: the chunk's denoising steps write as the re-run
+    staging window (prefetch_bytes=WINDOW_BYTES) instead of the default budget; plain-writes: the chunk's denoising steps write as the re-run
     does, not transient; high-priority: the chunk runs on a high-priority CUDA stream, so the cache's side streams
     (prefetched decodes, queued commits) get only the SMs its kernels leave idle (these two flags are read by
     `run`; the cache ignores them)."""
@@ -51,16 +50,14 @@ def new_cache(model, method: str, window: int, options: dict):
     from qvg.kernels.windowed_sdpa import WINDOW_BYTES
     name, *flags = method.split(":")
     prefetch = {"noprefetch": 0, "prefetch-all": WINDOW_BYTES}
-    progs = [f for f in flags if f.startswith("progs=") and f[6:].isdigit()]
-    unknown = set(flags) - {"pre-rope", "sync", "eager-commit", "plain-writes", "high-priority", *prefetch, *progs}
+    unknown = set(flags) - {"pre-rope", "sync", "eager-commit", "plain-writes", "high-priority", *prefetch}
     if unknown:
         raise ValueError(f"unknown method flag(s) {', '.join(sorted(unknown))} in {method!r} (pre-rope, sync, "
-                         f"eager-commit, plain-writes, high-priority, {', '.join(prefetch)}, progs=N)")
+                         f"eager-commit, plain-writes, high-priority, {', '.join(prefetch)})")
     return KVCache(30, name, chunk_frames=3, tokens_per_frame=model.tokens_per_latent_frame(*LATENT_HW),
                    window_frames=window, key_storage="pre-rope" if "pre-rope" in flags else "post-rope",
                    async_commit="sync" not in flags, defer_commits="eager-commit" not in flags,
                    **{"prefetch_bytes": prefetch[f] for f in flags if f in prefetch},
-                   **{"prefetch_programs": int(f[6:]) for f in progs},
                    **({} if name == "bf16" else options))
 
 

@@ -116,15 +116,13 @@ class KVCache:
     layers together, instead of right away (see the module docstring).
     prefetch_bytes: on CUDA, while a layer attends, the next layer's history is decoded on a side stream when its
     staging window (BF16 K + V of history and tail) takes at most this many bytes (see the module docstring); 0: no
-    prefetch. prefetch_programs: the prefetched decode's grid: 0, one program per token block (every SM, briefly);
-    n > 0, n programs per head that loop over the blocks (a few SMs for longer, beside the forward's kernels).
+    prefetch.
     """
 
     def __init__(self, num_layers: int, method: str = "qvg", *, chunk_frames: int, tokens_per_frame: int,
                  sink_frames: int = 0, window_frames: int | None = None, commit_every: int = 1,
                  cuda_graphs: bool = True, key_storage: str = "post-rope", async_commit: bool = True,
-                 prefetch_bytes: int = PREFETCH_BYTES, defer_commits: bool = True, prefetch_programs: int = 0,
-                 **options):
+                 prefetch_bytes: int = PREFETCH_BYTES, defer_commits: bool = True, **options):
         if method not in CACHE_METHODS:
             raise ValueError(f"unknown cache method {method!r}; choose one of: {', '.join(CACHE_METHODS)}")
         if key_storage not in KEY_STORAGE:
@@ -144,9 +142,6 @@ class KVCache:
                 raise ValueError(f"{name} must be True or False, got {v!r}")
         if isinstance(prefetch_bytes, bool) or not isinstance(prefetch_bytes, int) or prefetch_bytes < 0:
             raise ValueError(f"prefetch_bytes must be a non-negative integer (0: no prefetch), got {prefetch_bytes!r}")
-        if isinstance(prefetch_programs, bool) or not isinstance(prefetch_programs, int) or prefetch_programs < 0:
-            raise ValueError(f"prefetch_programs must be a non-negative integer (0: one per token block), got "
-                             f"{prefetch_programs!r}")
         if method == "bf16" and options:
             raise ValueError(f"method 'bf16' takes no options, got {', '.join(sorted(options))}")
         self.method, self.options = method, dict(options)
@@ -163,7 +158,7 @@ class KVCache:
         self._graphed = GraphedCompress() if cuda_graphs and method != "bf16" else None
         self.async_commit, self.defer_commits = async_commit, defer_commits
         self._side: dict = {}  # device -> the CUDA side stream of the async commits
-        self.prefetch_bytes, self.prefetch_programs = prefetch_bytes, prefetch_programs
+        self.prefetch_bytes = prefetch_bytes
         self._ahead: dict = {}  # device -> the CUDA side stream of the prefetched decodes
         self.prefetch_stats = {"used": 0, "dropped": 0}  # prefetched windows attended / dropped as stale
 
@@ -532,7 +527,7 @@ class KVCache:
         if L.done is not None:  # (a commit of L still queued on the commit stream)
             side.wait_event(L.done[1])
         with torch.cuda.stream(side):
-            decode_window(kh, vh, tail, rope, out=(ks, vs), progs=self.prefetch_programs)
+            decode_window(kh, vh, tail, rope, out=(ks, vs))
         event = torch.cuda.Event()
         event.record(side)
         L.prefetch = (tail, ks, vs, event)
