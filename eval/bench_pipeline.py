@@ -38,23 +38,24 @@ def wan_model(**config):
 
 def new_cache(model, method: str, window: int, options: dict):
     """A 30-layer cache of 3-frame chunks with a rolling window (options apply to the compressed methods).
-    method "NAME[:pre-rope][:sync][:eager-commit][:noprefetch|:prefetch-all][:plain-writes][:high-priority][:two-launch-decode]": keys packed before RoPE (KVCache
+    method "NAME[:pre-rope][:sync][:eager-commit][:noprefetch|:prefetch-all][:plain-writes][:high-priority][:two-launch-decode][:evict-first]": keys packed before RoPE (KVCache
     key_storage); commits in line with the forward instead of on the cache's side stream (KVCache
     async_commit=False); side-stream commits queued by each layer's commit_layer (KVCache defer_commits=False); every
     history decoded in line before its attention (KVCache prefetch_bytes=0), or prefetched up to the largest
-    staging window (prefetch_bytes=WINDOW_BYTES) instead of the default budget; plain-writes: the chunk's denoising steps write as the re-run
-    does, not transient; high-priority: the chunk runs on a high-priority CUDA stream, so the cache's side streams
+    staging window (prefetch_bytes=WINDOW_BYTES) instead of the default budget; plain-writes: the chunk's
+    denoising steps write as the re-run does, not transient; high-priority: the chunk runs on a high-priority CUDA stream, so the cache's side streams
     (prefetched decodes, queued commits) get only the SMs its kernels leave idle; two-launch-decode: each read
-    decodes K and V in two dequant launches, as before `dequantize_pair` (these three flags are read by `run`; the
-    cache ignores them)."""
+    decodes K and V in two dequant launches, as before `dequantize_pair`; evict-first: the decode stores its
+    window with L2 evict-first (these four flags are read by `run`; the cache ignores them)."""
     from qvg.cache import KVCache
     from qvg.kernels.windowed_sdpa import WINDOW_BYTES
     name, *flags = method.split(":")
     prefetch = {"noprefetch": 0, "prefetch-all": WINDOW_BYTES}
-    unknown = set(flags) - {"pre-rope", "sync", "eager-commit", "plain-writes", "high-priority", "two-launch-decode", *prefetch}
+    known = ("pre-rope", "sync", "eager-commit", "plain-writes", "high-priority", "two-launch-decode", "evict-first",
+             *prefetch)
+    unknown = set(flags) - set(known)
     if unknown:
-        raise ValueError(f"unknown method flag(s) {', '.join(sorted(unknown))} in {method!r} (pre-rope, sync, "
-                         f"eager-commit, plain-writes, high-priority, two-launch-decode, {', '.join(prefetch)})")
+        raise ValueError(f"unknown method flag(s) {', '.join(sorted(unknown))} in {method!r} ({', '.join(known)})")
     return KVCache(30, name, chunk_frames=3, tokens_per_frame=model.tokens_per_latent_frame(*LATENT_HW),
                    window_frames=window, key_storage="pre-rope" if "pre-rope" in flags else "post-rope",
                    async_commit="sync" not in flags, defer_commits="eager-commit" not in flags,
@@ -87,16 +88,15 @@ def on_stream(fn, stream):
     return run
 
 
-def two_launch_decode(fn):
-    """fn with every K + V decode in two dequant launches (`dequantize_pair`'s fallback), for an A/B."""
-    from qvg.kernels import dequant
-
+def patched(fn, owner, name: str, value):
+    """fn run with owner.name set to value (restored after), for an A/B within one run."""
     def run():
-        pair, dequant._pair_offsets = dequant._pair_offsets, lambda *a: None
+        old = getattr(owner, name)
+        setattr(owner, name, value)
         try:
             fn()
         finally:
-            dequant._pair_offsets = pair
+            setattr(owner, name, old)
     return run
 
 
@@ -173,8 +173,11 @@ def run(histories, methods, options, repeat: int = 7, split: bool = False) -> li
             transient = "plain-writes" not in method.split(":")
             high = torch.cuda.Stream(priority=-1) if "high-priority" in method.split(":") else None
             chunk = on_stream(chunk_runner(model, cache, transient=transient)[0], high)
+            from qvg.kernels import dequant
             if "two-launch-decode" in method.split(":"):
-                chunk = two_launch_decode(chunk)
+                chunk = patched(chunk, dequant, "_pair_offsets", lambda *a: None)
+            if "evict-first" in method.split(":"):
+                chunk = patched(chunk, dequant, "STORE_EVICT_FIRST", True)
             with torch.no_grad():
                 chunk()  # warm-up (compiles kernels, fills the text K/V)
             runs[method] = chunk
