@@ -47,7 +47,7 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
                     OFFSET: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr, BLOCK_N: tl.constexpr,
                     ROPE: tl.constexpr, SPLIT_H: tl.constexpr, SPLIT_W: tl.constexpr, INTERP: tl.constexpr,
                     NBLK, PROGS, PLANE_SPLIT: tl.constexpr, SP: tl.constexpr, PAIR: tl.constexpr, OFF_CODES,
-                    OFF_SCALE, OFF_ZERO, OFF_TSCALE, OFF_IDS, OFF_CENT, OFF_OUT, EVICT_FIRST: tl.constexpr):
+                    OFF_SCALE, OFF_ZERO, OFF_TSCALE, OFF_IDS, OFF_CENT, OFF_OUT):
     """Program (i, gh, q) decodes token blocks i, i + PROGS, ... (< NBLK) of group gh: every code plane, or only
     plane q with PLANE_SPLIT (then a program gathers 1/P of each centroid row: its centroid tables stay small).
     PAIR: groups GH..2GH-1 are a second sequence of the same layout (a layer's V beside its K) whose arrays and
@@ -107,11 +107,7 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
             if rot:  # keys stored before RoPE: rotate channel pairs (2j, 2j+1) by the token's 3D position
                 v = _rope(v, rows, chunk, L, rmask, p * W // 2, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF,
                           D, W, BLOCK_N, SPLIT_H, SPLIT_W)
-            if EVICT_FIRST:  # (streamed out of L2 first: the window is bigger than L2)
-                tl.store(out_ptr + otok[:, None] * D + col[None, :], to_out(v, out_ptr, INTERP), mask=m2,
-                         eviction_policy="evict_first")
-            else:
-                tl.store(out_ptr + otok[:, None] * D + col[None, :], to_out(v, out_ptr, INTERP), mask=m2)
+            tl.store(out_ptr + otok[:, None] * D + col[None, :], to_out(v, out_ptr, INTERP), mask=m2)
 
 
 def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None, block_n: int = 32,
@@ -149,11 +145,8 @@ def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None,
         SPLIT_H=rope.split[0] if rope else 0, SPLIT_W=rope.split[1] if rope else 0, INTERP=INTERPRET,
         NBLK=nblk, PROGS=progs, PLANE_SPLIT=plane_split, SP=triton.next_power_of_2(max(stages, 1)),
         PAIR=pair is not None, **dict(zip(_OFFSETS, pair or (0,) * len(_OFFSETS))), num_warps=num_warps,
-        EVICT_FIRST=STORE_EVICT_FIRST, enable_fp_fusion=False, **grid_constants(spec))
+        enable_fp_fusion=False, **grid_constants(spec))
     return out
-
-
-STORE_EVICT_FIRST = False  # the output stored with L2 evict-first (an A/B: bench_pipeline :evict-first)
 
 
 _OFFSETS = ("OFF_CODES", "OFF_SCALE", "OFF_ZERO", "OFF_TSCALE", "OFF_IDS", "OFF_CENT", "OFF_OUT")
