@@ -5,9 +5,9 @@ The full Wan2.1-T2V-1.3B transformer config with random weights, 480x832 (1560 t
 bf16. For each history length and method: the cache is filled with synthetic committed chunks (clustered K/V,
 compressed by the method as the pipeline would), then one chunk runs (4 denoising steps + the clean re-run at
 t = 0 + commit) with a rolling window of that history, timed with CUDA events right behind an untimed chunk
-(`steady_ms`: the steady state of generation, where a chunk's queued commits run into the next one; text encoder
-and VAE excluded: the cache does not change them). KV bytes: `torch.cuda.memory_allocated` delta across the fill,
-plus the free blocks of the compression graphs' private pools (held for the replays; memory_allocated omits them), vs the cache's own
+(`steady_ms`: the steady state of generation, where a chunk's queued commits run into the next one; text encoder and VAE
+excluded: the cache does not change them). KV bytes: `torch.cuda.memory_allocated` delta across the fill, plus the free
+blocks of the compression graphs' private pools (held for the replays; memory_allocated omits them), vs the cache's own
 accounting. Writes pipeline-<gpu>.json.
 """
 from __future__ import annotations
@@ -38,15 +38,15 @@ def wan_model(**config):
 
 def new_cache(model, method: str, window: int, options: dict):
     """A 30-layer cache of 3-frame chunks with a rolling window (options apply to the compressed methods).
-    method "NAME[:pre-rope][:sync][:eager-commit][:noprefetch|:prefetch-all][:plain-writes][:high-priority][:two-launch-decode]": keys packed before RoPE (KVCache
-    key_storage); commits in line with the forward instead of on the cache's side stream (KVCache
-    async_commit=False); side-stream commits queued by each layer's commit_layer (KVCache defer_commits=False); every
-    history decoded in line before its attention (KVCache prefetch_bytes=0), or prefetched up to the largest
-    staging window (prefetch_bytes=WINDOW_BYTES) instead of the default budget; plain-writes: the chunk's
-    denoising steps write as the re-run does, not transient; high-priority: the chunk runs on a high-priority CUDA stream, so the cache's side streams
-    (prefetched decodes, queued commits) get only the SMs its kernels leave idle; two-launch-decode: each read
-    decodes K and V in two dequant launches, as before `dequantize_pair` (these three flags are read by `run`; the
-    cache ignores them)."""
+    method "NAME[:pre-rope][:sync][:eager-commit][:noprefetch|:prefetch-all][:plain-writes][:high-priority]
+    [:two-launch-decode]": keys packed before RoPE (KVCache key_storage); commits in line with the forward instead of on
+    the cache's side stream (KVCache async_commit=False); side-stream commits queued by each layer's commit_layer
+    (KVCache defer_commits=False); every history decoded in line before its attention (KVCache prefetch_bytes=0), or
+    prefetched up to the largest staging window (prefetch_bytes=WINDOW_BYTES) instead of the default budget;
+    plain-writes: the chunk's denoising steps write as the re-run does, not transient; high-priority: the chunk runs on
+    a high-priority CUDA stream, so the cache's side streams (prefetched decodes, queued commits) get only the SMs its
+    kernels leave idle; two-launch-decode: each read decodes K and V in two dequant launches, as before
+    `dequantize_pair` (these three flags are read by `run`; the cache ignores them)."""
     from qvg.cache import KVCache
     from qvg.kernels.windowed_sdpa import WINDOW_BYTES
     name, *flags = method.split(":")

@@ -40,7 +40,7 @@ def _widen(s, BLOCK_N: tl.constexpr, G2: tl.constexpr, W: tl.constexpr):
     return tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, G2, W // G2)), (BLOCK_N, W))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["OFF_CODES", "OFF_SCALE", "OFF_ZERO", "OFF_TSCALE", "OFF_IDS", "OFF_CENT", "OFF_OUT"])
 def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_ptr, out_ptr, N, L, C, K, GH,
                     ROW0, ROW_END, OUT_N, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF,
                     D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr,
@@ -112,14 +112,16 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
 
 def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None, block_n: int = 32,
                rows: tuple[int, int] | None = None, num_warps: int = 4, rope: RopeTables | None = None,
-               progs: int = 0, plane_split: bool = False, pair: tuple | None = None) -> torch.Tensor:
+               progs: int = 0, plane_split: bool = False, _pair: tuple | None = None) -> torch.Tensor:
     """Triton version of `qvg.decompress` (rtn / qvg / qvg-pro, per-token groups) and of
     `PackedSequence.decompress` (with `rope`: keys stored before RoPE, rotated as they are decoded).
     progs > 0: that many programs per group (and plane) loop over the token blocks; plane_split: one program per
     code plane (1/P of each centroid row gathered per program). Every choice writes the same bits. The defaults
     (32-token blocks, 4 warps, one program per block) were the fastest of eval/bench_kernels.py's sweep on the
     H100 for S4/B16 at both spans and for S1/B64 at the Self-Forcing span, within 1% of the fastest for S1/B64 at
-    the LongCat span (eval/results/kernels-h100.json, each dequant row's `configs`)."""
+    the LongCat span (eval/results/kernels-h100.json, each dequant row's `configs`). `out`: a contiguous
+    [B, H, >= r1 - r0, D] tensor on the packed data's device (row i <- token r0 + i). `_pair`: internal, see
+    `dequantize_pair`."""
     if isinstance(packed, PackedSequence):
         spec, stages, chunk_len = packed.spec, packed.stages, packed.chunk_len
     elif packed.method in PER_TOKEN_METHODS:
@@ -131,6 +133,8 @@ def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None,
     r0, r1 = (0, n) if rows is None else rows  # optional token range [r0, r1) -> out [B, H, r1 - r0, D]
     if out is None:
         out = torch.empty(b, h, r1 - r0, d, dtype=packed.dtype, device=t["codes"].device)
+    _check_out(out, (b, h, r1 - r0, d), t["codes"].device)
+    pair = _pair
     dummy = t["codes"]
     k = t["centroids"].shape[-2] if stages else 1
     nblk = triton.cdiv(r1 - r0, block_n)
@@ -149,6 +153,16 @@ def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None,
     return out
 
 
+def _check_out(out: torch.Tensor, need: tuple, device) -> None:
+    """The kernel writes row-major [B * H, out.shape[2], D] from out's first element: anything else is refused."""
+    b, h, rows, d = need
+    if out.dim() != 4 or out.shape[:2] != (b, h) or out.shape[3] != d or out.shape[2] < rows or \
+            not out.is_contiguous() or out.device != device:
+        raise ValueError(f"dequantize: out must be a contiguous [{b}, {h}, >= {rows}, {d}] tensor on {device}, got "
+                         f"{'contiguous' if out.is_contiguous() else 'non-contiguous'} {list(out.shape)} on "
+                         f"{out.device}")
+
+
 _OFFSETS = ("OFF_CODES", "OFF_SCALE", "OFF_ZERO", "OFF_TSCALE", "OFF_IDS", "OFF_CENT", "OFF_OUT")
 _ARRAYS = ("codes", "scale", "zero", "tscale", "ids", "centroids")
 
@@ -158,7 +172,8 @@ def _pair_offsets(k: PackedSequence, v: PackedSequence, ks: torch.Tensor, vs: to
     have one layout (format, chunks, ring head) and each V array (and V's output) has its K counterpart's shape,
     strides and dtype. None when not."""
     if not (isinstance(k, PackedSequence) and isinstance(v, PackedSequence)) or k.shape != v.shape or (
-            k.spec, k.stages, k.chunk_len, k.dtype, k.head) != (v.spec, v.stages, v.chunk_len, v.dtype, v.head):
+            k.spec, k.stages, k.chunk_len, k.dtype, k.head) != (v.spec, v.stages, v.chunk_len, v.dtype, v.head) or \
+            ks.device != vs.device or k.tensors["codes"].device != v.tensors["codes"].device:
         return None
     offs = []
     for a, b in [(k.tensors.get(n), v.tensors.get(n)) for n in _ARRAYS] + [(ks, vs)]:
@@ -185,7 +200,7 @@ def dequantize_pair(k: PackedSequence, v: PackedSequence, out: tuple[torch.Tenso
         dequantize(k, out=ks, rows=rows, rope=rope, **kw)
         dequantize(v, out=vs, rows=rows, **kw)
         return
-    dequantize(k, out=ks, rows=rows, rope=rope, pair=pair, **kw)
+    dequantize(k, out=ks, rows=rows, rope=rope, _pair=pair, **kw)
 
 
 def _rope_args(rope: RopeTables | None, dummy: torch.Tensor) -> tuple:

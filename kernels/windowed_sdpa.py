@@ -65,8 +65,9 @@ def window_tokens(k_hist: PackedSequence, window_bytes: int = WINDOW_BYTES) -> i
 def decode_window(k_hist: PackedSequence, v_hist: PackedSequence, extra: int = 0,
                   rope: RopeTables | None = None, rows: tuple[int, int] | None = None, out: tuple | None = None):
     """History rows `rows` (default: all) decoded into BF16 [B, H, r1 - r0 + extra, D] K and V buffers (new, or
-    `out`); their last `extra` rows are left for the tail. One kernel launch decodes both (`dequantize_pair`). (The cache also runs it ahead
-    of time on a side stream into buffers it allocated on the main one: `KVCache(prefetch_bytes=...)`.)"""
+    `out`); their last `extra` rows are left for the tail. One kernel launch decodes both (`dequantize_pair`).
+    (The cache also runs it ahead of time on a side stream into buffers it allocated on the main one:
+    `KVCache(prefetch_bytes=...)`.)"""
     from .dequant import dequantize_pair
     r0, r1 = rows or (0, k_hist.shape[2])
     if out is None:

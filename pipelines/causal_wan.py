@@ -231,23 +231,23 @@ class CausalWanTransformer(WanTransformer3DModel):
 
     def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
                 *, frame_offset: int = 0, cache=None, cross: CrossKV | None = None, chunk_frames: int | None = None,
-                commit: bool = False, transient: bool = False, frame_ids: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
-                spatial_offsets: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+                commit: bool = False, transient: bool = False, frame_ids: torch.Tensor | None = None,
+                attn_mask: torch.Tensor | None = None, spatial_offsets: torch.Tensor | None = None,
+                **kwargs) -> torch.Tensor:
         """hidden_states [B, C, F, H, W] (one chunk with a cache; any number of frames without), timestep [B]
-        -> the model output [B, C, F, H, W]. frame_offset: the first frame's time index. cache: a KVCache to
-        write into and attend over. commit: each layer commits the chunk right after its attention
-        (`cache.commit_layer`; the clean re-run; the cache decides when the compression is queued); the caller
-        still calls `cache.commit()` after it. transient: this forward's K/V serve only its own attention and a
-        later forward overwrites them before any commit (a denoising step): the cache may skip storing them
-        (`KVCache.write(..., transient=True)`). chunk_frames (without a cache): attend block-causally in chunks of
-        that many frames. attn_mask (without a cache): an explicit boolean [N, N] token mask, True where a query may attend, or a
-        flex-attention BlockMask
-        (e.g. a rolling window's reference, or training's clean + noisy copies); frame_ids: each input frame's
-        RoPE time index (instead of frame_offset + 0, 1, ...). spatial_offsets: int [B, F, 2], each input frame's
-        (dy, dx) added to its RoPE row / column indices, in patches (`OffsetRotaryPosEmbed`; None: screen
-        coordinates). Keys enter the cache after RoPE, so each cached key keeps the position it was written with; a
-        cache with key_storage "pre-rope" also gets each chunk's positions (`rope_positions`) to undo and redo it.
-        timestep may be [B] or per token [B, N] (diffusers' Wan 2.2 path)."""
+        -> the model output [B, C, F, H, W]. frame_offset: the first frame's time index. cache: a KVCache to write into
+        and attend over. commit: each layer commits the chunk right after its attention (`cache.commit_layer`; the clean
+        re-run; the cache decides when the compression is queued); the caller still calls `cache.commit()` after it.
+        transient: this forward's K/V serve only its own attention and a later forward overwrites them before any commit
+        (a denoising step): the cache may skip storing them (`KVCache.write(..., transient=True)`). chunk_frames
+        (without a cache): attend block-causally in chunks of that many frames. attn_mask (without a cache): an explicit
+        boolean [N, N] token mask, True where a query may attend, or a flex-attention BlockMask (e.g. a rolling window's
+        reference, or training's clean + noisy copies); frame_ids: each input frame's RoPE time index (instead of
+        frame_offset + 0, 1, ...). spatial_offsets: int [B, F, 2], each input frame's (dy, dx) added to its RoPE row /
+        column indices, in patches (`OffsetRotaryPosEmbed`; None: screen coordinates). Keys enter the cache after RoPE,
+        so each cached key keeps the position it was written with; a cache with key_storage "pre-rope" also gets each
+        chunk's positions (`rope_positions`) to undo and redo it. timestep may be [B] or per token [B, N] (diffusers'
+        Wan 2.2 path)."""
         if cache is not None and (chunk_frames is not None or attn_mask is not None):
             raise ValueError("chunk_frames and attn_mask are for the cache-free (full-sequence) forward")
         if chunk_frames is not None and attn_mask is not None:

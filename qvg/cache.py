@@ -29,10 +29,10 @@ Per layer, three zones, for keys and values alike ([B, H, tokens, D], H = kv hea
   stream's work so far, instead of in line with the forward. Commits that grow the history (the first window's
   fill, a full history) allocate, and run in line (see `_in_place`). With `defer_commits` (the default) the
   side-stream commits that `commit_layer` asks for are queued at `commit()`, all layers at once: they then run on
-  into the next chunk's first forward rather than beside the re-run's later layers (False: each is queued by its `commit_layer`, as before). The cache orders every
-  later use without a host sync: a layer's next `write` / `attend` / `read` waits for that layer's queued commit
-  (a read before `commit()` queues the layer's deferred commit first). Bitwise the same history as synchronous
-  commits.
+  into the next chunk's first forward rather than beside the re-run's later layers (False: each is queued by its
+  `commit_layer`, as before). The cache orders every later use without a host sync: a layer's next `write` / `attend` /
+  `read` waits for that layer's queued commit (a read before `commit()` queues the layer's deferred commit first).
+  Bitwise the same history as synchronous commits.
 - `attend(layer, q)`: attention of q over sink + history + pending + current. On CUDA the history of rtn / qvg /
   qvg-pro is decoded window by window (<= 1 GiB of one layer's BF16 K + V, never the whole history) and
   attended by torch's SDPA (cuDNN), windows merged by log-sum-exp (kernels/windowed_sdpa.py); kivi / quarot and
@@ -248,7 +248,7 @@ class KVCache:
         """Copy a transient write still held by reference into the current zone (before any other use of it)."""
         if L.spent:
             raise RuntimeError(f"{what}: layer {self.layers.index(L)}'s current chunk was written with transient=True "
-                               "and has been attended: write it again (without transient) first")
+                               "and has been attended (it serves one attention): write it again first")
         if L.loose is not None:
             start = L.n_sink + L.n_pending
             for i in range(2):

@@ -69,3 +69,26 @@ def test_v_anywhere_and_other_layouts(device):
             assert_bitwise_equal(out[1], want[1], "V")
     (kh3, _), _ = _layer("qvg", CASES[0][1], "post-rope", device, chunks=1)  # fewer tokens: two launches
     assert _pair_offsets(kh3, vh, *_poisoned_pair(kh3, kh3.shape[2])) is None
+
+
+@pytest.mark.parametrize("grid", [dict(progs=2), dict(plane_split=True), dict(progs=1, plane_split=True)])
+def test_pair_batch2_and_grids(grid, device):
+    """Batch 2 (B x H groups per sequence) and the persistent / per-plane grids: the same bits as two decodes."""
+    import qvg
+    x = clustered(2, 2, 48, 64, seed=9).to(device)
+    kh, vh = (PackedSequence.from_chunks([qvg.compress(t.bfloat16(), "qvg", centroids=4, seed=s, block_size=32)])
+              for s, t in ((0, x), (1, -x)))
+    out = _poisoned_pair(kh, 48)
+    dequantize_pair(kh, vh, out, **grid)
+    assert_bitwise_equal(out[0], dequantize(kh), "K")
+    assert_bitwise_equal(out[1], dequantize(vh), "V")
+
+
+def test_out_must_be_a_contiguous_big_enough_buffer(device):
+    (kh, _), _ = _layer("qvg", CASES[0][1], "post-rope", device)
+    b, h, n, d = kh.shape
+    good = torch.empty(b, h, n + 2, d, dtype=torch.bfloat16, device=device)
+    for bad in (good[:, :, :n], good[:, :, :n - 1], good.transpose(2, 3), good[:, :1]):
+        with pytest.raises(ValueError, match="out must be a contiguous"):
+            dequantize(kh, out=bad)
+    dequantize(kh, out=good)

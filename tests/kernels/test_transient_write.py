@@ -108,3 +108,44 @@ def test_with_a_sink_the_write_is_stored_at_once(device):
     assert c.layers[0].loose is None
     c.attend(0, q)
     c.commit()
+
+
+def _pre_rope_chunk(c, x, q, transient: bool, frame0: int):
+    from qvg.rope import apply_rope, frame_angles
+    pos = torch.zeros(1, CF, 3, dtype=torch.int32)
+    pos[..., 0] = torch.arange(frame0, frame0 + CF)
+    c.set_positions(pos, 4, 4)
+    ang = frame_angles(pos, 4, 4, 32).to(x.device)[:, None]
+    outs = []
+    for step in range(3):
+        for layer in range(LAYERS):
+            k = apply_rope(x[2 * layer:2 * layer + 1].float() + step, ang).bfloat16()
+            c.write(layer, k, x[2 * layer + 1:2 * layer + 2], transient=transient and step < 2)
+            outs.append(c.attend(layer, q))
+            if step == 2:
+                c.commit_layer(layer)
+    c.commit()
+    return outs
+
+
+def test_pre_rope_keys(device):
+    """Keys stored before RoPE (the kernel rotates the history as it decodes): transient equals plain."""
+    caches = [_cache(prefetch_bytes=0, key_storage="pre-rope") for _ in range(2)]
+    q = torch.randn(1, 2, CF * TPF, 32).bfloat16().to(device)
+    for i in range(4):
+        x = _data(device, 50 + i)
+        outs = [_pre_rope_chunk(c, x, q, transient, i * CF) for c, transient in zip(caches, (True, False))]
+        assert all(torch.equal(a, b) for a, b in zip(*outs)), i
+
+
+def test_tail_outside_the_last_window(device, monkeypatch):
+    """A history longer than one staging window: the held tail is attended on its own and merged by log-sum-exp
+    (the path of histories over 1 GiB), equal to plain writes."""
+    import qvg.kernels.windowed_sdpa as ws
+    monkeypatch.setattr(ws, "window_tokens", lambda k_hist, window_bytes=0: 24)  # (shorter than a 32-token chunk)
+    caches = [_cache(prefetch_bytes=0), _cache(prefetch_bytes=0)]
+    q = torch.randn(1, 2, CF * TPF, 32).bfloat16().to(device)
+    for i in range(3):
+        x = _data(device, 60 + i)
+        outs = [_chunk(c, x, q, transient) for c, transient in zip(caches, (True, False))]
+        assert all(torch.equal(a, b) for a, b in zip(*outs)), i
