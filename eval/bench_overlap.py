@@ -28,7 +28,7 @@ VARIANTS = [  # (programs per head, 0 = one per block; token block; warps; layer
 
 def run(frames: int = 21, reps: int = 20, variants: bool = False) -> dict:
     import qvg
-    from qvg.kernels.dequant import dequantize_pair
+    from qvg.kernels.dequant import dequantize
     from qvg.sequence import PackedSequence
     h, d, m, tpf, dim, ffn = 12, 128, 4680, 1560, 1536, 8960
     n = frames * tpf
@@ -51,7 +51,8 @@ def run(frames: int = 21, reps: int = 20, variants: bool = False) -> dict:
         return torch.nn.functional.gelu(y @ w1) @ w2
 
     def decode(progs=0, block_n=32, warps=4):
-        dequantize_pair(kh, vh, (ks, vs), rows=(0, n), progs=progs, block_n=block_n, num_warps=warps)
+        dequantize(kh, out=ks, rows=(0, n), progs=progs, block_n=block_n, num_warps=warps)
+        dequantize(vh, out=vs, rows=(0, n), progs=progs, block_n=block_n, num_warps=warps)
 
     def serial():
         for _ in range(reps):

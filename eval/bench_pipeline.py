@@ -38,21 +38,19 @@ def wan_model(**config):
 
 def new_cache(model, method: str, window: int, options: dict):
     """A 30-layer cache of 3-frame chunks with a rolling window (options apply to the compressed methods).
-    method "NAME[:pre-rope][:sync][:eager-commit][:noprefetch|:prefetch-all][:plain-writes][:high-priority]
-    [:two-launch-decode]": keys packed before RoPE (KVCache key_storage); commits in line with the forward instead of on
-    the cache's side stream (KVCache async_commit=False); side-stream commits queued by each layer's commit_layer
-    (KVCache defer_commits=False); every history decoded in line before its attention (KVCache prefetch_bytes=0), or
-    prefetched up to the largest staging window (prefetch_bytes=WINDOW_BYTES) instead of the default budget;
-    plain-writes: the chunk's denoising steps write as the re-run does, not transient; high-priority: the chunk runs on
-    a high-priority CUDA stream, so the cache's side streams (prefetched decodes, queued commits) get only the SMs its
-    kernels leave idle; two-launch-decode: each read decodes K and V in two dequant launches, as before
-    `dequantize_pair` (these three flags are read by `run`; the cache ignores them)."""
+    method "NAME[:pre-rope][:sync][:eager-commit][:noprefetch|:prefetch-all][:plain-writes][:high-priority]": keys
+    packed before RoPE (KVCache key_storage); commits in line with the forward instead of on the cache's side stream
+    (KVCache async_commit=False); side-stream commits queued by each layer's commit_layer (KVCache defer_commits=False);
+    every history decoded in line before its attention (KVCache prefetch_bytes=0), or prefetched up to the largest
+    staging window (prefetch_bytes=WINDOW_BYTES) instead of the default budget; plain-writes: the chunk's denoising
+    steps write as the re-run does, not transient; high-priority: the chunk runs on a high-priority CUDA stream, so the
+    cache's side streams (prefetched decodes, queued commits) get only the SMs its kernels leave idle (these two flags
+    are read by `run`; the cache ignores them)."""
     from qvg.cache import KVCache
     from qvg.kernels.windowed_sdpa import WINDOW_BYTES
     name, *flags = method.split(":")
     prefetch = {"noprefetch": 0, "prefetch-all": WINDOW_BYTES}
-    known = ("pre-rope", "sync", "eager-commit", "plain-writes", "high-priority", "two-launch-decode",
-             *prefetch)
+    known = ("pre-rope", "sync", "eager-commit", "plain-writes", "high-priority", *prefetch)
     unknown = set(flags) - set(known)
     if unknown:
         raise ValueError(f"unknown method flag(s) {', '.join(sorted(unknown))} in {method!r} ({', '.join(known)})")
@@ -85,18 +83,6 @@ def on_stream(fn, stream):
         with torch.cuda.stream(stream):
             fn()
         cur.wait_stream(stream)
-    return run
-
-
-def patched(fn, owner, name: str, value):
-    """fn run with owner.name set to value (restored after), for an A/B within one run."""
-    def run():
-        old = getattr(owner, name)
-        setattr(owner, name, value)
-        try:
-            fn()
-        finally:
-            setattr(owner, name, old)
     return run
 
 
@@ -173,9 +159,6 @@ def run(histories, methods, options, repeat: int = 7, split: bool = False) -> li
             transient = "plain-writes" not in method.split(":")
             high = torch.cuda.Stream(priority=-1) if "high-priority" in method.split(":") else None
             chunk = on_stream(chunk_runner(model, cache, transient=transient)[0], high)
-            from qvg.kernels import dequant
-            if "two-launch-decode" in method.split(":"):
-                chunk = patched(chunk, dequant, "_pair_offsets", lambda *a: None)
             with torch.no_grad():
                 chunk()  # warm-up (compiles kernels, fills the text K/V)
             runs[method] = chunk

@@ -4,7 +4,7 @@ DIR]` -> launch-overhead-<gpu>.json.
 At the Self-Forcing span of a 21-frame window (12 heads x 32,760 history tokens, qvg INT2 S1/B64, K = 64, plus the
 4,680-token current chunk), 100 calls back to back with no synchronize: host microseconds per call (what the
 Python side costs the thread that launches the pipeline) and GPU microseconds per call (CUDA events). Rows: the
-decode of K and V (one Triton launch: dequantize_pair; and as two), the whole windowed read, the read with the window
+decode of K and V (two Triton launches), the whole windowed read, the read with the window
 decoded ahead (the cache's prefetch), SDPA on an equal BF16 cache (the bf16 method's read), and the decode replayed
 from a CUDA graph (no launch cost at all: its GPU time is the kernels' own)."""
 from __future__ import annotations
@@ -36,7 +36,6 @@ def _time(fn, n: int = 100) -> dict:
 def run() -> dict:
     from qvg import compression
     from qvg.attention import sdpa_gqa
-    from qvg.kernels.dequant import dequantize
     from qvg.kernels.windowed_sdpa import decode_window, windowed_attention
     from qvg.sequence import PackedSequence
     from .bench_kernels import clustered
@@ -55,9 +54,7 @@ def run() -> dict:
     def row(name, fn):
         rows[name] = _time(fn)
         print(f"{name:58s} host {rows[name]['host_us']:7.1f} us  GPU {rows[name]['gpu_us']:8.1f} us", flush=True)
-    row("decode K + V (one Triton launch)", lambda: decode_window(kh, vh, t, out=out))
-    row("decode K + V (two Triton launches, as before dequantize_pair)",
-        lambda: (dequantize(kh, out=out[0], rows=(0, chunks * t)), dequantize(vh, out=out[1], rows=(0, chunks * t))))
+    row("decode K + V (two Triton launches)", lambda: decode_window(kh, vh, t, out=out))
     row("windowed read: decode + tail copy + SDPA", lambda: windowed_attention(q, kh, vh, kt, vt))
     row("windowed read, window decoded ahead: tail copy + SDPA",
         lambda: windowed_attention(q, kh, vh, kt, vt, decoded=out))

@@ -40,33 +40,17 @@ def _widen(s, BLOCK_N: tl.constexpr, G2: tl.constexpr, W: tl.constexpr):
     return tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, G2, W // G2)), (BLOCK_N, W))
 
 
-@triton.jit(do_not_specialize=["OFF_CODES", "OFF_SCALE", "OFF_ZERO", "OFF_TSCALE", "OFF_IDS", "OFF_CENT", "OFF_OUT"])
+@triton.jit
 def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_ptr, out_ptr, N, L, C, K, GH,
                     ROW0, ROW_END, OUT_N, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF,
                     D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr,
                     OFFSET: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr, BLOCK_N: tl.constexpr,
                     ROPE: tl.constexpr, SPLIT_H: tl.constexpr, SPLIT_W: tl.constexpr, INTERP: tl.constexpr,
-                    NBLK, PROGS, PLANE_SPLIT: tl.constexpr, SP: tl.constexpr, PAIR: tl.constexpr, OFF_CODES,
-                    OFF_SCALE, OFF_ZERO, OFF_TSCALE, OFF_IDS, OFF_CENT, OFF_OUT):
+                    NBLK, PROGS, PLANE_SPLIT: tl.constexpr, SP: tl.constexpr):
     """Program (i, gh, q) decodes token blocks i, i + PROGS, ... (< NBLK) of group gh: every code plane, or only
-    plane q with PLANE_SPLIT (then a program gathers 1/P of each centroid row: its centroid tables stay small).
-    PAIR: groups GH..2GH-1 are a second sequence of the same layout (a layer's V beside its K) whose arrays and
-    output lie OFF_* elements from the first's (any distance: one flat address space); only the first is rotated
-    (ROPE)."""
+    plane q with PLANE_SPLIT (then a program gathers 1/P of each centroid row: its centroid tables stay small)."""
     pid = tl.program_id(0)
     gh = tl.program_id(1)
-    rot = ROPE
-    if PAIR:
-        second = gh // GH  # 0: K, 1: V
-        gh -= second * GH
-        rot = ROPE and second == 0
-        codes_ptr += second * OFF_CODES
-        scale_ptr += second * OFF_SCALE
-        zero_ptr += second * OFF_ZERO
-        tscale_ptr += second * OFF_TSCALE
-        ids_ptr += second * OFF_IDS
-        cent_ptr += second * OFF_CENT
-        out_ptr += second * OFF_OUT
     P: tl.constexpr = 8 // BITS  # planes per byte
     W: tl.constexpr = D // P  # bytes per row
     p0 = tl.program_id(2) if PLANE_SPLIT else 0
@@ -104,7 +88,7 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
                 cid = tl.sum(tl.where(sidx[None, :] == st, all_ids, 0), 1).to(tl.int64)
                 crow = ((st * GH + gh).to(tl.int64) * C + chunk) * K + cid
                 v += tl.load(cent_ptr + crow[:, None] * D + col[None, :], mask=m2, other=0.0).to(tl.float32)
-            if rot:  # keys stored before RoPE: rotate channel pairs (2j, 2j+1) by the token's 3D position
+            if ROPE:  # keys stored before RoPE: rotate channel pairs (2j, 2j+1) by the token's 3D position
                 v = _rope(v, rows, chunk, L, rmask, p * W // 2, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF,
                           D, W, BLOCK_N, SPLIT_H, SPLIT_W)
             tl.store(out_ptr + otok[:, None] * D + col[None, :], to_out(v, out_ptr, INTERP), mask=m2)
@@ -112,7 +96,7 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
 
 def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None, block_n: int = 32,
                rows: tuple[int, int] | None = None, num_warps: int = 4, rope: RopeTables | None = None,
-               progs: int = 0, plane_split: bool = False, _pair: tuple | None = None) -> torch.Tensor:
+               progs: int = 0, plane_split: bool = False) -> torch.Tensor:
     """Triton version of `qvg.decompress` (rtn / qvg / qvg-pro, per-token groups) and of
     `PackedSequence.decompress` (with `rope`: keys stored before RoPE, rotated as they are decoded).
     progs > 0: that many programs per group (and plane) loop over the token blocks; plane_split: one program per
@@ -120,8 +104,7 @@ def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None,
     (32-token blocks, 4 warps, one program per block) were the fastest of eval/bench_kernels.py's sweep on the
     H100 for S4/B16 at both spans and for S1/B64 at the Self-Forcing span, within 1% of the fastest for S1/B64 at
     the LongCat span (eval/results/kernels-h100.json, each dequant row's `configs`). `out`: a contiguous
-    [B, H, >= r1 - r0, D] tensor on the packed data's device (row i <- token r0 + i). `_pair`: internal, see
-    `dequantize_pair`."""
+    [B, H, >= r1 - r0, D] tensor on the packed data's device (row i <- token r0 + i)."""
     if isinstance(packed, PackedSequence):
         spec, stages, chunk_len = packed.spec, packed.stages, packed.chunk_len
     elif packed.method in PER_TOKEN_METHODS:
@@ -134,13 +117,12 @@ def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None,
     if out is None:
         out = torch.empty(b, h, r1 - r0, d, dtype=packed.dtype, device=t["codes"].device)
     _check_out(out, (b, h, r1 - r0, d), t["codes"].device)
-    pair = _pair
     dummy = t["codes"]
     k = t["centroids"].shape[-2] if stages else 1
     nblk = triton.cdiv(r1 - r0, block_n)
     progs = nblk if progs <= 0 else min(progs, nblk)
     planes = 8 // spec.bits if plane_split else 1
-    grid = (progs, b * h * (2 if pair else 1), planes)  # (pair: `dequantize_pair`'s second sequence after)
+    grid = (progs, b * h, planes)
     _dequant_kernel[grid](
         t["codes"], raw_view(t["scale"]), raw_view(t["zero"]) if "zero" in t else dummy,
         t.get("tscale", dummy), t["ids"] if stages else dummy,
@@ -148,8 +130,7 @@ def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None,
         *_rope_args(rope, dummy), D=d, STAGES=stages, BLOCK_N=block_n, ROPE=rope is not None,
         SPLIT_H=rope.split[0] if rope else 0, SPLIT_W=rope.split[1] if rope else 0, INTERP=INTERPRET,
         NBLK=nblk, PROGS=progs, PLANE_SPLIT=plane_split, SP=triton.next_power_of_2(max(stages, 1)),
-        PAIR=pair is not None, **dict(zip(_OFFSETS, pair or (0,) * len(_OFFSETS))), num_warps=num_warps,
-        enable_fp_fusion=False, **grid_constants(spec))
+        num_warps=num_warps, enable_fp_fusion=False, **grid_constants(spec))
     return out
 
 
@@ -161,46 +142,6 @@ def _check_out(out: torch.Tensor, need: tuple, device) -> None:
         raise ValueError(f"dequantize: out must be a contiguous [{b}, {h}, >= {rows}, {d}] tensor on {device}, got "
                          f"{'contiguous' if out.is_contiguous() else 'non-contiguous'} {list(out.shape)} on "
                          f"{out.device}")
-
-
-_OFFSETS = ("OFF_CODES", "OFF_SCALE", "OFF_ZERO", "OFF_TSCALE", "OFF_IDS", "OFF_CENT", "OFF_OUT")
-_ARRAYS = ("codes", "scale", "zero", "tscale", "ids", "centroids")
-
-
-def _pair_offsets(k: PackedSequence, v: PackedSequence, ks: torch.Tensor, vs: torch.Tensor) -> tuple | None:
-    """The element offsets from K's arrays and output to V's when one launch can decode both: the two sequences
-    have one layout (format, chunks, ring head) and each V array (and V's output) has its K counterpart's shape,
-    strides and dtype. None when not."""
-    if not (isinstance(k, PackedSequence) and isinstance(v, PackedSequence)) or k.shape != v.shape or (
-            k.spec, k.stages, k.chunk_len, k.dtype, k.head) != (v.spec, v.stages, v.chunk_len, v.dtype, v.head) or \
-            ks.device != vs.device or k.tensors["codes"].device != v.tensors["codes"].device:
-        return None
-    offs = []
-    for a, b in [(k.tensors.get(n), v.tensors.get(n)) for n in _ARRAYS] + [(ks, vs)]:
-        if a is None or b is None:
-            if (a is None) != (b is None):
-                return None
-            offs.append(0)
-            continue
-        gap = b.data_ptr() - a.data_ptr()
-        if a.shape != b.shape or a.stride() != b.stride() or a.dtype != b.dtype or gap % a.element_size():
-            return None
-        offs.append(gap // a.element_size())
-    return tuple(offs)
-
-
-def dequantize_pair(k: PackedSequence, v: PackedSequence, out: tuple[torch.Tensor, torch.Tensor],
-                    rows: tuple[int, int] | None = None, rope: RopeTables | None = None, **kw) -> None:
-    """`dequantize` of a layer's K (rotated with `rope`) and V into out = (K, V) buffers: in one launch when the
-    two sequences share a layout (`_pair_offsets`; a cache layer's always do), else in two. The same bits either
-    way."""
-    ks, vs = out
-    pair = _pair_offsets(k, v, ks, vs)
-    if pair is None:
-        dequantize(k, out=ks, rows=rows, rope=rope, **kw)
-        dequantize(v, out=vs, rows=rows, **kw)
-        return
-    dequantize(k, out=ks, rows=rows, rope=rope, _pair=pair, **kw)
 
 
 def _rope_args(rope: RopeTables | None, dummy: torch.Tensor) -> tuple:

@@ -65,18 +65,19 @@ def window_tokens(k_hist: PackedSequence, window_bytes: int = WINDOW_BYTES) -> i
 def decode_window(k_hist: PackedSequence, v_hist: PackedSequence, extra: int = 0,
                   rope: RopeTables | None = None, rows: tuple[int, int] | None = None, out: tuple | None = None):
     """History rows `rows` (default: all) decoded into BF16 [B, H, r1 - r0 + extra, D] K and V buffers (new, or
-    `out`); their last `extra` rows are left for the tail. One kernel launch decodes both (`dequantize_pair`).
-    (The cache also runs it ahead of time on a side stream into buffers it allocated on the main one:
-    `KVCache(prefetch_bytes=...)`.)"""
-    from .dequant import dequantize_pair
+    `out`); their last `extra` rows are left for the tail. (The cache also runs it ahead of time on a side stream
+    into buffers it allocated on the main one: `KVCache(prefetch_bytes=...)`.)"""
+    from .dequant import dequantize
     r0, r1 = rows or (0, k_hist.shape[2])
+    bsz, hkv, _, d = k_hist.shape
     if out is None:
-        bsz, hkv, _, d = k_hist.shape
         ks = torch.empty(bsz, hkv, r1 - r0 + extra, d, device=k_hist.tensors["codes"].device,
                          dtype=torch.bfloat16)
         out = ks, torch.empty_like(ks)
-    dequantize_pair(k_hist, v_hist, out, rows=(r0, r1), rope=rope)
-    return out
+    ks, vs = out
+    dequantize(k_hist, out=ks, rows=(r0, r1), rope=rope)
+    dequantize(v_hist, out=vs, rows=(r0, r1))
+    return ks, vs
 
 
 def windowed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: PackedSequence | None,

@@ -203,3 +203,15 @@ def test_decode_scale_bf16_subnormals(device):
     assert int(sub.sum()) == 254
     want = BF16_BITS.view(torch.bfloat16).float()
     assert_bitwise_equal(_decode(BF16_BITS, False, 1.0, device)[sub], want[sub], "bf16 subnormals")
+
+
+def test_out_must_be_a_contiguous_big_enough_buffer(sequence, device):
+    """The kernel writes row-major [B * H, out rows, D] from out's first element: a strided or short `out` is
+    refused with one clear error (it would be written in the wrong layout or out of bounds)."""
+    seq = _seq_to(sequence[0], device)
+    b, h, n, d = seq.shape
+    good = torch.empty(b, h, n + 2, d, dtype=seq.dtype, device=device)
+    for bad in (good[:, :, :n], good[:, :, :n - 1], good.transpose(2, 3), good[:, :1]):
+        with pytest.raises(ValueError, match="out must be a contiguous"):
+            dequantize(seq, out=bad)
+    assert_bitwise_equal(dequantize(seq, out=good)[:, :, :n], sequence[1], "rows 0..n of a longer buffer")
