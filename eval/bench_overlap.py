@@ -96,7 +96,7 @@ def run(frames: int = 21, reps: int = 20, variants: bool = False) -> dict:
             t = bench(variant(progs, block_n, warps, high), warmup=2, rep=10) / reps
             row = {"progs_per_head": progs, "block_n": block_n, "num_warps": warps, "layer_high_priority": high,
                    "decode_alone_ms": t_alone, "concurrent_ms": t, "added_ms": t - t_layer,
-                   "hidden_fraction_of_decode": (t_decode + t_layer - t) / t_decode}
+                   "hidden_fraction_of_decode": (t_alone + t_layer - t) / t_alone}
             print(row, flush=True)
             res["variants"].append(row)
     print(res, flush=True)

@@ -45,7 +45,7 @@ def new_cache(model, method: str, window: int, options: dict):
     staging window (prefetch_bytes=WINDOW_BYTES) instead of the default budget; plain-writes: the chunk's denoising
     steps write as the re-run does, not transient; high-priority: the chunk runs on a high-priority CUDA stream, so the
     cache's side streams (prefetched decodes, queued commits) get only the SMs its kernels leave idle (these two flags
-    are read by `run`; the cache ignores them)."""
+    are read by `method_runner`; the cache ignores them)."""
     from qvg.cache import KVCache
     from qvg.kernels.windowed_sdpa import WINDOW_BYTES
     name, *flags = method.split(":")
@@ -138,6 +138,14 @@ def chunk_runner(model, cache, commit_layers: bool = True, transient: bool = Tru
     return chunk, forwards
 
 
+def method_runner(model, cache, method: str, commit_layers: bool = True):
+    """`chunk_runner` for a `new_cache` method name: its plain-writes / high-priority flags applied."""
+    flags = method.split(":")[1:]
+    high = torch.cuda.Stream(priority=-1) if "high-priority" in flags else None
+    chunk, forwards = chunk_runner(model, cache, commit_layers, transient="plain-writes" not in flags)
+    return on_stream(chunk, high), on_stream(forwards, high)
+
+
 def run(histories, methods, options, repeat: int = 7, split: bool = False) -> list[dict]:
     """split: also time the chunk's forwards without any commit (`forwards_ms`: the reads' cost alone; the chunk
     time less it is what the commits add)."""
@@ -156,14 +164,12 @@ def run(histories, methods, options, repeat: int = 7, split: bool = False) -> li
             pool_free = pool_free_bytes(torch.device("cuda")) - free_before
             delta = torch.cuda.memory_allocated() - before + pool_free
             acc = cache.memory()
-            transient = "plain-writes" not in method.split(":")
-            high = torch.cuda.Stream(priority=-1) if "high-priority" in method.split(":") else None
-            chunk = on_stream(chunk_runner(model, cache, transient=transient)[0], high)
+            chunk = method_runner(model, cache, method)[0]
             with torch.no_grad():
                 chunk()  # warm-up (compiles kernels, fills the text K/V)
             runs[method] = chunk
             if split:
-                runs[method, "forwards"] = on_stream(chunk_runner(model, cache, False, transient)[1], high)
+                runs[method, "forwards"] = method_runner(model, cache, method, commit_layers=False)[1]
             caches[method] = cache
             row = {"history_frames": hist, "method": method, "chunk_ms_all": [],
                    "kv_bytes_allocator_delta": delta, "graph_pool_free_bytes": pool_free,
@@ -247,7 +253,7 @@ def _fits(model, method: str, frames: int, options: dict) -> dict | None:
     try:
         cache = new_cache(model, method, frames, options)
         _install(cache, frames, 12)
-        chunk, _ = chunk_runner(model, cache)
+        chunk, _ = method_runner(model, cache, method)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         with torch.no_grad():

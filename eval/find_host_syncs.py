@@ -73,14 +73,14 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("find_host_syncs: needs a CUDA GPU")
     import json
-    from .bench_pipeline import _fill, chunk_runner, new_cache, wan_model
+    from .bench_pipeline import _fill, method_runner, new_cache, wan_model
     model = wan_model()
     rows = []
     for method in args.methods.split(","):
         cache = new_cache(model, method, args.history, {} if method.split(":")[0] == "bf16" else
                           json.loads(args.options))
         _fill(cache, args.history, 12)
-        chunk, _ = chunk_runner(model, cache)
+        chunk, _ = method_runner(model, cache, method)
         with torch.no_grad():
             chunk()  # warm-up: kernel compiles, graph captures and the text K/V (first-time work is not counted)
             chunk()

@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from .bench_pipeline import _fill, chunk_runner, cuda_ms, new_cache, steady_ms, wan_model
+from .bench_pipeline import _fill, cuda_ms, method_runner, new_cache, steady_ms, wan_model
 from .profile_compress import _host_profile, _profile
 
 
@@ -52,8 +52,8 @@ def run(histories, methods, options) -> list[dict]:
         for method in methods:
             cache = new_cache(model, method, hist, options)
             _fill(cache, hist, 12)
-            chunk, _ = chunk_runner(model, cache)
-            _, plain = chunk_runner(model, cache, commit_layers=False)  # the forwards apart from the commit
+            chunk, _ = method_runner(model, cache, method)
+            _, plain = method_runner(model, cache, method, commit_layers=False)  # the forwards apart from the commit
             with torch.no_grad():
                 chunk()
                 wall = sorted(steady_ms(chunk) for _ in range(3))[1]

@@ -98,7 +98,8 @@ class _Layer:
         self.prefetch = None  # (tail tokens, K, V, CUDA event): the history decoded ahead on a side stream (every
         # commit of the layer drops it first, so a held one always matches the history)
         self.loose = None  # (K, V) of a transient write, not copied into the current zone (attend takes them)
-        self.spent = False  # a transient write was attended without being stored: no current chunk to keep
+        self.transient = False  # the current chunk came from a transient write (it serves one attention)
+        self.spent = False  # a transient write was attended: no current chunk to attend, commit or read
 
     def tail(self, i: int) -> torch.Tensor:
         return self.buf[i][:, :, :self.n_sink + self.n_pending + self.n_cur]
@@ -236,7 +237,7 @@ class KVCache:
         if L.buf is None or L.buf[0].shape[2] < need:  # grows to sink + commit_every chunks (bf16: + history)
             L.buf = [_grown(L.buf[i] if L.buf else None, start, need, k) for i in range(2)]
         L.n_cur = self.chunk_tokens
-        L.spent = False
+        L.spent, L.transient = False, transient
         if transient and start == 0 and isinstance(L.hist[0], PackedSequence):
             L.loose = (k, v)
             return
@@ -467,6 +468,12 @@ class KVCache:
             raise RuntimeError(f"attend: layer {layer} holds nothing (write the current chunk first)")
         self._settle(L)
         self._wait(L)
+        out = self._attend(L, layer, q, scale)
+        if L.transient:  # (on every path, so a transient chunk behaves alike on every device)
+            L.loose, L.spent, L.transient = None, True, False
+        return out
+
+    def _attend(self, L: _Layer, layer: int, q: torch.Tensor, scale: float | None) -> torch.Tensor:
         kh, vh = L.hist
         if isinstance(kh, PackedSequence):
             from .backend import use_kernels
@@ -474,7 +481,7 @@ class KVCache:
                 tables = self._rope_tables(L, q.device) if self._pre_rope else None
                 if tables is not None or not self._pre_rope:
                     if L.loose is not None:  # (a transient write: it goes straight into the window)
-                        (kt, vt), L.loose, L.spent = L.loose, None, True
+                        (kt, vt), L.loose = L.loose, None
                         return self._attend_windowed(layer, q, kt, vt, scale, tables)
                     self._store_loose(L, "attend")
                     return self._attend_windowed(layer, q, L.tail(0), L.tail(1), scale, tables)

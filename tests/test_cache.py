@@ -378,3 +378,28 @@ def test_only_commits_that_allocate_nothing_are_in_place():
     assert states("qvg-pro", CF, sink_frames=CF) == [False, False, True, True]  # the sink, one unit, the ring
     # units of two chunks: the first chunk of a unit only waits (in line), the second packs into the ring slot
     assert states("rtn", 2 * CF, n=8, commit_every=2) == [False, False, False, True, False, True, False, True]
+
+
+@pytest.mark.parametrize("method", ["bf16", "qvg"])
+def test_transient_write_serves_one_attention_on_every_path(method):
+    """CPU (the reference path): a transient write attends like a plain one; once attended it can't be attended
+    again, committed or read (the same contract as the GPU path, which never stores it); written again, it commits."""
+    caches = [KVCache(1, method, chunk_frames=CF, tokens_per_frame=TPF, **SMALL.get(method, {})) for _ in range(2)]
+    q = _query()
+    for c in caches:
+        c.write(0, *_chunk(0)[0].to(torch.bfloat16).unbind(0))
+        c.commit()
+    x = _chunk(1)[0].to(torch.bfloat16)
+    outs = []
+    for c, transient in zip(caches, (True, False)):
+        c.write(0, x[0], x[1], transient=transient)
+        outs.append(c.attend(0, q))
+    assert torch.equal(*outs)
+    c = caches[0]
+    for call in (lambda: c.attend(0, q), c.commit, lambda: c.read(0), lambda: c.commit_layer(0)):
+        with pytest.raises(RuntimeError, match="transient=True and has been attended"):
+            call()
+    c.write(0, x[0], x[1])
+    c.commit()
+    caches[1].commit()
+    assert all(torch.equal(a, b) for a, b in zip(c.read(0), caches[1].read(0)))

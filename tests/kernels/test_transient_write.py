@@ -3,7 +3,8 @@ windowed SDPA; on the CPU under the Triton interpreter) the cache holds k and v 
 copies them once, straight into the staging window. Attention outputs and the committed history are bitwise those
 of plain writes, in the Self-Forcing pattern (transient denoising forwards, then the clean re-run committing each
 layer), through the rolling window's wrap, with and without the CUDA decode prefetch. A transient chunk that was
-attended can't be committed or read (one clear error); one not yet attended is stored first, as a plain write."""
+attended can't be attended again, committed or read (one clear error), on every path; one not yet attended is stored
+first, as a plain write."""
 import pytest
 import torch
 
@@ -107,6 +108,9 @@ def test_with_a_sink_the_write_is_stored_at_once(device):
     c.write(0, x[:1], x[1:2], transient=True)  # the tail is sink + current: one buffer, so no reference is held
     assert c.layers[0].loose is None
     c.attend(0, q)
+    with pytest.raises(RuntimeError, match="has been attended"):  # (the same contract as without a sink)
+        c.commit()
+    c.write(0, x[:1], x[1:2])
     c.commit()
 
 
