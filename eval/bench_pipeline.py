@@ -116,8 +116,7 @@ def chunk_runner(model, cache, commit_layers: bool = True, transient: bool = Tru
     """(chunk, forwards): one whole chunk at the cache's next frame (forwards + the final commit), and its
     forwards alone: the 4 denoising steps + the clean re-run at t = 0, each layer committed right after its
     re-run attention as the pipeline does unless not commit_layers; the denoising steps' writes transient as in the
-    pipeline unless not transient (fixed inputs: the cache's time and memory do
-    not depend on the values)."""
+    pipeline unless not transient (fixed inputs: the cache's time and memory do not depend on the values)."""
     from qvg.pipelines.causal_wan import CrossKV
     from qvg.pipelines.self_forcing import flow_sigmas
     g = torch.Generator(device="cuda").manual_seed(1)

@@ -8,10 +8,11 @@ Per layer, three zones, for keys and values alike ([B, H, tokens, D], H = kv hea
 
 - `write(layer, k, v)`: the current chunk's K/V, overwriting the previous write (each denoising step, then the
   clean re-run at t=0). `write(..., transient=True)` (the denoising steps: their K/V serve one attention and are
-  overwritten before any commit): when the layer has no sink or pending tokens, the cache keeps references to k
-  and v instead of copying them into the current zone, and its next `attend` copies them once, straight into the
-  staging window behind the decoded history (else they would be copied twice: zone, then window). On the other
-  paths they are stored first, as by a plain write. A transient chunk can't be committed or read once attended.
+  overwritten before any commit): when the layer holds a packed history and no sink or pending tokens, the cache
+  keeps references to k and v instead of copying them into the current zone, and its next `attend` on the GPU path
+  copies them once, straight into the staging window behind the decoded history (else they would be copied twice:
+  zone, then window). On the other paths they are stored first, as by a plain write. Once attended, on every path, a
+  transient chunk can't be attended again, committed or read.
 - `commit()` (after the clean re-run): the current chunk becomes history. The first `sink_frames` frames fill the
   sink; after that chunks wait in the pending zone until `commit_every` of them are there, then they are
   compressed as one unit (`qvg.compress`; qvg / qvg-pro warm-start k-means from the previous unit's centroids of
