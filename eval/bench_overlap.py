@@ -17,6 +17,7 @@ import sys
 import torch
 
 from .bench_kernels import bench, clustered
+from .bench_pipeline import on_stream
 from .provenance import command_line, emit_json, meta
 
 
@@ -59,28 +60,16 @@ def run(frames: int = 21, reps: int = 20, variants: bool = False) -> dict:
             decode()
             layer()
 
-    def concurrent():
+    def concurrent(progs=0, block_n=32, warps=4):
         for _ in range(reps):
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                decode()
+                decode(progs, block_n, warps)
             layer()
             torch.cuda.current_stream().wait_stream(side)
 
     def variant(progs, block_n, warps, high):
-        main = torch.cuda.Stream(priority=-1) if high else torch.cuda.current_stream()
-
-        def fn():
-            main.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(main):
-                for _ in range(reps):
-                    side.wait_stream(main)
-                    with torch.cuda.stream(side):
-                        decode(progs, block_n, warps)
-                    layer()
-                    main.wait_stream(side)
-            torch.cuda.current_stream().wait_stream(main)
-        return fn
+        return on_stream(lambda: concurrent(progs, block_n, warps), torch.cuda.Stream(priority=-1) if high else None)
 
     t_layer = bench(lambda: [layer() for _ in range(reps)], warmup=2, rep=10) / reps
     t_decode = bench(lambda: [decode() for _ in range(reps)], warmup=2, rep=10) / reps

@@ -481,11 +481,11 @@ class KVCache:
             if use_kernels(q):
                 tables = self._rope_tables(L, q.device) if self._pre_rope else None
                 if tables is not None or not self._pre_rope:
-                    if L.loose is not None:  # (a transient write: it goes straight into the window)
-                        (kt, vt), L.loose = L.loose, None
-                        return self._attend_windowed(layer, q, kt, vt, scale, tables)
-                    self._store_loose(L, "attend")
-                    return self._attend_windowed(layer, q, L.tail(0), L.tail(1), scale, tables)
+                    if L.loose is None:
+                        self._store_loose(L, "attend")  # (refuses a spent chunk)
+                    kt, vt = L.loose or (L.tail(0), L.tail(1))  # (a transient write goes straight into the window)
+                    L.loose = None
+                    return self._attend_windowed(layer, q, kt, vt, scale, tables)
         self._store_loose(L, "attend")
         kt, vt = L.tail(0), L.tail(1)
         if kh is None:
