@@ -49,6 +49,17 @@ def clustered(shape, k=64, seed=0, spread=8.0, dtype=torch.bfloat16, device="cud
     return x.view(b, h, n, d).to(dtype)
 
 
+def warm_start(x0, method, shape):
+    """The warm start a cache gives a chunk's compress: the previous chunk x0's pack (cold, not timed), the
+    method's resolved options at `shape` and the centroids [S, B*H, K, D] taken from that pack."""
+    import qvg
+    from qvg.compression import resolve_options
+    from qvg.compression.prq import init_centroids
+    prev = qvg.compress(x0, method)
+    o = resolve_options(method, shape)
+    return prev, o, init_centroids(prev, o, shape)
+
+
 def ceilings(quick):
     n = (1 << 28) if not quick else (1 << 24)
     a = torch.empty(n, dtype=torch.float32, device="cuda").normal_()
@@ -124,16 +135,12 @@ def compress_section(quick, variants=()):
     the default variant). The API time, the torch reference and the parity with it are of the default variant."""
     import qvg
     from qvg.kernels.compress import COMPRESS_VARIANT, compress_prq
-    from qvg.compression import resolve_options
-    from qvg.compression.prq import init_centroids
     shape = (1, 32, 29640, 128) if not quick else (1, 4, 4680, 128)
     x0, x1 = clustered(shape, seed=1), clustered(shape, seed=1)
     x1 = (x1.float() + 0.1 * torch.randn_like(x1.float())).bfloat16()  # the next chunk: similar content
     rows = []
     for method in ("qvg", "qvg-pro"):
-        prev = qvg.compress(x0, method)  # cold start (not timed): its centroids warm-start the next chunk
-        o = resolve_options(method, shape)
-        warm = init_centroids(prev, o, shape)
+        prev, o, warm = warm_start(x0, method, shape)  # cold start (not timed): it warm-starts the next chunk
         api_ms = bench(lambda: qvg.compress(x1, method, init=prev, iters=2), warmup=3, rep=20)
         ref_ms = with_torch_backend(lambda: bench(lambda: qvg.compress(x1, method, init=prev, iters=2), 1, 5))
         # parity with the torch reference on the same warm start

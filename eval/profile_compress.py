@@ -16,7 +16,7 @@ import platform
 
 import torch
 
-from .bench_kernels import _commit, bench, clustered
+from .bench_kernels import _commit, bench, clustered, warm_start
 
 
 def _profile(fn, calls: int = 5) -> list[dict]:
@@ -68,9 +68,6 @@ def _sweep(fn_of_cfg, cfgs) -> dict:
 
 
 def run(shape, sweep: bool) -> list[dict]:
-    import qvg
-    from qvg.compression import resolve_options
-    from qvg.compression.prq import init_centroids
     from qvg.compression.registry import token_spec
     from qvg.kernels import kmeans as kk
     from qvg.kernels.compress import compress_prq, residual_bf16
@@ -79,9 +76,7 @@ def run(shape, sweep: bool) -> list[dict]:
     x1 = (x0.float() + 0.1 * torch.randn_like(x0.float())).bfloat16()
     out = []
     for method in ("qvg", "qvg-pro"):
-        prev = qvg.compress(x0, method)
-        o = resolve_options(method, shape)
-        warm = init_centroids(prev, o, shape)
+        prev, o, warm = warm_start(x0, method, shape)
         fn = lambda: compress_prq(x1, o, warm, 2)  # noqa: E731
         row = {"method": method, "shape": list(shape), "ms": bench(fn, warmup=5, rep=30), "kernels": _profile(fn),
                "host": _host_profile(fn)}

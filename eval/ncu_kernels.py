@@ -1,0 +1,173 @@
+"""Hardware counters of the kernels behind issue 3's missed targets, read by Nsight Compute (ncu) on the GPU.
+
+`python -m qvg.eval.ncu_kernels --out DIR` runs ncu on this module's `--workload` (one warm call each of:
+compress S1/B64 and S4/B16 at the LongCat span [1, 32, 29640, 128], K=256, 2 warm-started iterations; dequant
+S1/B64 and S4/B16 at that span), keeps the report (DIR/ncu-kernels-<gpu>.ncu-rep), and writes
+DIR/ncu-kernels-<gpu>.json: per kernel launch its duration and the speed-of-light, memory, compute, occupancy,
+launch and warp-state values ncu reports, plus the stall reasons per issued instruction (the CSV pages it is parsed
+from are kept beside it). Only the Triton kernels are profiled (`--kernel-name regex:^_`). ncu runs with
+`--clock-control none` (the clocks are left as the benchmarks see them), so durations are comparable with
+kernels-<gpu>.md, slightly longer for the counters' replay overhead.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "ComputeWorkloadAnalysis", "Occupancy", "LaunchStats",
+            "WarpStateStats", "SchedulerStats")
+# what each launch's summary keeps from ncu's details page (section, metric name)
+SUMMARY = {
+    "duration": ("GPU Speed Of Light Throughput", "Duration"),
+    "sm_throughput_pct": ("GPU Speed Of Light Throughput", "Compute (SM) Throughput"),
+    "memory_throughput_pct": ("GPU Speed Of Light Throughput", "Memory Throughput"),
+    "dram_throughput_pct": ("GPU Speed Of Light Throughput", "DRAM Throughput"),
+    "l1tex_throughput_pct": ("GPU Speed Of Light Throughput", "L1/TEX Cache Throughput"),
+    "l2_throughput_pct": ("GPU Speed Of Light Throughput", "L2 Cache Throughput"),
+    "l1_hit_rate_pct": ("Memory Workload Analysis", "L1/TEX Hit Rate"),
+    "l2_hit_rate_pct": ("Memory Workload Analysis", "L2 Hit Rate"),
+    "mem_busy_pct": ("Memory Workload Analysis", "Mem Busy"),
+    "mem_pipes_busy_pct": ("Memory Workload Analysis", "Mem Pipes Busy"),
+    "issue_slots_busy_pct": ("Compute Workload Analysis", "Issue Slots Busy"),
+    "ipc_active": ("Compute Workload Analysis", "Executed Ipc Active"),
+    "achieved_occupancy_pct": ("Occupancy", "Achieved Occupancy"),
+    "theoretical_occupancy_pct": ("Occupancy", "Theoretical Occupancy"),
+    "registers_per_thread": ("Launch Statistics", "Registers Per Thread"),
+    "grid_size": ("Launch Statistics", "Grid Size"),
+    "block_size": ("Launch Statistics", "Block Size"),
+    "waves_per_sm": ("Launch Statistics", "Waves Per SM"),
+    "warp_cycles_per_issue": ("Warp State Statistics", "Warp Cycles Per Issued Instruction"),
+}
+STALL_PREFIX = "smsp__average_warp_latency_issue_stalled_"
+STALL_PREFIX2 = "smsp__average_warps_issue_stalled_"
+
+
+def workload() -> None:
+    """The profiled calls, between cudaProfilerStart/Stop, each after an unprofiled warm-up (Triton compiles, the
+    caches fill). NVTX ranges name them."""
+    import torch
+
+    import qvg
+    from qvg.kernels.compress import compress_prq
+    from qvg.kernels.dequant import dequantize
+
+    from .bench_kernels import clustered, warm_start
+    shape = (1, 32, 29640, 128)
+    x0, x1 = clustered(shape, seed=1), clustered(shape, seed=1)
+    x1 = (x1.float() + 0.1 * torch.randn_like(x1.float())).bfloat16()
+    calls = []
+    for method in ("qvg", "qvg-pro"):
+        _, o, warm = warm_start(x0, method, shape)
+        calls.append((f"compress {method}", lambda o=o, warm=warm: compress_prq(x1, o, warm, 2)))
+        p = qvg.compress(x1, method)
+        out = torch.empty(shape, device="cuda", dtype=torch.bfloat16)
+        calls.append((f"dequant {method}", lambda p=p, out=out: dequantize(p, out=out)))
+    for _, fn in calls:
+        fn(), fn()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    for name, fn in calls:
+        torch.cuda.nvtx.range_push(name)
+        fn()
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_pop()
+    torch.cuda.cudart().cudaProfilerStop()
+
+
+def _rows(text: str) -> list[dict]:
+    lines = [ln for ln in text.splitlines() if ln.startswith('"')]  # ncu's own messages are not CSV rows
+    return list(csv.DictReader(io.StringIO("\n".join(lines))))
+
+
+def _num(v: str):
+    try:
+        return float(v.replace(",", ""))
+    except (ValueError, AttributeError):
+        return v
+
+
+def summarize(details_csv: str, raw_csv: str) -> list[dict]:
+    """ncu's details and raw pages (CSV) -> one dict per kernel launch, in launch order."""
+    launches: dict[str, dict] = {}
+    for r in _rows(details_csv):
+        k = launches.setdefault(r["ID"], {"id": int(r["ID"]), "kernel": r["Kernel Name"], "details": {}})
+        k["details"][f'{r["Section Name"]} / {r["Metric Name"]}'] = {"value": _num(r["Metric Value"]),
+                                                                      "unit": r["Metric Unit"]}
+    for r in _rows(raw_csv):  # (its units row has no ID)
+        k = launches.get(r.get("ID", ""))
+        if k is None:
+            continue
+        k["nvtx"] = " ".join(v for m, v in r.items() if "nvtx" in m.lower() and v)
+        stalls = {m[len(p):]: _num(v) for m, v in r.items() for p in (STALL_PREFIX, STALL_PREFIX2)
+                  if m.startswith(p) and m.endswith(".ratio") and isinstance(_num(v), float)}
+        k["stalls_per_issue"] = dict(sorted(stalls.items(), key=lambda kv: -kv[1]))
+    out = []
+    for k in sorted(launches.values(), key=lambda k: k["id"]):
+        s = {}
+        for key, (sec, name) in SUMMARY.items():
+            v = k["details"].get(f"{sec} / {name}")
+            if v is not None:
+                s[key] = v["value"] if key != "duration" else {"value": v["value"], "unit": v["unit"]}
+        k["summary"] = s
+        out.append(k)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="eval/results")
+    ap.add_argument("--workload", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--ncu", default=shutil.which("ncu") or "ncu")
+    args = ap.parse_args(argv)
+    if args.workload:
+        workload()
+        return 0
+    import torch
+    if not torch.cuda.is_available():
+        print("ncu_kernels: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    dev = torch.cuda.get_device_name()
+    tag = "h100" if "H100" in dev else ("h200" if "H200" in dev else dev.replace(" ", "-").lower())
+    os.makedirs(args.out, exist_ok=True)
+    rep = os.path.join(args.out, f"ncu-kernels-{tag}")
+    cmd = [args.ncu, "--clock-control", "none", "--profile-from-start", "off", "--nvtx", "--kernel-name",
+           "regex:^_", "-f", "-o", rep]  # the Triton kernels (torch's own launches are named void at::...)
+    for s in SECTIONS:
+        cmd += ["--section", s]
+    cmd += [sys.executable, "-m", "qvg.eval.ncu_kernels", "--workload"]
+    print(" ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
+    pages = {}
+    for p in ("details", "raw"):
+        pages[p] = subprocess.run([args.ncu, "--import", rep + ".ncu-rep", "--csv", "--page", p, "--print-units",
+                                   "base"], check=True, capture_output=True, text=True).stdout
+        with open(f"{rep}.{p}.csv", "w") as f:  # kept: the JSON is parsed from these
+            f.write(pages[p])
+    from .bench_kernels import _commit
+    res = {"device": dev, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "commit": _commit(), "command": "python -m qvg.eval.ncu_kernels " + " ".join(argv or sys.argv[1:]),
+           "ncu_command": " ".join(cmd), "torch": torch.__version__,
+           "launches": summarize(pages["details"], pages["raw"])}
+    path = rep + ".json"
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+    for k in res["launches"]:
+        s = k["summary"]
+        top = list(k.get("stalls_per_issue", {}).items())[:3]
+        print(f'{k["id"]:3d} {k["kernel"][:40]:40s} {s.get("duration")} SM {s.get("sm_throughput_pct")}% mem '
+              f'{s.get("memory_throughput_pct")}% dram {s.get("dram_throughput_pct")}% L2 '
+              f'{s.get("l2_throughput_pct")}% L1 {s.get("l1tex_throughput_pct")}% occ '
+              f'{s.get("achieved_occupancy_pct")}% stalls {top}', flush=True)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
