@@ -194,7 +194,7 @@ def _compress_row(x1, o, warm, name, pk, shape) -> dict:
     ids0, _ = assign(xg, c0)
     # the variant's pieces, and the one-hot update the segmented sum replaced (variant sweeps: python -m
     # qvg.eval.profile_compress --variants)
-    parts = {"variant": name, "ms": ms, "cuda_graph_ms": graph_ms,
+    parts = {"variant": name, "config": v, "ms": ms, "cuda_graph_ms": graph_ms,
              "assign_ms": bench(lambda: assign(xg, c0, True, **v["assign_kw"])),
              "update_ms": bench(lambda: update(xg, ids0, c0, **v["update_kw"])),
              "update_onehot_ms": bench(lambda: update(xg, ids0, c0, method="onehot")),

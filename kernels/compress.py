@@ -24,15 +24,20 @@ from .quantize import _residual, quantize_packed
 # one-hot update, torch reseeding, two-kernel pack: what kernels-h100.md measured before), which stays for
 # `python -m qvg.eval.profile_compress --variants` to time against. COMPRESS_VARIANT is the switch;
 # `compress_prq(..., variant=)` overrides it per call.
+def _fast(rows: int = 32, warps: int = 4, headmax: str = "update") -> dict:
+    return dict(assign_kw=dict(mode="min", block_n=64, block_k=256, num_warps=4, progs="auto"),
+                update_kw=dict(method="segsum", item=256, rows=rows, num_warps=warps, num_stages=3, sort_block=1024),
+                reseed="fused", pack_kw=dict(fused=True, block_n=32, num_warps=4), headmax=headmax)
+
+
 COMPRESS_VARIANTS = {
     "current": dict(assign_kw={}, update_kw={}, reseed="torch", pack_kw={}),
-    "fast": dict(assign_kw=dict(mode="min", block_n=64, block_k=256, num_warps=4, progs="auto"),
-                 update_kw=dict(method="segsum", item=256, rows=32, num_warps=4, num_stages=3, sort_block=1024),
-                 reseed="fused", pack_kw=dict(fused=True, block_n=32, num_warps=4)),
+    "fast": _fast(16, 4),
+    # "fast" with the pack's own pass 1 finding the tscale's head maximum: the stored tensors are bitwise the same
+    "fast-stats-pass": _fast(16, 4, "stats-pass"),
+    "fast-rows32": _fast(32, 4), "fast-rows32-stats-pass": _fast(32, 4, "stats-pass"),
+    "fast-rows32w8": _fast(32, 8), "fast-rows32w8-stats-pass": _fast(32, 8, "stats-pass"),
 }
-# "fast" as it was before the last update found the tscale's head maximum (the pack's own pass 1 finds it):
-# kept to time the two in one run; the stored tensors are bitwise the same
-COMPRESS_VARIANTS["fast-stats-pass"] = dict(COMPRESS_VARIANTS["fast"], headmax="stats-pass")
 COMPRESS_VARIANT = "fast"
 
 
