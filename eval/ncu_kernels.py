@@ -5,7 +5,8 @@ compress S1/B64 and S4/B16 at the LongCat span [1, 32, 29640, 128], K=256, 2 war
 S1/B64 and S4/B16 at that span), keeps the report (DIR/ncu-kernels-<gpu>.ncu-rep), and writes
 DIR/ncu-kernels-<gpu>.json: per kernel launch its duration and the speed-of-light, memory, compute, occupancy,
 launch and warp-state values ncu reports, plus the stall reasons per issued instruction (the CSV pages it is parsed
-from are kept beside it). Only the Triton kernels are profiled (`--kernel-name regex:^_`). ncu runs with
+from are kept beside it; eval/results holds the JSON only, the report and pages are ~12 MB). Only the Triton kernels
+are profiled (`--kernel-name regex:^_`). ncu runs with
 `--clock-control none` (the clocks are left as the benchmarks see them), so durations are comparable with
 kernels-<gpu>.md, slightly longer for the counters' replay overhead.
 """

@@ -20,23 +20,17 @@ from .quantize import _residual, quantize_packed
 # `quantize_packed` (pack_kw). "fast" (the default: one-reduction persistent assignment, counting-sort
 # segmented-sum update, fused reseeding, fused pack; the per-piece best of eval/results/
 # profile-compress-variants-h100.json, whose 8 programs per group
-# at 32 groups are ~2 per SM: progs="auto") returns bitwise the ids and centroids of "current" (tiled assignment,
-# one-hot update, torch reseeding, two-kernel pack: what kernels-h100.md measured before), which stays for
+# at 32 groups are ~2 per SM: progs="auto"; the update's 16-row steps, 38 registers against 55 for 32 rows, took
+# compress 1.4% / 2.5% less time for qvg / qvg-pro in one run, eval/results/kernels-h100.headmax-72b904b.json)
+# returns the ids and centroids of "current" (tiled assignment, one-hot update, torch reseeding, two-kernel pack:
+# what kernels-h100.md measured before) up to the order of the FP32 cluster sums, which stays for
 # `python -m qvg.eval.profile_compress --variants` to time against. COMPRESS_VARIANT is the switch;
 # `compress_prq(..., variant=)` overrides it per call.
-def _fast(rows: int = 32, warps: int = 4, headmax: str = "update") -> dict:
-    return dict(assign_kw=dict(mode="min", block_n=64, block_k=256, num_warps=4, progs="auto"),
-                update_kw=dict(method="segsum", item=256, rows=rows, num_warps=warps, num_stages=3, sort_block=1024),
-                reseed="fused", pack_kw=dict(fused=True, block_n=32, num_warps=4), headmax=headmax)
-
-
 COMPRESS_VARIANTS = {
     "current": dict(assign_kw={}, update_kw={}, reseed="torch", pack_kw={}),
-    "fast": _fast(16, 4),
-    # "fast" with the pack's own pass 1 finding the tscale's head maximum: the stored tensors are bitwise the same
-    "fast-stats-pass": _fast(16, 4, "stats-pass"),
-    "fast-rows32": _fast(32, 4), "fast-rows32-stats-pass": _fast(32, 4, "stats-pass"),
-    "fast-rows32w8": _fast(32, 8), "fast-rows32w8-stats-pass": _fast(32, 8, "stats-pass"),
+    "fast": dict(assign_kw=dict(mode="min", block_n=64, block_k=256, num_warps=4, progs="auto"),
+                 update_kw=dict(method="segsum", item=256, rows=16, num_warps=4, num_stages=3, sort_block=1024),
+                 reseed="fused", pack_kw=dict(fused=True, block_n=32, num_warps=4)),
 }
 COMPRESS_VARIANT = "fast"
 
@@ -78,20 +72,12 @@ def compress_prq(x: torch.Tensor, o: dict, warm: torch.Tensor | None, iters: int
     x = x.contiguous()
     g = b * h
     xg = x.view(g, n, d)
-    spec = token_spec(o)
-    # S = 1 on BF16 x: the last k-means update reads exactly the values the pack quantizes against the stored
-    # centroids, so it finds the residual's head maximum (the FP8 tscale's input) and the pack skips its pass 1
-    hmax = None
-    if (s_count == 1 and x.dtype == torch.bfloat16 and iters >= 1 and pack_kw.get("fused")
-            and (v.get("update_kw") or {}).get("method") == "segsum" and spec.scale_dtype == "fp8"
-            and spec.grid != "asym" and v.get("headmax", "update") == "update"):
-        hmax = torch.zeros(g, device=x.device, dtype=torch.int32)
     ids_t = cents_t = None
     for s in range(s_count):
         r = xg.to(torch.bfloat16) if s == 0 else residual_bf16(xg, ids_t, cents_t, s)
         res = kmeans(r, k, iters=iters, init=None if warm is None else warm[s], seed=o["seed"] + s,
                      seeding=o["seeding"], assign_kw=v.get("assign_kw"), update_kw=v.get("update_kw"),
-                     reseed=v.get("reseed", "torch"), head_absmax=hmax)
+                     reseed=v.get("reseed", "torch"))
         if ids_t is None:
             ids_t = torch.empty(s_count, g, n, device=x.device, dtype=res.ids.dtype)
             cents_t = torch.empty(s_count, g, k, d, device=x.device, dtype=torch.bfloat16)
@@ -99,7 +85,7 @@ def compress_prq(x: torch.Tensor, o: dict, warm: torch.Tensor | None, iters: int
         cents_t[s] = res.centroids
     ids_t = ids_t.view(s_count, b, h, n)
     cents_t = cents_t.view(s_count, b, h, k, d)
-    tensors = quantize_packed(x, spec, ids_t, cents_t, head_absmax=hmax, **pack_kw)
+    tensors = quantize_packed(x, token_spec(o), ids_t, cents_t, **pack_kw)
     tensors["ids"] = ids_t
     tensors["centroids"] = cents_t
     return tensors

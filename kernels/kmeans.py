@@ -280,27 +280,11 @@ def _update_sort(x, ids, c, block_n: int = 32, num_warps: int = 2):
 
 def kmeans(x: torch.Tensor, k: int, *, iters: int = 2, init: torch.Tensor | None = None, seed: int = 0,
            seeding: str = "k-means++", track: bool = False, assign_kw: dict | None = None,
-           update_kw: dict | None = None, reseed: str = "torch", head_absmax: torch.Tensor | None = None
-           ) -> KMeansResult:
+           update_kw: dict | None = None, reseed: str = "torch") -> KMeansResult:
     """`qvg.kmeans.kmeans` (same seeding, loop and result) with the Triton assignment and update steps.
     assign_kw / update_kw: options of `assign` / `update_with_counts` (variants, tiles); reseed: "torch"
-    (`qvg.kmeans.reseed_empty`) or "fused" (the same in one launch, K <= 512: kernels/kmeans_reseed.py).
-    head_absmax (int32 [G] zeros; needs iters >= 1 and the segsum update): filled by the last update with the bits
-    of each group's largest |x - bf16(returned centroid)| over its tokens (`update_segsum`). Reseeding only moves
-    empty clusters, which hold no token, so the value holds for the returned centroids."""
+    (`qvg.kmeans.reseed_empty`) or "fused" (the same in one launch, K <= 512: kernels/kmeans_reseed.py)."""
     akw, ukw = dict(assign_kw or {}), dict(update_kw or {})
-    if head_absmax is not None:
-        if iters < 1 or ukw.get("method") != "segsum":
-            raise ValueError("head_absmax needs iters >= 1 and update_kw method='segsum'")
-        calls = [0]
-
-        def update_fn(x_, i_, c_):
-            calls[0] += 1
-            last = {"head_absmax": head_absmax} if calls[0] == iters else {}
-            return update_with_counts(x_, i_, c_, **ukw, **last)
-    else:
-        def update_fn(x_, i_, c_):
-            return update_with_counts(x_, i_, c_, **ukw)
     reseed_fn = None
     if reseed == "fused" and k <= RESEED_MAX_K:
         reseed_fn = reseed_empty_fused
@@ -308,4 +292,4 @@ def kmeans(x: torch.Tensor, k: int, *, iters: int = 2, init: torch.Tensor | None
         raise ValueError(f"unknown reseed {reseed!r}; choose torch or fused")
     return ref_kmeans(x, k, iters=iters, init=init, seed=seed, seeding=seeding, track=track,
                       assign_fn=lambda x_, c: assign(x_, c, True, **akw),
-                      update_fn=update_fn, reseed_fn=reseed_fn)
+                      update_fn=lambda x_, i_, c_: update_with_counts(x_, i_, c_, **ukw), reseed_fn=reseed_fn)

@@ -18,9 +18,7 @@ float atomics:
 5. `_segfinish_kernel`: each cluster adds its items' partials in item order, divides (IEEE div_rn) and keeps
    the old centroid when it is empty.
 Every pass reads x once (the gathered rows of the sorted order); the rest moves ids-sized data. The work per item
-is bounded by ITEM tokens however uneven the clusters are. Optionally (`head_absmax`) steps 4-5 also carry each
-cluster's elementwise maximum and minimum of x, from which step 5 finds the group's largest |x - bf16(centroid)|
-(the compress path's last update: the pack then needs no pass of its own for its FP8 tensor scale).
+is bounded by ITEM tokens however uneven the clusters are.
 """
 from __future__ import annotations
 
@@ -28,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRET, to_bf16
+from .common import INTERPRET
 
 
 @triton.jit
@@ -100,10 +98,8 @@ def _scatter_kernel(keys_ptr, offs_ptr, lstart_ptr, order_ptr, N, K, NB, SB: tl.
 
 
 @triton.jit
-def _segsum_kernel(x_ptr, order_ptr, cstart_ptr, istart_ptr, part_ptr, mx_ptr, mn_ptr, N, K, ITEM, MAXI,
-                   KP: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, EXTREMES: tl.constexpr):
-    """Item p's FP32 sum of its sorted tokens into part[g, p]; with EXTREMES also their elementwise maximum and
-    minimum into mx / mn[g, p] (order-free, so as deterministic as the sum)."""
+def _segsum_kernel(x_ptr, order_ptr, cstart_ptr, istart_ptr, part_ptr, N, K, ITEM, MAXI, KP: tl.constexpr,
+                   D: tl.constexpr, ROWS: tl.constexpr):
     p = tl.program_id(0)
     g = tl.program_id(1).to(tl.int64)
     ks = tl.arange(0, KP)
@@ -116,65 +112,38 @@ def _segsum_kernel(x_ptr, order_ptr, cstart_ptr, istart_ptr, part_ptr, mx_ptr, m
     hi = tl.minimum(lo + ITEM, c1)  # a surplus item (p >= n_items) has lo >= c1: no tokens
     dcols = tl.arange(0, D)
     acc = tl.zeros((ROWS, D), tl.float32)
-    if EXTREMES:
-        hi_v = tl.full((ROWS, D), -float("inf"), tl.float32)
-        lo_v = tl.full((ROWS, D), float("inf"), tl.float32)
     for i0 in range(lo, hi, ROWS):
         idx = i0 + tl.arange(0, ROWS)
         m = idx < hi
         tok = tl.load(order_ptr + g * N + idx, mask=m, other=0)
-        v = tl.load(x_ptr + (g * N + tok)[:, None] * D + dcols[None, :], mask=m[:, None], other=0.0).to(tl.float32)
-        acc += v
-        if EXTREMES:
-            hi_v = tl.maximum(hi_v, tl.where(m[:, None], v, -float("inf")))
-            lo_v = tl.minimum(lo_v, tl.where(m[:, None], v, float("inf")))
-    real = dcols < tl.where(p < n_items, D, 0)
-    tl.store(part_ptr + (g * MAXI + p) * D + dcols, tl.sum(acc, 0), mask=real)
-    if EXTREMES:
-        tl.store(mx_ptr + (g * MAXI + p) * D + dcols, tl.max(hi_v, 0), mask=real)
-        tl.store(mn_ptr + (g * MAXI + p) * D + dcols, tl.min(lo_v, 0), mask=real)
+        acc += tl.load(x_ptr + (g * N + tok)[:, None] * D + dcols[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+    tl.store(part_ptr + (g * MAXI + p) * D + dcols, tl.sum(acc, 0), mask=dcols < tl.where(p < n_items, D, 0))
 
 
 @triton.jit
 def store_means(acc, cnt, c_old_ptr, c_new_ptr, g, ks, kmask, K, D: tl.constexpr):
     """Centroid rows ks of group g: the sums acc [BLOCK_K, D] divided by the sizes cnt (IEEE), the old centroid where
-    a cluster is empty. Returns the stored rows."""
+    a cluster is empty."""
     off = (g * K + ks)[:, None] * D + tl.arange(0, D)[None, :]
     old = tl.load(c_old_ptr + off, mask=kmask[:, None], other=0.0).to(tl.float32)
     new = tl.where((cnt > 0)[:, None], tl.math.div_rn(acc, tl.maximum(cnt, 1).to(tl.float32)[:, None]), old)
     tl.store(c_new_ptr + off, new, mask=kmask[:, None])
-    return new
 
 
 @triton.jit
-def _segfinish_kernel(part_ptr, mx_ptr, mn_ptr, istart_ptr, counts_ptr, c_old_ptr, c_new_ptr, hmax_ptr, K, MAXI,
-                      D: tl.constexpr, BLOCK_K: tl.constexpr, EXTREMES: tl.constexpr, INTERP: tl.constexpr):
-    """Each cluster of the block adds its items' partial sums in item order, then `store_means`. EXTREMES: also
-    the largest |x - bf16(new centroid)| over the non-empty clusters' tokens, from their elementwise extremes
-    (fl(x - c) is monotone in x, so max_t |fl(x_t - c)| = max(fl(max_t x_t - c), fl(c - min_t x_t))), as an
-    integer max of its (non-negative) fp32 bits into hmax[g]: an order-free atomic, deterministic."""
+def _segfinish_kernel(part_ptr, istart_ptr, counts_ptr, c_old_ptr, c_new_ptr, K, MAXI, D: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
+    """Each cluster of the block adds its items' partial sums in item order, then `store_means`."""
     g = tl.program_id(1).to(tl.int64)
     ks = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     kmask, dcols = ks < K, tl.arange(0, D)
     s = tl.load(istart_ptr + g * (K + 1) + ks, mask=kmask, other=0)
     nit = tl.load(istart_ptr + g * (K + 1) + ks + 1, mask=kmask, other=0) - s
     acc = tl.zeros((BLOCK_K, D), tl.float32)
-    if EXTREMES:
-        hi_v = tl.full((BLOCK_K, D), -float("inf"), tl.float32)
-        lo_v = tl.full((BLOCK_K, D), float("inf"), tl.float32)
     for j in range(0, tl.max(nit, 0)):  # each cluster's items in order
-        off = (g * MAXI + s + j)[:, None] * D + dcols[None, :]
-        m2 = (j < nit)[:, None]
-        acc += tl.load(part_ptr + off, mask=m2, other=0.0)
-        if EXTREMES:
-            hi_v = tl.maximum(hi_v, tl.load(mx_ptr + off, mask=m2, other=-float("inf")))
-            lo_v = tl.minimum(lo_v, tl.load(mn_ptr + off, mask=m2, other=float("inf")))
-    cnt = tl.load(counts_ptr + g * K + ks, mask=kmask, other=0)
-    new = store_means(acc, cnt, c_old_ptr, c_new_ptr, g, ks, kmask, K, D)
-    if EXTREMES:
-        cb = to_bf16(new, INTERP).to(tl.float32)  # the centroid as stored (BF16, nearest even)
-        e = tl.where((cnt > 0)[:, None], tl.maximum(hi_v - cb, cb - lo_v), 0.0)
-        tl.atomic_max(hmax_ptr + g, tl.max(tl.max(e, 1), 0).to(tl.int32, bitcast=True))
+        acc += tl.load(part_ptr + (g * MAXI + s + j)[:, None] * D + dcols[None, :], mask=(j < nit)[:, None],
+                       other=0.0)
+    store_means(acc, tl.load(counts_ptr + g * K + ks, mask=kmask, other=0), c_old_ptr, c_new_ptr, g, ks, kmask, K, D)
 
 
 def sort_by_cluster(ids: torch.Tensor, k: int, item: int = 256, sort_block: int = 1024, bitonic: bool | None = None):
@@ -207,14 +176,11 @@ def sort_by_cluster(ids: torch.Tensor, k: int, item: int = 256, sort_block: int 
 
 
 def update_segsum(x: torch.Tensor, ids: torch.Tensor, c: torch.Tensor, item: int = 256, rows: int = 32,
-                  sort_block: int = 1024, num_warps: int = 4, num_stages: int = 2, finish_block: int = 16,
-                  head_absmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  sort_block: int = 1024, num_warps: int = 4, num_stages: int = 2, finish_block: int = 16
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [G, N, D] (bf16 / fp32), ids [G, N] (any integer dtype, values < K), c [G, K, D] -> (centroids [G, K, D]
     fp32, cluster sizes [G, K] int32). item: most tokens one work item sums (a multiple of rows); rows: tokens
-    summed per step; sort_block: tokens per counting-sort block (a power of two).
-    head_absmax: an int32 [G] tensor of zeros, or None. Given, it receives the fp32 bits of each group's largest
-    |fl32(x - bf16(new centroid))| over its tokens (empty clusters have none): the PRQ residual's maximum that
-    the pack's FP8 tensor scale needs, found here from per-cluster extremes instead of by a pass over x."""
+    summed per step; sort_block: tokens per counting-sort block (a power of two)."""
     g, n, d = x.shape
     k = c.shape[1]
     if d & (d - 1) or d < 16:
@@ -224,15 +190,10 @@ def update_segsum(x: torch.Tensor, ids: torch.Tensor, c: torch.Tensor, item: int
     order, counts, cstart, istart = sort_by_cluster(ids, k, item, sort_block)
     maxi = triton.cdiv(n, item) + k  # >= sum_k ceil(c_k / item)
     part = torch.empty(g, maxi, d, device=x.device, dtype=torch.float32)
-    ext = head_absmax is not None
-    mx = torch.empty_like(part) if ext else part
-    mn = torch.empty_like(part) if ext else part
     c_new = torch.empty(g, k, d, device=x.device, dtype=torch.float32)
-    _segsum_kernel[(maxi, g)](x.contiguous(), order, cstart, istart, part, mx, mn, n, k, item, maxi,
-                              KP=triton.next_power_of_2(k), D=d, ROWS=rows, EXTREMES=ext, num_warps=num_warps,
+    _segsum_kernel[(maxi, g)](x.contiguous(), order, cstart, istart, part, n, k, item, maxi,
+                              KP=triton.next_power_of_2(k), D=d, ROWS=rows, num_warps=num_warps,
                               num_stages=num_stages)
-    _segfinish_kernel[(triton.cdiv(k, finish_block), g)](part, mx, mn, istart, counts, c.contiguous(), c_new,
-                                                         head_absmax if ext else counts, k, maxi, D=d,
-                                                         BLOCK_K=finish_block, EXTREMES=ext, INTERP=INTERPRET,
-                                                         num_warps=4)
+    _segfinish_kernel[(triton.cdiv(k, finish_block), g)](part, istart, counts, c.contiguous(), c_new, k, maxi, D=d,
+                                                         BLOCK_K=finish_block, num_warps=4)
     return c_new, counts

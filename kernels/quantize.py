@@ -195,15 +195,12 @@ def _pack_kernel(x_ptr, ids_ptr, cent_ptr, raw_ptr, zero_ptr, tscale_ptr, codes_
 
 def quantize_packed(x: torch.Tensor, spec: QuantSpec, ids: torch.Tensor | None = None,
                     centroids: torch.Tensor | None = None, block_n: int = 16, num_warps: int = 2,
-                    fused: bool = False, head_absmax: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                    fused: bool = False) -> dict[str, torch.Tensor]:
     """Triton version of `qvg.quant.quantize_packed` for per-token specs. With `ids` [S, B, H, N] and `centroids`
     [S, B, H, K, D] (BF16) it quantizes the PRQ residual x - sum_s centroids_s[ids_s] without materializing it.
     fused (same stored tensors): no [B, H, N, D/group] raw-scale array and no torch reductions; FP8 scales: pass 1
     only finds each head's largest raw scale (an integer atomic max), pass 2 forms the group stats itself and the
-    tscale from that maximum; BF16 scales: pass 2 alone (one read of x).
-    head_absmax (fused, FP8 scales, a grid other than asym): int32 [B*H], the fp32 bits of each head's largest
-    |residual| (as the compress path's last k-means update finds it: kernels/kmeans_segsum.py); pass 1 is then
-    skipped and the tscale is the same."""
+    tscale from that maximum; BF16 scales: pass 2 alone (one read of x)."""
     b, h, n, d = x.shape
     spec.check(tuple(x.shape))
     c = grid_constants(spec)
@@ -216,10 +213,8 @@ def quantize_packed(x: torch.Tensor, spec: QuantSpec, ids: torch.Tensor | None =
     grid = (triton.cdiv(n, block_n), b * h)
     ids_ = ids.contiguous() if stages else x
     cent_ = centroids.contiguous() if stages else x
-    if head_absmax is not None and not (fused and c["FP8"] and spec.grid != "asym"):
-        raise ValueError("head_absmax needs fused=True, FP8 scales and a grid other than asym")
     if fused:
-        return _quantize_fused(x, spec, c, ids_, cent_, zero, stages, k, grid, block_n, num_warps, head_absmax)
+        return _quantize_fused(x, spec, c, ids_, cent_, zero, stages, k, grid, block_n, num_warps)
     raw = torch.empty(b, h, n, ng, device=dev, dtype=torch.float32)
     _stats_kernel[grid](x, ids_, cent_, raw, raw_view(zero) if zero is not None else raw, n, k, b * h,
                         D=d, BITS=c["BITS"], GROUP=c["GROUP"], GRID=c["GRID"], OFFSET=c["OFFSET"],
@@ -239,22 +234,13 @@ def quantize_packed(x: torch.Tensor, spec: QuantSpec, ids: torch.Tensor | None =
     return out
 
 
-def _quantize_fused(x, spec, c, ids_, cent_, zero, stages, k, grid, block_n, num_warps,
-                    head_absmax=None) -> dict[str, torch.Tensor]:
+def _quantize_fused(x, spec, c, ids_, cent_, zero, stages, k, grid, block_n, num_warps) -> dict[str, torch.Tensor]:
     b, h, n, d = x.shape
     ng = d // spec.group
     dev = x.device
     out = {}
     hmax = x  # unused without FP8 scales
-    # the head's largest raw scale is divided by ts_div for the tscale (see tensor_scale's use above): auto's raw
-    # scale is max|r| itself; sym's and midrise's is max|r| / OFFSET, which pass 1 applies, or, from head_absmax,
-    # the pack (div_rn is monotone, so the maximum of the quotients is the quotient of the maximum)
-    auto_div = (c["OFFSET"] if spec.bits > 1 else 0.5) if spec.grid == "auto" else None
-    ts_div = auto_div or 1.0
-    if c["FP8"] and head_absmax is not None:
-        hmax, ts_div = head_absmax, auto_div or c["OFFSET"]
-        out["tscale"] = torch.empty(b, h, device=dev, dtype=torch.float32)
-    elif c["FP8"]:
+    if c["FP8"]:
         hmax = torch.zeros(b * h, device=dev, dtype=torch.int32)
         _stats_kernel[grid](x, ids_, cent_, hmax, hmax, n, k, b * h, D=d, BITS=c["BITS"], GROUP=c["GROUP"],
                             GRID=c["GRID"], OFFSET=c["OFFSET"], STAGES=stages, BLOCK_N=block_n, INTERP=INTERPRET,
@@ -262,6 +248,7 @@ def _quantize_fused(x, spec, c, ids_, cent_, zero, stages, k, grid, block_n, num
         out["tscale"] = torch.empty(b, h, device=dev, dtype=torch.float32)
     codes = torch.empty(b, h, n, d * spec.bits // 8, device=dev, dtype=torch.uint8)
     scale = torch.empty(b, h, n, ng, device=dev, dtype=torch.float8_e4m3fn if c["FP8"] else torch.bfloat16)
+    ts_div = (c["OFFSET"] if spec.bits > 1 else 0.5) if spec.grid == "auto" else 1.0  # see tensor_scale's use above
     _pack_kernel[grid](x, ids_, cent_, hmax, raw_view(zero) if zero is not None else hmax, out.get("tscale", hmax),
                        codes, raw_view(scale), n, k, b * h, D=d, FP8_MAX=FP8_MAX, STAGES=stages, BLOCK_N=block_n,
                        RECOMPUTE=True, RINT=not INTERPRET, TS_DIV=float(ts_div), TSCALE_MIN=TSCALE_MIN,
