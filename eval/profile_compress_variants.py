@@ -38,13 +38,7 @@ ASSIGN = [("current: tiles 64x64 w4 s2", {}),
     ("min one-tile 32x256 w2", dict(mode="min", block_n=32, block_k=256, num_warps=2)),
     ("min one-tile 16x256 w2", dict(mode="min", block_n=16, block_k=256, num_warps=2)),
     ("min persistent 64x256 w4 auto", dict(mode="min", block_n=64, block_k=256, num_warps=4, progs="auto")),
-    ("min persistent 32x256 w4 auto", dict(mode="min", block_n=32, block_k=256, num_warps=4, progs="auto"))] + [
-    # each centroid tile reduced at once (per_tile): one [block_n, block_k] tile held, no register spills
-    (f"min per-tile {bn}x{bk} w{nw} s{st} p{p}",
-     dict(mode="min", block_n=bn, block_k=bk, num_warps=nw, num_stages=st, progs=p, per_tile=True))
-    for bn, bk, nw, st, p in ((64, 128, 4, 2, "auto"), (64, 128, 4, 3, "auto"), (64, 64, 4, 2, "auto"),
-                              (64, 128, 8, 2, "auto"), (128, 128, 8, 2, "auto"), (64, 128, 4, 2, 8),
-                              (128, 128, 8, 2, 4), (64, 128, 4, 2, 0))]
+    ("min persistent 32x256 w4 auto", dict(mode="min", block_n=32, block_k=256, num_warps=4, progs="auto"))]
 
 UPDATE = [("current: onehot k64 n32 c4096 w4 s3", {})] + [
     (f"segsum item{i} rows{r} w{w} s{st} sort{sb}",

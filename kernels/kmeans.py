@@ -89,14 +89,11 @@ def _segment_mean_kernel(x_ptr, order_ptr, bounds_ptr, c_old_ptr, c_new_ptr, N, 
 @triton.jit
 def _assign_min_kernel(x_ptr, c_ptr, csq_ptr, ids_ptr, dist_ptr, N, K, NBLK, PROGS, D: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr, WANT_DIST: tl.constexpr,
-                       INTERP: tl.constexpr, PER_TILE: tl.constexpr = False):
+                       INTERP: tl.constexpr):
     """`_assign_kernel`'s result (same distances, ties -> lowest id) with ONE (value, index) reduction per token:
     all K centroids in one tile (ONE_TILE), or an elementwise running minimum over the centroid tiles (strict <:
-    the earlier tile keeps a tie) reduced once at the end. PER_TILE (not ONE_TILE): instead each tile is reduced
-    to a (value, index) per token at once, as `_assign_kernel` does, which holds one [BLOCK_N, BLOCK_K] tile
-    rather than three (no register spills at 64 x 128 on 4 warps, where one 64 x 256 tile spills). Program p of a
-    group takes token blocks p, p + PROGS, ... (PROGS < NBLK: persistent; a single tile is then loaded once per
-    program)."""
+    the earlier tile keeps a tie) reduced once at the end. Program p of a group takes token blocks p, p + PROGS,
+    ... (PROGS < NBLK: persistent; a single tile is then loaded once per program)."""
     pid = tl.program_id(0)
     g = tl.program_id(1).to(tl.int64)
     dcols = tl.arange(0, D)
@@ -111,18 +108,6 @@ def _assign_min_kernel(x_ptr, c_ptr, csq_ptr, ids_ptr, dist_ptr, N, K, NBLK, PRO
         if ONE_TILE:
             d = csq1[None, :] - 2.0 * dot_bf16(x, tl.trans(c1), tl.zeros((BLOCK_N, BLOCK_K), tl.float32), INTERP)
             best, best_id = tl.min(d, 1, return_indices=True)
-        elif PER_TILE:
-            best = tl.full((BLOCK_N,), float("inf"), tl.float32)
-            best_id = tl.zeros((BLOCK_N,), tl.int32)
-            for k0 in range(0, K, BLOCK_K):
-                ks = k0 + kt
-                c = tl.load(c_ptr + (g * K + ks)[:, None] * D + dcols[None, :], mask=(ks < K)[:, None], other=0.0)
-                csq = tl.load(csq_ptr + g * K + ks, mask=ks < K, other=float("inf"))
-                d = csq[None, :] - 2.0 * dot_bf16(x, tl.trans(c), tl.zeros((BLOCK_N, BLOCK_K), tl.float32), INTERP)
-                m, i = tl.min(d, 1, return_indices=True)
-                better = m < best  # strict: the earlier tile keeps a tie
-                best = tl.where(better, m, best)
-                best_id = tl.where(better, i + k0, best_id)
         else:
             run = tl.full((BLOCK_N, BLOCK_K), float("inf"), tl.float32)
             base = tl.zeros((BLOCK_N, BLOCK_K), tl.int32)
@@ -146,16 +131,14 @@ ASSIGN_MODES = ("tiles", "min")
 
 
 def assign(x: torch.Tensor, c: torch.Tensor, want_dist: bool = False, block_n: int = 64, block_k: int = 64,
-           num_warps: int = 4, num_stages: int = 2, packed: bool = False, mode: str = "tiles", progs: int = 0,
-           per_tile: bool = False):
+           num_warps: int = 4, num_stages: int = 2, packed: bool = False, mode: str = "tiles", progs: int = 0):
     """x [G, N, D] (bf16/fp32), c [G, K, D] fp32 -> (ids [G, N] narrow dtype, squared distance [G, N] or None).
     packed (K <= 256; measured no faster on an H100, eval/results/profile-compress-h100.json): the argmin is one
     integer min over (distance with its last 8 mantissa bits replaced by the id): ties within 2^-15 relative go to
     the lower id, the returned distance is that truncated value.
     mode "min" (`_assign_min_kernel`, same result as "tiles"): one reduction per token; block_k >= K puts all
     centroids in one tile; progs > 0: that many programs per group loop over the token blocks (persistent);
-    progs="auto": about two programs per SM over all groups (at least one per group); per_tile (block_k < K): each
-    centroid tile reduced per token at once (`_assign_min_kernel`'s PER_TILE)."""
+    progs="auto": about two programs per SM over all groups (at least one per group)."""
     if mode not in ASSIGN_MODES:
         raise ValueError(f"unknown assign mode {mode!r}; choose one of {ASSIGN_MODES}")
     g, n, d = x.shape
@@ -173,8 +156,7 @@ def assign(x: torch.Tensor, c: torch.Tensor, want_dist: bool = False, block_n: i
         progs = nblk if progs <= 0 else min(progs, nblk)
         _assign_min_kernel[(progs, g)](x.contiguous(), c, csq, ids, dist, n, k, nblk, progs, D=d, BLOCK_N=block_n,
                                        BLOCK_K=block_k, ONE_TILE=block_k >= k, WANT_DIST=want_dist,
-                                       INTERP=INTERPRET, PER_TILE=per_tile, num_warps=num_warps,
-                                       num_stages=num_stages)
+                                       INTERP=INTERPRET, num_warps=num_warps, num_stages=num_stages)
         return ids, (dist if want_dist else None)
     _assign_kernel[(triton.cdiv(n, block_n), g)](x.contiguous(), c, csq, ids, dist, n, k, D=d, BLOCK_N=block_n,
                                                  BLOCK_K=block_k,
