@@ -1,0 +1,39 @@
+"""eval/ncu_kernels.py's parsing of Nsight Compute's CSV pages (ncu itself runs on the GPU machine only), and its
+refusal without a GPU."""
+import pytest
+import torch
+
+from qvg.eval import ncu_kernels
+
+DETAILS = '''==PROF== Connected to process 1
+"ID","Process ID","Kernel Name","Section Name","Metric Name","Metric Unit","Metric Value"
+"0","7","_pack_kernel","GPU Speed Of Light Throughput","Duration","ns","254,336"
+"0","7","_pack_kernel","GPU Speed Of Light Throughput","DRAM Throughput","%","32.37"
+"0","7","_pack_kernel","Compute Workload Analysis","Issue Slots Busy","%","76.83"
+"0","7","_pack_kernel","Launch Statistics","Registers Per Thread","register/thread","127"
+"1","7","_dequant_kernel","GPU Speed Of Light Throughput","Duration","ns","100,256"
+'''
+RAW = '''"ID","Kernel Name","NVTX Push/Pop","smsp__average_warp_latency_issue_stalled_wait_per_issue_active.ratio","smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio","smsp__other.ratio"
+"","","","ratio","ratio","ratio"
+"0","_pack_kernel","compress qvg","0.71","0.49","9"
+"1","_dequant_kernel","dequant qvg","1.68","23.08","n/a"
+'''
+
+
+def test_summarize_reads_details_and_stalls():
+    launches = ncu_kernels.summarize(DETAILS, RAW)
+    assert [k["kernel"] for k in launches] == ["_pack_kernel", "_dequant_kernel"]
+    pack, deq = launches
+    assert pack["summary"]["duration"] == {"value": 254336.0, "unit": "ns"}
+    assert pack["summary"]["issue_slots_busy_pct"] == 76.83 and pack["summary"]["registers_per_thread"] == 127.0
+    assert "l2_throughput_pct" not in pack["summary"]  # absent metrics are left out, not invented
+    assert pack["nvtx"] == "compress qvg"
+    assert list(pack["stalls_per_issue"]) == ["wait_per_issue_active.ratio", "long_scoreboard_per_issue_active.ratio"]
+    assert list(deq["stalls_per_issue"])[0] == "long_scoreboard_per_issue_active.ratio"  # sorted, largest first
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_without_a_gpu_one_line_and_exit_2(capsys):
+    assert ncu_kernels.main(["--out", "/nonexistent"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["ncu_kernels: needs a CUDA GPU"]
