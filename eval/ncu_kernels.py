@@ -1,14 +1,13 @@
 """Hardware counters of the kernels behind issue 3's missed targets, read by Nsight Compute (ncu) on the GPU.
 
-`python -m qvg.eval.ncu_kernels --out DIR` runs ncu on this module's `--workload` (one warm call each of:
+`python -m qvg.eval.ncu_kernels [--out DIR]` runs ncu on this module's `--workload` (one warm call each of:
 compress S1/B64 and S4/B16 at the LongCat span [1, 32, 29640, 128], K=256, 2 warm-started iterations; dequant
-S1/B64 and S4/B16 at that span), keeps the report (DIR/ncu-kernels-<gpu>.ncu-rep), and writes
-DIR/ncu-kernels-<gpu>.json: per kernel launch its duration and the speed-of-light, memory, compute, occupancy,
-launch and warp-state values ncu reports, plus the stall reasons per issued instruction (the CSV pages it is parsed
-from are kept beside it; eval/results holds the JSON only, the report and pages are ~12 MB). Only the Triton kernels
-are profiled (`--kernel-name regex:^_`). ncu runs with
-`--clock-control none` (the clocks are left as the benchmarks see them), so durations are comparable with
-kernels-<gpu>.md, slightly longer for the counters' replay overhead.
+S1/B64 and S4/B16 at that span, each in an NVTX range naming it), keeps the report (DIR/ncu-kernels-<gpu>.ncu-rep)
+and the CSV pages it is parsed from, and writes DIR/ncu-kernels-<gpu>.json: per kernel launch its call, duration,
+the speed-of-light, memory, compute, occupancy, launch and warp-state values ncu reports, the raw counters listed in
+RAW (warp instructions executed, tensor / ALU / FMA pipe activity, what limits occupancy), and the stall reasons per
+issued instruction. Copy the JSON into eval/results; the report and pages are ~12 MB. Only the Triton kernels are
+profiled (`--kernel-name regex:^_`), with `--clock-control none` (the clocks left as the benchmarks see them).
 """
 from __future__ import annotations
 
@@ -18,6 +17,7 @@ import datetime
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -46,13 +46,25 @@ SUMMARY = {
     "waves_per_sm": ("Launch Statistics", "Waves Per SM"),
     "warp_cycles_per_issue": ("Warp State Statistics", "Warp Cycles Per Issued Instruction"),
 }
-STALL_PREFIX = "smsp__average_warp_latency_issue_stalled_"
-STALL_PREFIX2 = "smsp__average_warps_issue_stalled_"
+STALL_PREFIX, STALL_SUFFIX = "smsp__average_warps_issue_stalled_", "_per_issue_active.ratio"
+# raw-page counters each launch's summary keeps too
+RAW = {
+    "warp_instructions": "inst_executed",
+    "tensor_pipe_pct": "sm__pipe_tensor_type_hmma_hgmma_qgmma_imma_igmma_bmma_bgmma_cycles_active.avg."
+                       "pct_of_peak_sustained_elapsed",
+    "alu_pipe_pct": "sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active",
+    "fma_pipe_pct": "sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active",
+    "blocks_per_sm_limit_registers": "launch__occupancy_limit_registers",
+    "blocks_per_sm_limit_shared_mem": "launch__occupancy_limit_shared_mem",
+    "blocks_per_sm_limit_warps": "launch__occupancy_limit_warps",
+    "dynamic_shared_mem_per_block": "launch__shared_mem_per_block_dynamic",
+}
+NVTX_COLUMN = "Push/Pop_Range"
 
 
 def workload() -> None:
     """The profiled calls, between cudaProfilerStart/Stop, each after an unprofiled warm-up (Triton compiles, the
-    caches fill). NVTX ranges name them."""
+    caches fill). An NVTX range names each call (ncu's raw page carries it per launch)."""
     import torch
 
     import qvg
@@ -105,9 +117,12 @@ def summarize(details_csv: str, raw_csv: str) -> list[dict]:
         k = launches.get(r.get("ID", ""))
         if k is None:
             continue
-        k["nvtx"] = " ".join(v for m, v in r.items() if "nvtx" in m.lower() and v)
-        stalls = {m[len(p):]: _num(v) for m, v in r.items() for p in (STALL_PREFIX, STALL_PREFIX2)
-                  if m.startswith(p) and m.endswith(".ratio") and isinstance(_num(v), float)}
+        rng = next((v for m, v in r.items() if NVTX_COLUMN in m and v), "")
+        found = re.search(r"<[^>]*>:([^:\"]+)", rng)  # '1250  "<default domain>:compress qvg:none:..."'
+        k["call"] = found.group(1) if found else ""
+        k["raw"] = {key: _num(r[m]) for key, m in RAW.items() if r.get(m, "") != ""}
+        stalls = {m[len(STALL_PREFIX):-len(STALL_SUFFIX)]: _num(v) for m, v in r.items()
+                  if m.startswith(STALL_PREFIX) and m.endswith(STALL_SUFFIX) and isinstance(_num(v), float)}
         k["stalls_per_issue"] = dict(sorted(stalls.items(), key=lambda kv: -kv[1]))
     out = []
     for k in sorted(launches.values(), key=lambda k: k["id"]):
@@ -123,7 +138,7 @@ def summarize(details_csv: str, raw_csv: str) -> list[dict]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="eval/results")
+    ap.add_argument("--out", default="/tmp/qvg-ncu", help="where the report, its CSV pages and the JSON go")
     ap.add_argument("--workload", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--ncu", default=shutil.which("ncu") or "ncu")
     args = ap.parse_args(argv)
@@ -144,17 +159,24 @@ def main(argv=None) -> int:
         cmd += ["--section", s]
     cmd += [sys.executable, "-m", "qvg.eval.ncu_kernels", "--workload"]
     print(" ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True)
-    pages = {}
-    for p in ("details", "raw"):
-        pages[p] = subprocess.run([args.ncu, "--import", rep + ".ncu-rep", "--csv", "--page", p, "--print-units",
-                                   "base"], check=True, capture_output=True, text=True).stdout
-        with open(f"{rep}.{p}.csv", "w") as f:  # kept: the JSON is parsed from these
-            f.write(pages[p])
+    try:
+        version = subprocess.run([args.ncu, "--version"], check=True, capture_output=True, text=True).stdout
+        subprocess.run(cmd, check=True)
+        pages = {}
+        for p in ("details", "raw"):
+            pages[p] = subprocess.run([args.ncu, "--import", rep + ".ncu-rep", "--csv", "--page", p,
+                                       "--print-units", "base"], check=True, capture_output=True, text=True).stdout
+            with open(f"{rep}.{p}.csv", "w") as f:  # kept: the JSON is parsed from these
+                f.write(pages[p])
+    except (OSError, subprocess.CalledProcessError) as e:
+        print(f"ncu_kernels: ncu failed ({args.ncu}): {e}", file=sys.stderr)
+        return 1
+    import triton
     from .bench_kernels import _commit
     res = {"device": dev, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "commit": _commit(), "command": "python -m qvg.eval.ncu_kernels " + " ".join(argv or sys.argv[1:]),
-           "ncu_command": " ".join(cmd), "torch": torch.__version__,
+           "ncu_command": " ".join(cmd), "ncu_version": version.strip().splitlines()[-1:],
+           "torch": torch.__version__, "triton": triton.__version__,
            "launches": summarize(pages["details"], pages["raw"])}
     path = rep + ".json"
     with open(path, "w") as f:

@@ -43,7 +43,8 @@ ASSIGN = [("current: tiles 64x64 w4 s2", {}),
 UPDATE = [("current: onehot k64 n32 c4096 w4 s3", {})] + [
     (f"segsum item{i} rows{r} w{w} s{st} sort{sb}",
      dict(method="segsum", item=i, rows=r, num_warps=w, num_stages=st, sort_block=sb))
-    for i, r, w, st, sb in ((256, 32, 4, 2, 1024), (128, 32, 4, 2, 1024), (512, 32, 4, 2, 1024),
+    for i, r, w, st, sb in ((256, 16, 4, 3, 1024),  # the default since 8238f7a
+                            (256, 32, 4, 2, 1024), (128, 32, 4, 2, 1024), (512, 32, 4, 2, 1024),
                             (256, 64, 4, 2, 1024), (256, 64, 8, 2, 1024), (512, 64, 8, 2, 1024),
                             (256, 32, 4, 3, 1024), (256, 64, 4, 3, 1024), (256, 16, 2, 2, 1024),
                             (256, 32, 4, 2, 256), (256, 32, 4, 2, 4096),

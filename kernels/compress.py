@@ -17,14 +17,13 @@ from .kmeans import kmeans
 from .quantize import _residual, quantize_packed
 
 # Which k-means / pack kernels compress runs: options of `kmeans` (assign_kw, update_kw, reseed) and of
-# `quantize_packed` (pack_kw). "fast" (the default: one-reduction persistent assignment, counting-sort
-# segmented-sum update, fused reseeding, fused pack; the per-piece best of eval/results/
-# profile-compress-variants-h100.json, whose 8 programs per group
-# at 32 groups are ~2 per SM: progs="auto"; the update's 16-row steps, 38 registers against 55 for 32 rows, took
-# compress 1.4% / 2.5% less time for qvg / qvg-pro in one run, eval/results/kernels-h100.headmax-72b904b.json)
-# returns the ids and centroids of "current" (tiled assignment, one-hot update, torch reseeding, two-kernel pack:
-# what kernels-h100.md measured before) up to the order of the FP32 cluster sums, which stays for
-# `python -m qvg.eval.profile_compress --variants` to time against. COMPRESS_VARIANT is the switch;
+# `quantize_packed` (pack_kw). "fast" is the default: one-reduction persistent assignment (progs="auto": ~2
+# programs per SM), counting-sort segmented-sum update, fused reseeding, fused pack, chosen piece by piece in
+# `python -m qvg.eval.profile_compress --variants` sweeps (eval/results/profile-compress-variants-h100*.json); its
+# update sums 16 rows per step (39 registers against 56 for 32 rows under ncu; no slower in one run,
+# kernels-h100.headmax-72b904b.json). "current" (tiled assignment, one-hot update, torch reseeding, two-kernel
+# pack: what kernels-h100.md measured before "fast") stays for those sweeps to time against; "fast" returns its
+# ids and centroids up to the order in which the FP32 cluster sums are added. COMPRESS_VARIANT is the switch;
 # `compress_prq(..., variant=)` overrides it per call.
 COMPRESS_VARIANTS = {
     "current": dict(assign_kw={}, update_kw={}, reseed="torch", pack_kw={}),

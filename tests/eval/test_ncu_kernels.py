@@ -13,10 +13,11 @@ DETAILS = '''==PROF== Connected to process 1
 "0","7","_pack_kernel","Launch Statistics","Registers Per Thread","register/thread","127"
 "1","7","_dequant_kernel","GPU Speed Of Light Throughput","Duration","ns","100,256"
 '''
-RAW = '''"ID","Kernel Name","NVTX Push/Pop","smsp__average_warp_latency_issue_stalled_wait_per_issue_active.ratio","smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio","smsp__other.ratio"
-"","","","ratio","ratio","ratio"
-"0","_pack_kernel","compress qvg","0.71","0.49","9"
-"1","_dequant_kernel","dequant qvg","1.68","23.08","n/a"
+# the raw page's layout as ncu 2025 writes it: a units row, the NVTX range in a "Push/Pop_Range" column
+RAW = '''"ID","thread Domain:Push/Pop_Range:PL_Type:PL_Value:CLR_Type:Color:Msg_Type:Msg","Kernel Name","inst_executed","launch__occupancy_limit_registers","smsp__average_warps_issue_stalled_wait_per_issue_active.ratio","smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio","smsp__other.ratio"
+"","","","inst","block","ratio","ratio","ratio"
+"0","1250  ""<default domain>:compress qvg:none:none:none:none:none:none"" ","_pack_kernel","202,718,670","4","0.71","0.49","9"
+"1","1250  ""<default domain>:dequant qvg:none:none:none:none:none:none"" ","_dequant_kernel","49,479,552","9","1.68","23.08","n/a"
 '''
 
 
@@ -27,9 +28,10 @@ def test_summarize_reads_details_and_stalls():
     assert pack["summary"]["duration"] == {"value": 254336.0, "unit": "ns"}
     assert pack["summary"]["issue_slots_busy_pct"] == 76.83 and pack["summary"]["registers_per_thread"] == 127.0
     assert "l2_throughput_pct" not in pack["summary"]  # absent metrics are left out, not invented
-    assert pack["nvtx"] == "compress qvg"
-    assert list(pack["stalls_per_issue"]) == ["wait_per_issue_active.ratio", "long_scoreboard_per_issue_active.ratio"]
-    assert list(deq["stalls_per_issue"])[0] == "long_scoreboard_per_issue_active.ratio"  # sorted, largest first
+    assert (pack["call"], deq["call"]) == ("compress qvg", "dequant qvg")
+    assert pack["raw"] == {"warp_instructions": 202718670.0, "blocks_per_sm_limit_registers": 4.0}
+    assert pack["stalls_per_issue"] == {"wait": 0.71, "long_scoreboard": 0.49}
+    assert list(deq["stalls_per_issue"]) == ["long_scoreboard", "wait"]  # sorted, largest first
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
