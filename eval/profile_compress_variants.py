@@ -51,6 +51,10 @@ UPDATE = [("current: onehot k64 n32 c4096 w4 s3", {})] + [
                             # small spans: shorter work items and sort blocks (more programs per group)
                             (64, 16, 2, 2, 256), (64, 32, 4, 2, 256), (128, 16, 2, 2, 256), (128, 32, 4, 2, 256),
                             (64, 16, 2, 2, 512), (128, 32, 4, 2, 512), (32, 16, 2, 2, 128))] + [
+    # counted ranks instead of the block sort (kernels/kmeans_segsum.py block="rank"), on the default's tiling
+    (f"segsum item256 rows16 w4 s3 sort1024 rank r{r} w{rw}",
+     dict(method="segsum", item=256, rows=16, num_warps=4, num_stages=3, sort_block=1024, block="rank", rank_rows=r,
+          rank_warps=rw)) for r, rw in ((32, 1), (32, 2), (32, 4), (64, 1), (64, 2), (16, 1))] + [
     (f"onehot k64 n{bn} c{ch} w{w}", dict(method="onehot", block_k=64, block_n=bn, chunk=ch, num_warps=w))
     for bn, ch, w in ((32, 256, 4), (32, 512, 4), (64, 512, 4), (32, 1024, 4), (64, 1024, 8), (16, 256, 2))]
 
@@ -144,8 +148,10 @@ def pieces(xg: torch.Tensor, c0: torch.Tensor) -> dict:
                            lambda kw: kk.update_with_counts(xg, ids_ref, c0, **kw), upd_check)
     k = c0.shape[1]
     out["sort_by_cluster_ms"] = _ms(lambda: sort_by_cluster(ids_ref, k))
+    out["sort_by_cluster_rank_ms"] = _ms(lambda: sort_by_cluster(ids_ref, k, block="rank"))  # counted ranks
     out["x_read_floor_ms"] = _x_read_ms(xg)
-    print(f"  update  counting sort alone {out['sort_by_cluster_ms']:.4f} ms; one read of x (half a copy) "
+    print(f"  update  counting sort alone {out['sort_by_cluster_ms']:.4f} ms (with counted ranks "
+          f"{out['sort_by_cluster_rank_ms']:.4f} ms); one read of x (half a copy) "
           f"{out['x_read_floor_ms']:.4f} ms", flush=True)
     out["empty_clusters"] = int((cnt_ref == 0).sum())
     rows = []

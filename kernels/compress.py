@@ -31,6 +31,10 @@ COMPRESS_VARIANTS = {
                  update_kw=dict(method="segsum", item=256, rows=16, num_warps=4, num_stages=3, sort_block=1024),
                  reseed="fused", pack_kw=dict(fused=True, block_n=32, num_warps=4)),
 }
+# "fast" with counted ranks instead of the block sort in its update (kernels/kmeans_segsum.py block="rank"), to
+# time the two in one run
+COMPRESS_VARIANTS["fast-rank"] = dict(COMPRESS_VARIANTS["fast"],
+                                      update_kw=dict(COMPRESS_VARIANTS["fast"]["update_kw"], block="rank"))
 COMPRESS_VARIANT = "fast"
 
 

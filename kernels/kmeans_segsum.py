@@ -55,6 +55,41 @@ def _block_sort_kernel(ids_ptr, keys_ptr, hist_ptr, lstart_ptr, N, K, NB, KP: tl
 
 
 @triton.jit
+def _block_rank_kernel(ids_ptr, rank_ptr, hist_ptr, N, K, NB, KP: tl.constexpr, SB: tl.constexpr, R: tl.constexpr):
+    """Per block of SB tokens, without sorting: each token's rank among the block's earlier tokens of its cluster
+    (the stable counting sort's offset inside the cluster's run), and the block's cluster sizes. R tokens at a
+    time: the count of its id in the earlier sub-blocks (a running histogram, gathered) plus the earlier tokens of
+    the same id in this sub-block (an [R, R] comparison)."""
+    b = tl.program_id(0)
+    g = tl.program_id(1).to(tl.int64)
+    bins = tl.arange(0, KP)
+    r = tl.arange(0, R)
+    hist = tl.zeros((KP,), tl.int32)
+    for j0 in range(0, SB, R):
+        rows = b * SB + j0 + r
+        m = rows < N
+        idv = tl.load(ids_ptr + g * N + rows, mask=m, other=0).to(tl.int32)  # padding reads as id 0 ...
+        same = (idv[None, :] == idv[:, None]) & (r[None, :] < r[:, None])  # [token, earlier token]
+        tl.store(rank_ptr + g * N + rows, tl.gather(hist, idv, 0) + tl.sum(same.to(tl.int32), 1), mask=m)
+        # ... and is taken back out of bin 0 (it only ever trails the real tokens)
+        hist += tl.histogram(idv, KP) - tl.where(bins == 0, R - tl.sum(m.to(tl.int32), 0), 0)
+    tl.store(hist_ptr + (g * NB + b) * K + bins, hist, mask=bins < K)
+
+
+@triton.jit
+def _scatter_rank_kernel(ids_ptr, rank_ptr, offs_ptr, order_ptr, N, K, NB, SB: tl.constexpr):
+    """order[g, offs[b, id] + rank] = token (`_block_rank_kernel`'s ranks: the same stable order)."""
+    b = tl.program_id(0)
+    g = tl.program_id(1).to(tl.int64)
+    rows = b * SB + tl.arange(0, SB)
+    m = rows < N
+    cid = tl.load(ids_ptr + g * N + rows, mask=m, other=0).to(tl.int64)
+    slot = tl.load(offs_ptr + (g * NB + b) * K + cid, mask=m, other=0) + tl.load(rank_ptr + g * N + rows, mask=m,
+                                                                                   other=0)
+    tl.store(order_ptr + g * N + slot, rows, mask=m)
+
+
+@triton.jit
 def _scan_kernel(hist_ptr, offs_ptr, counts_ptr, cstart_ptr, istart_ptr, K, NB, ITEM, KP: tl.constexpr,
                  RB: tl.constexpr):
     g = tl.program_id(0).to(tl.int64)
@@ -146,12 +181,17 @@ def _segfinish_kernel(part_ptr, istart_ptr, counts_ptr, c_old_ptr, c_new_ptr, K,
     store_means(acc, tl.load(counts_ptr + g * K + ks, mask=kmask, other=0), c_old_ptr, c_new_ptr, g, ks, kmask, K, D)
 
 
-def sort_by_cluster(ids: torch.Tensor, k: int, item: int = 256, sort_block: int = 1024, bitonic: bool | None = None):
+def sort_by_cluster(ids: torch.Tensor, k: int, item: int = 256, sort_block: int = 1024, bitonic: bool | None = None,
+                    block: str = "sort", rank_rows: int = 32, rank_warps: int = 1):
     """Stable counting sort of each group's tokens by cluster id (steps 1-3). ids [G, N] -> (order [G, N] int32:
     token indices, cluster by cluster, each cluster's in index order; counts [G, K] int32; cstart [G, K+1] int32:
     where each cluster starts in `order`; istart [G, K+1] int32: each cluster's first work item of `item` tokens,
     istart[:, K] = the group's number of items). sort_block: tokens sorted per program (a power of two); bitonic:
-    sort them with tl.sort (default: except under the interpreter)."""
+    sort them with tl.sort (default: except under the interpreter). block="rank": no sort at all, each token's rank
+    in its cluster's run counted directly (`_block_rank_kernel`, rank_rows tokens at a time, on rank_warps warps);
+    the same order."""
+    if block not in ("sort", "rank"):
+        raise ValueError(f"unknown block method {block!r}; choose sort or rank")
     if sort_block & (sort_block - 1):
         raise ValueError("sort_block must be a power of two")
     g, n = ids.shape
@@ -159,35 +199,44 @@ def sort_by_cluster(ids: torch.Tensor, k: int, item: int = 256, sort_block: int 
     ids = ids.contiguous()
     kp = max(32, triton.next_power_of_2(k))  # histogram bins: a power of two, at least a warp
     nb = triton.cdiv(n, sort_block)
-    keys = torch.empty(g, n, device=dev, dtype=torch.int32)
+    keys = torch.empty(g, n, device=dev, dtype=torch.int32)  # sorted keys, or each token's rank
     hist = torch.empty(g, nb, k, device=dev, dtype=torch.int32)
-    lstart = torch.empty(g, nb, k, device=dev, dtype=torch.int32)
     offs = torch.empty(g, nb, k, device=dev, dtype=torch.int32)
     counts = torch.empty(g, k, device=dev, dtype=torch.int32)
     cstart = torch.empty(g, k + 1, device=dev, dtype=torch.int32)
     istart = torch.empty(g, k + 1, device=dev, dtype=torch.int32)
     order = torch.empty(g, n, device=dev, dtype=torch.int32)
-    _block_sort_kernel[(nb, g)](ids, keys, hist, lstart, n, k, nb, KP=kp, SB=sort_block,
-                                BITONIC=not INTERPRET if bitonic is None else bitonic, num_warps=4)
+    if block == "rank":
+        _block_rank_kernel[(nb, g)](ids, keys, hist, n, k, nb, KP=kp, SB=sort_block,
+                                    R=min(rank_rows, sort_block), num_warps=rank_warps)
+    else:
+        lstart = torch.empty(g, nb, k, device=dev, dtype=torch.int32)
+        _block_sort_kernel[(nb, g)](ids, keys, hist, lstart, n, k, nb, KP=kp, SB=sort_block,
+                                    BITONIC=not INTERPRET if bitonic is None else bitonic, num_warps=4)
     _scan_kernel[(g,)](hist, offs, counts, cstart, istart, k, nb, item, KP=kp,
                        RB=max(1, min(triton.next_power_of_2(nb), 8192 // kp)), num_warps=4)
-    _scatter_kernel[(nb, g)](keys, offs, lstart, order, n, k, nb, SB=sort_block, num_warps=4)
+    if block == "rank":
+        _scatter_rank_kernel[(nb, g)](ids, keys, offs, order, n, k, nb, SB=sort_block, num_warps=4)
+    else:
+        _scatter_kernel[(nb, g)](keys, offs, lstart, order, n, k, nb, SB=sort_block, num_warps=4)
     return order, counts, cstart, istart
 
 
 def update_segsum(x: torch.Tensor, ids: torch.Tensor, c: torch.Tensor, item: int = 256, rows: int = 32,
-                  sort_block: int = 1024, num_warps: int = 4, num_stages: int = 2, finish_block: int = 16
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  sort_block: int = 1024, num_warps: int = 4, num_stages: int = 2, finish_block: int = 16,
+                  block: str = "sort", rank_rows: int = 32, rank_warps: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """x [G, N, D] (bf16 / fp32), ids [G, N] (any integer dtype, values < K), c [G, K, D] -> (centroids [G, K, D]
     fp32, cluster sizes [G, K] int32). item: most tokens one work item sums (a multiple of rows); rows: tokens
-    summed per step; sort_block: tokens per counting-sort block (a power of two)."""
+    summed per step; sort_block: tokens per counting-sort block (a power of two); block: how a block orders its
+    tokens ("sort": tl.sort; "rank": counted ranks, no sort; rank_rows / rank_warps: its tiling; `sort_by_cluster`)."""
     g, n, d = x.shape
     k = c.shape[1]
     if d & (d - 1) or d < 16:
         raise ValueError(f"segsum update needs D a power of two >= 16, got {d}")
     if item % rows:
         raise ValueError("item must be a multiple of rows")
-    order, counts, cstart, istart = sort_by_cluster(ids, k, item, sort_block)
+    order, counts, cstart, istart = sort_by_cluster(ids, k, item, sort_block, block=block, rank_rows=rank_rows,
+                                                    rank_warps=rank_warps)
     maxi = triton.cdiv(n, item) + k  # >= sum_k ceil(c_k / item)
     part = torch.empty(g, maxi, d, device=x.device, dtype=torch.float32)
     c_new = torch.empty(g, k, d, device=x.device, dtype=torch.float32)

@@ -25,14 +25,17 @@ def _uneven_ids(g: int, n: int, k: int, seed: int) -> torch.Tensor:
     return ids.clamp(max=k - 1)
 
 
+@pytest.mark.parametrize("block", [dict(block="sort"), dict(block="rank"), dict(block="rank", rank_rows=8)])
 @pytest.mark.parametrize("kw", TILINGS)
 @pytest.mark.parametrize("k", [20, 256])
-def test_sort_by_cluster_is_torch_stable_sort(kw, k, device):
+def test_sort_by_cluster_is_torch_stable_sort(kw, k, block, device):
+    """Both block methods (tl.sort / counted ranks, the latter several sub-blocks per block) give torch's stable
+    order, ragged last block included."""
     ids = _uneven_ids(3, 301, k, seed=k)
     item = kw.get("item", 256)
     with poisoned():
         order, counts, cstart, istart = sort_by_cluster(ids.to(torch.uint8).to(device), k, item,
-                                                        kw.get("sort_block", 1024))
+                                                        kw.get("sort_block", 1024), **block)
     want = torch.sort(ids, dim=1, stable=True).indices
     assert order.dtype == torch.int32 and torch.equal(order.cpu().long(), want)
     wc = torch.zeros(3, k, dtype=torch.long).scatter_add_(1, ids, torch.ones_like(ids))
@@ -50,7 +53,7 @@ def test_sort_by_cluster_block_sorts(bitonic, device):
     assert torch.equal(order.cpu().long(), torch.sort(ids, dim=1, stable=True).indices)
 
 
-@pytest.mark.parametrize("kw", TILINGS)
+@pytest.mark.parametrize("kw", TILINGS + [dict(block="rank"), dict(item=32, rows=16, sort_block=64, block="rank")])
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 def test_update_segsum_uneven_and_empty_clusters(kw, x_dtype, device):
     g, n, d, k = 3, 301, 32, 40
