@@ -12,6 +12,9 @@ float atomics:
    tokens gets ceil(c / ITEM) items).
 3. `_scatter_kernel`: order[g, offs[b, id] + rank in the block's run of id] = token: a stable counting sort
    (within a cluster, tokens stay in index order).
+   block="rank" replaces steps 1 and 3 (same order, no sort): `_block_rank_kernel` counts each token's rank in its
+   cluster's run directly (per sub-block of R tokens: a running histogram read with tl.gather, plus an [R, R]
+   comparison) with the block's cluster sizes, and `_scatter_rank_kernel` writes order[g, offs[b, id] + rank].
 4. `_segsum_kernel`: a fixed grid of cdiv(N, ITEM) + K items per group (an upper bound of sum_k ceil(c_k/ITEM));
    item p finds its cluster from istart and sums its <= ITEM sorted tokens in FP32 (rows of ROWS tokens, then the
    rows), in a fixed order, into its own slot part[g, p]; surplus items write nothing.
@@ -192,6 +195,8 @@ def sort_by_cluster(ids: torch.Tensor, k: int, item: int = 256, sort_block: int 
     the same order."""
     if block not in ("sort", "rank"):
         raise ValueError(f"unknown block method {block!r}; choose sort or rank")
+    if rank_rows < 1 or rank_rows & (rank_rows - 1):
+        raise ValueError(f"rank_rows must be a power of two, got {rank_rows}")
     if sort_block & (sort_block - 1):
         raise ValueError("sort_block must be a power of two")
     g, n = ids.shape

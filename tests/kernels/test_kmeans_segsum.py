@@ -25,7 +25,11 @@ def _uneven_ids(g: int, n: int, k: int, seed: int) -> torch.Tensor:
     return ids.clamp(max=k - 1)
 
 
-@pytest.mark.parametrize("block", [dict(block="sort"), dict(block="rank"), dict(block="rank", rank_rows=8)])
+@pytest.mark.parametrize("block", [dict(block="sort"), dict(block="rank"), dict(block="rank", rank_rows=8),
+                                   dict(block="rank", rank_rows=64, rank_warps=1),  # compress's "fast"
+                                   dict(block="rank", rank_rows=32, rank_warps=2),
+                                   dict(block="rank", rank_rows=16, rank_warps=4),
+                                   dict(block="rank", rank_rows=128)])  # (more than some blocks: clamped)
 @pytest.mark.parametrize("kw", TILINGS)
 @pytest.mark.parametrize("k", [20, 256])
 def test_sort_by_cluster_is_torch_stable_sort(kw, k, block, device):
@@ -88,7 +92,8 @@ def test_update_segsum_singletons_are_exact(device):
 
 
 @pytest.mark.parametrize("id_dtype", [torch.uint16, torch.int64])
-def test_update_segsum_wide_ids(id_dtype, device):
+@pytest.mark.parametrize("block", ["sort", "rank"])
+def test_update_segsum_wide_ids(id_dtype, block, device):
     g, n, d, k = 1, 700, 16, 300
     x = torch.randn(g, n, d, generator=gen(6))
     ids = torch.randint(0, k, (g, n), generator=gen(7))
@@ -96,7 +101,27 @@ def test_update_segsum_wide_ids(id_dtype, device):
     c = torch.randn(g, k, d, generator=gen(8))
     with poisoned():
         new, cnt = kk.update_with_counts(x.to(device), ids.to(id_dtype).to(device), c.to(device), method="segsum",
-                                         item=64, rows=32)
+                                         item=64, rows=32, block=block)
     want, wcnt = ref.update_with_counts(x, ids, c)
     assert torch.equal(cnt.cpu().float(), wcnt)
     torch.testing.assert_close(new.cpu(), want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("n,k,sb,rows", [(5, 7, 64, 64), (301, 300, 128, 32), (130, 20, 64, 16)])
+def test_sort_by_cluster_rank_edge_cases(n, k, sb, rows, device):
+    """Counted ranks: a group shorter than one sub-block, ids past 255 (uint16), and real id-0 tokens in a partial
+    last sub-block (whose padding also reads as id 0) all give torch's stable order and sizes."""
+    ids = torch.randint(0, k, (2, n), generator=gen(n + k))
+    ids[:, -3:] = 0  # id 0 right before the padding
+    ids[1, :2] = k - 1
+    dt = torch.uint8 if k <= 256 else torch.int16
+    with poisoned():
+        order, counts, *_ = sort_by_cluster(ids.to(dt).to(device), k, 16, sb, block="rank", rank_rows=rows)
+    assert torch.equal(order.cpu().long(), torch.sort(ids, dim=1, stable=True).indices)
+    assert torch.equal(counts.cpu().long(), torch.zeros(2, k, dtype=torch.long).scatter_add_(1, ids,
+                                                                                           torch.ones_like(ids)))
+
+
+def test_sort_by_cluster_rank_rows_must_be_a_power_of_two():
+    with pytest.raises(ValueError, match="rank_rows must be a power of two"):
+        sort_by_cluster(torch.zeros(1, 8, dtype=torch.uint8), 4, block="rank", rank_rows=48)
