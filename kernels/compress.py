@@ -40,13 +40,6 @@ COMPRESS_VARIANTS = {
 COMPRESS_VARIANTS["fast-sort"] = dict(COMPRESS_VARIANTS["fast"], update_kw={
     k: v for k, v in COMPRESS_VARIANTS["fast"]["update_kw"].items() if k not in ("rank_rows", "rank_warps")} | {
     "block": "sort"})
-# smaller update blocks (items of 128 tokens, 256-token blocks, 2 warps: the variant sweep's fastest update at
-# 5d3c3cc, with the block sort), with counted ranks or the block sort: timed against "fast" in one run
-_SMALL = dict(item=128, rows=16, num_warps=2, num_stages=2, sort_block=256)
-COMPRESS_VARIANTS["fast-i128"] = dict(COMPRESS_VARIANTS["fast"], update_kw={
-    **COMPRESS_VARIANTS["fast"]["update_kw"], **_SMALL})
-COMPRESS_VARIANTS["fast-sort-i128"] = dict(COMPRESS_VARIANTS["fast-sort"], update_kw={
-    **COMPRESS_VARIANTS["fast-sort"]["update_kw"], **_SMALL})
 COMPRESS_VARIANT = "fast"
 
 
