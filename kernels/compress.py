@@ -19,27 +19,23 @@ from .quantize import _residual, quantize_packed
 # Which k-means / pack kernels compress runs: options of `kmeans` (assign_kw, update_kw, reseed) and of
 # `quantize_packed` (pack_kw). "fast" is the default: one-reduction persistent assignment (progs="auto": ~2
 # programs per SM), counting-sort segmented-sum update, fused reseeding, fused pack, chosen piece by piece in
-# `python -m qvg.eval.profile_compress --variants` sweeps (eval/results/profile-compress-variants-h100*.json); its
+# `python -m qvg.eval.profile_compress --variants` sweeps (eval/results/profile-compress-variants-h100*.json). Its
 # update sums 16 rows per step (39 registers against 56 for 32 rows under ncu; no slower in one run,
 # kernels-h100.headmax-72b904b.json) and orders each block's tokens by counted ranks, 64 at a time on one warp,
 # not a sort (whole compress 3.5% / 3.7% faster for qvg / qvg-pro in one run, kernels-h100.compress-6b0c1ca.json;
 # the update alone was faster in a variant sweep and slower in the bench's piece timing, see kernels-h100.md).
-# "current" (tiled assignment, one-hot
-# update, torch reseeding, two-kernel pack: what kernels-h100.md measured before "fast") stays for those sweeps
-# to time against; "fast" returns its ids and centroids up to the order in which the FP32 cluster sums are
-# added. COMPRESS_VARIANT is the switch; `compress_prq(..., variant=)` overrides it per call.
+# "current" (tiled assignment, one-hot update, torch reseeding, two-kernel pack: what kernels-h100.md measured
+# before "fast") stays for those sweeps to time against; "fast" returns its ids and centroids up to the order in
+# which the FP32 cluster sums are added. "fast-sort" is "fast" with the block sort (tl.sort), as before 6b0c1ca,
+# to time the two in one run. COMPRESS_VARIANT is the switch; `compress_prq(..., variant=)` overrides it per call.
+_FAST_UPDATE = dict(method="segsum", item=256, rows=16, num_warps=4, num_stages=3, sort_block=1024)
+_FAST = dict(assign_kw=dict(mode="min", block_n=64, block_k=256, num_warps=4, progs="auto"), reseed="fused",
+             pack_kw=dict(fused=True, block_n=32, num_warps=4))
 COMPRESS_VARIANTS = {
     "current": dict(assign_kw={}, update_kw={}, reseed="torch", pack_kw={}),
-    "fast": dict(assign_kw=dict(mode="min", block_n=64, block_k=256, num_warps=4, progs="auto"),
-                 update_kw=dict(method="segsum", item=256, rows=16, num_warps=4, num_stages=3, sort_block=1024,
-                                block="rank", rank_rows=64, rank_warps=1),
-                 reseed="fused", pack_kw=dict(fused=True, block_n=32, num_warps=4)),
+    "fast": dict(_FAST, update_kw=dict(_FAST_UPDATE, block="rank", rank_rows=64, rank_warps=1)),
+    "fast-sort": dict(_FAST, update_kw=dict(_FAST_UPDATE, block="sort")),
 }
-# "fast" with the block sort (tl.sort) in its update instead of counted ranks, as before 6b0c1ca: to time the two
-# in one run
-COMPRESS_VARIANTS["fast-sort"] = dict(COMPRESS_VARIANTS["fast"], update_kw={
-    k: v for k, v in COMPRESS_VARIANTS["fast"]["update_kw"].items() if k not in ("rank_rows", "rank_warps")} | {
-    "block": "sort"})
 COMPRESS_VARIANT = "fast"
 
 

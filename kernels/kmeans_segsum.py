@@ -122,7 +122,7 @@ def _scan_kernel(hist_ptr, offs_ptr, counts_ptr, cstart_ptr, istart_ptr, K, NB, 
 
 
 @triton.jit
-def _scatter_kernel(keys_ptr, offs_ptr, lstart_ptr, order_ptr, N, K, NB, SB: tl.constexpr):
+def _scatter_kernel(keys_ptr, lstart_ptr, offs_ptr, order_ptr, N, K, NB, SB: tl.constexpr):
     """order[g, offs[b, id] + (position in the sorted block - where id's run starts)] = token."""
     b = tl.program_id(0)
     g = tl.program_id(1).to(tl.int64)
@@ -214,16 +214,15 @@ def sort_by_cluster(ids: torch.Tensor, k: int, item: int = 256, sort_block: int 
     if block == "rank":
         _block_rank_kernel[(nb, g)](ids, keys, hist, n, k, nb, KP=kp, SB=sort_block,
                                     R=min(rank_rows, sort_block), num_warps=rank_warps)
+        scatter, scatter_args = _scatter_rank_kernel, (ids, keys)
     else:
         lstart = torch.empty(g, nb, k, device=dev, dtype=torch.int32)
         _block_sort_kernel[(nb, g)](ids, keys, hist, lstart, n, k, nb, KP=kp, SB=sort_block,
                                     BITONIC=not INTERPRET if bitonic is None else bitonic, num_warps=4)
+        scatter, scatter_args = _scatter_kernel, (keys, lstart)
     _scan_kernel[(g,)](hist, offs, counts, cstart, istart, k, nb, item, KP=kp,
                        RB=max(1, min(triton.next_power_of_2(nb), 8192 // kp)), num_warps=4)
-    if block == "rank":
-        _scatter_rank_kernel[(nb, g)](ids, keys, offs, order, n, k, nb, SB=sort_block, num_warps=4)
-    else:
-        _scatter_kernel[(nb, g)](keys, offs, lstart, order, n, k, nb, SB=sort_block, num_warps=4)
+    scatter[(nb, g)](*scatter_args, offs, order, n, k, nb, SB=sort_block, num_warps=4)
     return order, counts, cstart, istart
 
 
