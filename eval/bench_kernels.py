@@ -36,6 +36,41 @@ def bench(fn, warmup=25, rep=100) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
+def capture_graph(fn):
+    """(CUDA graph of fn, its output): fn run twice on a side stream first (compiles the kernels, settles the
+    allocator), then captured and replayed once."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph, out
+
+
+def gpu_tag(device_name: str) -> str:
+    """Short name of a GPU for result file names (h100, h200, else the device name)."""
+    if "H100" in device_name:
+        return "h100"
+    return "h200" if "H200" in device_name else device_name.replace(" ", "-").lower()
+
+
+def write_result(res: dict, out_dir: str, name: str, t0: float) -> str:
+    """res (with its wall time since t0) as JSON at out_dir/name; the path."""
+    res["wall_s"] = time.time() - t0
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, name)
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"wrote {path} ({res['wall_s']:.0f} s)")
+    return path
+
+
 def clustered(shape, k=64, seed=0, spread=8.0, dtype=torch.bfloat16, device="cuda"):
     """Video-like KV stand-in (on the GPU by default): per-head cluster centres + noise + a few large outlier
     channels."""
@@ -168,21 +203,13 @@ def _parity(tensors, pr, x1, method, o, mse_r) -> dict:
 
 def _compress_row(x1, o, warm, name, pk, shape) -> dict:
     """One variant's compress time (eager and replayed from a CUDA graph) and its pieces; pk: its output."""
-    from qvg.kernels.compress import COMPRESS_VARIANTS, compress_prq
-    v = COMPRESS_VARIANTS[name]
+    from qvg.kernels.compress import compress_prq, resolve_variant
+    v = resolve_variant(name, shape[0] * shape[1], shape[2], o["centroids"])  # ("auto": the preset it picks)
     ms = bench(lambda: compress_prq(x1, o, warm, 2, variant=name), warmup=5, rep=30)
     # the same pipeline replayed from a CUDA graph (chunks have a fixed shape, so a cache can capture it once):
     # GPU time without Python/launch overhead
     try:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                compress_prq(x1, o, warm, 2, variant=name)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            compress_prq(x1, o, warm, 2, variant=name)
+        graph, _ = capture_graph(lambda: compress_prq(x1, o, warm, 2, variant=name))
         graph_ms = bench(graph.replay, warmup=5, rep=30)
     except Exception as e:  # reported, the rest of the section still runs
         graph_ms = f"{type(e).__name__}: {str(e)[:120]}"
@@ -422,13 +449,7 @@ def main(argv=None) -> int:
             traceback.print_exc()
             res[name] = {"error": f"{type(e).__name__}: {e}"}
         torch.cuda.empty_cache()
-    res["wall_s"] = time.time() - t0
-    os.makedirs(args.out, exist_ok=True)
-    tag = "h100" if "H100" in dev else ("h200" if "H200" in dev else dev.replace(" ", "-").lower())
-    path = os.path.join(args.out, f"kernels-{tag}.json")
-    with open(path, "w") as f:
-        json.dump(res, f, indent=1)
-    print(f"wrote {path} ({res['wall_s']:.0f} s)")
+    write_result(res, args.out, f"kernels-{gpu_tag(dev)}.json", t0)
     return 0
 
 

@@ -13,6 +13,7 @@ accounting. Writes pipeline-<gpu>.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -38,27 +39,44 @@ def wan_model(**config):
 
 def new_cache(model, method: str, window: int, options: dict):
     """A 30-layer cache of 3-frame chunks with a rolling window (options apply to the compressed methods).
-    method "NAME[:pre-rope][:sync][:eager-commit][:noprefetch|:prefetch-all][:plain-writes][:high-priority]": keys
+    method "NAME[:pre-rope][:sync][:eager-commit][:noprefetch|:prefetch-all][:plain-writes][:high-priority]
+    [:compress=VARIANT]": keys
     packed before RoPE (KVCache key_storage); commits in line with the forward instead of on the cache's side stream
     (KVCache async_commit=False); side-stream commits queued by each layer's commit_layer (KVCache defer_commits=False);
     every history decoded in line before its attention (KVCache prefetch_bytes=0), or prefetched up to the largest
     staging window (prefetch_bytes=WINDOW_BYTES) instead of the default budget; plain-writes: the chunk's denoising
     steps write as the re-run does, not transient; high-priority: the chunk runs on a high-priority CUDA stream, so the
     cache's side streams (prefetched decodes, queued commits) get only the SMs its kernels leave idle (these two flags
-    are read by `method_runner`; the cache ignores them)."""
+    are read by `method_runner`; the cache ignores them); compress=VARIANT: the cache's compressions (the fill's, then
+    the chunks') run kernels/compress.py's preset VARIANT instead of the default "auto" (`_fill` and
+    `method_runner` apply it from the cache's `bench_compress_variant` tag)."""
     from qvg.cache import KVCache
     from qvg.kernels.windowed_sdpa import WINDOW_BYTES
+    from qvg.kernels.compress import resolve_variant
     name, *flags = method.split(":")
+    variant = [f.split("=", 1)[1] for f in flags if f.startswith("compress=")]
+    flags = [f for f in flags if not f.startswith("compress=")]
     prefetch = {"noprefetch": 0, "prefetch-all": WINDOW_BYTES}
-    known = ("pre-rope", "sync", "eager-commit", "plain-writes", "high-priority", *prefetch)
+    known = ("pre-rope", "sync", "eager-commit", "plain-writes", "high-priority", *prefetch, "compress=VARIANT")
     unknown = set(flags) - set(known)
     if unknown:
         raise ValueError(f"unknown method flag(s) {', '.join(sorted(unknown))} in {method!r} ({', '.join(known)})")
-    return KVCache(30, name, chunk_frames=3, tokens_per_frame=model.tokens_per_latent_frame(*LATENT_HW),
+    for v in variant:
+        resolve_variant(v, 1, 1, 1)  # (refuses an unknown preset)
+    cache = KVCache(30, name, chunk_frames=3, tokens_per_frame=model.tokens_per_latent_frame(*LATENT_HW),
                    window_frames=window, key_storage="pre-rope" if "pre-rope" in flags else "post-rope",
                    async_commit="sync" not in flags, defer_commits="eager-commit" not in flags,
                    **{"prefetch_bytes": prefetch[f] for f in flags if f in prefetch},
                    **({} if name == "bf16" else options))
+    cache.bench_compress_variant = variant[-1] if variant else None  # (a benchmark tag; the cache ignores it)
+    return cache
+
+
+def _variant(cache):
+    """A context that runs the cache's compressions with its `compress=` preset (none: the default)."""
+    from qvg.kernels.compress import use_variant
+    v = getattr(cache, "bench_compress_variant", None)
+    return use_variant(v) if v else contextlib.nullcontext()
 
 
 def cuda_ms(fn) -> float:
@@ -97,6 +115,11 @@ def steady_ms(chunk) -> float:
 
 def _fill(cache, frames: int, heads: int, seed: int = 0):
     """Commit synthetic chunks until `frames` past frames are held (clustered, like real K/V)."""
+    with _variant(cache):
+        _fill_chunks(cache, frames, heads, seed)
+
+
+def _fill_chunks(cache, frames: int, heads: int, seed: int):
     g = torch.Generator(device="cuda").manual_seed(seed)
     t = cache.chunk_tokens
     for _ in range(frames // cache.chunk_frames):
@@ -134,7 +157,13 @@ def chunk_runner(model, cache, commit_layers: bool = True, transient: bool = Tru
     def chunk():
         forwards()
         cache.commit()
-    return chunk, forwards
+
+    def with_variant(fn):
+        def run():
+            with _variant(cache):
+                fn()
+        return run
+    return with_variant(chunk), with_variant(forwards)
 
 
 def method_runner(model, cache, method: str, commit_layers: bool = True):

@@ -150,9 +150,9 @@ def main(argv=None) -> int:
         print("ncu_kernels: needs a CUDA GPU", file=sys.stderr)
         return 2
     dev = torch.cuda.get_device_name()
-    tag = "h100" if "H100" in dev else ("h200" if "H200" in dev else dev.replace(" ", "-").lower())
+    from .bench_kernels import gpu_tag
     os.makedirs(args.out, exist_ok=True)
-    rep = os.path.join(args.out, f"ncu-kernels-{tag}")
+    rep = os.path.join(args.out, f"ncu-kernels-{gpu_tag(dev)}")
     cmd = [args.ncu, "--clock-control", "none", "--profile-from-start", "off", "--nvtx", "--kernel-name",
            "regex:^_", "-f", "-o", rep]  # the Triton kernels (torch's own launches are named void at::...)
     for s in SECTIONS:

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from .bench_kernels import bench, clustered
+from .bench_kernels import bench, capture_graph, clustered
 
 CUDA = torch.cuda.is_available()
 
@@ -200,17 +200,7 @@ def recommended(p: dict, packs: list[list[dict]]) -> dict:
 
 def _graph_ms(fn):
     """(ms of a CUDA-graph replay of fn, the graph's output, the graph) or an error string."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    graph.replay()
-    torch.cuda.synchronize()
+    graph, out = capture_graph(fn)
     return bench(graph.replay, warmup=5, rep=40), out, graph
 
 

@@ -6,6 +6,8 @@ by one kernel from x and the stored ids / centroids; the last residual is formed
 never written."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -17,26 +19,70 @@ from .kmeans import kmeans
 from .quantize import _residual, quantize_packed
 
 # Which k-means / pack kernels compress runs: options of `kmeans` (assign_kw, update_kw, reseed) and of
-# `quantize_packed` (pack_kw). "fast" is the default: one-reduction persistent assignment (progs="auto": ~2
-# programs per SM), counting-sort segmented-sum update, fused reseeding, fused pack, chosen piece by piece in
-# `python -m qvg.eval.profile_compress --variants` sweeps (eval/results/profile-compress-variants-h100*.json). Its
-# update sums 16 rows per step (39 registers against 56 for 32 rows under ncu; no slower in one run,
-# kernels-h100.headmax-72b904b.json) and orders each block's tokens by counted ranks, 64 at a time on one warp,
-# not a sort (whole compress 3.5% / 3.7% faster for qvg / qvg-pro in one run, kernels-h100.compress-6b0c1ca.json;
-# the update alone was faster in a variant sweep and slower in the bench's piece timing, see kernels-h100.md).
-# "current" (tiled assignment, one-hot update, torch reseeding, two-kernel pack: what kernels-h100.md measured
-# before "fast") stays for those sweeps to time against; "fast" returns its ids and centroids up to the order in
-# which the FP32 cluster sums are added. "fast-sort" is "fast" with the block sort (tl.sort), as before 6b0c1ca,
-# to time the two in one run. COMPRESS_VARIANT is the switch; `compress_prq(..., variant=)` overrides it per call.
+# `quantize_packed` (pack_kw). "fast" was chosen at the LongCat span ([1, 32, 29640, 128], K=256) piece by piece in
+# `python -m qvg.eval.profile_compress --variants` sweeps (eval/results/profile-compress-variants-h100*.json):
+# one-reduction persistent assignment (progs="auto": ~2 programs per SM), counting-sort segmented-sum update, fused
+# reseeding, fused pack. Its update sums 16 rows per step (39 registers against 56 for 32 rows under ncu; no slower
+# in one run, kernels-h100.headmax-72b904b.json) and orders each block's tokens by counted ranks, 64 at a time on one
+# warp, not a sort (whole compress 3.5% / 3.7% faster for qvg / qvg-pro in one run, kernels-h100.compress-6b0c1ca.json).
+# "fast-sort" is "fast" with the block sort (tl.sort), as before 6b0c1ca; "fast-onehot" / "fast-onehot-1024" take
+# the one-hot tensor-core update instead, on 512- / 1024-token splits. "current" (tiled assignment, one-hot update,
+# torch reseeding, two-kernel pack: what kernels-h100.md measured before "fast") stays for those sweeps to time
+# against. All of them return the same ids, and centroids up to the order in which the FP32 cluster sums are added.
 _FAST_UPDATE = dict(method="segsum", item=256, rows=16, num_warps=4, num_stages=3, sort_block=1024)
 _FAST = dict(assign_kw=dict(mode="min", block_n=64, block_k=256, num_warps=4, progs="auto"), reseed="fused",
              pack_kw=dict(fused=True, block_n=32, num_warps=4))
+_ONEHOT_UPDATE = dict(method="onehot", block_k=64, block_n=32, num_warps=4)
 COMPRESS_VARIANTS = {
     "current": dict(assign_kw={}, update_kw={}, reseed="torch", pack_kw={}),
     "fast": dict(_FAST, update_kw=dict(_FAST_UPDATE, block="rank", rank_rows=64, rank_warps=1)),
     "fast-sort": dict(_FAST, update_kw=dict(_FAST_UPDATE, block="sort")),
+    "fast-onehot": dict(_FAST, update_kw=dict(_ONEHOT_UPDATE, chunk=512)),
+    "fast-onehot-1024": dict(_FAST, update_kw=dict(_ONEHOT_UPDATE, chunk=1024)),
 }
-COMPRESS_VARIANT = "fast"
+# The default, "auto", picks one of them by shape (`pick_variant`); COMPRESS_VARIANT is the switch, and
+# `compress_prq(..., variant=)` overrides it per call.
+COMPRESS_VARIANT = "auto"
+
+
+def pick_variant(groups: int, tokens: int, k: int) -> str:
+    """The fastest preset for `groups` (batch x heads) groups of `tokens` tokens and K = k, from whole-compress CUDA
+    graph replays over Self-Forcing and LongCat shapes on an H100 (`python -m qvg.eval.sweep_compress`;
+    eval/results/compress-sweep-h100.md):
+    - short units (tokens x K <= 1.2M, K <= 256; a Self-Forcing chunk, 4,680 tokens, K = 64): the one-hot update on
+      512-token splits, 22-30% faster than "fast": the sort's few blocks leave the GPU idle there;
+    - longer units with K <= 64: the one-hot update on 1024-token splits (3-9% faster);
+    - else the counting sort + segmented sum: with the block sort while groups x tokens <= 480k (5-13% faster with 12
+      heads; a tie at 32 x 14,820), with counted ranks above (the LongCat span: 3.7% faster)."""
+    if tokens * k <= 1_200_000 and k <= 256:
+        return "fast-onehot"
+    if k <= 64:
+        return "fast-onehot-1024"
+    return "fast-sort" if groups * tokens <= 480_000 else "fast"
+
+
+def resolve_variant(variant: str | dict | None, groups: int, tokens: int, k: int) -> dict:
+    """A COMPRESS_VARIANTS entry (or "auto": `pick_variant`'s, or a variant dict as it is)."""
+    if isinstance(variant, dict):
+        return variant
+    name = variant or COMPRESS_VARIANT
+    if name == "auto":
+        name = pick_variant(groups, tokens, k)
+    if name not in COMPRESS_VARIANTS:
+        raise ValueError(f"unknown compress variant {name!r}; choose auto or one of {sorted(COMPRESS_VARIANTS)}")
+    return COMPRESS_VARIANTS[name]
+
+
+@contextlib.contextmanager
+def use_variant(name: str):
+    """COMPRESS_VARIANT set to `name` inside the block (benchmarks: a cache built and run with another preset)."""
+    global COMPRESS_VARIANT
+    resolve_variant(name, 1, 1, 1)  # (refuses an unknown name)
+    old, COMPRESS_VARIANT = COMPRESS_VARIANT, name
+    try:
+        yield
+    finally:
+        COMPRESS_VARIANT = old
 
 
 @triton.jit
@@ -66,11 +112,11 @@ def residual_bf16(x: torch.Tensor, ids: torch.Tensor, cents: torch.Tensor, stage
 def compress_prq(x: torch.Tensor, o: dict, warm: torch.Tensor | None, iters: int,
                  variant: str | dict | None = None) -> dict[str, torch.Tensor]:
     """x [B, H, N, D]; o: resolved options; warm: [S, B*H, K, D] centroids or None -> the tensors to store.
-    variant: a COMPRESS_VARIANTS name or such a dict (default: COMPRESS_VARIANT)."""
-    v = variant if isinstance(variant, dict) else COMPRESS_VARIANTS[variant or COMPRESS_VARIANT]
-    pack_kw = v.get("pack_kw", {})
+    variant: a COMPRESS_VARIANTS name, "auto" (`pick_variant` by shape) or such a dict (default: COMPRESS_VARIANT)."""
     b, h, n, d = x.shape
     s_count, k = o.get("stages", 0), o.get("centroids", 1)
+    v = resolve_variant(variant, b * h, n, k)
+    pack_kw = v.get("pack_kw", {})
     if not s_count:
         return quantize_packed(x, token_spec(o), **pack_kw)
     x = x.contiguous()

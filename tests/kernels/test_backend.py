@@ -59,7 +59,7 @@ def _compare_paths(x, method, kernel_packed, torch_packed):
         assert agree > 0.8, (method, agree)
 
 
-@pytest.mark.parametrize("variant", ["current", "fast"])
+@pytest.mark.parametrize("variant", ["current", "fast", "fast-onehot"])
 @pytest.mark.parametrize("method", ["qvg", "qvg-pro"])
 def test_compress_prq_kernels_vs_torch(method, variant, device):
     """The kernel compress path (Triton k-means + fused residual quantize) called directly, on the device (the
