@@ -46,14 +46,15 @@ COMPRESS_VARIANT = "auto"
 
 
 def pick_variant(groups: int, tokens: int, k: int) -> str:
-    """The fastest preset for `groups` (batch x heads) groups of `tokens` tokens and K = k, from whole-compress CUDA
-    graph replays over Self-Forcing and LongCat shapes on an H100 (`python -m qvg.eval.sweep_compress`;
-    eval/results/compress-sweep-h100.md):
+    """The preset for `groups` (batch x heads) groups of `tokens` tokens and K = k: the fastest, or within 3.5% of it,
+    at each of 14 shapes (Self-Forcing units of 1-8 chunks, LongCat spans) in whole-compress CUDA graph replays on
+    an H100 (`python -m qvg.eval.sweep_compress`; eval/results/compress-sweep-h100.md):
     - short units (tokens x K <= 1.2M, K <= 256; a Self-Forcing chunk, 4,680 tokens, K = 64): the one-hot update on
-      512-token splits, 22-30% faster than "fast": the sort's few blocks leave the GPU idle there;
-    - longer units with K <= 64: the one-hot update on 1024-token splits (3-9% faster);
-    - else the counting sort + segmented sum: with the block sort while groups x tokens <= 480k (5-13% faster with 12
-      heads; a tie at 32 x 14,820), with counted ranks above (the LongCat span: 3.7% faster)."""
+      512-token splits, 11-30% faster than "fast" (24% at the chunk): the counting sort's few blocks leave the GPU
+      idle there;
+    - longer units with K <= 64: the one-hot update on 1024-token splits (3-11% faster);
+    - else the counting sort + segmented sum: with the block sort while groups x tokens <= 480k (5-10% faster with 12
+      heads; a tie at 32 x 14,820), with counted ranks above (the LongCat span)."""
     if tokens * k <= 1_200_000 and k <= 256:
         return "fast-onehot"
     if k <= 64:
