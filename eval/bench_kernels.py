@@ -221,7 +221,9 @@ def _compress_row(x1, o, warm, name, pk, shape) -> dict:
     ids0, _ = assign(xg, c0)
     # the variant's pieces, and the one-hot update the segmented sum replaced (variant sweeps: python -m
     # qvg.eval.profile_compress --variants)
-    parts = {"variant": name, "config": v, "ms": ms, "cuda_graph_ms": graph_ms,
+    from qvg.kernels.compress import pick_variant
+    picked = pick_variant(shape[0] * shape[1], shape[2], o["centroids"]) if name == "auto" else name
+    parts = {"variant": name, "preset": picked, "config": v, "ms": ms, "cuda_graph_ms": graph_ms,
              "assign_ms": bench(lambda: assign(xg, c0, True, **v["assign_kw"])),
              "update_ms": bench(lambda: update(xg, ids0, c0, **v["update_kw"])),
              "update_onehot_ms": bench(lambda: update(xg, ids0, c0, method="onehot")),

@@ -13,16 +13,18 @@ accounting. Writes pipeline-<gpu>.json.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
 import statistics
 import sys
+import time
 
 import torch
 
 from qvg.compression.graphed import pool_free_bytes
+
+from .bench_kernels import gpu_tag, write_result
 
 WAN_1_3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16,
                 out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
@@ -40,43 +42,48 @@ def wan_model(**config):
 def new_cache(model, method: str, window: int, options: dict):
     """A 30-layer cache of 3-frame chunks with a rolling window (options apply to the compressed methods).
     method "NAME[:pre-rope][:sync][:eager-commit][:noprefetch|:prefetch-all][:plain-writes][:high-priority]
-    [:compress=VARIANT]": keys
+    [:compress=PRESET]" (`parse_method`): keys
     packed before RoPE (KVCache key_storage); commits in line with the forward instead of on the cache's side stream
     (KVCache async_commit=False); side-stream commits queued by each layer's commit_layer (KVCache defer_commits=False);
     every history decoded in line before its attention (KVCache prefetch_bytes=0), or prefetched up to the largest
     staging window (prefetch_bytes=WINDOW_BYTES) instead of the default budget; plain-writes: the chunk's denoising
     steps write as the re-run does, not transient; high-priority: the chunk runs on a high-priority CUDA stream, so the
     cache's side streams (prefetched decodes, queued commits) get only the SMs its kernels leave idle (these two flags
-    are read by `method_runner`; the cache ignores them); compress=VARIANT: the cache's compressions (the fill's, then
-    the chunks') run kernels/compress.py's preset VARIANT instead of the default "auto" (`_fill` and
-    `method_runner` apply it from the cache's `bench_compress_variant` tag)."""
+    are read by `method_runner`; the cache ignores them); compress=PRESET: the cache compresses with
+    kernels/compress.py's preset PRESET instead of the default "auto" (KVCache compress_preset)."""
     from qvg.cache import KVCache
     from qvg.kernels.windowed_sdpa import WINDOW_BYTES
-    from qvg.kernels.compress import resolve_variant
-    name, *flags = method.split(":")
-    variant = [f.split("=", 1)[1] for f in flags if f.startswith("compress=")]
-    flags = [f for f in flags if not f.startswith("compress=")]
+    name, flags, preset = parse_method(method)
     prefetch = {"noprefetch": 0, "prefetch-all": WINDOW_BYTES}
-    known = ("pre-rope", "sync", "eager-commit", "plain-writes", "high-priority", *prefetch, "compress=VARIANT")
-    unknown = set(flags) - set(known)
-    if unknown:
-        raise ValueError(f"unknown method flag(s) {', '.join(sorted(unknown))} in {method!r} ({', '.join(known)})")
-    for v in variant:
-        resolve_variant(v, 1, 1, 1)  # (refuses an unknown preset)
-    cache = KVCache(30, name, chunk_frames=3, tokens_per_frame=model.tokens_per_latent_frame(*LATENT_HW),
+    return KVCache(30, name, chunk_frames=3, tokens_per_frame=model.tokens_per_latent_frame(*LATENT_HW),
                    window_frames=window, key_storage="pre-rope" if "pre-rope" in flags else "post-rope",
                    async_commit="sync" not in flags, defer_commits="eager-commit" not in flags,
                    **{"prefetch_bytes": prefetch[f] for f in flags if f in prefetch},
-                   **({} if name == "bf16" else options))
-    cache.bench_compress_variant = variant[-1] if variant else None  # (a benchmark tag; the cache ignores it)
-    return cache
+                   **({} if name == "bf16" else dict(options, compress_preset=preset)))
 
 
-def _variant(cache):
-    """A context that runs the cache's compressions with its `compress=` preset (none: the default)."""
-    from qvg.kernels.compress import use_variant
-    v = getattr(cache, "bench_compress_variant", None)
-    return use_variant(v) if v else contextlib.nullcontext()
+FLAGS = ("pre-rope", "sync", "eager-commit", "noprefetch", "prefetch-all", "plain-writes", "high-priority")
+
+
+def parse_method(method: str) -> tuple[str, list[str], str | None]:
+    """(cache method, flags, compress preset or None) of a `new_cache` method string; ValueError names what is
+    wrong (checked before anything runs)."""
+    from qvg.cache import CACHE_METHODS
+    from qvg.kernels.compress import resolve_variant
+    name, *flags = method.split(":")
+    presets = [f.split("=", 1)[1] for f in flags if f.startswith("compress=")]
+    flags = [f for f in flags if not f.startswith("compress=")]
+    if name not in CACHE_METHODS:
+        raise ValueError(f"unknown cache method {name!r} in {method!r}; choose one of: {', '.join(CACHE_METHODS)}")
+    unknown = set(flags) - set(FLAGS)
+    if unknown:
+        raise ValueError(f"unknown method flag(s) {', '.join(sorted(unknown))} in {method!r} "
+                         f"({', '.join(FLAGS)}, compress=PRESET)")
+    if len(presets) > 1 or (presets and name == "bf16"):
+        raise ValueError(f"{method!r}: one compress=PRESET at most, and not for bf16 (it compresses nothing)")
+    for p in presets:
+        resolve_variant(p, 1, 1, 1)  # (refuses an unknown preset)
+    return name, flags, (presets[0] if presets else None)
 
 
 def cuda_ms(fn) -> float:
@@ -115,11 +122,6 @@ def steady_ms(chunk) -> float:
 
 def _fill(cache, frames: int, heads: int, seed: int = 0):
     """Commit synthetic chunks until `frames` past frames are held (clustered, like real K/V)."""
-    with _variant(cache):
-        _fill_chunks(cache, frames, heads, seed)
-
-
-def _fill_chunks(cache, frames: int, heads: int, seed: int):
     g = torch.Generator(device="cuda").manual_seed(seed)
     t = cache.chunk_tokens
     for _ in range(frames // cache.chunk_frames):
@@ -157,13 +159,7 @@ def chunk_runner(model, cache, commit_layers: bool = True, transient: bool = Tru
     def chunk():
         forwards()
         cache.commit()
-
-    def with_variant(fn):
-        def run():
-            with _variant(cache):
-                fn()
-        return run
-    return with_variant(chunk), with_variant(forwards)
+    return chunk, forwards
 
 
 def method_runner(model, cache, method: str, commit_layers: bool = True):
@@ -363,8 +359,15 @@ def main(argv=None) -> int:
     ap.add_argument("--max-history", default=None, metavar="M1,M2",
                     help="instead: the largest history that still runs one chunk, for these methods (e.g. bf16,qvg)")
     args = ap.parse_args(argv)
+    try:  # every method string checked before anything runs
+        for m in (args.max_history or args.methods).split(","):
+            parse_method(m)
+    except ValueError as e:
+        print(f"bench_pipeline: {e}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         raise SystemExit("bench_pipeline: needs a CUDA GPU")
+    t0 = time.time()
     res = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec="seconds"), "commit": os.environ.get("QVG_COMMIT", "unknown"), "torch": torch.__version__,
         "command": "python -m qvg.eval.bench_pipeline " + " ".join(sys.argv[1:] if argv is None else argv),
@@ -378,9 +381,7 @@ def main(argv=None) -> int:
         res["rows"] = run([int(h) for h in args.history.split(",")], args.methods.split(","), opts, args.repeat,
                           args.split)
         name = "pipeline-"
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, name + res["device"].split()[1].lower() + ".json"), "w") as f:
-        json.dump(res, f, indent=1)
+    write_result(res, args.out, name + gpu_tag(res["device"]) + ".json", t0)
     return 0
 
 

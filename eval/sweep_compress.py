@@ -1,13 +1,15 @@
 """Whole-compress kernel presets timed as the cache runs them: `python -m qvg.eval.sweep_compress [--shape B,H,N,D]
-[--centroids K] [--only NAMES] [--rounds R] [--out DIR]` -> compress-sweep-<gpu>-<B>x<H>x<N>x<D>-k<K>.json.
+[--centroids K] [--methods qvg,qvg-pro] [--only NAMES] [--rounds R] [--reps N] [--out DIR]`
+-> compress-sweep-<gpu>-<B>x<H>x<N>x<D>-k<K>.json.
 
 Every candidate is a kernels/compress.py preset (assign tiling x update method and tiling x pack tiling; `--only`:
 a comma list of candidate names, or of COMPRESS_VARIANTS names). Each one is captured into a CUDA graph (the cache
 replays compress from one: qvg.compression.graphed) and timed by replays, interleaved with the others in `rounds`
 rounds, so that a clock or thermal drift moves every candidate alike; the time is the median over rounds of the
 mean replay. Per-kernel eager timings at a Self-Forcing chunk (12 heads x 4,680 tokens) are ~10-60 us, host-bound
-and noisy (eval/results/kernels-h100.md); replays are not. Each candidate's output is checked against the
-default "fast" preset: ids equal, centroid difference, reconstruction MSE, and replay == eager bitwise.
+and noisy (eval/results/kernels-h100.md); replays are not (two graphs of one preset, captured apart, can still differ
+by a few percent: eval/results/compress-sweep-h100.md). Each candidate's output is checked against the "fast" preset
+(the LongCat span's): ids equal, centroid difference, reconstruction MSE, and replay == eager bitwise.
 Defaults: the Self-Forcing chunk with the cache's K for it (64), qvg and qvg-pro, warm-started.
 """
 from __future__ import annotations
@@ -48,7 +50,7 @@ PACK = {
 def candidates() -> dict[str, dict]:
     """Every assign x update x pack combination (named a.u.p), plus the COMPRESS_VARIANTS entries."""
     from qvg.kernels.compress import COMPRESS_VARIANTS
-    out = {name: v for name, v in COMPRESS_VARIANTS.items() if isinstance(v, dict) and name != "current"}
+    out = {name: v for name, v in COMPRESS_VARIANTS.items() if name != "current"}
     for (an, a), (un, u), (pn, p) in itertools.product(ASSIGN.items(), UPDATE.items(), PACK.items()):
         out[f"{an}.{un}.{pn}"] = dict(assign_kw=a, update_kw=u, reseed="fused", pack_kw=p)
     return out
@@ -115,10 +117,34 @@ def sweep_method(method: str, shape, k: int, cands: dict, rounds: int, reps: int
         if fast:
             r["vs_fast"] = r["cuda_graph_ms"] / fast - 1
     for r in timed[:12] + [r for r in timed[12:] if r["candidate"] == "fast"]:
-        print(f"  {method} {r['candidate']:32s} {r['cuda_graph_ms']:.4f} ms ({100 * r.get('vs_fast', 0):+.1f}% vs "
-              f"fast) ids={r['ids_equal_fast']:.4f} mse={r['mse']:.4g} graph=eager:{r['graph_equals_eager']}",
-              flush=True)
+        vs = f" ({100 * r['vs_fast']:+.1f}% vs fast)" if "vs_fast" in r else ""
+        print(f"  {method} {r['candidate']:32s} {r['cuda_graph_ms']:.4f} ms{vs} ids={r['ids_equal_fast']:.4f} "
+              f"mse={r['mse']:.4g} graph=eager:{r['graph_equals_eager']}", flush=True)
     return rows
+
+
+def _checked(args) -> tuple[tuple, list[str], dict]:
+    """(shape, methods, candidates) from the arguments, or ValueError naming what is wrong."""
+    try:
+        shape = tuple(int(s) for s in args.shape.split(","))
+    except ValueError:
+        shape = ()
+    if len(shape) != 4 or min(shape) < 1:
+        raise ValueError(f"--shape must be four positive integers B,H,N,D, got {args.shape!r}")
+    methods = args.methods.split(",")
+    if not methods or any(m not in ("qvg", "qvg-pro") for m in methods):
+        raise ValueError(f"--methods must be a comma list of qvg, qvg-pro, got {args.methods!r}")
+    for name in ("centroids", "rounds", "reps"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} must be a positive integer, got {getattr(args, name)}")
+    cands = candidates()
+    if args.only:
+        want = [s for s in args.only.split(",") if s]
+        unknown = [s for s in want if s not in cands]
+        if not want or unknown:
+            raise ValueError(f"--only: unknown candidates {unknown}" if unknown else "--only names no candidate")
+        cands = {s: cands[s] for s in want}
+    return shape, methods, cands
 
 
 def main(argv=None) -> int:
@@ -131,24 +157,14 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=20, help="replays per round")
     ap.add_argument("--out", default="/tmp/qvg-sweep")
     args = ap.parse_args(argv)
+    try:
+        shape, methods, cands = _checked(args)
+    except ValueError as e:
+        print(f"sweep_compress: {e}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("sweep_compress: needs a CUDA GPU", file=sys.stderr)
         return 2
-    try:
-        shape = tuple(int(s) for s in args.shape.split(","))
-        if len(shape) != 4 or min(shape) < 1:
-            raise ValueError
-    except ValueError:
-        print(f"sweep_compress: --shape must be four positive integers B,H,N,D, got {args.shape!r}", file=sys.stderr)
-        return 2
-    cands = candidates()
-    if args.only:
-        want = [s for s in args.only.split(",") if s]
-        unknown = [s for s in want if s not in cands]
-        if unknown:
-            print(f"sweep_compress: unknown candidates {unknown}", file=sys.stderr)
-            return 2
-        cands = {s: cands[s] for s in want}
     from .bench_kernels import _commit, gpu_tag, write_result
     import triton
     t0 = time.time()
@@ -156,7 +172,7 @@ def main(argv=None) -> int:
            "commit": _commit(), "command": "python -m qvg.eval.sweep_compress " + " ".join(argv or sys.argv[1:]),
            "torch": torch.__version__, "triton": triton.__version__, "shape": list(shape), "centroids": args.centroids,
            "rounds": args.rounds, "reps": args.reps, "rows": []}
-    for method in args.methods.split(","):
+    for method in methods:
         print(f"[{method}] {len(cands)} candidates at {list(shape)}, K={args.centroids}", flush=True)
         res["rows"] += sweep_method(method, shape, args.centroids, cands, args.rounds, args.reps)
     write_result(res, args.out, f"compress-sweep-{gpu_tag(res['device'])}-{'x'.join(map(str, shape))}"

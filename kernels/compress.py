@@ -48,14 +48,15 @@ COMPRESS_VARIANT = "auto"
 def pick_variant(groups: int, tokens: int, k: int) -> str:
     """The preset for `groups` (batch x heads) groups of `tokens` tokens and K = k: the fastest, or within 3.5% of it,
     at each of 14 shapes (Self-Forcing units of 1-8 chunks, LongCat spans) in whole-compress CUDA graph replays on
-    an H100 (`python -m qvg.eval.sweep_compress`; eval/results/compress-sweep-h100.md):
-    - short units (tokens x K <= 1.2M, K <= 256; a Self-Forcing chunk, 4,680 tokens, K = 64): the one-hot update on
-      512-token splits, 11-30% faster than "fast" (24% at the chunk): the counting sort's few blocks leave the GPU
-      idle there;
+    an H100 (`python -m qvg.eval.sweep_compress`; eval/results/compress-sweep-h100.md; two graphs of one preset
+    can differ by up to ~3%, so the choices within that are ties):
+    - short units (tokens <= 8192, K <= 256; a Self-Forcing chunk, 4,680 tokens, K = 64): the one-hot update on
+      512-token splits, 18-30% faster than "fast" (24% at the chunk): the counting sort's few blocks leave the GPU
+      idle there (measured with 12 groups and with a batch of 4 and 8: eval/results/compress-sweep-h100.md);
     - longer units with K <= 64: the one-hot update on 1024-token splits (3-11% faster);
     - else the counting sort + segmented sum: with the block sort while groups x tokens <= 480k (5-10% faster with 12
       heads; a tie at 32 x 14,820), with counted ranks above (the LongCat span)."""
-    if tokens * k <= 1_200_000 and k <= 256:
+    if tokens <= 8192 and k <= 256:
         return "fast-onehot"
     if k <= 64:
         return "fast-onehot-1024"
@@ -76,7 +77,8 @@ def resolve_variant(variant: str | dict | None, groups: int, tokens: int, k: int
 
 @contextlib.contextmanager
 def use_variant(name: str):
-    """COMPRESS_VARIANT set to `name` inside the block (benchmarks: a cache built and run with another preset)."""
+    """COMPRESS_VARIANT set to `name` inside the block. (A KVCache's `compress_preset` runs its compressions in such a
+    block; its compression graphs are keyed by the preset they were captured with.)"""
     global COMPRESS_VARIANT
     resolve_variant(name, 1, 1, 1)  # (refuses an unknown name)
     old, COMPRESS_VARIANT = COMPRESS_VARIANT, name

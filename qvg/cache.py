@@ -65,6 +65,8 @@ Attention has no mask: past chunks are fully visible, the current chunk attends 
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from . import compression
@@ -119,12 +121,16 @@ class KVCache:
     prefetch_bytes: on CUDA, while a layer attends, the next layer's history is decoded on a side stream when its
     staging window (BF16 K + V of history and tail) takes at most this many bytes (see the module docstring); 0: no
     prefetch.
+    compress_preset: on CUDA, the compress kernels' preset (a kernels/compress.py COMPRESS_VARIANTS name); None: their
+    default, "auto", which picks one by shape. Same compression either way (ids equal, centroids up to the order of
+    the FP32 sums); for benchmarks that compare presets in one run.
     """
 
     def __init__(self, num_layers: int, method: str = "qvg", *, chunk_frames: int, tokens_per_frame: int,
                  sink_frames: int = 0, window_frames: int | None = None, commit_every: int = 1,
                  cuda_graphs: bool = True, key_storage: str = "post-rope", async_commit: bool = True,
-                 prefetch_bytes: int = PREFETCH_BYTES, defer_commits: bool = True, **options):
+                 prefetch_bytes: int = PREFETCH_BYTES, defer_commits: bool = True, compress_preset: str | None = None,
+                 **options):
         if method not in CACHE_METHODS:
             raise ValueError(f"unknown cache method {method!r}; choose one of: {', '.join(CACHE_METHODS)}")
         if key_storage not in KEY_STORAGE:
@@ -144,8 +150,14 @@ class KVCache:
                 raise ValueError(f"{name} must be True or False, got {v!r}")
         if isinstance(prefetch_bytes, bool) or not isinstance(prefetch_bytes, int) or prefetch_bytes < 0:
             raise ValueError(f"prefetch_bytes must be a non-negative integer (0: no prefetch), got {prefetch_bytes!r}")
-        if method == "bf16" and options:
-            raise ValueError(f"method 'bf16' takes no options, got {', '.join(sorted(options))}")
+        if method == "bf16" and (options or compress_preset is not None):
+            raise ValueError(f"method 'bf16' takes no options, got {', '.join(sorted(options)) or 'compress_preset'}")
+        if compress_preset is not None:
+            from .kernels.compress import resolve_variant
+            if not isinstance(compress_preset, str):
+                raise ValueError(f"compress_preset must be a preset name, got {compress_preset!r}")
+            resolve_variant(compress_preset, 1, 1, 1)  # (refuses an unknown name)
+        self.compress_preset = compress_preset
         self.method, self.options = method, dict(options)
         self.chunk_frames, self.tokens_per_frame = chunk_frames, tokens_per_frame
         self.sink_frames, self.window_frames, self.commit_every = sink_frames, window_frames, commit_every
@@ -394,9 +406,11 @@ class KVCache:
                 opts = {"role": role, "residual": 0, **opts}
             warm = self._warm_start(L, i) if "init" not in opts else None
             if self._graphed is not None and self._graphed.supports(x, self.method, warm, opts):
-                p = self._graphed(x, self.method, warm, **opts)  # one graph replay (copied into the history below)
+                # one graph replay (copied into the history below)
+                p = self._graphed(x, self.method, warm, preset=self.compress_preset, **opts)
             else:
-                p = compression.compress(x, self.method, check_finite=False, init=warm, **opts)  # no host sync
+                with _preset(self.compress_preset):
+                    p = compression.compress(x, self.method, check_finite=False, init=warm, **opts)  # no host sync
             if self.method in PER_TOKEN_METHODS:
                 if ring:
                     L.hist[i] = L.hist[i].replace_oldest(p)
@@ -653,6 +667,14 @@ class KVCache:
         self._rope_memo = {}
         if self._graphed is not None:
             self._graphed.clear()
+
+
+def _preset(name: str | None):
+    """The GPU compress kernels' preset `name` inside the block (None: their default)."""
+    if name is None:
+        return contextlib.nullcontext()
+    from .kernels.compress import use_variant
+    return use_variant(name)
 
 
 def _stream(streams: dict, dev) -> torch.cuda.Stream:

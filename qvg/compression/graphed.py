@@ -7,9 +7,9 @@ replays the same kernels in the same order (bitwise the same result) for one lau
 
 Graphs exist only where compress has no host-side work to replay: rtn, and qvg / qvg-pro warm-started from the
 previous unit's centroids (the cold first unit seeds k-means++ from a CPU generator and runs eagerly). One graph
-per (method, options, shape, warm-start shape); the input and the warm start are copied into the graph's static
-tensors. The returned Packed holds the graph's static outputs: valid until the next call with the same key (the
-cache copies them into its history at once). `nbytes`: the memory the graphs hold: their static inputs and their
+per (method, options, shape, warm-start shape, kernel preset); the input and the warm start are copied into the
+graph's static tensors. The returned Packed holds the graph's static outputs: valid until the next call with the
+same key (the cache copies them into its history at once). `nbytes`: the memory the graphs hold: their static inputs and their
 private memory pools, outputs and the captured intermediates' blocks alike (reserved for the replays, usable by no
 other allocation). `clear()` drops every graph and its memory (the cache's `reset`).
 """
@@ -40,12 +40,18 @@ class GraphedCompress:
             return False
         return method == "rtn" or options.get("stages") == 0 or init is not None
 
-    def __call__(self, x: torch.Tensor, method: str, init: torch.Tensor | None = None, **options) -> Packed:
+    def __call__(self, x: torch.Tensor, method: str, init: torch.Tensor | None = None, preset: str | None = None,
+                 **options) -> Packed:
+        """preset: the compress kernels' preset (kernels/compress.py; None: the current default, COMPRESS_VARIANT),
+        captured with the graph and part of its key."""
+        from ..kernels import compress as kernels_compress
+        preset = preset or kernels_compress.COMPRESS_VARIANT
         key = (method, repr(sorted(options.items())), tuple(x.shape), x.dtype, x.device,
-               None if init is None else (tuple(init.shape), init.dtype))
+               None if init is None else (tuple(init.shape), init.dtype), preset)
         e = self._graphs.get(key)
         if e is None:
-            e = self._graphs[key] = self._capture(x, method, init, options)
+            with kernels_compress.use_variant(preset):
+                e = self._graphs[key] = self._capture(x, method, init, options)
         e["x"].copy_(x)
         if init is not None:
             e["init"].copy_(init)

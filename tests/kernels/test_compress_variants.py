@@ -14,7 +14,8 @@ from qvg.kernels import compress as kc
 @pytest.mark.parametrize("groups,tokens,k,want", [
     (12, 4680, 64, "fast-onehot"),  # a Self-Forcing chunk with the cache's K (the pipeline's commits)
     (12, 4680, 256, "fast-onehot"),
-    (12, 9360, 128, "fast-onehot"),  # two chunks per unit
+    (12, 9360, 128, "fast-sort"),  # two chunks per unit
+    (96, 4680, 64, "fast-onehot"),  # a batch of 8 chunks
     (12, 37440, 64, "fast-onehot-1024"),
     (32, 29640, 64, "fast-onehot-1024"),
     (12, 14040, 128, "fast-sort"),
@@ -52,37 +53,78 @@ def test_use_variant_sets_and_restores():
     assert kc.COMPRESS_VARIANT == "auto"
 
 
-@pytest.mark.parametrize("method", ["qvg", "qvg-pro"])
-def test_presets_compress_alike(method, device):
-    """The one-hot presets and the segmented-sum presets give the same ids and (up to the order of the FP32 cluster
-    sums) the same centroids and codes; "auto" is the preset it picks, bitwise."""
-    x = clustered(1, 2, 96, 64, clusters=6, seed=4).to(device)
-    o = qvg.compress(x.cpu(), method, centroids=6, iters=2, grid="midrise").meta
+@pytest.mark.parametrize("method,n,warm", [("qvg", 96, False), ("qvg-pro", 96, False), ("qvg", 1100, True)])
+def test_presets_compress_alike(method, n, warm, device):
+    """Every preset gives the same ids and (up to the order of the FP32 cluster sums) the same centroids; "auto" is
+    the preset it picks, bitwise. n = 1100: several 512- and 1024-token one-hot splits, warm-started as the cache
+    does."""
+    x = clustered(1, 2, n, 64, clusters=6, seed=4)
+    prev = qvg.compress(clustered(1, 2, n, 64, clusters=6, seed=5), method, centroids=6, iters=2, grid="midrise")
+    o = prev.meta
+    init = prev.tensors["centroids"].reshape(o["stages"], 2, 6, 64).to(device) if warm else None
     out = {}
-    for name in ("auto", "fast-onehot", "fast", "fast-sort"):
+    for name in ("auto", "fast-onehot", "fast-onehot-1024", "fast", "fast-sort"):
         with poisoned():
-            out[name] = kc.compress_prq(x, o, None, 2, variant=name)
-    assert kc.pick_variant(2, 96, 6) == "fast-onehot"
+            out[name] = kc.compress_prq(x.to(device), o, init, 2, variant=name)
+    assert kc.pick_variant(2, n, 6) == "fast-onehot"
     for t in out["auto"]:
         assert torch.equal(out["auto"][t], out["fast-onehot"][t]), t
-    for name in ("fast", "fast-sort"):
+    for name in ("fast-onehot-1024", "fast", "fast-sort"):
         assert torch.equal(out[name]["ids"], out["fast-onehot"]["ids"]), name
         torch.testing.assert_close(out[name]["centroids"].float(), out["fast-onehot"]["centroids"].float(),
                                    rtol=1e-2, atol=1e-2)
 
 
+def test_cache_compresses_with_its_preset(monkeypatch):
+    """KVCache(compress_preset=...) runs its commits' compressions under that preset (and restores the default);
+    bad values are refused."""
+    from qvg.cache import KVCache
+    seen = []
+    real = qvg.cache.compression.compress
+
+    def spy(*a, **kw):
+        seen.append(kc.COMPRESS_VARIANT)
+        return real(*a, **kw)
+    monkeypatch.setattr(qvg.cache.compression, "compress", spy)
+    for preset, want in (("fast-sort", "fast-sort"), (None, "auto")):
+        cache = KVCache(1, "qvg", chunk_frames=1, tokens_per_frame=32, centroids=4, compress_preset=preset)
+        for _ in range(2):
+            cache.write(0, torch.randn(1, 2, 32, 64), torch.randn(1, 2, 32, 64))
+            cache.commit()
+        assert seen and set(seen) == {want}, (preset, seen)
+        seen.clear()
+    assert kc.COMPRESS_VARIANT == "auto"
+    with pytest.raises(ValueError, match="unknown compress variant 'nope'"):
+        KVCache(1, "qvg", chunk_frames=1, tokens_per_frame=32, compress_preset="nope")
+    with pytest.raises(ValueError, match="takes no options"):
+        KVCache(1, "bf16", chunk_frames=1, tokens_per_frame=32, compress_preset="fast")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_graphs_are_keyed_by_preset():
+    """A compression graph captured under one preset is not replayed for another."""
+    from qvg.compression.graphed import GraphedCompress
+    x = clustered(1, 2, 256, 64, clusters=6, seed=4).cuda()
+    prev = qvg.compress(x, "qvg", centroids=6)
+    init = prev.tensors["centroids"]
+    g = GraphedCompress()
+    a = g(x, "qvg", init, preset="fast", centroids=6).tensors["ids"].clone()
+    b = g(x, "qvg", init, preset="fast-onehot", centroids=6).tensors["ids"].clone()
+    c = g(x, "qvg", init, centroids=6).tensors["ids"].clone()  # the default, "auto": fast-onehot at this shape
+    assert len(g._graphs) == 3 and torch.equal(a, b) and torch.equal(b, c)
+
+
 def test_bench_pipeline_compress_flag():
-    """`qvg:compress=NAME` builds a cache tagged with that preset (`_fill` and the chunk runner apply it); an unknown
-    preset is refused before anything runs."""
+    """`qvg:compress=NAME` builds a cache with that compress_preset; bad method strings are refused by
+    parse_method (bench_pipeline's main checks them all before building the model)."""
     from qvg.eval import bench_pipeline as bp
     model = types.SimpleNamespace(tokens_per_latent_frame=lambda h, w: 16)
-    cache = bp.new_cache(model, "qvg:compress=fast-sort", 6, {"centroids": 4})
-    assert cache.method == "qvg" and cache.bench_compress_variant == "fast-sort"
-    with bp._variant(cache):
-        assert kc.COMPRESS_VARIANT == "fast-sort"
-    assert kc.COMPRESS_VARIANT == "auto"
-    assert bp.new_cache(model, "qvg:noprefetch", 6, {}).bench_compress_variant is None
-    with pytest.raises(ValueError, match="unknown compress variant 'nope'"):
-        bp.new_cache(model, "qvg:compress=nope", 6, {})
-    with pytest.raises(ValueError, match="unknown method flag"):
-        bp.new_cache(model, "qvg:bogus", 6, {})
+    assert bp.new_cache(model, "qvg:compress=fast-sort", 6, {"centroids": 4}).compress_preset == "fast-sort"
+    assert bp.new_cache(model, "qvg:noprefetch", 6, {}).compress_preset is None
+    assert bp.parse_method("qvg-pro:sync:compress=fast") == ("qvg-pro", ["sync"], "fast")
+    for bad, msg in (("qvg:compress=nope", "unknown compress variant 'nope'"), ("qvg:bogus", "unknown method flag"),
+                     ("bf16:compress=fast", "not for bf16"), ("qvg:compress=fast:compress=fast-sort", "at most"),
+                     ("nope", "unknown cache method")):
+        with pytest.raises(ValueError, match=msg):
+            bp.parse_method(bad)
+    assert bp.main(["--methods", "bf16,qvg:bogus"]) == 2
