@@ -46,13 +46,14 @@ COMPRESS_VARIANT = "auto"
 
 
 def pick_variant(groups: int, tokens: int, k: int) -> str:
-    """The preset for `groups` (batch x heads) groups of `tokens` tokens and K = k: the fastest, or within 3.5% of it,
-    at each of 14 shapes (Self-Forcing units of 1-8 chunks, LongCat spans) in whole-compress CUDA graph replays on
+    """The preset for `groups` (batch x heads) groups of `tokens` tokens and K = k: the fastest at 24 of 32 measured
+    (shape, method) rows and within 7% of it at the others (16 shapes: Self-Forcing units of 1-8 chunks, batches of 4
+    and 8 chunks, LongCat spans; never more than 0.2% slower than "fast") in whole-compress CUDA graph replays on
     an H100 (`python -m qvg.eval.sweep_compress`; eval/results/compress-sweep-h100.md; two graphs of one preset
     can differ by up to ~3%, so the choices within that are ties):
     - short units (tokens <= 8192, K <= 256; a Self-Forcing chunk, 4,680 tokens, K = 64): the one-hot update on
       512-token splits, 18-30% faster than "fast" (24% at the chunk): the counting sort's few blocks leave the GPU
-      idle there (measured with 12 groups and with a batch of 4 and 8: eval/results/compress-sweep-h100.md);
+      idle there (17% / 7% faster with batches of 4 / 8 chunks);
     - longer units with K <= 64: the one-hot update on 1024-token splits (3-11% faster);
     - else the counting sort + segmented sum: with the block sort while groups x tokens <= 480k (5-10% faster with 12
       heads; a tie at 32 x 14,820), with counted ranks above (the LongCat span)."""

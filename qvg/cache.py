@@ -108,6 +108,13 @@ class _Layer:
         return self.buf[i][:, :, :self.n_sink + self.n_pending + self.n_cur]
 
 
+# The commits' compress preset by method where it differs from the kernels' "auto". The commits run beside the next
+# chunk's forward: for qvg the memory-bound segmented-sum preset ("fast") overlaps it better than the one-hot update,
+# which is 24% faster alone but made the whole chunk 0.3-0.5% slower in two same-run A/B runs on the H100; for
+# qvg-pro "auto" (the one-hot update) made it 1.2-1.3% faster (eval/results/compress-sweep-h100.md).
+COMMIT_PRESETS = {"qvg": "fast"}
+
+
 class KVCache:
     """KV cache of `num_layers` layers. method: "bf16" or a `qvg.methods()` name; options: that method's
     (`bits`, `block_size`, `stages`, `centroids`, ...). chunk_frames / tokens_per_frame: the chunk layout (every
@@ -121,9 +128,9 @@ class KVCache:
     prefetch_bytes: on CUDA, while a layer attends, the next layer's history is decoded on a side stream when its
     staging window (BF16 K + V of history and tail) takes at most this many bytes (see the module docstring); 0: no
     prefetch.
-    compress_preset: on CUDA, the compress kernels' preset (a kernels/compress.py COMPRESS_VARIANTS name); None: their
-    default, "auto", which picks one by shape. Same compression either way (ids equal, centroids up to the order of
-    the FP32 sums); for benchmarks that compare presets in one run.
+    compress_preset: on CUDA, the compress kernels' preset (a kernels/compress.py COMPRESS_VARIANTS name); None: the
+    method's entry in COMMIT_PRESETS, else the kernels' default "auto" (picked by shape). Same compression either way
+    (ids equal, centroids up to the order of the FP32 sums).
     """
 
     def __init__(self, num_layers: int, method: str = "qvg", *, chunk_frames: int, tokens_per_frame: int,
@@ -157,7 +164,7 @@ class KVCache:
             if not isinstance(compress_preset, str):
                 raise ValueError(f"compress_preset must be a preset name, got {compress_preset!r}")
             resolve_variant(compress_preset, 1, 1, 1)  # (refuses an unknown name)
-        self.compress_preset = compress_preset
+        self.compress_preset = compress_preset if compress_preset is not None else COMMIT_PRESETS.get(method)
         self.method, self.options = method, dict(options)
         self.chunk_frames, self.tokens_per_frame = chunk_frames, tokens_per_frame
         self.sink_frames, self.window_frames, self.commit_every = sink_frames, window_frames, commit_every

@@ -86,12 +86,13 @@ def test_cache_compresses_with_its_preset(monkeypatch):
         seen.append(kc.COMPRESS_VARIANT)
         return real(*a, **kw)
     monkeypatch.setattr(qvg.cache.compression, "compress", spy)
-    for preset, want in (("fast-sort", "fast-sort"), (None, "auto")):
-        cache = KVCache(1, "qvg", chunk_frames=1, tokens_per_frame=32, centroids=4, compress_preset=preset)
+    for method, preset, want in (("qvg", "fast-sort", "fast-sort"), ("qvg", None, "fast"), ("qvg-pro", None, "auto"),
+                                 ("qvg-pro", "fast", "fast")):  # (None: the method's COMMIT_PRESETS entry, else auto)
+        cache = KVCache(1, method, chunk_frames=1, tokens_per_frame=32, centroids=4, compress_preset=preset)
         for _ in range(2):
             cache.write(0, torch.randn(1, 2, 32, 64), torch.randn(1, 2, 32, 64))
             cache.commit()
-        assert seen and set(seen) == {want}, (preset, seen)
+        assert seen and set(seen) == {want}, (method, preset, seen)
         seen.clear()
     assert kc.COMPRESS_VARIANT == "auto"
     with pytest.raises(ValueError, match="unknown compress variant 'nope'"):
@@ -120,7 +121,8 @@ def test_bench_pipeline_compress_flag():
     from qvg.eval import bench_pipeline as bp
     model = types.SimpleNamespace(tokens_per_latent_frame=lambda h, w: 16)
     assert bp.new_cache(model, "qvg:compress=fast-sort", 6, {"centroids": 4}).compress_preset == "fast-sort"
-    assert bp.new_cache(model, "qvg:noprefetch", 6, {}).compress_preset is None
+    assert bp.new_cache(model, "qvg:noprefetch", 6, {}).compress_preset == "fast"  # (qvg's commit preset)
+    assert bp.new_cache(model, "qvg-pro", 6, {}).compress_preset is None
     assert bp.parse_method("qvg-pro:sync:compress=fast") == ("qvg-pro", ["sync"], "fast")
     for bad, msg in (("qvg:compress=nope", "unknown compress variant 'nope'"), ("qvg:bogus", "unknown method flag"),
                      ("bf16:compress=fast", "not for bf16"), ("qvg:compress=fast:compress=fast-sort", "at most"),
