@@ -69,7 +69,7 @@ def parse_method(method: str) -> tuple[str, list[str], str | None]:
     """(cache method, flags, compress preset or None) of a `new_cache` method string; ValueError names what is
     wrong (checked before anything runs)."""
     from qvg.cache import CACHE_METHODS
-    from qvg.kernels.compress import resolve_variant
+    from qvg.kernels.compress import check_variant
     name, *flags = method.split(":")
     presets = [f.split("=", 1)[1] for f in flags if f.startswith("compress=")]
     flags = [f for f in flags if not f.startswith("compress=")]
@@ -82,7 +82,7 @@ def parse_method(method: str) -> tuple[str, list[str], str | None]:
     if len(presets) > 1 or (presets and name == "bf16"):
         raise ValueError(f"{method!r}: one compress=PRESET at most, and not for bf16 (it compresses nothing)")
     for p in presets:
-        resolve_variant(p, 1, 1, 1)  # (refuses an unknown preset)
+        check_variant(p)
     return name, flags, (presets[0] if presets else None)
 
 

@@ -66,18 +66,13 @@ def _replay_ms(graph, reps: int) -> float:
     return start.elapsed_time(end) / reps
 
 
-def _bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
-    def raw(t):
-        return t.view(torch.uint8) if t.element_size() == 1 else t.view(getattr(torch, f"int{8 * t.element_size()}"))
-    return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(raw(a), raw(b)))
-
-
 def sweep_method(method: str, shape, k: int, cands: dict, rounds: int, reps: int) -> list[dict]:
     import qvg
     from qvg.compression import resolve_options
     from qvg.compression.prq import init_centroids
     from qvg.kernels.compress import compress_prq
     from .bench_kernels import capture_graph, clustered
+    from .profile_compress_variants import _bitwise
     x0 = clustered(shape, seed=1)
     x1 = (x0.float() + 0.1 * torch.randn_like(x0.float())).bfloat16()
     prev = qvg.compress(x0, method, centroids=k)  # the previous chunk (cold, not timed): its centroids warm-start

@@ -68,12 +68,15 @@ def resolve_variant(variant: str | dict | None, groups: int, tokens: int, k: int
     """A COMPRESS_VARIANTS entry (or "auto": `pick_variant`'s, or a variant dict as it is)."""
     if isinstance(variant, dict):
         return variant
-    name = variant or COMPRESS_VARIANT
-    if name == "auto":
-        name = pick_variant(groups, tokens, k)
-    if name not in COMPRESS_VARIANTS:
+    name = check_variant(variant or COMPRESS_VARIANT)
+    return COMPRESS_VARIANTS[pick_variant(groups, tokens, k) if name == "auto" else name]
+
+
+def check_variant(name) -> str:
+    """`name` if it is "auto" or a COMPRESS_VARIANTS name, else ValueError."""
+    if name != "auto" and (not isinstance(name, str) or name not in COMPRESS_VARIANTS):
         raise ValueError(f"unknown compress variant {name!r}; choose auto or one of {sorted(COMPRESS_VARIANTS)}")
-    return COMPRESS_VARIANTS[name]
+    return name
 
 
 @contextlib.contextmanager
@@ -81,8 +84,7 @@ def use_variant(name: str):
     """COMPRESS_VARIANT set to `name` inside the block. (A KVCache's `compress_preset` runs its compressions in such a
     block; its compression graphs are keyed by the preset they were captured with.)"""
     global COMPRESS_VARIANT
-    resolve_variant(name, 1, 1, 1)  # (refuses an unknown name)
-    old, COMPRESS_VARIANT = COMPRESS_VARIANT, name
+    old, COMPRESS_VARIANT = COMPRESS_VARIANT, check_variant(name)
     try:
         yield
     finally:

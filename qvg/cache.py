@@ -160,10 +160,8 @@ class KVCache:
         if method == "bf16" and (options or compress_preset is not None):
             raise ValueError(f"method 'bf16' takes no options, got {', '.join(sorted(options)) or 'compress_preset'}")
         if compress_preset is not None:
-            from .kernels.compress import resolve_variant
-            if not isinstance(compress_preset, str):
-                raise ValueError(f"compress_preset must be a preset name, got {compress_preset!r}")
-            resolve_variant(compress_preset, 1, 1, 1)  # (refuses an unknown name)
+            from .kernels.compress import check_variant
+            check_variant(compress_preset)
         self.compress_preset = compress_preset if compress_preset is not None else COMMIT_PRESETS.get(method)
         self.method, self.options = method, dict(options)
         self.chunk_frames, self.tokens_per_frame = chunk_frames, tokens_per_frame

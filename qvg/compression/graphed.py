@@ -9,9 +9,9 @@ Graphs exist only where compress has no host-side work to replay: rtn, and qvg /
 previous unit's centroids (the cold first unit seeds k-means++ from a CPU generator and runs eagerly). One graph
 per (method, options, shape, warm-start shape, kernel preset); the input and the warm start are copied into the
 graph's static tensors. The returned Packed holds the graph's static outputs: valid until the next call with the
-same key (the cache copies them into its history at once). `nbytes`: the memory the graphs hold: their static inputs and their
-private memory pools, outputs and the captured intermediates' blocks alike (reserved for the replays, usable by no
-other allocation). `clear()` drops every graph and its memory (the cache's `reset`).
+same key (the cache copies them into its history at once). `nbytes`: the memory the graphs hold: their static
+inputs and their private memory pools, outputs and the captured intermediates' blocks alike (reserved for the
+replays, usable by no other allocation). `clear()` drops every graph and its memory (the cache's `reset`).
 """
 from __future__ import annotations
 
