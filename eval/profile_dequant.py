@@ -1,0 +1,119 @@
+"""Dequant kernel options timed side by side on the GPU: `python -m qvg.eval.profile_dequant [--out DIR]
+[--rounds R] [--only NAMES] [--workload]` -> profile-dequant-<gpu>.json.
+
+Shapes: the benchmark's spans (LongCat [1, 32, 29640, 128] and Self-Forcing [1, 12, 37440, 128], qvg S1/B64 and
+qvg-pro S4/B16 at their default K) and the Self-Forcing pipeline's read at a 21-frame window (7 chunks of 12 x
+4,680 tokens, K = 64, as a PackedSequence). Each option of kernels/dequant.py `dequantize` (token block, warps,
+plane split, cache hints, whole-row tiles) is timed with triton's do_bench (L2 flushed before each call), the
+options interleaved over R rounds (median of the rounds' medians), and checked bitwise against the default
+output. The copy bandwidth is measured in the same run. `--workload`: one call of each option per shape, in
+order, for Nsight Compute (no timing)."""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+VARIANTS = {
+    "default": dict(),
+    "b16w2": dict(block_n=16, num_warps=2),
+    "b16w4": dict(block_n=16, num_warps=4),
+    "b64w8": dict(block_n=64, num_warps=8),
+    "hints": dict(hints=True),
+    "hints-b16w2": dict(block_n=16, num_warps=2, hints=True),
+    "row3d-b16w4": dict(row3d=True, block_n=16, num_warps=4),
+    "row3d-b32w4": dict(row3d=True, block_n=32, num_warps=4),
+    "row3d-b32w8": dict(row3d=True, block_n=32, num_warps=8),
+    "row3d-b64w8": dict(row3d=True, block_n=64, num_warps=8),
+    "row3d-hints-b32w4": dict(row3d=True, block_n=32, num_warps=4, hints=True),
+    "split2-b32w4": dict(plane_split=2, block_n=32, num_warps=4),
+    "split2-b64w4": dict(plane_split=2, block_n=64, num_warps=4),
+    "split4-b64w4": dict(plane_split=4, block_n=64, num_warps=4),
+    "split4-b128w4": dict(plane_split=4, block_n=128, num_warps=4),
+}
+
+
+def shapes():
+    """(name, packed, bytes moved) per shape: packed read + BF16 written."""
+    import qvg
+    from qvg.sequence import PackedSequence
+    from .bench_kernels import clustered
+    out = []
+    for shape in ((1, 32, 29640, 128), (1, 12, 37440, 128)):
+        x = clustered(shape)
+        for method in ("qvg", "qvg-pro"):
+            p = qvg.compress(x, method)
+            out.append((f"{method} {list(shape)}", p, p.nbytes + x.numel() * 2))
+        del x
+    for method in ("qvg", "qvg-pro"):
+        x = clustered((1, 12, 4680, 128), spread=3.0)
+        seq = PackedSequence.from_chunks([qvg.compress(x, method, bits=2, centroids=64)] * 7)
+        out.append((f"{method} pipeline read 12 x 7 x 4680 K=64", seq,
+                    sum(t.numel() * t.element_size() for t in seq.tensors.values()) + 12 * 7 * 4680 * 128 * 2))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="eval/results")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--only", default="", help="comma-separated option names (default: all)")
+    ap.add_argument("--workload", action="store_true", help="one call per option and shape, for ncu")
+    args = ap.parse_args(argv)
+    names = [n for n in args.only.split(",") if n] or list(VARIANTS)
+    bad = [n for n in names if n not in VARIANTS]
+    if bad or args.rounds < 1:
+        print(f"error: unknown option {bad[0]!r} (known: {', '.join(VARIANTS)})" if bad else
+              "error: --rounds must be >= 1", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("error: profile_dequant needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from qvg.kernels.dequant import dequantize
+    from .bench_kernels import bench, ceilings, gpu_tag, write_result, _commit
+    from .provenance import command_line
+    t0 = time.time()
+    rows = []
+    for label, p, nbytes in shapes():
+        ref = dequantize(p)
+        outs = {n: torch.empty_like(ref) for n in names}
+        if args.workload:
+            for n in names:
+                dequantize(p, out=outs[n], **VARIANTS[n])
+            torch.cuda.synchronize()
+            continue
+        times = {n: [] for n in names}
+        exact = {}
+        for n in names:
+            outs[n].fill_(float("nan"))
+            dequantize(p, out=outs[n], **VARIANTS[n])
+            exact[n] = bool(torch.equal(outs[n], ref))
+        for _ in range(args.rounds):
+            for n in names:
+                times[n].append(bench(lambda n=n: dequantize(p, out=outs[n], **VARIANTS[n]), warmup=10, rep=40))
+        for n in names:
+            ms = statistics.median(times[n])
+            rows.append({"shape": label, "option": n, "kwargs": VARIANTS[n], "ms": ms, "rounds_ms": times[n],
+                         "bytes_moved": nbytes, "TBps": nbytes / ms / 1e9, "bitwise_equal_default": exact[n]})
+            print(f"  {label:44s} {n:20s} {ms:.4f} ms {nbytes / ms / 1e9:.2f} TB/s equal {exact[n]}", flush=True)
+        del outs
+    if args.workload:
+        return 0
+    ceil = ceilings(False)
+    for r in rows:
+        r["fraction_of_copy_bw"] = r["TBps"] / ceil["copy_TBps"]
+    import datetime
+    import platform
+    import triton
+    res = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+        timespec="seconds"), "commit": _commit(), "command": command_line("python -m qvg.eval.profile_dequant", argv), "torch": torch.__version__,
+        "triton": triton.__version__, "python": platform.python_version(), "ceilings": ceil, "rows": rows}
+    write_result(res, args.out, f"profile-dequant-{gpu_tag(res['device'])}.json", t0)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
