@@ -108,7 +108,7 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
     cols = tl.arange(0, W)
     sidx = tl.arange(0, SP)
     CM: tl.constexpr = ".cg" if HINTS else ""
-    EV: tl.constexpr = "evict_first" if HINTS else ""
+    EV: tl.constexpr = ""  # (ptxas refuses .cg with an eviction policy)
     EVC: tl.constexpr = "evict_last" if HINTS else ""
     for pid_n in range(pid, NBLK, PROGS):
         rows = ROW0 + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # tokens [ROW0, ROW_END) -> output rows [0, OUT_N)
