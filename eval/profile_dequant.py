@@ -20,20 +20,32 @@ import torch
 VARIANTS = {
     "default": dict(),
     "b16w2": dict(block_n=16, num_warps=2),
-    "b16w4": dict(block_n=16, num_warps=4),
-    "b64w8": dict(block_n=64, num_warps=8),
     "hints": dict(hints=True),
     "hints-b16w2": dict(block_n=16, num_warps=2, hints=True),
-    "row3d-b16w4": dict(row3d=True, block_n=16, num_warps=4),
     "row3d-b32w4": dict(row3d=True, block_n=32, num_warps=4),
-    "row3d-b32w8": dict(row3d=True, block_n=32, num_warps=8),
-    "row3d-b64w8": dict(row3d=True, block_n=64, num_warps=8),
     "row3d-hints-b32w4": dict(row3d=True, block_n=32, num_warps=4, hints=True),
     "split2-b32w4": dict(plane_split=2, block_n=32, num_warps=4),
-    "split2-b64w4": dict(plane_split=2, block_n=64, num_warps=4),
-    "split4-b64w4": dict(plane_split=4, block_n=64, num_warps=4),
-    "split4-b128w4": dict(plane_split=4, block_n=128, num_warps=4),
 }
+# persistent programs on contiguous runs of blocks: PER_SM programs per SM in all (progs per group = that / groups)
+CONTIG = {f"contig{per_sm}-b{bn}w{nw}{'-hints' if h else ''}{'-split2' if sp else ''}{'-row3d' if r3 else ''}":
+          dict(per_sm=per_sm, block_n=bn, num_warps=nw, hints=h, plane_split=sp, row3d=r3)
+          for per_sm, bn, nw, h, sp, r3 in (
+              (1, 64, 16, True, 1, False), (1, 128, 16, True, 1, False), (1, 64, 8, True, 1, False),
+              (2, 64, 8, True, 1, False), (2, 32, 8, True, 1, False), (4, 32, 4, True, 1, False),
+              (4, 64, 4, True, 1, False), (8, 32, 4, True, 1, False), (2, 64, 8, False, 1, False),
+              (2, 64, 8, True, 2, False), (4, 32, 4, True, 2, False), (2, 64, 8, True, 1, True),
+              (4, 32, 4, True, 1, True))}
+
+
+def kwargs(name: str, groups: int) -> dict:
+    """dequantize's keyword arguments for option `name` at `groups` heads (contig options size progs by SMs)."""
+    if name in VARIANTS:
+        return VARIANTS[name]
+    from qvg.kernels.common import sm_count
+    o = dict(CONTIG[name])
+    planes = o["plane_split"]
+    o["progs"] = max(1, o.pop("per_sm") * sm_count(torch.device("cuda")) // (groups * planes))
+    return {**o, "contiguous": True}
 
 
 def shapes():
@@ -63,10 +75,10 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default="", help="comma-separated option names (default: all)")
     ap.add_argument("--workload", action="store_true", help="one call per option and shape, for ncu")
     args = ap.parse_args(argv)
-    names = [n for n in args.only.split(",") if n] or list(VARIANTS)
-    bad = [n for n in names if n not in VARIANTS]
+    names = [n for n in args.only.split(",") if n] or [*VARIANTS, *CONTIG]
+    bad = [n for n in names if n not in VARIANTS and n not in CONTIG]
     if bad or args.rounds < 1:
-        print(f"error: unknown option {bad[0]!r} (known: {', '.join(VARIANTS)})" if bad else
+        print(f"error: unknown option {bad[0]!r} (known: {', '.join([*VARIANTS, *CONTIG])})" if bad else
               "error: --rounds must be >= 1", file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
@@ -79,24 +91,25 @@ def main(argv=None) -> int:
     rows = []
     for label, p, nbytes in shapes():
         ref = dequantize(p)
+        opts = {n: kwargs(n, p.shape[0] * p.shape[1]) for n in names}
         outs = {n: torch.empty_like(ref) for n in names}
         if args.workload:
             for n in names:
-                dequantize(p, out=outs[n], **VARIANTS[n])
+                dequantize(p, out=outs[n], **opts[n])
             torch.cuda.synchronize()
             continue
         times = {n: [] for n in names}
         exact = {}
         for n in names:
             outs[n].fill_(float("nan"))
-            dequantize(p, out=outs[n], **VARIANTS[n])
+            dequantize(p, out=outs[n], **opts[n])
             exact[n] = bool(torch.equal(outs[n], ref))
         for _ in range(args.rounds):
             for n in names:
-                times[n].append(bench(lambda n=n: dequantize(p, out=outs[n], **VARIANTS[n]), warmup=10, rep=40))
+                times[n].append(bench(lambda n=n: dequantize(p, out=outs[n], **opts[n]), warmup=10, rep=40))
         for n in names:
             ms = statistics.median(times[n])
-            rows.append({"shape": label, "option": n, "kwargs": VARIANTS[n], "ms": ms, "rounds_ms": times[n],
+            rows.append({"shape": label, "option": n, "kwargs": opts[n], "ms": ms, "rounds_ms": times[n],
                          "bytes_moved": nbytes, "TBps": nbytes / ms / 1e9, "bitwise_equal_default": exact[n]})
             print(f"  {label:44s} {n:20s} {ms:.4f} ms {nbytes / ms / 1e9:.2f} TB/s equal {exact[n]}", flush=True)
         del outs

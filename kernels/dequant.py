@@ -92,11 +92,13 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
                     OFFSET: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr, BLOCK_N: tl.constexpr,
                     ROPE: tl.constexpr, SPLIT_H: tl.constexpr, SPLIT_W: tl.constexpr, INTERP: tl.constexpr,
                     NBLK, PROGS, SPLIT: tl.constexpr, SP: tl.constexpr, HINTS: tl.constexpr,
-                    ROW3D: tl.constexpr):
+                    ROW3D: tl.constexpr, CONTIG: tl.constexpr):
     """Program (i, gh, q) decodes token blocks i, i + PROGS, ... (< NBLK) of group gh: code planes
     q * P / SPLIT ... (q + 1) * P / SPLIT - 1 (SPLIT > 1: a program gathers SPLIT / P of each centroid row, so its
     centroid tables stay small). HINTS: the read-once streams (codes, scales, ids) bypass L1 and leave L2 first,
-    the centroid rows stay. ROW3D: all planes of a row at once, as a [BLOCK_N, P, W] tile (whole centroid rows)."""
+    the centroid rows stay. ROW3D: all planes of a row at once, as a [BLOCK_N, P, W] tile (whole centroid rows).
+    CONTIG: program i takes a contiguous run of blocks (i * NBLK // PROGS ...) instead of every PROGS-th one, so
+    the programs that share an SM gather from few centroid tables (they stay in L1)."""
     pid = tl.program_id(0)
     gh = tl.program_id(1)
     P: tl.constexpr = 8 // BITS  # planes per byte
@@ -110,7 +112,9 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
     CM: tl.constexpr = ".cg" if HINTS else ""
     EV: tl.constexpr = ""  # (ptxas refuses .cg with an eviction policy)
     EVC: tl.constexpr = "evict_last" if HINTS else ""
-    for pid_n in range(pid, NBLK, PROGS):
+    lo = pid * NBLK // PROGS if CONTIG else pid
+    hi = (pid + 1) * NBLK // PROGS if CONTIG else NBLK
+    for pid_n in range(lo, hi, 1 if CONTIG else PROGS):
         rows = ROW0 + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # tokens [ROW0, ROW_END) -> output rows [0, OUT_N)
         rmask = rows < ROW_END
         tok = gh.to(tl.int64) * N + rows  # flat token index
@@ -157,12 +161,12 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
 def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None, block_n: int = 32,
                rows: tuple[int, int] | None = None, num_warps: int = 4, rope: RopeTables | None = None,
                progs: int = 0, plane_split: bool | int = False, hints: bool = False,
-               row3d: bool = False) -> torch.Tensor:
+               row3d: bool = False, contiguous: bool = False) -> torch.Tensor:
     """Triton version of `qvg.decompress` (rtn / qvg / qvg-pro, per-token groups) and of
     `PackedSequence.decompress` (with `rope`: keys stored before RoPE, rotated as they are decoded).
     progs > 0: that many programs per group (and plane) loop over the token blocks; plane_split: one program per
     code plane (True), or per 1/plane_split of the planes (an int dividing 8 / bits; 1/P of each centroid row
-    gathered per plane); hints: L1-bypassing, evict-first loads of the read-once streams; row3d: whole rows in one
+    gathered per plane); contiguous (with progs): each program takes a contiguous run of blocks; hints: L1-bypassing, evict-first loads of the read-once streams; row3d: whole rows in one
     tile. Every choice writes the same bits. The defaults
     (32-token blocks, 4 warps, one program per block) were the fastest of eval/bench_kernels.py's sweep on the
     H100 for S4/B16 at both spans and for S1/B64 at the Self-Forcing span, within 1% of the fastest for S1/B64 at
@@ -197,7 +201,7 @@ def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None,
         *_rope_args(rope, dummy), D=d, STAGES=stages, BLOCK_N=block_n, ROPE=rope is not None,
         SPLIT_H=rope.split[0] if rope else 0, SPLIT_W=rope.split[1] if rope else 0, INTERP=INTERPRET,
         NBLK=nblk, PROGS=progs, SPLIT=split, SP=triton.next_power_of_2(max(stages, 1)), HINTS=hints and not INTERPRET,
-        ROW3D=row3d, num_warps=num_warps, enable_fp_fusion=False, **grid_constants(spec))
+        ROW3D=row3d, CONTIG=contiguous, num_warps=num_warps, enable_fp_fusion=False, **grid_constants(spec))
     return out
 
 
