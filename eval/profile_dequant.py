@@ -27,7 +27,7 @@ VARIANTS = {
     "split2-b32w4": dict(plane_split=2, block_n=32, num_warps=4),
 }
 # persistent programs on contiguous runs of blocks: PER_SM programs per SM in all (progs per group = that / groups)
-CONTIG = {f"contig{per_sm}-b{bn}w{nw}{'-hints' if h else ''}{'-split2' if sp else ''}{'-row3d' if r3 else ''}":
+CONTIG = {f"contig{per_sm}-b{bn}w{nw}{'-hints' if h else ''}{'-split2' if sp > 1 else ''}{'-row3d' if r3 else ''}":
           dict(per_sm=per_sm, block_n=bn, num_warps=nw, hints=h, plane_split=sp, row3d=r3)
           for per_sm, bn, nw, h, sp, r3 in (
               (1, 64, 16, True, 1, False), (1, 128, 16, True, 1, False), (1, 64, 8, True, 1, False),
