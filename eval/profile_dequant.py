@@ -1,5 +1,5 @@
 """Dequant kernel options timed side by side on the GPU: `python -m qvg.eval.profile_dequant [--out DIR]
-[--rounds R] [--only NAMES] [--workload]` -> profile-dequant-<gpu>.json.
+[--rounds R] [--only NAMES] [--workload] [--baseline FILE]` -> profile-dequant-<gpu>.json.
 
 Shapes: the benchmark's spans (LongCat [1, 32, 29640, 128] and Self-Forcing [1, 12, 37440, 128], qvg S1/B64 and
 qvg-pro S4/B16 at their default K) and the Self-Forcing pipeline's read at a 21-frame window (7 chunks of 12 x
@@ -11,6 +11,7 @@ order, for Nsight Compute (no timing)."""
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -35,6 +36,16 @@ CONTIG = {f"contig{per_sm}-b{bn}w{nw}{'-hints' if h else ''}{'-split2' if sp > 1
               (4, 64, 4, True, 1, False), (8, 32, 4, True, 1, False), (2, 64, 8, False, 1, False),
               (2, 64, 8, True, 2, False), (4, 32, 4, True, 2, False), (2, 64, 8, True, 1, True),
               (4, 32, 4, True, 1, True))}
+
+
+def _load_baseline(path: str):
+    """`dequantize` of another version of kernels/dequant.py, imported as a module of qvg.kernels (its relative
+    imports resolve there)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("qvg.kernels._baseline_dequant", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.dequantize
 
 
 def kwargs(name: str, groups: int) -> dict:
@@ -74,6 +85,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--only", default="", help="comma-separated option names (default: all)")
     ap.add_argument("--workload", action="store_true", help="one call per option and shape, for ncu")
+    ap.add_argument("--baseline", default="", help="another version of kernels/dequant.py (e.g. from `git show "
+                    "COMMIT:kernels/dequant.py`): its default grid is timed as option 'baseline'")
     args = ap.parse_args(argv)
     names = [n for n in args.only.split(",") if n] or [*VARIANTS, *CONTIG]
     bad = [n for n in names if n not in VARIANTS and n not in CONTIG]
@@ -81,32 +94,40 @@ def main(argv=None) -> int:
         print(f"error: unknown option {bad[0]!r} (known: {', '.join([*VARIANTS, *CONTIG])})" if bad else
               "error: --rounds must be >= 1", file=sys.stderr)
         return 2
+    if args.baseline and not os.path.isfile(args.baseline):
+        print(f"error: --baseline {args.baseline!r} is not a file", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("error: profile_dequant needs a CUDA GPU", file=sys.stderr)
         return 2
     from qvg.kernels.dequant import dequantize
+    base = _load_baseline(args.baseline) if args.baseline else None
+    if base is not None:
+        names = ["baseline", *names]
     from .bench_kernels import bench, ceilings, gpu_tag, write_result, _commit
     from .provenance import command_line
     t0 = time.time()
     rows = []
     for label, p, nbytes in shapes():
         ref = dequantize(p)
-        opts = {n: kwargs(n, p.shape[0] * p.shape[1]) for n in names}
+        opts = {n: kwargs(n, p.shape[0] * p.shape[1]) for n in names if n != "baseline"}
+        fns = {n: (base if n == "baseline" else dequantize) for n in names}
+        opts.setdefault("baseline", {})
         outs = {n: torch.empty_like(ref) for n in names}
         if args.workload:
             for n in names:
-                dequantize(p, out=outs[n], **opts[n])
+                fns[n](p, out=outs[n], **opts[n])
             torch.cuda.synchronize()
             continue
         times = {n: [] for n in names}
         exact = {}
         for n in names:
             outs[n].fill_(float("nan"))
-            dequantize(p, out=outs[n], **opts[n])
+            fns[n](p, out=outs[n], **opts[n])
             exact[n] = bool(torch.equal(outs[n], ref))
         for _ in range(args.rounds):
             for n in names:
-                times[n].append(bench(lambda n=n: dequantize(p, out=outs[n], **opts[n]), warmup=10, rep=40))
+                times[n].append(bench(lambda n=n: fns[n](p, out=outs[n], **opts[n]), warmup=10, rep=40))
         for n in names:
             ms = statistics.median(times[n])
             rows.append({"shape": label, "option": n, "kwargs": opts[n], "ms": ms, "rounds_ms": times[n],

@@ -41,6 +41,13 @@ def _widen(s, BLOCK_N: tl.constexpr, G2: tl.constexpr, W: tl.constexpr):
 
 
 @triton.jit
+def _crow(ids_ptr, st: tl.constexpr, GH, N, tok, rmask, gh, C, chunk, K):
+    """Row of stage st's centroid table that each token was assigned (ids are [S, GH, N], tables [S, GH, C, K])."""
+    cid = tl.load(ids_ptr + st * GH * N + tok, mask=rmask, other=0).to(tl.int64)
+    return ((st * GH + gh).to(tl.int64) * C + chunk) * K + cid
+
+
+@triton.jit
 def _row3d(codes_ptr, scale_ptr, zero_ptr, cent_ptr, out_ptr, tok, otok, rows, chunk, rmask, ts, all_ids, sidx, gh,
            GH, C, K, L, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF, D: tl.constexpr, BITS: tl.constexpr,
            GROUP: tl.constexpr, GRID: tl.constexpr, OFFSET: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr,
@@ -135,6 +142,18 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
         else:
             byte = tl.load(codes_ptr + tok[:, None] * W + cols[None, :], mask=m2, other=0, cache_modifier=CM,
                            eviction_policy=EV)
+            crow0 = tok  # each stage's centroid row, loaded once for every plane (the first 4 stages)
+            crow1 = tok
+            crow2 = tok
+            crow3 = tok
+            if STAGES > 0:
+                crow0 = _crow(ids_ptr, 0, GH, N, tok, rmask, gh, C, chunk, K)
+            if STAGES > 1:
+                crow1 = _crow(ids_ptr, 1, GH, N, tok, rmask, gh, C, chunk, K)
+            if STAGES > 2:
+                crow2 = _crow(ids_ptr, 2, GH, N, tok, rmask, gh, C, chunk, K)
+            if STAGES > 3:
+                crow3 = _crow(ids_ptr, 3, GH, N, tok, rmask, gh, C, chunk, K)
             for pi in tl.static_range(NP):
                 p = p0 + pi
                 col = p * W + cols
@@ -149,8 +168,16 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
                                                         eviction_policy=EV)), BLOCK_N, G2, W)
                 v = dequant_codes(c, s, z, OFFSET, GRID)
                 for st in tl.static_range(STAGES):
-                    cid = tl.sum(tl.where(sidx[None, :] == st, all_ids, 0), 1).to(tl.int64)
-                    crow = ((st * GH + gh).to(tl.int64) * C + chunk) * K + cid
+                    if st == 0:
+                        crow = crow0
+                    elif st == 1:
+                        crow = crow1
+                    elif st == 2:
+                        crow = crow2
+                    elif st == 3:
+                        crow = crow3
+                    else:
+                        crow = _crow(ids_ptr, st, GH, N, tok, rmask, gh, C, chunk, K)
                     v += tl.load(cent_ptr + crow[:, None] * D + col[None, :], mask=m2, other=0.0,
                                  eviction_policy=EVC).to(tl.float32)
                 if ROPE:  # keys stored before RoPE: rotate channel pairs (2j, 2j+1) by the token's 3D position
