@@ -26,6 +26,14 @@ VARIANTS = {
     "row3d-b32w4": dict(row3d=True, block_n=32, num_warps=4),
     "row3d-hints-b32w4": dict(row3d=True, block_n=32, num_warps=4, hints=True),
     "split2-b32w4": dict(plane_split=2, block_n=32, num_warps=4),
+    "split2-b64w4": dict(plane_split=2, block_n=64, num_warps=4),
+    "split4-b32w4": dict(plane_split=4, block_n=32, num_warps=4),
+    "split4-b64w4": dict(plane_split=4, block_n=64, num_warps=4),
+    "split4-b128w8": dict(plane_split=4, block_n=128, num_warps=8),
+    "reg48": dict(maxnreg=48),
+    "reg56": dict(maxnreg=56),
+    "b64w8-reg48": dict(block_n=64, num_warps=8, maxnreg=48),
+    "b16w2-reg48": dict(block_n=16, num_warps=2, maxnreg=48),
 }
 # persistent programs on contiguous runs of blocks: PER_SM programs per SM in all (progs per group = that / groups)
 CONTIG = {f"contig{per_sm}-b{bn}w{nw}{'-hints' if h else ''}{'-split2' if sp > 1 else ''}{'-row3d' if r3 else ''}":

@@ -188,7 +188,7 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
 def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None, block_n: int = 32,
                rows: tuple[int, int] | None = None, num_warps: int = 4, rope: RopeTables | None = None,
                progs: int = 0, plane_split: bool | int = False, hints: bool = False,
-               row3d: bool = False, contiguous: bool = False) -> torch.Tensor:
+               row3d: bool = False, contiguous: bool = False, maxnreg: int | None = None) -> torch.Tensor:
     """Triton version of `qvg.decompress` (rtn / qvg / qvg-pro, per-token groups) and of
     `PackedSequence.decompress` (with `rope`: keys stored before RoPE, rotated as they are decoded).
     progs > 0: that many programs per group (and plane) loop over the token blocks; plane_split: one program per
@@ -228,7 +228,8 @@ def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None,
         *_rope_args(rope, dummy), D=d, STAGES=stages, BLOCK_N=block_n, ROPE=rope is not None,
         SPLIT_H=rope.split[0] if rope else 0, SPLIT_W=rope.split[1] if rope else 0, INTERP=INTERPRET,
         NBLK=nblk, PROGS=progs, SPLIT=split, SP=triton.next_power_of_2(max(stages, 1)), HINTS=hints and not INTERPRET,
-        ROW3D=row3d, CONTIG=contiguous, num_warps=num_warps, enable_fp_fusion=False, **grid_constants(spec))
+        ROW3D=row3d, CONTIG=contiguous, num_warps=num_warps, enable_fp_fusion=False, **grid_constants(spec),
+        **({"maxnreg": maxnreg} if maxnreg else {}))
     return out
 
 
