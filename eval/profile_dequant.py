@@ -4,9 +4,10 @@
 Shapes: the benchmark's spans (LongCat [1, 32, 29640, 128] and Self-Forcing [1, 12, 37440, 128], qvg S1/B64 and
 qvg-pro S4/B16 at their default K) and the Self-Forcing pipeline's read at a 21-frame window (7 chunks of 12 x
 4,680 tokens, K = 64, as a PackedSequence). Each option of kernels/dequant.py `dequantize` (token block, warps,
-plane split, cache hints, whole-row tiles) is timed with triton's do_bench (L2 flushed before each call), the
+one program per code plane) is timed with triton's do_bench (L2 flushed before each call), the
 options interleaved over R rounds (median of the rounds' medians), and checked bitwise against the default
-output. The copy bandwidth is measured in the same run. `--workload`: one call of each option per shape, in
+output. The copy bandwidth and nvidia-smi's clocks are recorded in the same run (kernel times differ by up to ~15%
+between H100 machines at one copy bandwidth: compare options within one run). `--workload`: one call of each option per shape, in
 order, for Nsight Compute (no timing)."""
 from __future__ import annotations
 
@@ -21,29 +22,22 @@ import torch
 VARIANTS = {
     "default": dict(),
     "b16w2": dict(block_n=16, num_warps=2),
-    "hints": dict(hints=True),
-    "hints-b16w2": dict(block_n=16, num_warps=2, hints=True),
-    "row3d-b32w4": dict(row3d=True, block_n=32, num_warps=4),
-    "row3d-hints-b32w4": dict(row3d=True, block_n=32, num_warps=4, hints=True),
-    "split2-b32w4": dict(plane_split=2, block_n=32, num_warps=4),
-    "split2-b64w4": dict(plane_split=2, block_n=64, num_warps=4),
-    "split4-b32w4": dict(plane_split=4, block_n=32, num_warps=4),
-    "split4-b64w4": dict(plane_split=4, block_n=64, num_warps=4),
-    "split4-b128w8": dict(plane_split=4, block_n=128, num_warps=8),
-    "reg48": dict(maxnreg=48),
-    "reg56": dict(maxnreg=56),
-    "b64w8-reg48": dict(block_n=64, num_warps=8, maxnreg=48),
-    "b16w2-reg48": dict(block_n=16, num_warps=2, maxnreg=48),
+    "b16w4": dict(block_n=16, num_warps=4),
+    "b64w4": dict(block_n=64, num_warps=4),
+    "b64w8": dict(block_n=64, num_warps=8),
+    "planes-b32w4": dict(plane_split=True, block_n=32, num_warps=4),
+    "planes-b64w4": dict(plane_split=True, block_n=64, num_warps=4),
 }
-# persistent programs on contiguous runs of blocks: PER_SM programs per SM in all (progs per group = that / groups)
-CONTIG = {f"contig{per_sm}-b{bn}w{nw}{'-hints' if h else ''}{'-split2' if sp > 1 else ''}{'-row3d' if r3 else ''}":
-          dict(per_sm=per_sm, block_n=bn, num_warps=nw, hints=h, plane_split=sp, row3d=r3)
-          for per_sm, bn, nw, h, sp, r3 in (
-              (1, 64, 16, True, 1, False), (1, 128, 16, True, 1, False), (1, 64, 8, True, 1, False),
-              (2, 64, 8, True, 1, False), (2, 32, 8, True, 1, False), (4, 32, 4, True, 1, False),
-              (4, 64, 4, True, 1, False), (8, 32, 4, True, 1, False), (2, 64, 8, False, 1, False),
-              (2, 64, 8, True, 2, False), (4, 32, 4, True, 2, False), (2, 64, 8, True, 1, True),
-              (4, 32, 4, True, 1, True))}
+
+
+def _smi() -> str:
+    """SM / memory clocks (now and max), power limit and temperature, as nvidia-smi reports them ('' if absent)."""
+    import subprocess
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,clocks.max.sm,clocks.mem,power.limit,"
+                               "temperature.gpu", "--format=csv"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
 
 
 def _load_baseline(path: str):
@@ -56,37 +50,6 @@ def _load_baseline(path: str):
     return mod.dequantize
 
 
-def kwargs(name: str, groups: int) -> dict:
-    """dequantize's keyword arguments for option `name` at `groups` heads (contig options size progs by SMs)."""
-    if name in VARIANTS:
-        return VARIANTS[name]
-    from qvg.kernels.common import sm_count
-    o = dict(CONTIG[name])
-    planes = o["plane_split"]
-    o["progs"] = max(1, o.pop("per_sm") * sm_count(torch.device("cuda")) // (groups * planes))
-    return {**o, "contiguous": True}
-
-
-def shapes():
-    """(name, packed, bytes moved) per shape: packed read + BF16 written."""
-    import qvg
-    from qvg.sequence import PackedSequence
-    from .bench_kernels import clustered
-    out = []
-    for shape in ((1, 32, 29640, 128), (1, 12, 37440, 128)):
-        x = clustered(shape)
-        for method in ("qvg", "qvg-pro"):
-            p = qvg.compress(x, method)
-            out.append((f"{method} {list(shape)}", p, p.nbytes + x.numel() * 2))
-        del x
-    for method in ("qvg", "qvg-pro"):
-        x = clustered((1, 12, 4680, 128), spread=3.0)
-        seq = PackedSequence.from_chunks([qvg.compress(x, method, bits=2, centroids=64)] * 7)
-        out.append((f"{method} pipeline read 12 x 7 x 4680 K=64", seq,
-                    sum(t.numel() * t.element_size() for t in seq.tensors.values()) + 12 * 7 * 4680 * 128 * 2))
-    return out
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="eval/results")
@@ -96,10 +59,10 @@ def main(argv=None) -> int:
     ap.add_argument("--baseline", default="", help="another version of kernels/dequant.py (e.g. from `git show "
                     "COMMIT:kernels/dequant.py`): its default grid is timed as option 'baseline'")
     args = ap.parse_args(argv)
-    names = [n for n in args.only.split(",") if n] or [*VARIANTS, *CONTIG]
-    bad = [n for n in names if n not in VARIANTS and n not in CONTIG]
+    names = [n for n in args.only.split(",") if n] or list(VARIANTS)
+    bad = [n for n in names if n not in VARIANTS]
     if bad or args.rounds < 1:
-        print(f"error: unknown option {bad[0]!r} (known: {', '.join([*VARIANTS, *CONTIG])})" if bad else
+        print(f"error: unknown option {bad[0]!r} (known: {', '.join(VARIANTS)})" if bad else
               "error: --rounds must be >= 1", file=sys.stderr)
         return 2
     if args.baseline and not os.path.isfile(args.baseline):
@@ -118,9 +81,8 @@ def main(argv=None) -> int:
     rows = []
     for label, p, nbytes in shapes():
         ref = dequantize(p)
-        opts = {n: kwargs(n, p.shape[0] * p.shape[1]) for n in names if n != "baseline"}
+        opts = {n: VARIANTS.get(n, {}) for n in names}
         fns = {n: (base if n == "baseline" else dequantize) for n in names}
-        opts.setdefault("baseline", {})
         outs = {n: torch.empty_like(ref) for n in names}
         if args.workload:
             for n in names:
@@ -152,7 +114,7 @@ def main(argv=None) -> int:
     import triton
     res = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec="seconds"), "commit": _commit(), "command": command_line("python -m qvg.eval.profile_dequant", argv), "torch": torch.__version__,
-        "triton": triton.__version__, "python": platform.python_version(), "ceilings": ceil, "rows": rows}
+        "triton": triton.__version__, "nvidia_smi": _smi(), "python": platform.python_version(), "ceilings": ceil, "rows": rows}
     write_result(res, args.out, f"profile-dequant-{gpu_tag(res['device'])}.json", t0)
     return 0
 

@@ -42,54 +42,9 @@ def _widen(s, BLOCK_N: tl.constexpr, G2: tl.constexpr, W: tl.constexpr):
 
 @triton.jit
 def _crow(ids_ptr, st: tl.constexpr, GH, N, tok, rmask, gh, C, chunk, K):
-    """Row of stage st's centroid table that each token was assigned (ids are [S, GH, N], tables [S, GH, C, K])."""
+    """Row of stage st's centroid table each token was assigned (ids [S, GH, N], tables [S, GH, C, K])."""
     cid = tl.load(ids_ptr + st * GH * N + tok, mask=rmask, other=0).to(tl.int64)
     return ((st * GH + gh).to(tl.int64) * C + chunk) * K + cid
-
-
-@triton.jit
-def _row3d(codes_ptr, scale_ptr, zero_ptr, cent_ptr, out_ptr, tok, otok, rows, chunk, rmask, ts, all_ids, sidx, gh,
-           GH, C, K, L, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF, D: tl.constexpr, BITS: tl.constexpr,
-           GROUP: tl.constexpr, GRID: tl.constexpr, OFFSET: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr,
-           BLOCK_N: tl.constexpr, ROPE: tl.constexpr, SPLIT_H: tl.constexpr, SPLIT_W: tl.constexpr,
-           INTERP: tl.constexpr, CM: tl.constexpr, EV: tl.constexpr, EVC: tl.constexpr):
-    """Every plane of BLOCK_N rows as one [BLOCK_N, P, W] tile: column p * W + c holds plane p of byte c, so the
-    centroid rows are gathered whole (one [BLOCK_N, D] load per stage) and stored whole."""
-    P: tl.constexpr = 8 // BITS
-    W: tl.constexpr = D // P
-    NG: tl.constexpr = D // GROUP
-    pp = tl.arange(0, P)[None, :, None]
-    cc = tl.arange(0, W)[None, None, :]
-    m3 = rmask[:, None, None]
-    byte = tl.load(codes_ptr + tok[:, None, None] * W + cc, mask=m3, other=0, cache_modifier=CM, eviction_policy=EV)
-    c = (byte >> (pp * BITS).to(tl.uint8)) & ((1 << BITS) - 1)  # [BLOCK_N, P, W]
-    goff = tok[:, None] * NG + tl.arange(0, NG)[None, :]
-    m2 = rmask[:, None]
-    s = decode_scale(tl.load(scale_ptr + goff, mask=m2, other=0, cache_modifier=CM, eviction_policy=EV), ts, FP8)
-    z = 0.0
-    if GRID == 2:
-        z = bf16_bits_to_f32(tl.load(zero_ptr + goff, mask=m2, other=0, cache_modifier=CM, eviction_policy=EV))
-    if GROUP <= W:  # [BLOCK_N, NG] -> [BLOCK_N, P, G2] -> each over its GROUP columns
-        s = tl.reshape(tl.broadcast_to(tl.reshape(s, (BLOCK_N, P, W // GROUP))[:, :, :, None],
-                                       (BLOCK_N, P, W // GROUP, GROUP)), (BLOCK_N, P, W))
-        if GRID == 2:
-            z = tl.reshape(tl.broadcast_to(tl.reshape(z, (BLOCK_N, P, W // GROUP))[:, :, :, None],
-                                           (BLOCK_N, P, W // GROUP, GROUP)), (BLOCK_N, P, W))
-    else:  # a group spans GROUP / W planes: [BLOCK_N, NG] -> [BLOCK_N, P] -> over the W columns
-        s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, NG, GROUP // W)), (BLOCK_N, P))[:, :, None]
-        if GRID == 2:
-            z = tl.reshape(tl.broadcast_to(z[:, :, None], (BLOCK_N, NG, GROUP // W)), (BLOCK_N, P))[:, :, None]
-    v = dequant_codes(c, s, z, OFFSET, GRID)
-    col = pp * W + cc
-    for st in tl.static_range(STAGES):
-        cid = tl.sum(tl.where(sidx[None, :] == st, all_ids, 0), 1).to(tl.int64)
-        crow = ((st * GH + gh).to(tl.int64) * C + chunk) * K + cid
-        v += tl.load(cent_ptr + crow[:, None, None] * D + col, mask=m3, other=0.0, eviction_policy=EVC).to(tl.float32)
-    if ROPE:
-        v2 = _rope(tl.reshape(v, (BLOCK_N, D)), rows, chunk, L, rmask, 0, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF,
-                   W_OFF, D, D, BLOCK_N, SPLIT_H, SPLIT_W)
-        v = tl.reshape(v2, (BLOCK_N, P, W))
-    tl.store(out_ptr + otok[:, None, None] * D + col, to_out(v, out_ptr, INTERP), mask=m3)
 
 
 @triton.jit
@@ -98,103 +53,79 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
                     D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr,
                     OFFSET: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr, BLOCK_N: tl.constexpr,
                     ROPE: tl.constexpr, SPLIT_H: tl.constexpr, SPLIT_W: tl.constexpr, INTERP: tl.constexpr,
-                    NBLK, PROGS, SPLIT: tl.constexpr, SP: tl.constexpr, HINTS: tl.constexpr,
-                    ROW3D: tl.constexpr, CONTIG: tl.constexpr):
-    """Program (i, gh, q) decodes token blocks i, i + PROGS, ... (< NBLK) of group gh: code planes
-    q * P / SPLIT ... (q + 1) * P / SPLIT - 1 (SPLIT > 1: a program gathers SPLIT / P of each centroid row, so its
-    centroid tables stay small). HINTS: the read-once streams (codes, scales, ids) bypass L1 and leave L2 first,
-    the centroid rows stay. ROW3D: all planes of a row at once, as a [BLOCK_N, P, W] tile (whole centroid rows).
-    CONTIG: program i takes a contiguous run of blocks (i * NBLK // PROGS ...) instead of every PROGS-th one, so
-    the programs that share an SM gather from few centroid tables (they stay in L1)."""
+                    NBLK, PROGS, PLANE_SPLIT: tl.constexpr):
+    """Program (i, gh, q) decodes token blocks i, i + PROGS, ... (< NBLK) of group gh: every code plane, or only
+    plane q with PLANE_SPLIT (then a program gathers 1/P of each centroid row: its centroid tables stay small)."""
     pid = tl.program_id(0)
     gh = tl.program_id(1)
     P: tl.constexpr = 8 // BITS  # planes per byte
     W: tl.constexpr = D // P  # bytes per row
-    NP: tl.constexpr = P // SPLIT  # planes per program
-    p0 = tl.program_id(2) * NP
+    p0 = tl.program_id(2) if PLANE_SPLIT else 0
+    NP: tl.constexpr = 1 if PLANE_SPLIT else P
     G2: tl.constexpr = W // GROUP if GROUP < W else 1  # groups per plane
     gi = tl.arange(0, G2)
     cols = tl.arange(0, W)
-    sidx = tl.arange(0, SP)
-    CM: tl.constexpr = ".cg" if HINTS else ""
-    EV: tl.constexpr = ""  # (ptxas refuses .cg with an eviction policy)
-    EVC: tl.constexpr = "evict_last" if HINTS else ""
-    lo = pid * NBLK // PROGS if CONTIG else pid
-    hi = (pid + 1) * NBLK // PROGS if CONTIG else NBLK
-    for pid_n in range(lo, hi, 1 if CONTIG else PROGS):
+    for pid_n in range(pid, NBLK, PROGS):
         rows = ROW0 + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # tokens [ROW0, ROW_END) -> output rows [0, OUT_N)
         rmask = rows < ROW_END
         tok = gh.to(tl.int64) * N + rows  # flat token index
         otok = gh.to(tl.int64) * OUT_N + rows - ROW0
         m2 = rmask[:, None]
+        byte = tl.load(codes_ptr + tok[:, None] * W + cols[None, :], mask=m2, other=0)
         chunk = rows // L  # a PackedSequence holds C chunks of L tokens, each with its own tscale and centroids
         ts = 1.0
         if FP8:
             ts = tl.load(tscale_ptr + gh.to(tl.int64) * C + chunk, mask=rmask, other=1.0)[:, None]
-        all_ids = tl.zeros([BLOCK_N, SP], dtype=tl.int32)
-        if STAGES > 0:  # every stage's id, loaded once for all planes: [BLOCK_N, SP]
-            all_ids = tl.load(ids_ptr + sidx[None, :] * GH * N + tok[:, None], mask=m2 & (sidx < STAGES)[None, :],
-                              other=0, cache_modifier=CM, eviction_policy=EV).to(tl.int32)
-        if ROW3D:
-            _row3d(codes_ptr, scale_ptr, zero_ptr, cent_ptr, out_ptr, tok, otok, rows, chunk, rmask, ts, all_ids,
-                   sidx, gh, GH, C, K, L, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF, D, BITS, GROUP, GRID,
-                   OFFSET, FP8, STAGES, BLOCK_N, ROPE, SPLIT_H, SPLIT_W, INTERP, CM, EV, EVC)
-        else:
-            byte = tl.load(codes_ptr + tok[:, None] * W + cols[None, :], mask=m2, other=0, cache_modifier=CM,
-                           eviction_policy=EV)
-            crow0 = tok  # each stage's centroid row, loaded once for every plane (the first 4 stages)
-            crow1 = tok
-            crow2 = tok
-            crow3 = tok
-            if STAGES > 0:
-                crow0 = _crow(ids_ptr, 0, GH, N, tok, rmask, gh, C, chunk, K)
-            if STAGES > 1:
-                crow1 = _crow(ids_ptr, 1, GH, N, tok, rmask, gh, C, chunk, K)
-            if STAGES > 2:
-                crow2 = _crow(ids_ptr, 2, GH, N, tok, rmask, gh, C, chunk, K)
-            if STAGES > 3:
-                crow3 = _crow(ids_ptr, 3, GH, N, tok, rmask, gh, C, chunk, K)
-            for pi in tl.static_range(NP):
-                p = p0 + pi
-                col = p * W + cols
-                c = (byte >> (p * BITS)) & ((1 << BITS) - 1)
-                # the plane's G2 scales per row (one load each), then widened to its W columns
-                goff = tok[:, None] * (D // GROUP) + (p * W) // GROUP + gi[None, :]
-                s = _widen(decode_scale(tl.load(scale_ptr + goff, mask=m2, other=0, cache_modifier=CM,
-                                                eviction_policy=EV), ts, FP8), BLOCK_N, G2, W)
-                z = 0.0
-                if GRID == 2:
-                    z = _widen(bf16_bits_to_f32(tl.load(zero_ptr + goff, mask=m2, other=0, cache_modifier=CM,
-                                                        eviction_policy=EV)), BLOCK_N, G2, W)
-                v = dequant_codes(c, s, z, OFFSET, GRID)
-                for st in tl.static_range(STAGES):
-                    if st == 0:
-                        crow = crow0
-                    elif st == 1:
-                        crow = crow1
-                    elif st == 2:
-                        crow = crow2
-                    elif st == 3:
-                        crow = crow3
-                    else:
-                        crow = _crow(ids_ptr, st, GH, N, tok, rmask, gh, C, chunk, K)
-                    v += tl.load(cent_ptr + crow[:, None] * D + col[None, :], mask=m2, other=0.0,
-                                 eviction_policy=EVC).to(tl.float32)
-                if ROPE:  # keys stored before RoPE: rotate channel pairs (2j, 2j+1) by the token's 3D position
-                    v = _rope(v, rows, chunk, L, rmask, p * W // 2, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF,
-                              D, W, BLOCK_N, SPLIT_H, SPLIT_W)
-                tl.store(out_ptr + otok[:, None] * D + col[None, :], to_out(v, out_ptr, INTERP), mask=m2)
+        # each stage's centroid row, from its own id load once for every plane (the first 4 stages; a [BLOCK_N, S]
+        # id tile would need a reduction per stage, through shared memory with barriers)
+        crow0 = tok
+        crow1 = tok
+        crow2 = tok
+        crow3 = tok
+        if STAGES > 0:
+            crow0 = _crow(ids_ptr, 0, GH, N, tok, rmask, gh, C, chunk, K)
+        if STAGES > 1:
+            crow1 = _crow(ids_ptr, 1, GH, N, tok, rmask, gh, C, chunk, K)
+        if STAGES > 2:
+            crow2 = _crow(ids_ptr, 2, GH, N, tok, rmask, gh, C, chunk, K)
+        if STAGES > 3:
+            crow3 = _crow(ids_ptr, 3, GH, N, tok, rmask, gh, C, chunk, K)
+        for pi in tl.static_range(NP):
+            p = p0 + pi
+            col = p * W + cols
+            c = (byte >> (p * BITS)) & ((1 << BITS) - 1)
+            # the plane's G2 scales per row (one load each), then widened to its W columns
+            goff = tok[:, None] * (D // GROUP) + (p * W) // GROUP + gi[None, :]
+            s = _widen(decode_scale(tl.load(scale_ptr + goff, mask=m2, other=0), ts, FP8), BLOCK_N, G2, W)
+            z = 0.0
+            if GRID == 2:
+                z = _widen(bf16_bits_to_f32(tl.load(zero_ptr + goff, mask=m2, other=0)), BLOCK_N, G2, W)
+            v = dequant_codes(c, s, z, OFFSET, GRID)
+            for st in tl.static_range(STAGES):
+                if st == 0:
+                    crow = crow0
+                elif st == 1:
+                    crow = crow1
+                elif st == 2:
+                    crow = crow2
+                elif st == 3:
+                    crow = crow3
+                else:
+                    crow = _crow(ids_ptr, st, GH, N, tok, rmask, gh, C, chunk, K)
+                v += tl.load(cent_ptr + crow[:, None] * D + col[None, :], mask=m2, other=0.0).to(tl.float32)
+            if ROPE:  # keys stored before RoPE: rotate channel pairs (2j, 2j+1) by the token's 3D position
+                v = _rope(v, rows, chunk, L, rmask, p * W // 2, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF,
+                          D, W, BLOCK_N, SPLIT_H, SPLIT_W)
+            tl.store(out_ptr + otok[:, None] * D + col[None, :], to_out(v, out_ptr, INTERP), mask=m2)
+
 
 def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None, block_n: int = 32,
                rows: tuple[int, int] | None = None, num_warps: int = 4, rope: RopeTables | None = None,
-               progs: int = 0, plane_split: bool | int = False, hints: bool = False,
-               row3d: bool = False, contiguous: bool = False, maxnreg: int | None = None) -> torch.Tensor:
+               progs: int = 0, plane_split: bool = False) -> torch.Tensor:
     """Triton version of `qvg.decompress` (rtn / qvg / qvg-pro, per-token groups) and of
     `PackedSequence.decompress` (with `rope`: keys stored before RoPE, rotated as they are decoded).
     progs > 0: that many programs per group (and plane) loop over the token blocks; plane_split: one program per
-    code plane (True), or per 1/plane_split of the planes (an int dividing 8 / bits; 1/P of each centroid row
-    gathered per plane); contiguous (with progs): each program takes a contiguous run of blocks; hints: L1-bypassing, evict-first loads of the read-once streams; row3d: whole rows in one
-    tile. Every choice writes the same bits. The defaults
+    code plane (1/P of each centroid row gathered per program). Every choice writes the same bits. The defaults
     (32-token blocks, 4 warps, one program per block) were the fastest of eval/bench_kernels.py's sweep on the
     H100 for S4/B16 at both spans and for S1/B64 at the Self-Forcing span, within 1% of the fastest for S1/B64 at
     the LongCat span (eval/results/kernels-h100.json, each dequant row's `configs`). `out`: a contiguous
@@ -215,21 +146,16 @@ def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None,
     k = t["centroids"].shape[-2] if stages else 1
     nblk = triton.cdiv(r1 - r0, block_n)
     progs = nblk if progs <= 0 else min(progs, nblk)
-    planes = 8 // spec.bits
-    split = planes if plane_split is True else max(1, int(plane_split))
-    if planes % split or (row3d and split > 1):
-        raise ValueError(f"dequantize: plane_split {plane_split!r} must divide the {planes} code planes (and be off "
-                         f"with row3d)")
-    grid = (progs, b * h, split)
+    planes = 8 // spec.bits if plane_split else 1
+    grid = (progs, b * h, planes)
     _dequant_kernel[grid](
         t["codes"], raw_view(t["scale"]), raw_view(t["zero"]) if "zero" in t else dummy,
         t.get("tscale", dummy), t["ids"] if stages else dummy,
         t["centroids"] if stages else dummy, out, n, chunk_len, n // chunk_len, k, b * h, r0, r1, out.shape[2],
         *_rope_args(rope, dummy), D=d, STAGES=stages, BLOCK_N=block_n, ROPE=rope is not None,
         SPLIT_H=rope.split[0] if rope else 0, SPLIT_W=rope.split[1] if rope else 0, INTERP=INTERPRET,
-        NBLK=nblk, PROGS=progs, SPLIT=split, SP=triton.next_power_of_2(max(stages, 1)), HINTS=hints and not INTERPRET,
-        ROW3D=row3d, CONTIG=contiguous, num_warps=num_warps, enable_fp_fusion=False, **grid_constants(spec),
-        **({"maxnreg": maxnreg} if maxnreg else {}))
+        NBLK=nblk, PROGS=progs, PLANE_SPLIT=plane_split, num_warps=num_warps, enable_fp_fusion=False,
+        **grid_constants(spec))
     return out
 
 

@@ -24,6 +24,10 @@ CASES = [  # method, options (every grid explicit: the method presets may change
     ("qvg-pro", {"centroids": 8, "grid": "midrise"}, torch.bfloat16, 64),
     ("qvg-pro", {"centroids": 8, "bits": 8, "grid": "sym"}, torch.float32, 16),
     ("qvg-pro", {"centroids": 8, "bits": 2, "grid": "asym", "scale_dtype": "bf16"}, torch.float32, 64),
+    # stage counts around the kernel's first four (each id loaded once per block) and past them (loaded per plane)
+    ("qvg-pro", {"centroids": 8, "stages": 2, "block_size": 16}, torch.bfloat16, 16),
+    ("qvg-pro", {"centroids": 8, "stages": 3, "bits": 4}, torch.bfloat16, 64),
+    ("qvg-pro", {"centroids": 8, "stages": 6, "block_size": 16}, torch.bfloat16, 16),
 ]
 
 
