@@ -7,8 +7,8 @@ qvg-pro S4/B16 at their default K) and the Self-Forcing pipeline's read at a 21-
 one program per code plane) is timed with triton's do_bench (L2 flushed before each call), the
 options interleaved over R rounds (median of the rounds' medians), and checked bitwise against the default
 output. The copy bandwidth and nvidia-smi's clocks are recorded in the same run (kernel times differ by up to ~15%
-between H100 machines at one copy bandwidth: compare options within one run). `--workload`: one call of each option per shape, in
-order, for Nsight Compute (no timing)."""
+between H100 machines at one copy bandwidth: compare options within one run). `--workload`: one call of each option
+per shape, in order, for Nsight Compute (no timing)."""
 from __future__ import annotations
 
 import argparse
@@ -48,6 +48,26 @@ def _load_baseline(path: str):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod.dequantize
+
+
+def shapes():
+    """(name, packed, bytes moved) per shape: packed read + BF16 written."""
+    import qvg
+    from qvg.sequence import PackedSequence
+    from .bench_kernels import clustered
+    out = []
+    for shape in ((1, 32, 29640, 128), (1, 12, 37440, 128)):
+        x = clustered(shape)
+        for method in ("qvg", "qvg-pro"):
+            p = qvg.compress(x, method)
+            out.append((f"{method} {list(shape)}", p, p.nbytes + x.numel() * 2))
+        del x
+    for method in ("qvg", "qvg-pro"):
+        x = clustered((1, 12, 4680, 128), spread=3.0)
+        seq = PackedSequence.from_chunks([qvg.compress(x, method, bits=2, centroids=64)] * 7)
+        out.append((f"{method} pipeline read 12 x 7 x 4680 K=64", seq,
+                    sum(t.numel() * t.element_size() for t in seq.tensors.values()) + 12 * 7 * 4680 * 128 * 2))
+    return out
 
 
 def main(argv=None) -> int:
@@ -103,7 +123,7 @@ def main(argv=None) -> int:
             rows.append({"shape": label, "option": n, "kwargs": opts[n], "ms": ms, "rounds_ms": times[n],
                          "bytes_moved": nbytes, "TBps": nbytes / ms / 1e9, "bitwise_equal_default": exact[n]})
             print(f"  {label:44s} {n:20s} {ms:.4f} ms {nbytes / ms / 1e9:.2f} TB/s equal {exact[n]}", flush=True)
-        del outs
+        outs.clear()  # (frees the buffers before the next shape)
     if args.workload:
         return 0
     ceil = ceilings(False)
@@ -113,8 +133,9 @@ def main(argv=None) -> int:
     import platform
     import triton
     res = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
-        timespec="seconds"), "commit": _commit(), "command": command_line("python -m qvg.eval.profile_dequant", argv), "torch": torch.__version__,
-        "triton": triton.__version__, "nvidia_smi": _smi(), "python": platform.python_version(), "ceilings": ceil, "rows": rows}
+        timespec="seconds"), "commit": _commit(), "command": command_line("python -m qvg.eval.profile_dequant", argv),
+        "torch": torch.__version__, "triton": triton.__version__, "nvidia_smi": _smi(),
+        "python": platform.python_version(), "ceilings": ceil, "rows": rows}
     write_result(res, args.out, f"profile-dequant-{gpu_tag(res['device'])}.json", t0)
     return 0
 
