@@ -6,8 +6,8 @@ qvg-pro S4/B16 at their default K) and the Self-Forcing pipeline's read at a 21-
 4,680 tokens, K = 64, as a PackedSequence). Each option of kernels/dequant.py `dequantize` (token block, warps,
 one program per code plane) is timed with triton's do_bench (L2 flushed before each call), the
 options interleaved over R rounds (median of the rounds' medians), and checked bitwise against the default
-output. The copy bandwidth and nvidia-smi's clocks are recorded in the same run (kernel times differ by up to ~15%
-between H100 machines at one copy bandwidth: compare options within one run). `--workload`: one call of each option
+output. The copy bandwidth is measured in the same run and nvidia-smi's clocks read once at its end (one kernel's
+time differed by up to 17% between runs at one copy bandwidth: compare options within one run). `--workload`: one call of each option
 per shape, in order, for Nsight Compute (no timing)."""
 from __future__ import annotations
 
@@ -92,7 +92,11 @@ def main(argv=None) -> int:
         print("error: profile_dequant needs a CUDA GPU", file=sys.stderr)
         return 2
     from qvg.kernels.dequant import dequantize
-    base = _load_baseline(args.baseline) if args.baseline else None
+    try:
+        base = _load_baseline(args.baseline) if args.baseline else None
+    except Exception as e:  # (a file that does not import, or has no dequantize)
+        print(f"error: --baseline {args.baseline!r} gives no dequantize: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
     if base is not None:
         names = ["baseline", *names]
     from .bench_kernels import bench, ceilings, gpu_tag, write_result, _commit

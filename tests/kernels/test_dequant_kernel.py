@@ -82,11 +82,12 @@ def test_dequantize_rejects_other_methods():
 SEQ_CASES = [("qvg", {"centroids": 8, "grid": "midrise"}, torch.bfloat16),
              ("qvg-pro", {"centroids": 8, "bits": 4, "grid": "sym"}, torch.bfloat16),
              ("rtn", {"scale_dtype": "bf16", "bits": 4, "grid": "midrise"}, torch.float32),
-             ("rtn", {"scale_dtype": "bf16", "grid": "asym"}, torch.float32)]
+             ("rtn", {"scale_dtype": "bf16", "grid": "asym"}, torch.float32),
+             ("qvg-pro", {"centroids": 8, "stages": 6, "block_size": 16}, torch.bfloat16)]  # ids past the 4th stage
 L = 40  # tokens per chunk, not a multiple of the row block
 
 
-@pytest.fixture(scope="module", params=SEQ_CASES, ids=["qvg", "qvg-pro-sym4", "rtn-bf16", "rtn-asym"])
+@pytest.fixture(scope="module", params=SEQ_CASES, ids=["qvg", "qvg-pro-sym4", "rtn-bf16", "rtn-asym", "qvg-pro-s6"])
 def sequence(request):
     method, opts, dtype = request.param
     chunks = [_pack(method, opts, dtype, seed=s, n=L) for s in (1, 2, 3)]
