@@ -60,6 +60,17 @@ def gpu_tag(device_name: str) -> str:
     return "h200" if "H200" in device_name else device_name.replace(" ", "-").lower()
 
 
+def result_header(module: str, argv: list[str] | None) -> dict:
+    """The provenance every GPU result file opens with: device, UTC date, commit, the command (`python -m
+    qvg.eval.<module> ARGS`), torch, triton and python versions."""
+    import triton
+    from .provenance import command_line
+    return {"device": torch.cuda.get_device_name(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": _commit(),
+            "command": command_line(f"python -m qvg.eval.{module}", argv), "torch": torch.__version__,
+            "triton": triton.__version__, "python": platform.python_version()}
+
+
 def write_result(res: dict, out_dir: str, name: str, t0: float) -> str:
     """res (with its wall time since t0) as JSON at out_dir/name; the path."""
     res["wall_s"] = time.time() - t0
@@ -428,12 +439,9 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_kernels: needs a CUDA GPU", file=sys.stderr)
         return 2
-    import triton
     t0 = time.time()
-    dev = torch.cuda.get_device_name()
-    res = {"device": dev, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "commit": _commit(), "command": "python -m qvg.eval.bench_kernels " + " ".join(argv or sys.argv[1:]),
-           "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()}
+    res = result_header("bench_kernels", argv)
+    dev = res["device"]
     only = set(filter(None, args.only.split(",")))
     sections = [("ceilings", lambda: ceilings(args.quick)),
                 ("kmeans", kmeans_parity_section),

@@ -99,8 +99,7 @@ def main(argv=None) -> int:
         return 2
     if base is not None:
         names = ["baseline", *names]
-    from .bench_kernels import bench, ceilings, gpu_tag, write_result, _commit
-    from .provenance import command_line
+    from .bench_kernels import bench, ceilings, gpu_tag, result_header, write_result
     t0 = time.time()
     rows = []
     for label, p, nbytes in shapes():
@@ -133,13 +132,7 @@ def main(argv=None) -> int:
     ceil = ceilings(False)
     for r in rows:
         r["fraction_of_copy_bw"] = r["TBps"] / ceil["copy_TBps"]
-    import datetime
-    import platform
-    import triton
-    res = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
-        timespec="seconds"), "commit": _commit(), "command": command_line("python -m qvg.eval.profile_dequant", argv),
-        "torch": torch.__version__, "triton": triton.__version__, "nvidia_smi": _smi(),
-        "python": platform.python_version(), "ceilings": ceil, "rows": rows}
+    res = {**result_header("profile_dequant", argv), "nvidia_smi": _smi(), "ceilings": ceil, "rows": rows}
     write_result(res, args.out, f"profile-dequant-{gpu_tag(res['device'])}.json", t0)
     return 0
 

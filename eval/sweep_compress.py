@@ -160,12 +160,9 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("sweep_compress: needs a CUDA GPU", file=sys.stderr)
         return 2
-    from .bench_kernels import _commit, gpu_tag, write_result
-    import triton
+    from .bench_kernels import gpu_tag, result_header, write_result
     t0 = time.time()
-    res = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-           "commit": _commit(), "command": "python -m qvg.eval.sweep_compress " + " ".join(argv or sys.argv[1:]),
-           "torch": torch.__version__, "triton": triton.__version__, "shape": list(shape), "centroids": args.centroids,
+    res = {**result_header("sweep_compress", argv), "shape": list(shape), "centroids": args.centroids,
            "rounds": args.rounds, "reps": args.reps, "rows": []}
     for method in methods:
         print(f"[{method}] {len(cands)} candidates at {list(shape)}, K={args.centroids}", flush=True)
