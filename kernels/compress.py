@@ -40,10 +40,6 @@ COMPRESS_VARIANTS = {
     "fast-onehot": dict(_FAST, update_kw=dict(_ONEHOT_UPDATE, chunk=512)),
     "fast-onehot-1024": dict(_FAST, update_kw=dict(_ONEHOT_UPDATE, chunk=1024)),
 }
-_FOLD = dict(_FAST, assign_kw=dict(_FAST["assign_kw"], fold=True))
-COMPRESS_VARIANTS["fast-fold"] = dict(_FOLD, update_kw=COMPRESS_VARIANTS["fast"]["update_kw"])
-COMPRESS_VARIANTS["fast-fold-128w8"] = dict(COMPRESS_VARIANTS["fast-fold"],
-                                            assign_kw=dict(_FOLD["assign_kw"], block_n=128, num_warps=8))
 # The default, "auto", picks one of them by shape (`pick_variant`); COMPRESS_VARIANT is the switch, and
 # `compress_prq(..., variant=)` overrides it per call.
 COMPRESS_VARIANT = "auto"

@@ -89,33 +89,23 @@ def _segment_mean_kernel(x_ptr, order_ptr, bounds_ptr, c_old_ptr, c_new_ptr, N, 
 @triton.jit
 def _assign_min_kernel(x_ptr, c_ptr, csq_ptr, ids_ptr, dist_ptr, N, K, NBLK, PROGS, D: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr, WANT_DIST: tl.constexpr,
-                       INTERP: tl.constexpr, FOLD: tl.constexpr = False):
+                       INTERP: tl.constexpr):
     """`_assign_kernel`'s result (same distances, ties -> lowest id) with ONE (value, index) reduction per token:
     all K centroids in one tile (ONE_TILE), or an elementwise running minimum over the centroid tiles (strict <:
     the earlier tile keeps a tie) reduced once at the end. Program p of a group takes token blocks p, p + PROGS,
-    ... (PROGS < NBLK: persistent; a single tile is then loaded once per program).
-    FOLD (one tile): csq_ptr holds -|c|^2 / 2 and starts the dot's accumulator, so the tensor cores return
-    x.c - |c|^2 / 2 = -d / 2 and the epilogue is the (value, index) max alone: no per-distance arithmetic and no
-    [BLOCK_K] |c|^2 vector held beside the accumulator. Rounded once in the dot instead of after it: ids may differ
-    from the unfolded kernel's where two distances are within FP32 rounding."""
+    ... (PROGS < NBLK: persistent; a single tile is then loaded once per program)."""
     pid = tl.program_id(0)
     g = tl.program_id(1).to(tl.int64)
     dcols = tl.arange(0, D)
     kt = tl.arange(0, BLOCK_K)
     if ONE_TILE:
         c1 = tl.load(c_ptr + (g * K + kt)[:, None] * D + dcols[None, :], mask=(kt < K)[:, None], other=0.0)
-        if not FOLD:
-            csq1 = tl.load(csq_ptr + g * K + kt, mask=kt < K, other=float("inf"))
+        csq1 = tl.load(csq_ptr + g * K + kt, mask=kt < K, other=float("inf"))
     for blk in range(pid, NBLK, PROGS):
         rows = blk * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < N
         x = tl.load(x_ptr + (g * N + rows)[:, None] * D + dcols[None, :], mask=rmask[:, None], other=0.0)
-        if FOLD:  # -|c|^2 / 2 loaded per block (an L1 hit), so it is not live across the loop
-            nh = tl.load(csq_ptr + g * K + kt, mask=kt < K, other=float("-inf"))
-            acc = dot_bf16(x, tl.trans(c1), tl.broadcast_to(nh[None, :], (BLOCK_N, BLOCK_K)), INTERP)
-            best, best_id = tl.max(acc, 1, return_indices=True)
-            best = -2.0 * best
-        elif ONE_TILE:
+        if ONE_TILE:
             d = csq1[None, :] - 2.0 * dot_bf16(x, tl.trans(c1), tl.zeros((BLOCK_N, BLOCK_K), tl.float32), INTERP)
             best, best_id = tl.min(d, 1, return_indices=True)
         else:
@@ -141,16 +131,14 @@ ASSIGN_MODES = ("tiles", "min")
 
 
 def assign(x: torch.Tensor, c: torch.Tensor, want_dist: bool = False, block_n: int = 64, block_k: int = 64,
-           num_warps: int = 4, num_stages: int = 2, packed: bool = False, mode: str = "tiles", progs: int = 0,
-           fold: bool = False):
+           num_warps: int = 4, num_stages: int = 2, packed: bool = False, mode: str = "tiles", progs: int = 0):
     """x [G, N, D] (bf16/fp32), c [G, K, D] fp32 -> (ids [G, N] narrow dtype, squared distance [G, N] or None).
     packed (K <= 256; measured no faster on an H100, eval/results/profile-compress-h100.json): the argmin is one
     integer min over (distance with its last 8 mantissa bits replaced by the id): ties within 2^-15 relative go to
     the lower id, the returned distance is that truncated value.
     mode "min" (`_assign_min_kernel`, same result as "tiles"): one reduction per token; block_k >= K puts all
     centroids in one tile; progs > 0: that many programs per group loop over the token blocks (persistent);
-    progs="auto": about two programs per SM over all groups (at least one per group); fold (mode "min", one tile):
-    -|c|^2 / 2 starts the dot's accumulator (`_assign_min_kernel`'s FOLD; same distances up to one FP32 rounding)."""
+    progs="auto": about two programs per SM over all groups (at least one per group)."""
     if mode not in ASSIGN_MODES:
         raise ValueError(f"unknown assign mode {mode!r}; choose one of {ASSIGN_MODES}")
     g, n, d = x.shape
@@ -166,11 +154,9 @@ def assign(x: torch.Tensor, c: torch.Tensor, want_dist: bool = False, block_n: i
         if progs == "auto":
             progs = nblk if INTERPRET or not x.is_cuda else max(1, 2 * sm_count(x.device) // g)
         progs = nblk if progs <= 0 else min(progs, nblk)
-        fold = fold and block_k >= k
-        _assign_min_kernel[(progs, g)](x.contiguous(), c, csq * -0.5 if fold else csq, ids, dist, n, k, nblk, progs,
-                                       D=d, BLOCK_N=block_n, BLOCK_K=block_k, ONE_TILE=block_k >= k,
-                                       WANT_DIST=want_dist, INTERP=INTERPRET, FOLD=fold, num_warps=num_warps,
-                                       num_stages=num_stages)
+        _assign_min_kernel[(progs, g)](x.contiguous(), c, csq, ids, dist, n, k, nblk, progs, D=d, BLOCK_N=block_n,
+                                       BLOCK_K=block_k, ONE_TILE=block_k >= k, WANT_DIST=want_dist,
+                                       INTERP=INTERPRET, num_warps=num_warps, num_stages=num_stages)
         return ids, (dist if want_dist else None)
     _assign_kernel[(triton.cdiv(n, block_n), g)](x.contiguous(), c, csq, ids, dist, n, k, D=d, BLOCK_N=block_n,
                                                  BLOCK_K=block_k,

@@ -158,33 +158,6 @@ def test_assign_min_mode_equals_tiles(kw, k, device):
     assert (got <= full.amin(2) * (1 + 1e-5) + 1e-4).all(), f"ids {kw} are not nearest centroids"
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(block_n=16, progs=3), dict(block_n=128, num_warps=8, progs="auto")])
-@pytest.mark.parametrize("k", [20, 256])
-def test_assign_fold(kw, k, device):
-    """fold=True (-|c|^2 / 2 starts the dot's accumulator): nearest centroids, the unfolded distances up to FP32
-    rounding, duplicated centroids go to the lower id; on the CPU (the interpreter adds the start value after the
-    product) bitwise the unfolded kernel."""
-    x, centres = _blobs(2, 150, 32, min(k, 24), seed=k + 7)
-    c = torch.cat([centres, torch.randn(2, k - centres.shape[1], 32, generator=gen(3)) * 3], 1)
-    c[:, k - 1] = c[:, 3]
-    c[:, k // 2] = c[:, 5]
-    xb = x.bfloat16().to(device)
-    want, wdist = kk.assign(xb, c.to(device), True, mode="min", block_k=256, **kw)
-    with poisoned():
-        ids, dist = kk.assign(xb, c.to(device), True, mode="min", block_k=256, fold=True, **kw)
-    ids2, none = kk.assign(xb, c.to(device), mode="min", block_k=256, fold=True, **kw)
-    assert none is None and torch.equal(ids2.cpu(), ids.cpu())
-    assert int(ids.max()) < k and not ((ids.cpu().long() == k - 1) | (ids.cpu().long() == k // 2)).any()
-    if device == "cpu":
-        assert_bitwise_equal(ids, want, "ids")
-        assert_bitwise_equal(dist, wdist, "distances")
-        return
-    torch.testing.assert_close(dist.cpu(), wdist.cpu(), rtol=1e-5, atol=1e-4)
-    full = torch.cdist(x.bfloat16().float(), c.bfloat16().float()).pow(2)
-    got = full.gather(2, ids.cpu().long()[..., None])[..., 0]
-    assert (got <= full.amin(2) * (1 + 1e-5) + 1e-4).all(), "fold ids are not nearest centroids"
-
-
 FAST = {k: v for k, v in COMPRESS_VARIANTS["fast"].items() if k != "pack_kw"}
 
 
