@@ -27,12 +27,6 @@ VARIANTS = {
     "b64w8": dict(block_n=64, num_warps=8),
     "planes-b32w4": dict(plane_split=True, block_n=32, num_warps=4),
     "planes-b64w4": dict(plane_split=True, block_n=64, num_warps=4),
-    "defer": dict(defer=True),
-    "ids-first": dict(ids_first=True),
-    "defer-ids-first": dict(defer=True, ids_first=True),
-    "defer-b16w4": dict(defer=True, block_n=16, num_warps=4),
-    "defer-b16w2": dict(defer=True, block_n=16, num_warps=2),
-    "defer-b64w8": dict(defer=True, block_n=64, num_warps=8),
 }
 
 

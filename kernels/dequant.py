@@ -53,8 +53,7 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
                     D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr,
                     OFFSET: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr, BLOCK_N: tl.constexpr,
                     ROPE: tl.constexpr, SPLIT_H: tl.constexpr, SPLIT_W: tl.constexpr, INTERP: tl.constexpr,
-                    NBLK, PROGS, PLANE_SPLIT: tl.constexpr, DEFER: tl.constexpr = False,
-                    IDS_FIRST: tl.constexpr = False):
+                    NBLK, PROGS, PLANE_SPLIT: tl.constexpr):
     """Program (i, gh, q) decodes token blocks i, i + PROGS, ... (< NBLK) of group gh: every code plane, or only
     plane q with PLANE_SPLIT (then a program gathers 1/P of each centroid row: its centroid tables stay small)."""
     pid = tl.program_id(0)
@@ -72,8 +71,7 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
         tok = gh.to(tl.int64) * N + rows  # flat token index
         otok = gh.to(tl.int64) * OUT_N + rows - ROW0
         m2 = rmask[:, None]
-        if not IDS_FIRST:
-            byte = tl.load(codes_ptr + tok[:, None] * W + cols[None, :], mask=m2, other=0)
+        byte = tl.load(codes_ptr + tok[:, None] * W + cols[None, :], mask=m2, other=0)
         chunk = rows // L  # a PackedSequence holds C chunks of L tokens, each with its own tscale and centroids
         ts = 1.0
         if FP8:
@@ -92,9 +90,12 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
             crow2 = _crow(ids_ptr, 2, GH, N, tok, rmask, gh, C, chunk, K)
         if STAGES > 3:
             crow3 = _crow(ids_ptr, 3, GH, N, tok, rmask, gh, C, chunk, K)
-        if IDS_FIRST:
-            byte = tl.load(codes_ptr + tok[:, None] * W + cols[None, :], mask=m2, other=0)
-        v0 = tl.zeros([BLOCK_N, W], tl.float32)  # DEFER: the planes' values, stored after every plane's gathers
+        # the planes' values are stored after every plane's gathers (up to 4 planes, so 2-8 bits): a store between
+        # them keeps the next plane's loads behind it (out may alias the inputs for all the compiler knows), so the
+        # per-plane form waited out one gather latency per plane (-10 to -18% at S4/B16 on the H100,
+        # eval/results/profile-dequant-h100.md)
+        DEFER: tl.constexpr = NP <= 4
+        v0 = tl.zeros([BLOCK_N, W], tl.float32)
         v1 = v0
         v2 = v0
         v3 = v0
@@ -124,7 +125,7 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
             if ROPE:  # keys stored before RoPE: rotate channel pairs (2j, 2j+1) by the token's 3D position
                 v = _rope(v, rows, chunk, L, rmask, p * W // 2, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF,
                           D, W, BLOCK_N, SPLIT_H, SPLIT_W)
-            if DEFER and NP <= 4:
+            if DEFER:
                 if pi == 0:
                     v0 = v
                 elif pi == 1:
@@ -135,7 +136,7 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
                     v3 = v
             else:
                 tl.store(out_ptr + otok[:, None] * D + col[None, :], to_out(v, out_ptr, INTERP), mask=m2)
-        if DEFER and NP <= 4:
+        if DEFER:
             orow = out_ptr + otok[:, None] * D + (p0 * W + cols)[None, :]
             tl.store(orow, to_out(v0, out_ptr, INTERP), mask=m2)
             if NP > 1:
@@ -148,7 +149,7 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
 
 def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None, block_n: int = 32,
                rows: tuple[int, int] | None = None, num_warps: int = 4, rope: RopeTables | None = None,
-               progs: int = 0, plane_split: bool = False, defer: bool = False, ids_first: bool = False) -> torch.Tensor:
+               progs: int = 0, plane_split: bool = False) -> torch.Tensor:
     """Triton version of `qvg.decompress` (rtn / qvg / qvg-pro, per-token groups) and of
     `PackedSequence.decompress` (with `rope`: keys stored before RoPE, rotated as they are decoded).
     progs > 0: that many programs per group (and plane) loop over the token blocks; plane_split: one program per
@@ -181,8 +182,7 @@ def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None,
         t["centroids"] if stages else dummy, out, n, chunk_len, n // chunk_len, k, b * h, r0, r1, out.shape[2],
         *_rope_args(rope, dummy), D=d, STAGES=stages, BLOCK_N=block_n, ROPE=rope is not None,
         SPLIT_H=rope.split[0] if rope else 0, SPLIT_W=rope.split[1] if rope else 0, INTERP=INTERPRET,
-        NBLK=nblk, PROGS=progs, PLANE_SPLIT=plane_split, DEFER=defer, IDS_FIRST=ids_first, num_warps=num_warps,
-        enable_fp_fusion=False,
+        NBLK=nblk, PROGS=progs, PLANE_SPLIT=plane_split, num_warps=num_warps, enable_fp_fusion=False,
         **grid_constants(spec))
     return out
 
