@@ -27,8 +27,6 @@ VARIANTS = {
     "b64w8": dict(block_n=64, num_warps=8),
     "planes-b32w4": dict(plane_split=True, block_n=32, num_warps=4),
     "planes-b64w4": dict(plane_split=True, block_n=64, num_warps=4),
-    "st-cs": dict(store_cs=True),
-    "st-cs-b16w2": dict(store_cs=True, block_n=16, num_warps=2),
 }
 
 

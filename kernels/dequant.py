@@ -53,7 +53,7 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
                     D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr,
                     OFFSET: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr, BLOCK_N: tl.constexpr,
                     ROPE: tl.constexpr, SPLIT_H: tl.constexpr, SPLIT_W: tl.constexpr, INTERP: tl.constexpr,
-                    NBLK, PROGS, PLANE_SPLIT: tl.constexpr, STORE_CS: tl.constexpr = False):
+                    NBLK, PROGS, PLANE_SPLIT: tl.constexpr):
     """Program (i, gh, q) decodes token blocks i, i + PROGS, ... (< NBLK) of group gh: every code plane, or only
     plane q with PLANE_SPLIT (then a program gathers 1/P of each centroid row: its centroid tables stay small)."""
     pid = tl.program_id(0)
@@ -136,21 +136,20 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
                     v3 = v
             else:
                 tl.store(out_ptr + otok[:, None] * D + col[None, :], to_out(v, out_ptr, INTERP), mask=m2)
-        SCM: tl.constexpr = ".cs" if STORE_CS else ""
         if DEFER:
             orow = out_ptr + otok[:, None] * D + (p0 * W + cols)[None, :]
-            tl.store(orow, to_out(v0, out_ptr, INTERP), mask=m2, cache_modifier=SCM)
+            tl.store(orow, to_out(v0, out_ptr, INTERP), mask=m2)
             if NP > 1:
-                tl.store(orow + W, to_out(v1, out_ptr, INTERP), mask=m2, cache_modifier=SCM)
+                tl.store(orow + W, to_out(v1, out_ptr, INTERP), mask=m2)
             if NP > 2:
-                tl.store(orow + 2 * W, to_out(v2, out_ptr, INTERP), mask=m2, cache_modifier=SCM)
+                tl.store(orow + 2 * W, to_out(v2, out_ptr, INTERP), mask=m2)
             if NP > 3:
-                tl.store(orow + 3 * W, to_out(v3, out_ptr, INTERP), mask=m2, cache_modifier=SCM)
+                tl.store(orow + 3 * W, to_out(v3, out_ptr, INTERP), mask=m2)
 
 
 def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None, block_n: int = 32,
                rows: tuple[int, int] | None = None, num_warps: int = 4, rope: RopeTables | None = None,
-               progs: int = 0, plane_split: bool = False, store_cs: bool = False) -> torch.Tensor:
+               progs: int = 0, plane_split: bool = False) -> torch.Tensor:
     """Triton version of `qvg.decompress` (rtn / qvg / qvg-pro, per-token groups) and of
     `PackedSequence.decompress` (with `rope`: keys stored before RoPE, rotated as they are decoded).
     progs > 0: that many programs per group (and plane) loop over the token blocks; plane_split: one program per
@@ -183,8 +182,7 @@ def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None,
         t["centroids"] if stages else dummy, out, n, chunk_len, n // chunk_len, k, b * h, r0, r1, out.shape[2],
         *_rope_args(rope, dummy), D=d, STAGES=stages, BLOCK_N=block_n, ROPE=rope is not None,
         SPLIT_H=rope.split[0] if rope else 0, SPLIT_W=rope.split[1] if rope else 0, INTERP=INTERPRET,
-        NBLK=nblk, PROGS=progs, PLANE_SPLIT=plane_split, STORE_CS=store_cs and not INTERPRET, num_warps=num_warps,
-        enable_fp_fusion=False,
+        NBLK=nblk, PROGS=progs, PLANE_SPLIT=plane_split, num_warps=num_warps, enable_fp_fusion=False,
         **grid_constants(spec))
     return out
 
