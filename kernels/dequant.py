@@ -155,8 +155,8 @@ def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None,
     progs > 0: that many programs per group (and plane) loop over the token blocks; plane_split: one program per
     code plane (1/P of each centroid row gathered per program). Every choice writes the same bits. The defaults
     (32-token blocks, 4 warps, one program per block) were the fastest of eval/bench_kernels.py's sweep on the
-    H100 for S4/B16 at both spans and for S1/B64 at the Self-Forcing span, within 1% of the fastest for S1/B64 at
-    the LongCat span (eval/results/kernels-h100.json, each dequant row's `configs`). `out`: a contiguous
+    H100 for S4/B16 at both spans and for S1/B64 at the LongCat span, within 2% of the fastest (64 x 4) for S1/B64
+    at the Self-Forcing span (eval/results/kernels-h100.dequant-1439d16.json, each dequant row's `configs`). `out`: a contiguous
     [B, H, >= r1 - r0, D] tensor on the packed data's device (row i <- token r0 + i)."""
     if isinstance(packed, PackedSequence):
         spec, stages, chunk_len = packed.spec, packed.stages, packed.chunk_len
