@@ -132,7 +132,8 @@ def main(argv=None) -> int:
     ceil = ceilings(False)
     for r in rows:
         r["fraction_of_copy_bw"] = r["TBps"] / ceil["copy_TBps"]
-    res = {**result_header("profile_dequant", argv), "nvidia_smi": _smi(), "ceilings": ceil, "rows": rows}
+    res = {**result_header("profile_dequant", argv), "baseline_file": args.baseline or None, "nvidia_smi": _smi(),
+           "ceilings": ceil, "rows": rows}
     write_result(res, args.out, f"profile-dequant-{gpu_tag(res['device'])}.json", t0)
     return 0
 

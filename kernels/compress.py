@@ -40,6 +40,8 @@ COMPRESS_VARIANTS = {
     "fast-onehot": dict(_FAST, update_kw=dict(_ONEHOT_UPDATE, chunk=512)),
     "fast-onehot-1024": dict(_FAST, update_kw=dict(_ONEHOT_UPDATE, chunk=1024)),
 }
+# "fast" with the pack's code planes ORed byte by byte (as before the 32-bit words), for same-run timing
+COMPRESS_VARIANTS["fast-bytes"] = dict(COMPRESS_VARIANTS["fast"], pack_kw=dict(_FAST["pack_kw"], words=False))
 # The default, "auto", picks one of them by shape (`pick_variant`); COMPRESS_VARIANT is the switch, and
 # `compress_prq(..., variant=)` overrides it per call.
 COMPRESS_VARIANT = "auto"

@@ -95,10 +95,11 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
         # per-plane form waited out one gather latency per plane (-10 to -18% at S4/B16 on the H100,
         # eval/results/profile-dequant-h100.md)
         DEFER: tl.constexpr = NP <= 4
-        v0 = tl.zeros([BLOCK_N, W], tl.float32)
-        v1 = v0
-        v2 = v0
-        v3 = v0
+        if DEFER:
+            v0 = tl.zeros([BLOCK_N, W], tl.float32)
+            v1 = v0
+            v2 = v0
+            v3 = v0
         for pi in tl.static_range(NP):
             p = p0 + pi
             col = p * W + cols

@@ -122,11 +122,13 @@ def _pack_kernel(x_ptr, ids_ptr, cent_ptr, raw_ptr, zero_ptr, tscale_ptr, codes_
                  D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr,
                  OFFSET: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr, STAGES: tl.constexpr,
                  BLOCK_N: tl.constexpr, RECOMPUTE: tl.constexpr = False, RINT: tl.constexpr = False,
-                 TS_DIV: tl.constexpr = 1.0, TSCALE_MIN: tl.constexpr = 0.0, INTERP: tl.constexpr = False):
+                 TS_DIV: tl.constexpr = 1.0, TSCALE_MIN: tl.constexpr = 0.0, INTERP: tl.constexpr = False,
+                 WORDS: tl.constexpr = True):
     """Pass 2: stored scales and packed codes (planar layout of qvg/bitpack.py). RECOMPUTE: the group stats are
     formed here (`_group_stats`, as pass 1 would), the zero point stored here, and with FP8 the tscale computed
     from the head's largest raw scale (raw_ptr[head], fp32 bits; TS_DIV: auto's divisor) as `qvg.quant.
-    tensor_scale` does, and stored by each head's first program: no [N, NG] raw array, no torch reductions."""
+    tensor_scale` does, and stored by each head's first program: no [N, NG] raw array, no torch reductions.
+    WORDS: the planes are ORed as 32-bit words of 4 bytes (rows of a whole number of words), else byte by byte."""
     pid_n = tl.program_id(0)
     gh = tl.program_id(1)
     P: tl.constexpr = 8 // BITS
@@ -166,7 +168,7 @@ def _pack_kernel(x_ptr, ids_ptr, cent_ptr, raw_ptr, zero_ptr, tscale_ptr, codes_
             sbits = mbits | sign
             c = cm
         else:
-            sbits, s = _encode(tl.math.div_rn(amax, OFFSET), ts, FP8, FP8_MAX)
+            sbits, s = _encode(amax if OFFSET == 1.0 else tl.math.div_rn(amax, OFFSET), ts, FP8, FP8_MAX)
             cs = tl.minimum(tl.maximum(_rne(r * tl.math.div_rn(1.0, s)[:, :, None], RINT), -OFFSET), OFFSET)
             es = cs * s[:, :, None] - r
             em = (cm - (OFFSET + 0.5)) * ms[:, :, None] - r
@@ -186,21 +188,31 @@ def _pack_kernel(x_ptr, ids_ptr, cent_ptr, raw_ptr, zero_ptr, tscale_ptr, codes_
         if not RECOMPUTE:
             zb = tl.load(zero_ptr + goff, mask=m2, other=0)
         c = tl.minimum(tl.maximum(_rne((r - bf16_bits_to_f32(zb)[:, :, None]) * inv, RINT), 0.0), LEVELS)
-    # planar packing: [BLOCK_N, P, W] -> shift plane p by p * BITS and OR the planes together
-    c3 = tl.reshape(c.to(tl.uint8), (BLOCK_N, P, W))
-    shifts = (tl.arange(0, P) * BITS).to(tl.uint8)
-    byte = tl.sum(c3 << shifts[None, :, None], 1).to(tl.uint8)  # disjoint bit fields: sum == OR
-    tl.store(codes_ptr + tok[:, None] * W + tl.arange(0, W)[None, :], byte, mask=m2)
+    # planar packing: [BLOCK_N, P, W] -> shift plane p by p * BITS and OR the planes together (disjoint bit fields:
+    # sum == OR). The planes sit in different threads, so the OR crosses threads: 4 neighbouring bytes of a plane
+    # are first joined into one 32-bit word (within a thread), so one shuffle moves 4 bytes
+    shifts = tl.arange(0, P) * BITS
+    if WORDS and W % 4 == 0:
+        c4 = tl.reshape(c.to(tl.uint32), (BLOCK_N, P, W // 4, 4))
+        word = tl.sum(c4 << (tl.arange(0, 4) * 8).to(tl.uint32)[None, None, None, :], 3)
+        word = tl.sum(word << shifts.to(tl.uint32)[None, :, None], 1)
+        wptr = codes_ptr.to(tl.pointer_type(tl.uint32))
+        tl.store(wptr + tok[:, None] * (W // 4) + tl.arange(0, W // 4)[None, :], word, mask=m2)
+    else:
+        c3 = tl.reshape(c.to(tl.uint8), (BLOCK_N, P, W))
+        byte = tl.sum(c3 << shifts.to(tl.uint8)[None, :, None], 1).to(tl.uint8)
+        tl.store(codes_ptr + tok[:, None] * W + tl.arange(0, W)[None, :], byte, mask=m2)
 
 
 def quantize_packed(x: torch.Tensor, spec: QuantSpec, ids: torch.Tensor | None = None,
                     centroids: torch.Tensor | None = None, block_n: int = 16, num_warps: int = 2,
-                    fused: bool = False) -> dict[str, torch.Tensor]:
+                    fused: bool = False, words: bool = True) -> dict[str, torch.Tensor]:
     """Triton version of `qvg.quant.quantize_packed` for per-token specs. With `ids` [S, B, H, N] and `centroids`
     [S, B, H, K, D] (BF16) it quantizes the PRQ residual x - sum_s centroids_s[ids_s] without materializing it.
     fused (same stored tensors): no [B, H, N, D/group] raw-scale array and no torch reductions; FP8 scales: pass 1
     only finds each head's largest raw scale (an integer atomic max), pass 2 forms the group stats itself and the
-    tscale from that maximum; BF16 scales: pass 2 alone (one read of x)."""
+    tscale from that maximum; BF16 scales: pass 2 alone (one read of x). words: the code planes are ORed 4 bytes
+    at a time (32-bit words: a quarter of the shuffles across threads); False: byte by byte (the same bits)."""
     b, h, n, d = x.shape
     spec.check(tuple(x.shape))
     c = grid_constants(spec)
@@ -214,7 +226,7 @@ def quantize_packed(x: torch.Tensor, spec: QuantSpec, ids: torch.Tensor | None =
     ids_ = ids.contiguous() if stages else x
     cent_ = centroids.contiguous() if stages else x
     if fused:
-        return _quantize_fused(x, spec, c, ids_, cent_, zero, stages, k, grid, block_n, num_warps)
+        return _quantize_fused(x, spec, c, ids_, cent_, zero, stages, k, grid, block_n, num_warps, words)
     raw = torch.empty(b, h, n, ng, device=dev, dtype=torch.float32)
     _stats_kernel[grid](x, ids_, cent_, raw, raw_view(zero) if zero is not None else raw, n, k, b * h,
                         D=d, BITS=c["BITS"], GROUP=c["GROUP"], GRID=c["GRID"], OFFSET=c["OFFSET"],
@@ -227,14 +239,16 @@ def quantize_packed(x: torch.Tensor, spec: QuantSpec, ids: torch.Tensor | None =
     scale = torch.empty(b, h, n, ng, device=dev, dtype=torch.float8_e4m3fn if c["FP8"] else torch.bfloat16)
     _pack_kernel[grid](x, ids_, cent_, raw, raw_view(zero) if zero is not None else raw,
                        out.get("tscale", raw), codes, raw_view(scale), n, k, b * h, D=d, FP8_MAX=FP8_MAX,
-                       STAGES=stages, BLOCK_N=block_n, num_warps=num_warps, enable_fp_fusion=False, **c)
+                       STAGES=stages, BLOCK_N=block_n, WORDS=words, num_warps=num_warps, enable_fp_fusion=False,
+                       **c)
     out = {"codes": codes, "scale": scale, **out}
     if zero is not None:
         out["zero"] = zero
     return out
 
 
-def _quantize_fused(x, spec, c, ids_, cent_, zero, stages, k, grid, block_n, num_warps) -> dict[str, torch.Tensor]:
+def _quantize_fused(x, spec, c, ids_, cent_, zero, stages, k, grid, block_n, num_warps,
+                    words) -> dict[str, torch.Tensor]:
     b, h, n, d = x.shape
     ng = d // spec.group
     dev = x.device
@@ -252,7 +266,7 @@ def _quantize_fused(x, spec, c, ids_, cent_, zero, stages, k, grid, block_n, num
     _pack_kernel[grid](x, ids_, cent_, hmax, raw_view(zero) if zero is not None else hmax, out.get("tscale", hmax),
                        codes, raw_view(scale), n, k, b * h, D=d, FP8_MAX=FP8_MAX, STAGES=stages, BLOCK_N=block_n,
                        RECOMPUTE=True, RINT=not INTERPRET, TS_DIV=float(ts_div), TSCALE_MIN=TSCALE_MIN,
-                       INTERP=INTERPRET, num_warps=num_warps, enable_fp_fusion=False, **c)
+                       INTERP=INTERPRET, WORDS=words, num_warps=num_warps, enable_fp_fusion=False, **c)
     out = {"codes": codes, "scale": scale, **out}
     if zero is not None:
         out["zero"] = zero

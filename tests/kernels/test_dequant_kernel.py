@@ -134,6 +134,29 @@ def test_sequence_dequantize_grids(sequence, rows, grid, device):
     assert_bitwise_equal(got, want, f"rows {rows} {grid}")
 
 
+@pytest.mark.parametrize("grid", [dict(), dict(plane_split=True), dict(block_n=16, progs=2)])
+@pytest.mark.parametrize("rows", [(0, 120), (35, 117)])
+def test_sequence_dequantize_rope_matches_reference(sequence, rows, grid, device):
+    """Keys stored before RoPE, rotated as they are decoded (factorized tables), bitwise equal to the torch path's
+    decode then `apply_rope` (PackedSequence.decompress(rope)), on every grid."""
+    from qvg.rope import RopeTables
+    seq, _ = sequence
+    rope = RopeTables(4, 5, 64, torch.tensor([0, 2, 9]), max_frames=12)  # 2 frames of 4 x 5 tokens per chunk (L)
+    want = seq.decompress(rope)[:, :, rows[0]:rows[1]]
+    rope_d = RopeTables(4, 5, 64, torch.tensor([0, 2, 9], device=device), max_frames=12)
+    got = dequantize(_seq_to(seq, device), out=_nan_like(want, device), rows=rows, rope=rope_d, **grid)
+    assert_bitwise_equal(got, want, f"rope rows {rows} {grid}")
+
+
+@pytest.mark.parametrize("method,opts,dtype,block_n", CASES)
+def test_dequantize_plane_split_matches_decompress(method, opts, dtype, block_n, device):
+    """One program per code plane (1, 2, 4 and 8 planes: 8, 4, 2 and 1 bits) writes the same bits."""
+    p = _pack(method, opts, dtype)
+    ref = qvg.decompress(p)
+    got = dequantize(p.to(device), out=_nan_like(ref, device), block_n=block_n, plane_split=True)
+    assert_bitwise_equal(got, ref, f"{method} {opts} plane_split")
+
+
 # --- every stored scale value ---------------------------------------------------------------------------------------
 
 def test_all_fp8_scale_bytes_through_dequant(device):

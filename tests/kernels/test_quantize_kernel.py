@@ -81,6 +81,15 @@ def test_quantize_bf16_input_and_other_shapes(grid, bits, scale_dtype, fused, de
 
 
 @pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("d,bits,grid", [(16, 1, "midrise"), (16, 1, "auto"), (16, 2, "auto"), (32, 1, "asym")])
+def test_quantize_narrow_rows(d, bits, grid, fused, device):
+    """Rows of D * bits / 8 = 2 or 4 bytes: the pack's byte-wise plane OR (rows not a whole number of 32-bit
+    words) and its word-wise one on a single word."""
+    x = varied(1, 2, 37, d, seed=7)
+    _check(x, QuantSpec(bits=bits, grid=grid, group=16, scale_dtype="fp8"), device, fused=fused)
+
+
+@pytest.mark.parametrize("fused", [False, True])
 def test_quantize_fp8_scale_spread(fused, device):
     """Group scales spanning far more than E4M3's range within one head: the small ones clamp at 2^-9 * tscale,
     exactly like the reference."""
