@@ -40,6 +40,16 @@ def _smi() -> str:
         return ""
 
 
+def baseline_info(path: str) -> dict | None:
+    """The --baseline file's path and the SHA-256 of its bytes (which version of kernels/dequant.py it was: compare
+    with `git show COMMIT:kernels/dequant.py | sha256sum`); None without one."""
+    if not path:
+        return None
+    import hashlib
+    with open(path, "rb") as f:
+        return {"path": path, "sha256": hashlib.sha256(f.read()).hexdigest()}
+
+
 def _load_baseline(path: str):
     """`dequantize` of another version of kernels/dequant.py, imported as a module of qvg.kernels (its relative
     imports resolve there)."""
@@ -132,8 +142,8 @@ def main(argv=None) -> int:
     ceil = ceilings(False)
     for r in rows:
         r["fraction_of_copy_bw"] = r["TBps"] / ceil["copy_TBps"]
-    res = {**result_header("profile_dequant", argv), "baseline_file": args.baseline or None, "nvidia_smi": _smi(),
-           "ceilings": ceil, "rows": rows}
+    res = {**result_header("profile_dequant", argv), "baseline_file": baseline_info(args.baseline),
+           "nvidia_smi": _smi(), "ceilings": ceil, "rows": rows}
     write_result(res, args.out, f"profile-dequant-{gpu_tag(res['device'])}.json", t0)
     return 0
 

@@ -212,7 +212,8 @@ def quantize_packed(x: torch.Tensor, spec: QuantSpec, ids: torch.Tensor | None =
     fused (same stored tensors): no [B, H, N, D/group] raw-scale array and no torch reductions; FP8 scales: pass 1
     only finds each head's largest raw scale (an integer atomic max), pass 2 forms the group stats itself and the
     tscale from that maximum; BF16 scales: pass 2 alone (one read of x). words: the code planes are ORed 4 bytes
-    at a time (32-bit words: a quarter of the shuffles across threads); False: byte by byte (the same bits)."""
+    at a time (32-bit words, so each value exchanged between threads holds 4 bytes); False: byte by byte (the same
+    bits)."""
     b, h, n, d = x.shape
     spec.check(tuple(x.shape))
     c = grid_constants(spec)

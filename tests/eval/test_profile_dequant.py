@@ -28,3 +28,12 @@ def test_options_are_dequantize_keywords():
     params = set(inspect.signature(dequantize).parameters)
     for name, kw in profile_dequant.VARIANTS.items():
         assert set(kw) <= params, name
+
+
+def test_baseline_info_names_the_file_by_hash(tmp_path):
+    import hashlib
+    f = tmp_path / "dequant_old.py"
+    f.write_bytes(b"# an older kernels/dequant.py\n")
+    info = profile_dequant.baseline_info(str(f))
+    assert info == {"path": str(f), "sha256": hashlib.sha256(f.read_bytes()).hexdigest()}
+    assert profile_dequant.baseline_info("") is None

@@ -64,7 +64,8 @@ def _compare_paths(x, method, kernel_packed, torch_packed):
 def test_compress_prq_kernels_vs_torch(method, variant, device):
     """The kernel compress path (Triton k-means + fused residual quantize) called directly, on the device (the
     interpreter on CPU), vs qvg.compress's torch path: same storage layout, MSE within 10%, ids mostly equal; for
-    each entry of kernels/compress.py's COMPRESS_VARIANTS."""
+    three entries of kernels/compress.py's COMPRESS_VARIANTS (test_compress_variants.py holds the others to these
+    bitwise or, for the centroids, within the order of the FP32 sums)."""
     x = clustered(1, 2, 96, 64, clusters=6, seed=2)
     opts = dict(centroids=6, iters=2, grid="midrise")
     torch_packed = qvg.compress(x, method, **opts)  # CPU: torch

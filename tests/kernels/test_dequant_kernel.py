@@ -138,7 +138,8 @@ def test_sequence_dequantize_grids(sequence, rows, grid, device):
 @pytest.mark.parametrize("rows", [(0, 120), (35, 117)])
 def test_sequence_dequantize_rope_matches_reference(sequence, rows, grid, device):
     """Keys stored before RoPE, rotated as they are decoded (factorized tables), bitwise equal to the torch path's
-    decode then `apply_rope` (PackedSequence.decompress(rope)), on every grid."""
+    decode then `apply_rope` (PackedSequence.decompress(rope)), on three grids (one program per block, one per
+    code plane, persistent)."""
     from qvg.rope import RopeTables
     seq, _ = sequence
     rope = RopeTables(4, 5, 64, torch.tensor([0, 2, 9]), max_frames=12)  # 2 frames of 4 x 5 tokens per chunk (L)
@@ -146,6 +147,19 @@ def test_sequence_dequantize_rope_matches_reference(sequence, rows, grid, device
     rope_d = RopeTables(4, 5, 64, torch.tensor([0, 2, 9], device=device), max_frames=12)
     got = dequantize(_seq_to(seq, device), out=_nan_like(want, device), rows=rows, rope=rope_d, **grid)
     assert_bitwise_equal(got, want, f"rope rows {rows} {grid}")
+
+
+@pytest.mark.parametrize("method,opts", [("qvg", {"centroids": 8, "bits": 1, "block_size": 16, "grid": "midrise"}),
+                                         ("qvg-pro", {"centroids": 8, "bits": 8, "grid": "sym"})])
+def test_sequence_dequantize_rope_1_and_8_bits(method, opts, device):
+    """Pre-RoPE keys at 1 bit (8 planes, stored plane by plane) and 8 bits (one plane), bitwise equal to the torch
+    path's decode then `apply_rope`."""
+    from qvg.rope import RopeTables
+    seq = PackedSequence.from_chunks([_pack(method, opts, torch.bfloat16, seed=s, n=L) for s in (1, 2, 3)])
+    want = seq.decompress(RopeTables(4, 5, 64, torch.tensor([0, 2, 9]), max_frames=12))
+    rope_d = RopeTables(4, 5, 64, torch.tensor([0, 2, 9], device=device), max_frames=12)
+    got = dequantize(_seq_to(seq, device), out=_nan_like(want, device), rope=rope_d, block_n=16)
+    assert_bitwise_equal(got, want, f"rope {method} {opts}")
 
 
 @pytest.mark.parametrize("method,opts,dtype,block_n", CASES)

@@ -80,6 +80,19 @@ def test_quantize_bf16_input_and_other_shapes(grid, bits, scale_dtype, fused, de
     _check(x, QuantSpec(bits=bits, grid=grid, group=32, scale_dtype=scale_dtype), device, block_n=16, fused=fused)
 
 
+@pytest.mark.parametrize("grid,bits", SPECS)
+def test_quantize_word_and_byte_plane_or_agree(grid, bits, device):
+    """The pack's code planes ORed as 32-bit words (the default) and byte by byte (words=False): the same stored
+    tensors, both equal to the reference, at every grid and bit width (1, 2, 4, 8: 8, 4, 2 and 1 planes)."""
+    spec = QuantSpec(bits=bits, grid=grid, group=16, scale_dtype="fp8")
+    x = _hard_input()
+    want = quantize_packed_ref(x, spec)
+    for words in (True, False):
+        with poisoned():
+            got = quantize_packed(x.to(device), spec, fused=True, words=words)
+        assert_matches_reference(got, want, f"{spec} words={words}", device)
+
+
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("d,bits,grid", [(16, 1, "midrise"), (16, 1, "auto"), (16, 2, "auto"), (32, 1, "asym")])
 def test_quantize_narrow_rows(d, bits, grid, fused, device):
