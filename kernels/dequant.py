@@ -48,6 +48,19 @@ def _crow(ids_ptr, st: tl.constexpr, GH, N, tok, rmask, gh, C, chunk, K):
 
 
 @triton.jit
+def _pick4(i: tl.constexpr, a0, a1, a2, a3):
+    """a_i for a compile-time i < 4 (Triton has no lists of tensors)."""
+    if i == 0:
+        return a0
+    elif i == 1:
+        return a1
+    elif i == 2:
+        return a2
+    else:
+        return a3
+
+
+@triton.jit
 def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_ptr, out_ptr, N, L, C, K, GH,
                     ROW0, ROW_END, OUT_N, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF,
                     D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr,
@@ -112,14 +125,8 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
                 z = _widen(bf16_bits_to_f32(tl.load(zero_ptr + goff, mask=m2, other=0)), BLOCK_N, G2, W)
             v = dequant_codes(c, s, z, OFFSET, GRID)
             for st in tl.static_range(STAGES):
-                if st == 0:
-                    crow = crow0
-                elif st == 1:
-                    crow = crow1
-                elif st == 2:
-                    crow = crow2
-                elif st == 3:
-                    crow = crow3
+                if st < 4:
+                    crow = _pick4(st, crow0, crow1, crow2, crow3)
                 else:
                     crow = _crow(ids_ptr, st, GH, N, tok, rmask, gh, C, chunk, K)
                 v += tl.load(cent_ptr + crow[:, None] * D + col[None, :], mask=m2, other=0.0).to(tl.float32)
@@ -139,13 +146,8 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
                 tl.store(out_ptr + otok[:, None] * D + col[None, :], to_out(v, out_ptr, INTERP), mask=m2)
         if DEFER:
             orow = out_ptr + otok[:, None] * D + (p0 * W + cols)[None, :]
-            tl.store(orow, to_out(v0, out_ptr, INTERP), mask=m2)
-            if NP > 1:
-                tl.store(orow + W, to_out(v1, out_ptr, INTERP), mask=m2)
-            if NP > 2:
-                tl.store(orow + 2 * W, to_out(v2, out_ptr, INTERP), mask=m2)
-            if NP > 3:
-                tl.store(orow + 3 * W, to_out(v3, out_ptr, INTERP), mask=m2)
+            for pi in tl.static_range(NP):
+                tl.store(orow + pi * W, to_out(_pick4(pi, v0, v1, v2, v3), out_ptr, INTERP), mask=m2)
 
 
 def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None, block_n: int = 32,
