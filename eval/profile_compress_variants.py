@@ -38,11 +38,7 @@ ASSIGN = [("current: tiles 64x64 w4 s2", {}),
     ("min one-tile 32x256 w2", dict(mode="min", block_n=32, block_k=256, num_warps=2)),
     ("min one-tile 16x256 w2", dict(mode="min", block_n=16, block_k=256, num_warps=2)),
     ("min persistent 64x256 w4 auto", dict(mode="min", block_n=64, block_k=256, num_warps=4, progs="auto")),
-    ("min persistent 32x256 w4 auto", dict(mode="min", block_n=32, block_k=256, num_warps=4, progs="auto"))] + [
-    # the transposed dot (c x^T: the centroid tile stays in shared memory for the whole persistent loop)
-    (f"min persistent {bn}x256 w{nw} auto trans",
-     dict(mode="min", block_n=bn, block_k=256, num_warps=nw, progs="auto", trans=True))
-    for bn, nw in ((64, 4), (64, 8), (128, 8), (32, 4))]
+    ("min persistent 32x256 w4 auto", dict(mode="min", block_n=32, block_k=256, num_warps=4, progs="auto"))]
 
 UPDATE = [("current: onehot k64 n32 c4096 w4 s3", {})] + [
     (f"segsum item{i} rows{r} w{w} s{st} sort{sb}",

@@ -42,12 +42,6 @@ COMPRESS_VARIANTS = {
 }
 # "fast" with the pack's code planes ORed byte by byte (as before the 32-bit words), for same-run timing
 COMPRESS_VARIANTS["fast-bytes"] = dict(COMPRESS_VARIANTS["fast"], pack_kw=dict(_FAST["pack_kw"], words=False))
-# "fast" with the transposed one-tile assignment (`assign(trans=True)`), on 4 or 8 warps: for same-run timing
-for _nw in (4, 8):
-    COMPRESS_VARIANTS[f"fast-t{_nw}"] = dict(COMPRESS_VARIANTS["fast"],
-                                             assign_kw=dict(_FAST["assign_kw"], trans=True, num_warps=_nw))
-COMPRESS_VARIANTS["fast-t8-b128"] = dict(COMPRESS_VARIANTS["fast"], assign_kw=dict(_FAST["assign_kw"], trans=True,
-                                                                                   num_warps=8, block_n=128))
 # The default, "auto", picks one of them by shape (`pick_variant`); COMPRESS_VARIANT is the switch, and
 # `compress_prq(..., variant=)` overrides it per call.
 COMPRESS_VARIANT = "auto"

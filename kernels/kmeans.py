@@ -89,7 +89,7 @@ def _segment_mean_kernel(x_ptr, order_ptr, bounds_ptr, c_old_ptr, c_new_ptr, N, 
 @triton.jit
 def _assign_min_kernel(x_ptr, c_ptr, csq_ptr, ids_ptr, dist_ptr, N, K, NBLK, PROGS, D: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr, WANT_DIST: tl.constexpr,
-                       INTERP: tl.constexpr, TRANS: tl.constexpr = False):
+                       INTERP: tl.constexpr):
     """`_assign_kernel`'s result (same distances, ties -> lowest id) with ONE (value, index) reduction per token:
     all K centroids in one tile (ONE_TILE), or an elementwise running minimum over the centroid tiles (strict <:
     the earlier tile keeps a tie) reduced once at the end. Program p of a group takes token blocks p, p + PROGS,
@@ -105,10 +105,7 @@ def _assign_min_kernel(x_ptr, c_ptr, csq_ptr, ids_ptr, dist_ptr, N, K, NBLK, PRO
         rows = blk * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < N
         x = tl.load(x_ptr + (g * N + rows)[:, None] * D + dcols[None, :], mask=rmask[:, None], other=0.0)
-        if ONE_TILE and TRANS:  # [K, BLOCK_N] = c x^T: the centroids are the dot's register operand
-            dt = csq1[:, None] - 2.0 * dot_bf16(c1, tl.trans(x), tl.zeros((BLOCK_K, BLOCK_N), tl.float32), INTERP)
-            best, best_id = tl.min(dt, 0, return_indices=True)
-        elif ONE_TILE:
+        if ONE_TILE:
             d = csq1[None, :] - 2.0 * dot_bf16(x, tl.trans(c1), tl.zeros((BLOCK_N, BLOCK_K), tl.float32), INTERP)
             best, best_id = tl.min(d, 1, return_indices=True)
         else:
@@ -134,17 +131,14 @@ ASSIGN_MODES = ("tiles", "min")
 
 
 def assign(x: torch.Tensor, c: torch.Tensor, want_dist: bool = False, block_n: int = 64, block_k: int = 64,
-           num_warps: int = 4, num_stages: int = 2, packed: bool = False, mode: str = "tiles", progs: int = 0,
-           trans: bool = False):
+           num_warps: int = 4, num_stages: int = 2, packed: bool = False, mode: str = "tiles", progs: int = 0):
     """x [G, N, D] (bf16/fp32), c [G, K, D] fp32 -> (ids [G, N] narrow dtype, squared distance [G, N] or None).
     packed (K <= 256; measured no faster on an H100, eval/results/profile-compress-h100.json): the argmin is one
     integer min over (distance with its last 8 mantissa bits replaced by the id): ties within 2^-15 relative go to
     the lower id, the returned distance is that truncated value.
     mode "min" (`_assign_min_kernel`, same result as "tiles"): one reduction per token; block_k >= K puts all
     centroids in one tile; progs > 0: that many programs per group loop over the token blocks (persistent);
-    progs="auto": about two programs per SM over all groups (at least one per group); trans (mode "min", one tile):
-    the dot computed as c x^T, so the centroid tile is its first operand (loaded into shared memory once per
-    program, not stored there again for every token block) and the argmin runs over the tile's rows."""
+    progs="auto": about two programs per SM over all groups (at least one per group)."""
     if mode not in ASSIGN_MODES:
         raise ValueError(f"unknown assign mode {mode!r}; choose one of {ASSIGN_MODES}")
     g, n, d = x.shape
@@ -162,8 +156,7 @@ def assign(x: torch.Tensor, c: torch.Tensor, want_dist: bool = False, block_n: i
         progs = nblk if progs <= 0 else min(progs, nblk)
         _assign_min_kernel[(progs, g)](x.contiguous(), c, csq, ids, dist, n, k, nblk, progs, D=d, BLOCK_N=block_n,
                                        BLOCK_K=block_k, ONE_TILE=block_k >= k, WANT_DIST=want_dist,
-                                       INTERP=INTERPRET, TRANS=trans and block_k >= k, num_warps=num_warps,
-                                       num_stages=num_stages)
+                                       INTERP=INTERPRET, num_warps=num_warps, num_stages=num_stages)
         return ids, (dist if want_dist else None)
     _assign_kernel[(triton.cdiv(n, block_n), g)](x.contiguous(), c, csq, ids, dist, n, k, D=d, BLOCK_N=block_n,
                                                  BLOCK_K=block_k,
