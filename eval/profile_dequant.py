@@ -4,7 +4,7 @@
 Shapes: the benchmark's spans (LongCat [1, 32, 29640, 128] and Self-Forcing [1, 12, 37440, 128], qvg S1/B64 and
 qvg-pro S4/B16 at their default K) and the Self-Forcing pipeline's read at a 21-frame window (7 chunks of 12 x
 4,680 tokens, K = 64, as a PackedSequence). Each option of kernels/dequant.py `dequantize` (token block, warps,
-one program per code plane, whole rows) is timed with triton's do_bench (L2 flushed before each call), the
+one program per code plane) is timed with triton's do_bench (L2 flushed before each call), the
 options interleaved over R rounds (median of the rounds' medians), and checked bitwise against the default
 output. The copy bandwidth is measured in the same run and nvidia-smi's clocks read once at its end (one kernel's
 time differed by up to 17% between runs at one copy bandwidth: compare options within one run). `--workload`: one call of each option
@@ -27,10 +27,6 @@ VARIANTS = {
     "b64w8": dict(block_n=64, num_warps=8),
     "planes-b32w4": dict(plane_split=True, block_n=32, num_warps=4),
     "planes-b64w4": dict(plane_split=True, block_n=64, num_warps=4),
-    "rows-b16w4": dict(full_rows=True, block_n=16, num_warps=4),
-    "rows-b32w4": dict(full_rows=True, block_n=32, num_warps=4),
-    "rows-b32w8": dict(full_rows=True, block_n=32, num_warps=8),
-    "rows-b64w8": dict(full_rows=True, block_n=64, num_warps=8),
 }
 
 

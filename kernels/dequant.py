@@ -61,45 +61,12 @@ def _pick4(i: tl.constexpr, a0, a1, a2, a3):
 
 
 @triton.jit
-def _full_rows(byte, ts, crow0, crow1, crow2, crow3, scale_ptr, zero_ptr, ids_ptr, cent_ptr, out_ptr, tok, otok,
-               rows, rmask, chunk, gh, GH, N, C, K, L, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF,
-               D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr, OFFSET: tl.constexpr,
-               FP8: tl.constexpr, STAGES: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr,
-               SPLIT_H: tl.constexpr, SPLIT_W: tl.constexpr, INTERP: tl.constexpr):
-    """The block's rows decoded whole ([BLOCK_N, D]): column j is code plane j // W of byte j % W. The same
-    arithmetic, in the same order, as the per-plane path."""
-    P: tl.constexpr = 8 // BITS
-    W: tl.constexpr = D // P
-    NG: tl.constexpr = D // GROUP
-    cols = tl.arange(0, D)
-    m2 = rmask[:, None]
-    full = tl.reshape(tl.broadcast_to(byte[:, None, :], (BLOCK_N, P, W)), (BLOCK_N, D))
-    c = (full >> ((cols // W) * BITS)[None, :]) & ((1 << BITS) - 1)
-    goff = tok[:, None] * NG + tl.arange(0, NG)[None, :]
-    s = _widen(decode_scale(tl.load(scale_ptr + goff, mask=m2, other=0), ts, FP8), BLOCK_N, NG, D)
-    z = 0.0
-    if GRID == 2:
-        z = _widen(bf16_bits_to_f32(tl.load(zero_ptr + goff, mask=m2, other=0)), BLOCK_N, NG, D)
-    v = dequant_codes(c, s, z, OFFSET, GRID)
-    for st in tl.static_range(STAGES):
-        if st < 4:
-            crow = _pick4(st, crow0, crow1, crow2, crow3)
-        else:
-            crow = _crow(ids_ptr, st, GH, N, tok, rmask, gh, C, chunk, K)
-        v += tl.load(cent_ptr + crow[:, None] * D + cols[None, :], mask=m2, other=0.0).to(tl.float32)
-    if ROPE:
-        v = _rope(v, rows, chunk, L, rmask, 0, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF, D, D, BLOCK_N,
-                  SPLIT_H, SPLIT_W)
-    tl.store(out_ptr + otok[:, None] * D + cols[None, :], to_out(v, out_ptr, INTERP), mask=m2)
-
-
-@triton.jit
 def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_ptr, out_ptr, N, L, C, K, GH,
                     ROW0, ROW_END, OUT_N, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF,
                     D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr,
                     OFFSET: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr, BLOCK_N: tl.constexpr,
                     ROPE: tl.constexpr, SPLIT_H: tl.constexpr, SPLIT_W: tl.constexpr, INTERP: tl.constexpr,
-                    NBLK, PROGS, PLANE_SPLIT: tl.constexpr, FULL: tl.constexpr = False):
+                    NBLK, PROGS, PLANE_SPLIT: tl.constexpr):
     """Program (i, gh, q) decodes token blocks i, i + PROGS, ... (< NBLK) of group gh: every code plane, or only
     plane q with PLANE_SPLIT (then a program gathers 1/P of each centroid row: its centroid tables stay small)."""
     pid = tl.program_id(0)
@@ -140,17 +107,13 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
         # them keeps the next plane's loads behind it (out may alias the inputs for all the compiler knows), so the
         # per-plane form waited out one gather latency per plane (-10 to -18% at S4/B16 on the H100,
         # eval/results/profile-dequant-h100.md)
-        if FULL:  # whole rows: each centroid gather reads a token's 256-byte row in one piece
-            _full_rows(byte, ts, crow0, crow1, crow2, crow3, scale_ptr, zero_ptr, ids_ptr, cent_ptr, out_ptr, tok,
-                       otok, rows, rmask, chunk, gh, GH, N, C, K, L, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF,
-                       D, BITS, GROUP, GRID, OFFSET, FP8, STAGES, BLOCK_N, ROPE, SPLIT_H, SPLIT_W, INTERP)
-        DEFER: tl.constexpr = NP <= 4 and not FULL
+        DEFER: tl.constexpr = NP <= 4
         if DEFER:
             v0 = tl.zeros([BLOCK_N, W], tl.float32)
             v1 = v0
             v2 = v0
             v3 = v0
-        for pi in tl.static_range(0 if FULL else NP):
+        for pi in tl.static_range(NP):
             p = p0 + pi
             col = p * W + cols
             c = (byte >> (p * BITS)) & ((1 << BITS) - 1)
@@ -189,12 +152,11 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
 
 def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None, block_n: int = 32,
                rows: tuple[int, int] | None = None, num_warps: int = 4, rope: RopeTables | None = None,
-               progs: int = 0, plane_split: bool = False, full_rows: bool = False) -> torch.Tensor:
+               progs: int = 0, plane_split: bool = False) -> torch.Tensor:
     """Triton version of `qvg.decompress` (rtn / qvg / qvg-pro, per-token groups) and of
     `PackedSequence.decompress` (with `rope`: keys stored before RoPE, rotated as they are decoded).
     progs > 0: that many programs per group (and plane) loop over the token blocks; plane_split: one program per
-    code plane (1/P of each centroid row gathered per program); full_rows: each token's row decoded whole (one
-    256-byte gather per centroid row instead of one piece per code plane). Every choice writes the same bits. The defaults
+    code plane (1/P of each centroid row gathered per program). Every choice writes the same bits. The defaults
     (32-token blocks, 4 warps, one program per block) were the fastest of eval/bench_kernels.py's sweep on the
     H100 for S4/B16 at both spans and for S1/B64 at the LongCat span, within 2% of the fastest (64 x 4) for S1/B64
     at the Self-Forcing span (eval/results/kernels-h100.dequant-1439d16.json, each dequant row's `configs`). `out`: a contiguous
@@ -211,8 +173,6 @@ def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None,
     if out is None:
         out = torch.empty(b, h, r1 - r0, d, dtype=packed.dtype, device=t["codes"].device)
     _check_out(out, (b, h, r1 - r0, d), t["codes"].device)
-    if full_rows and plane_split:
-        raise ValueError("dequantize: full_rows and plane_split exclude each other")
     dummy = t["codes"]
     k = t["centroids"].shape[-2] if stages else 1
     nblk = triton.cdiv(r1 - r0, block_n)
@@ -225,7 +185,7 @@ def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None,
         t["centroids"] if stages else dummy, out, n, chunk_len, n // chunk_len, k, b * h, r0, r1, out.shape[2],
         *_rope_args(rope, dummy), D=d, STAGES=stages, BLOCK_N=block_n, ROPE=rope is not None,
         SPLIT_H=rope.split[0] if rope else 0, SPLIT_W=rope.split[1] if rope else 0, INTERP=INTERPRET,
-        NBLK=nblk, PROGS=progs, PLANE_SPLIT=plane_split, FULL=full_rows, num_warps=num_warps, enable_fp_fusion=False,
+        NBLK=nblk, PROGS=progs, PLANE_SPLIT=plane_split, num_warps=num_warps, enable_fp_fusion=False,
         **grid_constants(spec))
     return out
 

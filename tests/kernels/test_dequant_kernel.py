@@ -124,8 +124,7 @@ def test_sequence_dequantize_rows(sequence, rows, device):
 
 
 @pytest.mark.parametrize("grid", [dict(progs=1), dict(progs=2, plane_split=True), dict(plane_split=True),
-                                  dict(progs=3, plane_split=True, block_n=16), dict(full_rows=True),
-                                  dict(full_rows=True, progs=2, block_n=16)])
+                                  dict(progs=3, plane_split=True, block_n=16)])
 @pytest.mark.parametrize("rows", [(0, 120), (35, 117)])
 def test_sequence_dequantize_grids(sequence, rows, grid, device):
     """Persistent programs and one program per code plane write the same bits as the default grid."""
@@ -135,7 +134,7 @@ def test_sequence_dequantize_grids(sequence, rows, grid, device):
     assert_bitwise_equal(got, want, f"rows {rows} {grid}")
 
 
-@pytest.mark.parametrize("grid", [dict(), dict(plane_split=True), dict(block_n=16, progs=2), dict(full_rows=True)])
+@pytest.mark.parametrize("grid", [dict(), dict(plane_split=True), dict(block_n=16, progs=2)])
 @pytest.mark.parametrize("rows", [(0, 120), (35, 117)])
 def test_sequence_dequantize_rope_matches_reference(sequence, rows, grid, device):
     """Keys stored before RoPE, rotated as they are decoded (factorized tables), bitwise equal to the torch path's
@@ -170,21 +169,6 @@ def test_dequantize_plane_split_matches_decompress(method, opts, dtype, block_n,
     ref = qvg.decompress(p)
     got = dequantize(p.to(device), out=_nan_like(ref, device), block_n=block_n, plane_split=True)
     assert_bitwise_equal(got, ref, f"{method} {opts} plane_split")
-
-
-@pytest.mark.parametrize("method,opts,dtype,block_n", CASES)
-def test_dequantize_full_rows_matches_decompress(method, opts, dtype, block_n, device):
-    """Whole rows decoded at once (one gather per centroid row; 1, 2, 4 and 8 bits) write the same bits."""
-    p = _pack(method, opts, dtype)
-    ref = qvg.decompress(p)
-    got = dequantize(p.to(device), out=_nan_like(ref, device), block_n=block_n, full_rows=True)
-    assert_bitwise_equal(got, ref, f"{method} {opts} full_rows")
-
-
-def test_dequantize_full_rows_and_plane_split_refused():
-    p = _pack("qvg", {"centroids": 8, "bits": 2, "block_size": 16}, torch.bfloat16)
-    with pytest.raises(ValueError, match="exclude each other"):
-        dequantize(p, full_rows=True, plane_split=True)
 
 
 # --- every stored scale value ---------------------------------------------------------------------------------------
