@@ -203,6 +203,33 @@ def _decode(raw: torch.Tensor, fp8: bool, ts: float, device: str) -> torch.Tenso
     return out.cpu()
 
 
+@triton.jit
+def _codes_kernel(c_ptr, s_ptr, z_ptr, out_ptr, N, OFFSET: tl.constexpr, GRID: tl.constexpr, NO_I2F: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < N
+    v = common.dequant_codes(tl.load(c_ptr + i, mask=m, other=0), tl.load(s_ptr + i, mask=m, other=1.0),
+                             tl.load(z_ptr + i, mask=m, other=0.0), OFFSET, GRID, NO_I2F)
+    tl.store(out_ptr + i, v, mask=m)
+
+
+@pytest.mark.parametrize("grid,offset", [(0, 1.0), (0, 127.0), (1, 1.5), (1, 127.5), (2, 0.0), (3, 1.0), (3, 7.0)])
+def test_dequant_codes_without_i2f(grid, offset, device):
+    """dequant_codes' NO_I2F form (float(c) - offset from the code's bits as a mantissa) = the I2F form, bit for bit,
+    for every code byte with positive and negative (auto: midrise-flagged) scales."""
+    c = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(2)
+    s = torch.cat([torch.full((256,), 0.37), torch.full((256,), -1.7e-3)])
+    z = torch.randn(512, generator=gen(4))
+    outs = []
+    for flag in (False, True):
+        out = torch.full((512,), float("nan"), device=device)
+        _codes_kernel[(1,)](c.to(device), s.to(device), z.to(device), out, 512, OFFSET=offset, GRID=grid,
+                            NO_I2F=flag, BLOCK=512)
+        outs.append(out.cpu())
+    assert_bitwise_equal(outs[1], outs[0], f"grid {grid} offset {offset}")
+    assert not torch.isnan(outs[1]).any()
+
+
 FP8_BYTES = torch.arange(256, dtype=torch.int32).to(torch.uint8)
 BF16_BITS = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
 INTERPRETER_ONLY = pytest.mark.xfail(common.INTERPRET, strict=True, reason="Triton interpreter bug (compiled "
