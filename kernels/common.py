@@ -68,8 +68,9 @@ def _code_minus(c, sub):
 def dequant_codes(c, s, z, OFFSET: tl.constexpr, GRID: tl.constexpr, NO_I2F: tl.constexpr = False):
     """Unsigned integer codes -> fp32 values, same arithmetic as qvg.quant.dequantize. NO_I2F: float(c) - offset
     through `_code_minus` (the same bits: it is exact either way) instead of the I2F conversion. On the H100 that
-    made the one-stage dequant up to 5% faster and the four-stage one 3-5% slower, whose integer units are busy
-    with its centroid rows' BF16 -> FP32 unpacking (eval/results/profile-dequant-h100.md)."""
+    made the one-stage dequant 0-5% faster (the most at the pipeline's read) and the four-stage one 2.7-4.8% slower
+    (eval/results/profile-dequant-h100.md; not profiled: the four-stage kernel's integer units, which unpack its
+    BF16 centroid rows, may be what the I2F ran beside)."""
     if not NO_I2F:
         if GRID == 2:
             return z + c.to(tl.float32) * s

@@ -213,7 +213,8 @@ def _codes_kernel(c_ptr, s_ptr, z_ptr, out_ptr, N, OFFSET: tl.constexpr, GRID: t
     tl.store(out_ptr + i, v, mask=m)
 
 
-@pytest.mark.parametrize("grid,offset", [(0, 1.0), (0, 127.0), (1, 1.5), (1, 127.5), (2, 0.0), (3, 1.0), (3, 7.0)])
+@pytest.mark.parametrize("grid,offset", [(0, 0.0), (0, 1.0), (0, 7.0), (0, 127.0), (1, 0.5), (1, 1.5), (1, 7.5),
+                                         (1, 127.5), (2, 0.0), (3, 0.0), (3, 1.0), (3, 7.0), (3, 127.0)])
 def test_dequant_codes_without_i2f(grid, offset, device):
     """dequant_codes' NO_I2F form (float(c) - offset from the code's bits as a mantissa) = the I2F form, bit for bit,
     for every code byte with positive and negative (auto: midrise-flagged) scales."""
