@@ -57,34 +57,29 @@ def decode_scale(raw, tscale, FP8: tl.constexpr):
 
 
 @triton.jit
-def _code_minus(c, sub):
-    """float(c) - sub for unsigned integer codes c < 2^8 and sub = 2^22 + a multiple of 1/2 (exact: every value
-    involved is a multiple of 1/2 below 2^23). c enters as the mantissa of 2^22 (unit in the last place 1/2), so
-    there is no int -> float conversion: on sm_90 that is the quarter-rate I2F, one per decoded element."""
-    return ((c.to(tl.uint32) << 1) | 0x4A800000).to(tl.float32, bitcast=True) - sub
+def _code_minus(c, sub, NO_I2F: tl.constexpr):
+    """float(c) - sub for unsigned integer codes c < 2^8 and sub a multiple of 1/2 below 2^8. NO_I2F: c enters as
+    the mantissa of 2^22 (unit in the last place 1/2) and 2^22 + sub is subtracted, exact since every value involved
+    is a multiple of 1/2 below 2^23: no int -> float conversion, which on sm_90 is the quarter-rate I2F, one per
+    decoded element. The same bits either way."""
+    if NO_I2F:
+        return ((c.to(tl.uint32) << 1) | 0x4A800000).to(tl.float32, bitcast=True) - (4194304.0 + sub)
+    else:
+        return c.to(tl.float32) - sub
 
 
 @triton.jit
 def dequant_codes(c, s, z, OFFSET: tl.constexpr, GRID: tl.constexpr, NO_I2F: tl.constexpr = False):
-    """Unsigned integer codes -> fp32 values, same arithmetic as qvg.quant.dequantize. NO_I2F: float(c) - offset
-    through `_code_minus` (the same bits: it is exact either way) instead of the I2F conversion. On the H100 that
-    made the one-stage dequant 0-5% faster (the most at the pipeline's read) and the four-stage one 2.7-4.8% slower
-    (eval/results/profile-dequant-h100.md; not profiled: the four-stage kernel's integer units, which unpack its
-    BF16 centroid rows, may be what the I2F ran beside)."""
-    if not NO_I2F:
-        if GRID == 2:
-            return z + c.to(tl.float32) * s
-        elif GRID == 3:  # auto: the scale's sign bit selects midrise (offset + 1/2) over sym
-            return (c.to(tl.float32) - tl.where(s < 0, OFFSET + 0.5, OFFSET)) * tl.abs(s)
-        else:
-            return (c.to(tl.float32) - OFFSET) * s
-    M: tl.constexpr = 4194304.0  # 2^22
+    """Unsigned integer codes -> fp32 values, same arithmetic as qvg.quant.dequantize. NO_I2F: see `_code_minus`.
+    On the H100 it made the one-stage dequant 0-5% faster (the most at the pipeline's read) and the four-stage one
+    2.7-4.8% slower (eval/results/profile-dequant-h100.md; not profiled: the four-stage kernel's integer units,
+    which unpack its BF16 centroid rows, may be what the I2F ran beside)."""
     if GRID == 2:
-        return z + _code_minus(c, M) * s
+        return z + _code_minus(c, 0.0, NO_I2F) * s
     elif GRID == 3:  # auto: the scale's sign bit selects midrise (offset + 1/2) over sym
-        return _code_minus(c, tl.where(s < 0, M + (OFFSET + 0.5), M + OFFSET)) * tl.abs(s)
+        return _code_minus(c, tl.where(s < 0, OFFSET + 0.5, OFFSET), NO_I2F) * tl.abs(s)
     else:
-        return _code_minus(c, M + OFFSET) * s
+        return _code_minus(c, OFFSET, NO_I2F) * s
 
 
 @triton.jit
