@@ -70,14 +70,8 @@ def resolve_variant(variant: str | dict | None, groups: int, tokens: int, k: int
     """A COMPRESS_VARIANTS entry (or "auto": `pick_variant`'s, or a variant dict as it is)."""
     if isinstance(variant, dict):
         return variant
-    return COMPRESS_VARIANTS[resolve_preset(variant, groups, tokens, k)]
-
-
-def resolve_preset(variant: str | None, groups: int, tokens: int, k: int) -> str:
-    """The COMPRESS_VARIANTS name that `variant` (None: the current default) means at this shape ("auto": the
-    pick)."""
     name = check_variant(variant or COMPRESS_VARIANT)
-    return pick_variant(groups, tokens, k) if name == "auto" else name
+    return COMPRESS_VARIANTS[pick_variant(groups, tokens, k) if name == "auto" else name]
 
 
 def check_variant(name) -> str:

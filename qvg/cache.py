@@ -34,10 +34,6 @@ Per layer, three zones, for keys and values alike ([B, H, tokens, D], H = kv hea
   `commit_layer`, as before). The cache orders every later use without a host sync: a layer's next `write` / `attend` /
   `read` waits for that layer's queued commit (a read before `commit()` queues the layer's deferred commit first).
   Bitwise the same history as synchronous commits.
-- Paired commits (`pair_commits`, on by default; CUDA graphs only): a layer's K and V are compressed by one replay
-  of one graph over their heads side by side, bitwise the same history as a replay each, with one launch sequence
-  instead of two (a Self-Forcing chunk's K and V: 0.186 ms against 2 x 0.132 for qvg, 0.534 against 2 x 0.378 for
-  qvg-pro, alone on the H100; eval/results/compress-sweep-h100.md).
 - `attend(layer, q)`: attention of q over sink + history + pending + current. On CUDA the history of rtn / qvg /
   qvg-pro is decoded window by window (<= 1 GiB of one layer's BF16 K + V, never the whole history) and
   attended by torch's SDPA (cuDNN), windows merged by log-sum-exp (kernels/windowed_sdpa.py); kivi / quarot and
@@ -135,16 +131,13 @@ class KVCache:
     compress_preset: on CUDA, the compress kernels' preset (a kernels/compress.py COMPRESS_VARIANTS name); None: the
     method's entry in COMMIT_PRESETS, else the kernels' default "auto" (picked by shape). Same compression either way
     (ids equal, centroids up to the order of the FP32 sums).
-    pair_commits: on CUDA, a commit whose K and V both replay a compression graph replays ONE graph of their heads
-    side by side (`GraphedCompress.pair`): bitwise the same history, one launch sequence instead of two, one graph of
-    twice the size; False: a replay each.
     """
 
     def __init__(self, num_layers: int, method: str = "qvg", *, chunk_frames: int, tokens_per_frame: int,
                  sink_frames: int = 0, window_frames: int | None = None, commit_every: int = 1,
                  cuda_graphs: bool = True, key_storage: str = "post-rope", async_commit: bool = True,
                  prefetch_bytes: int = PREFETCH_BYTES, defer_commits: bool = True, compress_preset: str | None = None,
-                 pair_commits: bool = True, **options):
+                 **options):
         if method not in CACHE_METHODS:
             raise ValueError(f"unknown cache method {method!r}; choose one of: {', '.join(CACHE_METHODS)}")
         if key_storage not in KEY_STORAGE:
@@ -159,7 +152,7 @@ class KVCache:
         for name, v in (("sink_frames", sink_frames), ("window_frames", window_frames)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0 or v % chunk_frames):
                 raise ValueError(f"{name} must be a non-negative multiple of chunk_frames ({chunk_frames}), got {v!r}")
-        for name, v in (("async_commit", async_commit), ("defer_commits", defer_commits), ("pair_commits", pair_commits)):
+        for name, v in (("async_commit", async_commit), ("defer_commits", defer_commits)):
             if not isinstance(v, bool):
                 raise ValueError(f"{name} must be True or False, got {v!r}")
         if isinstance(prefetch_bytes, bool) or not isinstance(prefetch_bytes, int) or prefetch_bytes < 0:
@@ -182,7 +175,7 @@ class KVCache:
         self.frames = 0  # frames committed so far (the next chunk's start frame: its RoPE time offset)
         self.commits = 0
         self._graphed = GraphedCompress() if cuda_graphs and method != "bf16" else None
-        self.async_commit, self.defer_commits, self.pair_commits = async_commit, defer_commits, pair_commits
+        self.async_commit, self.defer_commits = async_commit, defer_commits
         self._side: dict = {}  # device -> the CUDA side stream of the async commits
         self.prefetch_bytes = prefetch_bytes
         self._ahead: dict = {}  # device -> the CUDA side stream of the prefetched decodes
@@ -409,20 +402,15 @@ class KVCache:
         a, b = L.n_sink, L.n_sink + L.n_pending
         ring = self._ring_slot(L, b - a)
         finish_v = None  # growth: K and V's new sequences share one allocation (PackedSequence.append_pair)
-        xs = [L.buf[i][:, :, a:b] for i in range(2)]
-        if self._pre_rope:  # keys back to before RoPE (fp32 rotation, BF16 as written)
-            xs[0] = apply_rope(xs[0], self._angles(L.pos_pending, xs[0].device, xs[0].shape[3]),
-                               inverse=True).to(xs[0].dtype)
-        paired = self._paired(L, xs)  # K and V in one graph replay, or None
         for i, role in enumerate(("key", "value")):
-            x = xs[i]
+            x = L.buf[i][:, :, a:b]
+            if i == 0 and self._pre_rope:  # back to before RoPE (fp32 rotation, BF16 as written)
+                x = apply_rope(x, self._angles(L.pos_pending, x.device, x.shape[3]), inverse=True).to(x.dtype)
             opts = dict(self.options)
             if self.method == "kivi":  # the pending / current zones are KIVI's full-precision recent window
                 opts = {"role": role, "residual": 0, **opts}
             warm = self._warm_start(L, i) if "init" not in opts else None
-            if paired is not None:
-                p = paired[i]
-            elif self._graphed is not None and self._graphed.supports(x, self.method, warm, opts):
+            if self._graphed is not None and self._graphed.supports(x, self.method, warm, opts):
                 # one graph replay (copied into the history below)
                 p = self._graphed(x, self.method, warm, preset=self.compress_preset, **opts)
             else:
@@ -443,20 +431,6 @@ class KVCache:
             unit = torch.cat(L.pos_pending, 1)
             L.pos_hist = (L.pos_hist[1:] if ring else L.pos_hist) + [unit]
             L.pos_pending = []
-
-    def _paired(self, L: _Layer, xs: list[torch.Tensor]):
-        """(K's pack, V's pack) from one graph replay of K and V's heads side by side (`GraphedCompress.pair`), when
-        `pair_commits` and both would replay a graph (then each is bitwise what its own replay gives: the preset is
-        resolved for one tensor's shape), else None."""
-        if not self.pair_commits or self._graphed is None or self.method not in PER_TOKEN_METHODS:
-            return None
-        warm = [self._warm_start(L, i) for i in range(2)]
-        if not all(self._graphed.supports(x, self.method, w, self.options) for x, w in zip(xs, warm)):
-            return None
-        from .kernels.compress import resolve_preset
-        b, h, n, _ = xs[0].shape
-        preset = resolve_preset(self.compress_preset, b * h, n, 0 if warm[0] is None else warm[0].shape[-2])
-        return self._graphed.pair(*xs, self.method, *warm, preset=preset, **self.options)
 
     def _warm_start(self, L: _Layer, i: int):
         if self.method not in ("qvg", "qvg-pro") or self.options.get("stages") == 0:

@@ -21,9 +21,6 @@ COMPONENTS = {
     "residual": "bf16",  # tokens kept in full precision (KIVI's residual window / token-group tail)
 }
 
-# The head dim of each tensor of a per-token pack ([B, H, ...]; ids and centroids lead with the stage: [S, B, H, ...]).
-_HEAD_DIM = {"codes": 1, "scale": 1, "zero": 1, "tscale": 1, "ids": 2, "centroids": 2}
-
 
 @dataclass
 class Packed:
@@ -70,19 +67,6 @@ class Packed:
     @property
     def device(self) -> torch.device:
         return next(iter(self.tensors.values())).device
-
-    def split_heads(self, h: int) -> tuple["Packed", "Packed"]:
-        """(heads [0, h), heads [h, H)) of a per-token pack (rtn / qvg / qvg-pro) as two packs of views: a pack of
-        two tensors' heads side by side (the cache compresses a layer's K and V in one call) taken apart again."""
-        b, heads, n, d = self.shape
-        if not 0 < h < heads or set(self.tensors) - set(_HEAD_DIM):
-            raise ValueError(f"split_heads: can't split {heads} heads at {h} of {sorted(self.tensors)}")
-        halves = ({}, {})
-        for name, t in self.tensors.items():
-            dim = _HEAD_DIM[name]
-            halves[0][name], halves[1][name] = t.narrow(dim, 0, h), t.narrow(dim, h, heads - h)
-        return (Packed(self.method, (b, h, n, d), self.dtype, halves[0], dict(self.meta)),
-                Packed(self.method, (b, heads - h, n, d), self.dtype, halves[1], dict(self.meta)))
 
     def to(self, device) -> "Packed":
         return Packed(self.method, self.shape, self.dtype, {k: v.to(device) for k, v in self.tensors.items()},

@@ -345,8 +345,6 @@ def test_async_commit_option():
         KVCache(1, "qvg", chunk_frames=CF, tokens_per_frame=TPF, async_commit="yes")
     with pytest.raises(ValueError, match="defer_commits must be True or False"):
         KVCache(1, "qvg", chunk_frames=CF, tokens_per_frame=TPF, defer_commits=1)
-    with pytest.raises(ValueError, match="pair_commits must be True or False"):
-        KVCache(1, "qvg", chunk_frames=CF, tokens_per_frame=TPF, pair_commits="no")
     for bad in (-1, True, 1.5, "1"):
         with pytest.raises(ValueError, match="prefetch_bytes must be a non-negative integer"):
             KVCache(1, "qvg", chunk_frames=CF, tokens_per_frame=TPF, prefetch_bytes=bad)

@@ -44,48 +44,21 @@ class GraphedCompress:
                  **options) -> Packed:
         """preset: the compress kernels' preset (kernels/compress.py; None: the current default, COMPRESS_VARIANT),
         captured with the graph and part of its key."""
-        e = self._entry(method, preset, options, _spec(x, init), lambda: (x, init))
+        from ..kernels import compress as kernels_compress
+        preset = preset or kernels_compress.COMPRESS_VARIANT
+        key = (method, repr(sorted(options.items())), tuple(x.shape), x.dtype, x.device,
+               None if init is None else (tuple(init.shape), init.dtype), preset)
+        e = self._graphs.get(key)
+        if e is None:
+            with kernels_compress.use_variant(preset):
+                e = self._graphs[key] = self._capture(x, method, init, options)
         e["x"].copy_(x)
         if init is not None:
             e["init"].copy_(init)
         e["graph"].replay()
         return e["out"]
 
-    def pair(self, xk: torch.Tensor, xv: torch.Tensor, method: str, init_k: torch.Tensor | None = None,
-             init_v: torch.Tensor | None = None, preset: str | None = None, **options) -> tuple[Packed, Packed]:
-        """K and V [B, H, N, D] (and their warm starts [S, B, H, K, D], both or neither) compressed by ONE replay of
-        the graph of their heads side by side ([B, 2H, N, D]): every head is compressed on its own (warm-started
-        k-means has no draws shared across heads), so each half is bitwise what a call of its own gives, for one
-        launch sequence instead of two (on the H100: 0.186 ms for a Self-Forcing chunk's K and V against 2 x 0.132,
-        eval/results/compress-sweep-h100-1x24x4680x128-k64.json). Returns the two halves of the graph's static
-        output (views: valid until the next call with the same key, like `__call__`'s)."""
-        if (init_k is None) != (init_v is None) or xk.shape != xv.shape:
-            raise ValueError("pair: K and V need the same shape, and warm starts for both or neither")
-        h = xk.shape[1]
-        spec = _spec(xk, init_k, heads=2 * h)
-        e = self._entry(method, preset, options, spec, lambda: (
-            torch.cat([xk, xv], 1), None if init_k is None else torch.cat([init_k, init_v], 2)))
-        e["x"][:, :h].copy_(xk)
-        e["x"][:, h:].copy_(xv)
-        if init_k is not None:
-            e["init"][:, :, :h].copy_(init_k)
-            e["init"][:, :, h:].copy_(init_v)
-        e["graph"].replay()
-        return e["out"].split_heads(h)
-
-    def _entry(self, method, preset, options, spec: tuple, inputs) -> dict:
-        """The graph of (method, options, `_spec` of the input and warm start, preset); on first use captured from
-        the tensors that inputs() returns."""
-        from ..kernels import compress as kernels_compress
-        preset = preset or kernels_compress.COMPRESS_VARIANT
-        key = (method, repr(sorted(options.items())), *spec, preset)
-        e = self._graphs.get(key)
-        if e is None:
-            with kernels_compress.use_variant(preset):
-                e = self._graphs[key] = self._capture(*inputs(), method, options)
-        return e
-
-    def _capture(self, x, init, method, options) -> dict:
+    def _capture(self, x, method, init, options) -> dict:
         from . import compress
         torch.cuda.synchronize(x.device)
         before = torch.cuda.memory_allocated(x.device)
@@ -108,17 +81,6 @@ class GraphedCompress:
         # pool's free blocks: the intermediates', which memory_allocated no longer counts but the pool keeps
         self.nbytes += torch.cuda.memory_allocated(x.device) - before + pool_free_bytes(x.device, graph.pool())
         return {"graph": graph, "x": sx, "init": si, "out": out}
-
-
-def _spec(x: torch.Tensor, init: torch.Tensor | None, heads: int | None = None) -> tuple:
-    """What a graph is keyed by besides method, options and preset: x's shape, dtype and device and the warm
-    start's shape and dtype; `heads`: as if both had that many heads (x [B, H, N, D], init [S, B, H, K, D])."""
-    xs, ins = list(x.shape), None if init is None else list(init.shape)
-    if heads is not None:
-        xs[1] = heads
-        if ins is not None:
-            ins[2] = heads
-    return tuple(xs), x.dtype, x.device, None if init is None else (tuple(ins), init.dtype)
 
 
 def pool_free_bytes(device: torch.device, pool=None) -> int:
