@@ -455,9 +455,16 @@ def run(s) -> dict:
 
 
 def mp4_writer(path, fps: int):
-    """An imageio mp4 writer (H.264 from imageio-ffmpeg's own ffmpeg: no system ffmpeg needed)."""
+    """An imageio mp4 writer (H.264 from imageio-ffmpeg's own ffmpeg: no system ffmpeg needed). Without
+    imageio-ffmpeg, imageio would pick another plugin for the path and fail on its first frame with an error about
+    that plugin: this names the missing package instead."""
     import imageio.v2 as imageio
-    return imageio.get_writer(path, fps=fps, codec="libx264", quality=8, macro_block_size=1)
+    try:
+        import imageio_ffmpeg  # noqa: F401
+    except ImportError:
+        raise RuntimeError("writing mp4 needs the imageio-ffmpeg package (a dependency of this project: "
+                           "pip install imageio-ffmpeg)") from None
+    return imageio.get_writer(path, format="FFMPEG", fps=fps, codec="libx264", quality=8, macro_block_size=1)
 
 
 def close_quietly(writer) -> None:

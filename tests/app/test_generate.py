@@ -101,9 +101,21 @@ def test_failure_after_the_temporary_files_exist_leaves_nothing(tmp_path, capsys
     assert list(tmp_path.iterdir()) == []
 
 
+def test_missing_mp4_backend_is_named(tmp_path, capsys, monkeypatch):
+    """Without imageio-ffmpeg imageio would fall back to another plugin and fail on the first frame with that
+    plugin's error: one line names the missing package instead, and nothing is left behind."""
+    import sys
+    monkeypatch.setitem(sys.modules, "imageio_ffmpeg", None)  # (import raises ImportError)
+    assert main(["--frames", "4", "--method", "bf16", "--out", str(tmp_path / "v.mp4"), "--quiet"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "needs the imageio-ffmpeg package" in err[0]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_self_forcing_checkpoint_dir_without_checkpoints(tmp_path, capsys):
     """An existing but empty --checkpoint directory: one line saying what was looked for (the loader's own cases
     are in tests/pipelines/test_checkpoints.py)."""
+    pytest.importorskip("ftfy")  # (the `wan` extra: CI has it; without it the loader asks for it first)
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     ckpt.mkdir()
     out.mkdir()
@@ -157,7 +169,6 @@ def test_steerable_chunks_match_the_world_rollout():
     import torch
 
     from qvg.app.generate import Generation, parse
-    from qvg.pipelines.world_model import image_frame, rollout
     s = parse(["--frames", "10", "--method", "bf16", "--actions", "right,zoom_in,left", "--quiet"])
     gen = Generation(s)
     ours = torch.cat([gen.lead] + [c.video for c in gen], 1)
@@ -166,10 +177,8 @@ def test_steerable_chunks_match_the_world_rollout():
     cfg = s["world_config"]
     cache = KVCache(len(gen.model.transformer.blocks), "bf16", chunk_frames=3,
                     tokens_per_frame=gen.cache.tokens_per_frame)
-    start = image_frame(s["image"], cfg["frame_size"])
-    ref = torch.cat([start[:, None]] + [r.video[0] for r in rollout(gen.model.transformer, cfg, start, s["actions"],
-                                                                      cache, seed=s["seed"])], 1)
-    assert torch.equal(ours, ref)
+    ref = _rollout_video(gen.model.transformer, cfg, s, cache)
+    assert torch.equal(ours.cpu(), ref)
 
     steered = parse(["--frames", "10", "--method", "bf16", "--quiet"])
     gen = Generation(steered, loaded=gen.model, plan=lambda c: [2, 5, 1][c])
@@ -185,7 +194,6 @@ def test_steerable_chunks_match_the_world_rollout_with_world_rope():
 
     from qvg.app.generate import Generation, load_model, parse
     from qvg.cache import KVCache
-    from qvg.pipelines.world_model import image_frame, rollout
     s = parse(["--frames", "7", "--method", "bf16", "--actions", "right,down", "--quiet"])
     loaded = load_model(s)
     cfg = dict(loaded.info["world_config"], world_rope=True)
@@ -194,10 +202,18 @@ def test_steerable_chunks_match_the_world_rollout_with_world_rope():
     gen = Generation(s, loaded=loaded)
     ours = torch.cat([gen.lead] + [c.video for c in gen], 1)
     cache = KVCache(len(loaded.transformer.blocks), "bf16", chunk_frames=3, tokens_per_frame=gen.cache.tokens_per_frame)
+    assert torch.equal(ours.cpu(), _rollout_video(loaded.transformer, cfg, s, cache))
+
+
+def _rollout_video(transformer, cfg, s, cache):
+    """qvg.pipelines.world_model.rollout's frames for parsed settings s, start frame first, on the CPU (the model
+    may run on a GPU)."""
+    import torch
+
+    from qvg.pipelines.world_model import image_frame, rollout
     start = image_frame(s["image"], cfg["frame_size"])
-    ref = torch.cat([start[:, None]] + [r.video[0] for r in rollout(loaded.transformer, cfg, start, s["actions"],
-                                                                      cache, seed=s["seed"])], 1)
-    assert torch.equal(ours, ref)
+    chunks = rollout(transformer, cfg, start, s["actions"], cache, seed=s["seed"])
+    return torch.cat([start[:, None].cpu()] + [r.video[0].cpu() for r in chunks], 1)
 
 
 def test_key_storage_auto_is_pre_rope_on_the_embedded_model_only(tmp_path):

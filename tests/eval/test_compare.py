@@ -1,6 +1,7 @@
 """qvg-eval compare: windows, the onset / divergence frame, the CLI on mp4 files, and no torchvision."""
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -77,15 +78,37 @@ def test_lpips_missing_weights_message(tmp_path, capsys):
     assert json.loads((tmp_path / "c.json").read_text())["meta"]["lpips"].startswith("not computed")
 
 
+# Records the module that asks for torchvision first (the first frame outside the import machinery), and lets the
+# import go on: a third-party package may import an installed torchvision on its own (transformers does, where
+# torchvision works, as on the GPU image); this project's code must never ask for it.
+_WHO_IMPORTS_TORCHVISION = """
+import sys, traceback
+asked = []
+class _Watch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torchvision" and not asked:
+            frames = [f for f in traceback.extract_stack()[:-1] if "importlib" not in f.filename]
+            asked.append(frames[-1].filename)
+        return None
+sys.meta_path.insert(0, _Watch())
+"""
+
+
 def test_cpu_paths_do_not_import_torchvision(tmp_path):
+    import os
+
+    import qvg
     v = (np.random.default_rng(2).random((4, 32, 32, 3)) * 255).astype(np.uint8)
     np.save(tmp_path / "a.npy", v)
-    code = (f"import sys; from qvg.eval.cli import main; "
+    code = (_WHO_IMPORTS_TORCHVISION + f"from qvg.eval.cli import main; "
             f"main(['compare', {str(tmp_path / 'a.npy')!r}, {str(tmp_path / 'a.npy')!r}, '--out', "
             f"{str(tmp_path / 'c')!r}, '--weights', {str(tmp_path)!r}, '--no-progress']); "
             "import qvg.eval.report, qvg.eval.sweep, qvg.eval.analyses, qvg.eval.vbench, qvg.eval.lpips; "
             "from qvg.eval.vbench import load_dimensions; load_dimensions(weights=" + repr(str(tmp_path)) + "); "
-            "print('torchvision' in sys.modules)")
+            "print(repr(asked))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip().splitlines()[-1] == "False"
+    asked = ast.literal_eval(out.stdout.strip().splitlines()[-1])
+    root = os.path.dirname(os.path.dirname(os.path.realpath(qvg.__file__)))  # the repository
+    ours = [f for f in asked if os.path.realpath(f).startswith(root + os.sep) or f == "<string>"]
+    assert not ours, f"this project's code imports torchvision: {ours}"
