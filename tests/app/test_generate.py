@@ -1,5 +1,6 @@
 """qvg-generate: the mp4 + JSON it writes, and bad input (one error line, exit 2, nothing left behind)."""
 import json
+import os
 
 import pytest
 
@@ -115,7 +116,12 @@ def test_missing_mp4_backend_is_named(tmp_path, capsys, monkeypatch):
 def test_self_forcing_checkpoint_dir_without_checkpoints(tmp_path, capsys):
     """An existing but empty --checkpoint directory: one line saying what was looked for (the loader's own cases
     are in tests/pipelines/test_checkpoints.py)."""
-    pytest.importorskip("ftfy")  # (the `wan` extra: CI has it; without it the loader asks for it first)
+    try:  # (the `wan` extra, in the test extra: CI has it; elsewhere, without it the loader asks for it first)
+        import ftfy  # noqa: F401
+    except ImportError:
+        if os.environ.get("CI") == "true":
+            raise
+        pytest.skip("ftfy is not installed (pip install -e '.[wan]')")
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     ckpt.mkdir()
     out.mkdir()
