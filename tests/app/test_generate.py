@@ -1,9 +1,9 @@
 """qvg-generate: the mp4 + JSON it writes, and bad input (one error line, exit 2, nothing left behind)."""
 import json
-import os
 
 import pytest
 
+from optional_deps import need
 from qvg.app.generate import main
 
 KEYS = {"method", "options", "frames", "seconds", "kv_bytes", "bf16_equivalent_bytes", "compression_ratio", "device",
@@ -116,12 +116,7 @@ def test_missing_mp4_backend_is_named(tmp_path, capsys, monkeypatch):
 def test_self_forcing_checkpoint_dir_without_checkpoints(tmp_path, capsys):
     """An existing but empty --checkpoint directory: one line saying what was looked for (the loader's own cases
     are in tests/pipelines/test_checkpoints.py)."""
-    try:  # (the `wan` extra, in the test extra: CI has it; elsewhere, without it the loader asks for it first)
-        import ftfy  # noqa: F401
-    except ImportError:
-        if os.environ.get("CI") == "true":
-            raise
-        pytest.skip("ftfy is not installed (pip install -e '.[wan]')")
+    need("ftfy", "pip install -e '.[wan]'")  # (without it the loader asks for it first)
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     ckpt.mkdir()
     out.mkdir()

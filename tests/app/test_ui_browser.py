@@ -20,6 +20,8 @@ import urllib.request
 
 import pytest
 
+from optional_deps import need
+
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
                   "--disable-dev-shm-usage"]
@@ -37,13 +39,8 @@ def _chromium() -> str:
 
 @pytest.fixture(scope="module")
 def app_url():
-    for module in ("gradio", "playwright"):  # (the `ui` / `test` extras: CI has them; the bare GPU image does not)
-        try:
-            __import__(module)
-        except ImportError:
-            if os.environ.get("CI") == "true":
-                pytest.fail(f"{module} is not installed under CI (the test extra installs it)")
-            pytest.skip(f"{module} is not installed (pip install -e '.[test]')")
+    for module in ("gradio", "playwright"):  # (the test extra: CI has them; the bare GPU image does not)
+        need(module, "pip install -e '.[test]'")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -8,9 +8,10 @@ import shutil
 
 import pytest
 import torch
+from optional_deps import need
 
-pytest.importorskip("transformers")
-pytest.importorskip("ftfy")  # (the `wan` extra: CI has it; the bare GPU image does not)
+need("transformers", "pip install -e '.[wan]'")
+need("ftfy", "pip install -e '.[wan]'")  # (the `wan` extra: CI has it; the bare GPU image does not)
 from transformers import UMT5Config, UMT5EncoderModel  # noqa: E402
 
 from qvg.pipelines.causal_wan import CausalWanTransformer  # noqa: E402

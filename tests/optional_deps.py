@@ -1,0 +1,18 @@
+"""`need(module, how)`: a test's optional dependency, or the test skipped. Under CI (CI=true), where .ci/run installs
+the test extra, a missing one fails instead, so CI never skips a test silently."""
+from __future__ import annotations
+
+import importlib
+import os
+
+import pytest
+
+
+def need(module: str, how: str):
+    """The imported module, or skip (fail under CI) saying `how` to install it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{module} is not installed under CI ({how})")
+        pytest.skip(f"{module} is not installed ({how})")
