@@ -13,6 +13,11 @@ def need(module: str, how: str):
     try:
         return importlib.import_module(module)
     except ImportError:
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"{module} is not installed under CI ({how})")
-        pytest.skip(f"{module} is not installed ({how})")
+        missing(f"{module} is not installed", how)
+
+
+def missing(what: str, how: str):
+    """Skip the test because `what` (fail under CI, which installs everything the tests use), saying `how` to get it."""
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{what} under CI ({how})")
+    pytest.skip(f"{what} ({how})")

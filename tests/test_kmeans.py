@@ -4,9 +4,10 @@ import pytest
 import torch
 
 from conftest import blobs, gen, randn
+from optional_deps import need
 from qvg.kmeans import MAX_K, SEEDINGS, assign, id_dtype, kmeans, reseed_empty, seed_centroids, update
 
-sklearn_cluster = pytest.importorskip("sklearn.cluster")
+sklearn_cluster = need("sklearn.cluster", "scikit-learn, in the test extra: pip install -e '.[test]'")
 
 
 def sk_lloyd(x: torch.Tensor, init: torch.Tensor, iters: int):

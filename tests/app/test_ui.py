@@ -8,7 +8,9 @@ import time
 
 import pytest
 
-gradio_client = pytest.importorskip("gradio_client", reason="the UI tests need the test extra (gradio_client)")
+from optional_deps import need  # noqa: E402
+
+gradio_client = need("gradio_client", "the UI tests need the test extra: pip install -e '.[test]'")
 from gradio_client import Client, handle_file  # noqa: E402
 
 from qvg.app.generate import UsageError  # noqa: E402

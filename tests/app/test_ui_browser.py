@@ -20,7 +20,7 @@ import urllib.request
 
 import pytest
 
-from optional_deps import need
+from optional_deps import missing, need
 
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -32,9 +32,7 @@ def _chromium() -> str:
         path = shutil.which(name)
         if path:
             return path
-    if os.environ.get("CI") == "true":
-        pytest.fail("no chromium on PATH under CI (.ci/run installs Debian's chromium)")
-    pytest.skip("no chromium on PATH: install it (Debian: apt-get install chromium) to run the browser test")
+    missing("no chromium on PATH", "Debian: apt-get install chromium; .ci/run installs it")
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +65,7 @@ def app_url():
 
 def test_page_generates_live_and_screenshot(app_url, tmp_path):
     browser = _chromium()
-    sync_api = pytest.importorskip("playwright.sync_api", reason="the browser test needs playwright (test extra)")
+    sync_api = need("playwright.sync_api", "pip install -e '.[test]'")
     t_start = time.time()
     with sync_api.sync_playwright() as pw:
         ctx = pw.chromium.launch_persistent_context(str(tmp_path / "profile"), executable_path=browser,

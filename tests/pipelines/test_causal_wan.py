@@ -5,6 +5,7 @@ determinism and window bookkeeping, and the streaming VAE decode vs a one-shot d
 import pytest
 import torch
 
+from optional_deps import need
 from qvg.cache import KVCache
 from qvg.pipelines.causal_wan import CausalWanTransformer, CrossKV, OffsetRotaryPosEmbed, _SelfAttention
 from qvg.pipelines.self_forcing import SelfForcingPipeline, flow_sigmas
@@ -179,7 +180,7 @@ def test_the_sink_changes_what_late_chunks_see(model):
 def test_save_pretrained_and_from_pretrained_round_trip(model, tmp_path):
     """A saved CausalWanTransformer loads back with its config, weights, RoPE with offsets and causal processors:
     the same outputs, full-sequence and chunk-wise over a cache."""
-    pytest.importorskip("accelerate", reason="diffusers' from_pretrained of Wan (fp32 modules) needs accelerate")
+    need("accelerate", "diffusers' from_pretrained of Wan (fp32 modules) needs it: pip install -e '.[test]'")
     model.save_pretrained(tmp_path)
     loaded = CausalWanTransformer.from_pretrained(tmp_path).eval()
     assert loaded.config.num_layers == CFG["num_layers"] and loaded.config.ffn_dim == CFG["ffn_dim"]
@@ -196,7 +197,7 @@ def test_save_pretrained_and_from_pretrained_round_trip(model, tmp_path):
 def test_from_pretrained_loads_a_diffusers_wan_checkpoint(model, tmp_path):
     """A checkpoint saved by diffusers' own WanTransformer3DModel (its class name in the config) loads into the
     causal model, whose full-attention forward then matches diffusers' forward."""
-    pytest.importorskip("accelerate", reason="diffusers' from_pretrained of Wan (fp32 modules) needs accelerate")
+    need("accelerate", "diffusers' from_pretrained of Wan (fp32 modules) needs it: pip install -e '.[test]'")
     from diffusers import WanTransformer3DModel
     wan = WanTransformer3DModel(**CFG).eval()
     wan.load_state_dict(model.state_dict())
