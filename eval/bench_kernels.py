@@ -133,8 +133,7 @@ def with_torch_backend(fn):
 
 def dequant_configs(groups: int, planes: int) -> list[dict]:
     """The dequant grids tried (best kept): token blocks x warps; persistent programs (~1, 2, 4 per SM); one
-    program per code plane (each gathers 1/planes of a centroid row, so its centroid tables stay in L1); persistent
-    programs (4 and 6 per SM) that load their next block's code bytes and ids early."""
+    program per code plane (each gathers 1/planes of a centroid row, so its centroid tables stay in L1)."""
     from qvg.kernels.common import sm_count
     sms = sm_count(torch.device("cuda"))
     out = [dict(block_n=bn, num_warps=nw) for bn, nw in ((32, 4), (64, 4), (64, 8), (128, 8))]
@@ -143,8 +142,6 @@ def dequant_configs(groups: int, planes: int) -> list[dict]:
         for waves in (1, 2, 4):
             progs = max(1, waves * sms // (groups * (planes if split else 1)))
             out += [dict(block_n=bn, num_warps=nw, progs=progs, plane_split=split) for bn, nw in ((64, 4), (128, 8))]
-    for per_sm in (4, 6):  # persistent 32 x 4 programs that load the next block's bytes and ids early
-        out.append(dict(block_n=32, num_warps=4, progs=max(1, per_sm * sms // groups), pipe=True))
     return out
 
 

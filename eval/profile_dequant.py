@@ -27,24 +27,9 @@ VARIANTS = {
     "b64w8": dict(block_n=64, num_warps=8),
     "planes-b32w4": dict(plane_split=True, block_n=32, num_warps=4),
     "planes-b64w4": dict(plane_split=True, block_n=64, num_warps=4),
-    "i64": dict(index64=True),  # 64-bit offsets everywhere (the only form before int32 offsets became the default)
-    # persistent programs, `per_sm` of them per SM for all groups (resolved per shape by `resolve`); pipe: each loads
-    # its next block's code bytes and ids before this block's centroid gathers
-    "persist-s6": dict(per_sm=6),
-    "pipe-s4": dict(per_sm=4, pipe=True),
-    "pipe-s6": dict(per_sm=6, pipe=True),
-    "pipe-s12": dict(per_sm=12, pipe=True),
+    "i64": dict(index64=True),  # 64-bit offsets (the only form before 32-bit offsets; the default for S >= 2)
+    "i32": dict(index64=False),  # 32-bit offsets
 }
-
-
-def resolve(opts: dict, groups: int) -> dict:
-    """An option's dequantize kwargs at a shape of `groups` (batch x heads) groups: per_sm -> progs per group."""
-    from qvg.kernels.common import sm_count
-    if "per_sm" not in opts:
-        return dict(opts)
-    out = {k: v for k, v in opts.items() if k != "per_sm"}
-    out["progs"] = max(1, opts["per_sm"] * sm_count(torch.device("cuda")) // groups)
-    return out
 
 
 def _smi() -> str:
@@ -131,7 +116,7 @@ def main(argv=None) -> int:
     rows = []
     for label, p, nbytes in shapes():
         ref = dequantize(p)
-        opts = {n: resolve(VARIANTS.get(n, {}), p.shape[0] * p.shape[1]) for n in names}
+        opts = {n: VARIANTS.get(n, {}) for n in names}
         fns = {n: (base if n == "baseline" else dequantize) for n in names}
         outs = {n: torch.empty_like(ref) for n in names}
         if args.workload:

@@ -64,159 +64,110 @@ def _pick4(i: tl.constexpr, a0, a1, a2, a3):
 
 
 @triton.jit
-def _rows(pid_n, gh, N, ROW0, ROW_END, BLOCK_N: tl.constexpr, IDX64: tl.constexpr):
-    """Token block pid_n of group gh: its rows (tokens [ROW0, ROW_END)), their mask and flat token indices."""
-    rows = ROW0 + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rmask = rows < ROW_END
-    if IDX64:
-        tok = gh.to(tl.int64) * N + rows
-    else:
-        tok = gh * N + rows
-    return rows, rmask, tok
-
-
-@triton.jit
-def _fetch(codes_ptr, tscale_ptr, ids_ptr, pid_n, gh, N, L, C, K, GH, ROW0, ROW_END, W: tl.constexpr,
-           FP8: tl.constexpr, STAGES: tl.constexpr, BLOCK_N: tl.constexpr, IDX64: tl.constexpr):
-    """A block's loads that the centroid gathers wait on: its code bytes, per-chunk tscale and each of the first 4
-    stages' centroid rows (from the ids)."""
-    rows, rmask, tok = _rows(pid_n, gh, N, ROW0, ROW_END, BLOCK_N, IDX64)
-    byte = tl.load(codes_ptr + tok[:, None] * W + tl.arange(0, W)[None, :], mask=rmask[:, None], other=0)
-    chunk = rows // L  # a PackedSequence holds C chunks of L tokens, each with its own tscale and centroids
-    ts = tl.full([BLOCK_N, 1], 1.0, tl.float32)
-    if FP8:
-        ts = tl.load(tscale_ptr + gh.to(tl.int64) * C + chunk, mask=rmask, other=1.0)[:, None]
-    # each stage's centroid row, from its own id load once for every plane (the first 4 stages; a [BLOCK_N, S]
-    # id tile would need a reduction per stage, through shared memory with barriers)
-    crow0 = tok
-    crow1 = tok
-    crow2 = tok
-    crow3 = tok
-    if STAGES > 0:
-        crow0 = _crow(ids_ptr, 0, GH, N, tok, rmask, gh, C, chunk, K, IDX64)
-    if STAGES > 1:
-        crow1 = _crow(ids_ptr, 1, GH, N, tok, rmask, gh, C, chunk, K, IDX64)
-    if STAGES > 2:
-        crow2 = _crow(ids_ptr, 2, GH, N, tok, rmask, gh, C, chunk, K, IDX64)
-    if STAGES > 3:
-        crow3 = _crow(ids_ptr, 3, GH, N, tok, rmask, gh, C, chunk, K, IDX64)
-    return byte, ts, crow0, crow1, crow2, crow3
-
-
-@triton.jit
-def _decode(pid_n, byte, ts, crow0, crow1, crow2, crow3, scale_ptr, zero_ptr, ids_ptr, cent_ptr, out_ptr, gh, N,
-            L, C, K, GH, ROW0, ROW_END, OUT_N, p0, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF,
-            D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr, OFFSET: tl.constexpr,
-            FP8: tl.constexpr, STAGES: tl.constexpr, BLOCK_N: tl.constexpr, ROPE: tl.constexpr,
-            SPLIT_H: tl.constexpr, SPLIT_W: tl.constexpr, INTERP: tl.constexpr, NP: tl.constexpr,
-            W: tl.constexpr, IDX64: tl.constexpr):
-    """Decode token block pid_n's code planes p0 .. p0 + NP - 1 from its fetched loads, and store them."""
-    rows, rmask, tok = _rows(pid_n, gh, N, ROW0, ROW_END, BLOCK_N, IDX64)
-    if IDX64:
-        otok = gh.to(tl.int64) * OUT_N + rows - ROW0
-    else:
-        otok = gh * OUT_N + rows - ROW0
-    chunk = rows // L
-    m2 = rmask[:, None]
-    G2: tl.constexpr = W // GROUP if GROUP < W else 1  # groups per plane
-    gi = tl.arange(0, G2)
-    cols = tl.arange(0, W)
-    # the planes' values are stored after every plane's gathers (up to 4 planes, so 2-8 bits): a store between
-    # them keeps the next plane's loads behind it (out may alias the inputs for all the compiler knows), so the
-    # per-plane form waited out one gather latency per plane (-10 to -18% at S4/B16 on the H100,
-    # eval/results/profile-dequant-h100.md)
-    DEFER: tl.constexpr = NP <= 4
-    if DEFER:
-        v0 = tl.zeros([BLOCK_N, W], tl.float32)
-        v1 = v0
-        v2 = v0
-        v3 = v0
-    for pi in tl.static_range(NP):
-        p = p0 + pi
-        col = p * W + cols
-        c = (byte >> (p * BITS)) & ((1 << BITS) - 1)
-        # the plane's G2 scales per row (one load each), then widened to its W columns
-        goff = tok[:, None] * (D // GROUP) + (p * W) // GROUP + gi[None, :]
-        s = _widen(decode_scale(tl.load(scale_ptr + goff, mask=m2, other=0), ts, FP8), BLOCK_N, G2, W)
-        z = 0.0
-        if GRID == 2:
-            z = _widen(bf16_bits_to_f32(tl.load(zero_ptr + goff, mask=m2, other=0)), BLOCK_N, G2, W)
-        v = dequant_codes(c, s, z, OFFSET, GRID, STAGES == 1)  # (the case timed faster without I2F)
-        for st in tl.static_range(STAGES):
-            if st < 4:
-                crow = _pick4(st, crow0, crow1, crow2, crow3)
-            else:
-                crow = _crow(ids_ptr, st, GH, N, tok, rmask, gh, C, chunk, K, IDX64)
-            v += tl.load(cent_ptr + crow[:, None] * D + col[None, :], mask=m2, other=0.0).to(tl.float32)
-        if ROPE:  # keys stored before RoPE: rotate channel pairs (2j, 2j+1) by the token's 3D position
-            v = _rope(v, rows, chunk, L, rmask, p * W // 2, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF,
-                      D, W, BLOCK_N, SPLIT_H, SPLIT_W)
-        if DEFER:
-            if pi == 0:
-                v0 = v
-            elif pi == 1:
-                v1 = v
-            elif pi == 2:
-                v2 = v
-            else:
-                v3 = v
-        else:
-            tl.store(out_ptr + otok[:, None] * D + col[None, :], to_out(v, out_ptr, INTERP), mask=m2)
-    if DEFER:
-        orow = out_ptr + otok[:, None] * D + (p0 * W + cols)[None, :]
-        for pi in tl.static_range(NP):
-            tl.store(orow + pi * W, to_out(_pick4(pi, v0, v1, v2, v3), out_ptr, INTERP), mask=m2)
-
-
-@triton.jit
 def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_ptr, out_ptr, N, L, C, K, GH,
                     ROW0, ROW_END, OUT_N, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF,
                     D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr,
                     OFFSET: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr, BLOCK_N: tl.constexpr,
                     ROPE: tl.constexpr, SPLIT_H: tl.constexpr, SPLIT_W: tl.constexpr, INTERP: tl.constexpr,
-                    NBLK, PROGS, PLANE_SPLIT: tl.constexpr, PIPE: tl.constexpr = False,
-                    IDX64: tl.constexpr = True):
+                    NBLK, PROGS, PLANE_SPLIT: tl.constexpr, IDX64: tl.constexpr = True):
     """Program (i, gh, q) decodes token blocks i, i + PROGS, ... (< NBLK) of group gh: every code plane, or only
     plane q with PLANE_SPLIT (then a program gathers 1/P of each centroid row: its centroid tables stay small).
-    PIPE: the next block's code bytes and ids are loaded before this block's centroid gathers, so that the gathers
-    do not wait for the id loads. IDX64 False: every offset fits int32 (the caller checked)."""
+    IDX64 False: 32-bit offsets (every tensor has fewer than 2^31 elements: the caller checked)."""
     pid = tl.program_id(0)
     gh = tl.program_id(1)
     P: tl.constexpr = 8 // BITS  # planes per byte
     W: tl.constexpr = D // P  # bytes per row
     p0 = tl.program_id(2) if PLANE_SPLIT else 0
     NP: tl.constexpr = 1 if PLANE_SPLIT else P
-    if PIPE:
-        byte, ts, crow0, crow1, crow2, crow3 = _fetch(codes_ptr, tscale_ptr, ids_ptr, pid, gh, N, L, C, K, GH, ROW0,
-                                                      ROW_END, W, FP8, STAGES, BLOCK_N, IDX64)
-        for pid_n in range(pid, NBLK, PROGS):
-            nbyte, nts, n0, n1, n2, n3 = _fetch(codes_ptr, tscale_ptr, ids_ptr, pid_n + PROGS, gh, N, L, C, K, GH,
-                                                ROW0, ROW_END, W, FP8, STAGES, BLOCK_N, IDX64)
-            _decode(pid_n, byte, ts, crow0, crow1, crow2, crow3, scale_ptr, zero_ptr, ids_ptr, cent_ptr, out_ptr,
-                    gh, N, L, C, K, GH, ROW0, ROW_END, OUT_N, p0, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF,
-                    D, BITS, GROUP, GRID, OFFSET, FP8, STAGES, BLOCK_N, ROPE, SPLIT_H, SPLIT_W, INTERP, NP, W,
-                    IDX64)
-            byte, ts, crow0, crow1, crow2, crow3 = nbyte, nts, n0, n1, n2, n3
-    else:
-        for pid_n in range(pid, NBLK, PROGS):
-            byte, ts, crow0, crow1, crow2, crow3 = _fetch(codes_ptr, tscale_ptr, ids_ptr, pid_n, gh, N, L, C, K,
-                                                          GH, ROW0, ROW_END, W, FP8, STAGES, BLOCK_N, IDX64)
-            _decode(pid_n, byte, ts, crow0, crow1, crow2, crow3, scale_ptr, zero_ptr, ids_ptr, cent_ptr, out_ptr,
-                    gh, N, L, C, K, GH, ROW0, ROW_END, OUT_N, p0, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF,
-                    D, BITS, GROUP, GRID, OFFSET, FP8, STAGES, BLOCK_N, ROPE, SPLIT_H, SPLIT_W, INTERP, NP, W,
-                    IDX64)
+    G2: tl.constexpr = W // GROUP if GROUP < W else 1  # groups per plane
+    gi = tl.arange(0, G2)
+    cols = tl.arange(0, W)
+    for pid_n in range(pid, NBLK, PROGS):
+        rows = ROW0 + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # tokens [ROW0, ROW_END) -> output rows [0, OUT_N)
+        rmask = rows < ROW_END
+        if IDX64:
+            tok = gh.to(tl.int64) * N + rows  # flat token index
+            otok = gh.to(tl.int64) * OUT_N + rows - ROW0
+        else:
+            tok = gh * N + rows
+            otok = gh * OUT_N + rows - ROW0
+        m2 = rmask[:, None]
+        byte = tl.load(codes_ptr + tok[:, None] * W + cols[None, :], mask=m2, other=0)
+        chunk = rows // L  # a PackedSequence holds C chunks of L tokens, each with its own tscale and centroids
+        ts = 1.0
+        if FP8:
+            ts = tl.load(tscale_ptr + gh.to(tl.int64) * C + chunk, mask=rmask, other=1.0)[:, None]
+        # each stage's centroid row, from its own id load once for every plane (the first 4 stages; a [BLOCK_N, S]
+        # id tile would need a reduction per stage, through shared memory with barriers)
+        crow0 = tok
+        crow1 = tok
+        crow2 = tok
+        crow3 = tok
+        if STAGES > 0:
+            crow0 = _crow(ids_ptr, 0, GH, N, tok, rmask, gh, C, chunk, K, IDX64)
+        if STAGES > 1:
+            crow1 = _crow(ids_ptr, 1, GH, N, tok, rmask, gh, C, chunk, K, IDX64)
+        if STAGES > 2:
+            crow2 = _crow(ids_ptr, 2, GH, N, tok, rmask, gh, C, chunk, K, IDX64)
+        if STAGES > 3:
+            crow3 = _crow(ids_ptr, 3, GH, N, tok, rmask, gh, C, chunk, K, IDX64)
+        # the planes' values are stored after every plane's gathers (up to 4 planes, so 2-8 bits): a store between
+        # them keeps the next plane's loads behind it (out may alias the inputs for all the compiler knows), so the
+        # per-plane form waited out one gather latency per plane (-10 to -18% at S4/B16 on the H100,
+        # eval/results/profile-dequant-h100.md)
+        DEFER: tl.constexpr = NP <= 4
+        if DEFER:
+            v0 = tl.zeros([BLOCK_N, W], tl.float32)
+            v1 = v0
+            v2 = v0
+            v3 = v0
+        for pi in tl.static_range(NP):
+            p = p0 + pi
+            col = p * W + cols
+            c = (byte >> (p * BITS)) & ((1 << BITS) - 1)
+            # the plane's G2 scales per row (one load each), then widened to its W columns
+            goff = tok[:, None] * (D // GROUP) + (p * W) // GROUP + gi[None, :]
+            s = _widen(decode_scale(tl.load(scale_ptr + goff, mask=m2, other=0), ts, FP8), BLOCK_N, G2, W)
+            z = 0.0
+            if GRID == 2:
+                z = _widen(bf16_bits_to_f32(tl.load(zero_ptr + goff, mask=m2, other=0)), BLOCK_N, G2, W)
+            v = dequant_codes(c, s, z, OFFSET, GRID, STAGES == 1)  # (the case timed faster without I2F)
+            for st in tl.static_range(STAGES):
+                if st < 4:
+                    crow = _pick4(st, crow0, crow1, crow2, crow3)
+                else:
+                    crow = _crow(ids_ptr, st, GH, N, tok, rmask, gh, C, chunk, K, IDX64)
+                v += tl.load(cent_ptr + crow[:, None] * D + col[None, :], mask=m2, other=0.0).to(tl.float32)
+            if ROPE:  # keys stored before RoPE: rotate channel pairs (2j, 2j+1) by the token's 3D position
+                v = _rope(v, rows, chunk, L, rmask, p * W // 2, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF,
+                          D, W, BLOCK_N, SPLIT_H, SPLIT_W)
+            if DEFER:
+                if pi == 0:
+                    v0 = v
+                elif pi == 1:
+                    v1 = v
+                elif pi == 2:
+                    v2 = v
+                else:
+                    v3 = v
+            else:
+                tl.store(out_ptr + otok[:, None] * D + col[None, :], to_out(v, out_ptr, INTERP), mask=m2)
+        if DEFER:
+            orow = out_ptr + otok[:, None] * D + (p0 * W + cols)[None, :]
+            for pi in tl.static_range(NP):
+                tl.store(orow + pi * W, to_out(_pick4(pi, v0, v1, v2, v3), out_ptr, INTERP), mask=m2)
 
 
 def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None, block_n: int = 32,
                rows: tuple[int, int] | None = None, num_warps: int = 4, rope: RopeTables | None = None,
-               progs: int = 0, plane_split: bool = False, pipe: bool = False,
-               index64: bool | None = None) -> torch.Tensor:
+               progs: int = 0, plane_split: bool = False, index64: bool | None = None) -> torch.Tensor:
     """Triton version of `qvg.decompress` (rtn / qvg / qvg-pro, per-token groups) and of
     `PackedSequence.decompress` (with `rope`: keys stored before RoPE, rotated as they are decoded).
     progs > 0: that many programs per group (and plane) loop over the token blocks; plane_split: one program per
-    code plane (1/P of each centroid row gathered per program); pipe (with progs > 0): each program loads its next
-    block's code bytes and ids before this block's centroid gathers; index64: 64-bit offsets (None: only where a
-    tensor has 2^31 elements or more). Every choice writes the same bits. The defaults
+    code plane (1/P of each centroid row gathered per program); index64: 64-bit offsets (None: for decodes of two
+    stages or more, and wherever a tensor has 2^31 elements or more; one-stage and rtn decodes use 32-bit offsets:
+    on the H100 that made the S1/B64 decode 0.4-1.5% faster and the S4/B16 one 2.4-3.6% slower,
+    eval/results/profile-dequant-h100.md). Every choice writes the same bits. The defaults
     (32-token blocks, 4 warps, one program per block) were the fastest of eval/bench_kernels.py's sweep on the
     H100 for S4/B16 at both spans and for S1/B64 at the LongCat span, within 2% of the fastest (64 x 4) for S1/B64
     at the Self-Forcing span (eval/results/kernels-h100.dequant-1439d16.json, each dequant row's `configs`). `out`: a contiguous
@@ -240,15 +191,14 @@ def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None,
     planes = 8 // spec.bits if plane_split else 1
     grid = (progs, b * h, planes)
     if index64 is None:
-        index64 = max([x.numel() for x in t.values()] + [out.numel()]) >= 2 ** 31
+        index64 = stages > 1 or max([x.numel() for x in t.values()] + [out.numel()]) >= 2 ** 31
     _dequant_kernel[grid](
         t["codes"], raw_view(t["scale"]), raw_view(t["zero"]) if "zero" in t else dummy,
         t.get("tscale", dummy), t["ids"] if stages else dummy,
         t["centroids"] if stages else dummy, out, n, chunk_len, n // chunk_len, k, b * h, r0, r1, out.shape[2],
         *_rope_args(rope, dummy), D=d, STAGES=stages, BLOCK_N=block_n, ROPE=rope is not None,
         SPLIT_H=rope.split[0] if rope else 0, SPLIT_W=rope.split[1] if rope else 0, INTERP=INTERPRET,
-        NBLK=nblk, PROGS=progs, PLANE_SPLIT=plane_split, PIPE=pipe, IDX64=index64, num_warps=num_warps,
-        enable_fp_fusion=False,
+        NBLK=nblk, PROGS=progs, PLANE_SPLIT=plane_split, IDX64=index64, num_warps=num_warps, enable_fp_fusion=False,
         **grid_constants(spec))
     return out
 

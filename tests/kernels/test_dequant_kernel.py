@@ -124,13 +124,12 @@ def test_sequence_dequantize_rows(sequence, rows, device):
 
 
 @pytest.mark.parametrize("grid", [dict(progs=1), dict(progs=2, plane_split=True), dict(plane_split=True),
-                                  dict(progs=3, plane_split=True, block_n=16), dict(progs=2, pipe=True),
-                                  dict(progs=3, pipe=True, plane_split=True, block_n=16), dict(index64=True),
-                                  dict(progs=2, pipe=True, index64=True)])
+                                  dict(progs=3, plane_split=True, block_n=16), dict(index64=True),
+                                  dict(index64=False), dict(progs=2, plane_split=True, index64=False)])
 @pytest.mark.parametrize("rows", [(0, 120), (35, 117)])
 def test_sequence_dequantize_grids(sequence, rows, grid, device):
-    """Persistent programs (with the next block's loads issued early or not), one program per code plane and
-    64-bit offsets write the same bits as the default grid."""
+    """Persistent programs, one program per code plane, and 64- or 32-bit offsets (the default picks by stages)
+    write the same bits as the default grid."""
     seq, ref = sequence
     want = ref[:, :, rows[0]:rows[1]]
     got = dequantize(_seq_to(seq, device), out=_nan_like(want, device), rows=rows, **grid)
@@ -138,7 +137,7 @@ def test_sequence_dequantize_grids(sequence, rows, grid, device):
 
 
 @pytest.mark.parametrize("grid", [dict(), dict(plane_split=True), dict(block_n=16, progs=2),
-                                  dict(block_n=16, progs=2, pipe=True)])
+                                  dict(index64=True), dict(index64=False)])
 @pytest.mark.parametrize("rows", [(0, 120), (35, 117)])
 def test_sequence_dequantize_rope_matches_reference(sequence, rows, grid, device):
     """Keys stored before RoPE, rotated as they are decoded (factorized tables), bitwise equal to the torch path's
@@ -176,15 +175,13 @@ def test_dequantize_plane_split_matches_decompress(method, opts, dtype, block_n,
 
 
 @pytest.mark.parametrize("method,opts,dtype,block_n", CASES)
-def test_dequantize_pipe_matches_decompress(method, opts, dtype, block_n, device):
-    """Persistent programs that load the next block's code bytes and ids early (the last program's prefetch runs
-    past the tokens, masked), with 64-bit offsets too, write the same bits."""
+def test_dequantize_offsets_match_decompress(method, opts, dtype, block_n, device):
+    """64- and 32-bit offsets (the default picks one by the stage count) write the same bits for every case."""
     p = _pack(method, opts, dtype)
     ref = qvg.decompress(p)
     for index64 in (False, True):
-        got = dequantize(p.to(device), out=_nan_like(ref, device), block_n=block_n, progs=2, pipe=True,
-                         index64=index64)
-        assert_bitwise_equal(got, ref, f"{method} {opts} pipe index64={index64}")
+        got = dequantize(p.to(device), out=_nan_like(ref, device), block_n=block_n, index64=index64)
+        assert_bitwise_equal(got, ref, f"{method} {opts} index64={index64}")
 
 
 # --- every stored scale value ---------------------------------------------------------------------------------------
