@@ -29,6 +29,8 @@ VARIANTS = {
     "planes-b64w4": dict(plane_split=True, block_n=64, num_warps=4),
     "i64": dict(index64=True),  # 64-bit offsets (the only form before 32-bit offsets; the default for S >= 2)
     "i32": dict(index64=False),  # 32-bit offsets
+    "pf-l1": dict(prefetch=1),  # each block's centroid rows prefetched into L1 before its gathers
+    "pf-l2": dict(prefetch=2),  # ... into L2
 }
 
 
