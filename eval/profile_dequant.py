@@ -29,9 +29,20 @@ VARIANTS = {
     "planes-b64w4": dict(plane_split=True, block_n=64, num_warps=4),
     "i64": dict(index64=True),  # 64-bit offsets (the only form before 32-bit offsets; the default for S >= 2)
     "i32": dict(index64=False),  # 32-bit offsets
-    "pf-l1": dict(prefetch=1),  # each block's centroid rows prefetched into L1 before its gathers
-    "pf-l2": dict(prefetch=2),  # ... into L2
+    # persistent programs, `per_sm` of them per SM over all groups (progs per group resolved per shape by `resolve`)
+    "persist-s4": dict(per_sm=4),
+    "persist-s6": dict(per_sm=6),
+    "persist-s8": dict(per_sm=8),
 }
+
+
+def resolve(opts: dict, groups: int) -> dict:
+    """An option's dequantize kwargs at a shape of `groups` (batch x heads) groups: per_sm -> progs per group."""
+    if "per_sm" not in opts:
+        return dict(opts)
+    from qvg.kernels.common import sm_count
+    return {**{k: v for k, v in opts.items() if k != "per_sm"},
+            "progs": max(1, opts["per_sm"] * sm_count(torch.device("cuda")) // groups)}
 
 
 def _smi() -> str:
@@ -118,7 +129,7 @@ def main(argv=None) -> int:
     rows = []
     for label, p, nbytes in shapes():
         ref = dequantize(p)
-        opts = {n: VARIANTS.get(n, {}) for n in names}
+        opts = {n: resolve(VARIANTS.get(n, {}), p.shape[0] * p.shape[1]) for n in names}
         fns = {n: (base if n == "baseline" else dequantize) for n in names}
         outs = {n: torch.empty_like(ref) for n in names}
         if args.workload:

@@ -51,18 +51,6 @@ def _crow(ids_ptr, st: tl.constexpr, GH, N, tok, rmask, gh, C, chunk, K, IDX64: 
 
 
 @triton.jit
-def _prefetch_rows(cent_ptr, crow, rmask, D: tl.constexpr, LEVEL: tl.constexpr):
-    """Ask for the 128-byte lines of the BF16 rows crow [BLOCK_N] of the tables at cent_ptr (PTX prefetch into L1 or
-    L2: no register waits for them), so that the gathers that follow find them near. Masked rows ask for the
-    tables' first line."""
-    ptr = tl.where(rmask, cent_ptr + crow * D, cent_ptr)
-    asm: tl.constexpr = "prefetch.global.L1 [$1]; mov.u32 $0, 0;" if LEVEL == 1 else \
-        "prefetch.global.L2 [$1]; mov.u32 $0, 0;"
-    for line in tl.static_range(D * 2 // 128):
-        tl.inline_asm_elementwise(asm, "=r,l", [ptr + line * 64], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _pick4(i: tl.constexpr, a0, a1, a2, a3):
     """a_i for a compile-time i < 4 (Triton has no lists of tensors)."""
     if i == 0:
@@ -81,8 +69,7 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
                     D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr,
                     OFFSET: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr, BLOCK_N: tl.constexpr,
                     ROPE: tl.constexpr, SPLIT_H: tl.constexpr, SPLIT_W: tl.constexpr, INTERP: tl.constexpr,
-                    NBLK, PROGS, PLANE_SPLIT: tl.constexpr, IDX64: tl.constexpr = True,
-                    PREFETCH: tl.constexpr = 0):
+                    NBLK, PROGS, PLANE_SPLIT: tl.constexpr, IDX64: tl.constexpr = True):
     """Program (i, gh, q) decodes token blocks i, i + PROGS, ... (< NBLK) of group gh: every code plane, or only
     plane q with PLANE_SPLIT (then a program gathers 1/P of each centroid row: its centroid tables stay small).
     IDX64 False: 32-bit offsets (every tensor has fewer than 2^31 elements: the caller checked)."""
@@ -124,9 +111,6 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
             crow2 = _crow(ids_ptr, 2, GH, N, tok, rmask, gh, C, chunk, K, IDX64)
         if STAGES > 3:
             crow3 = _crow(ids_ptr, 3, GH, N, tok, rmask, gh, C, chunk, K, IDX64)
-        if PREFETCH and not INTERP:  # (no inline PTX under the interpreter; a prefetch changes no value)
-            for st in tl.static_range(STAGES if STAGES < 4 else 4):
-                _prefetch_rows(cent_ptr, _pick4(st, crow0, crow1, crow2, crow3), rmask, D, PREFETCH)
         # the planes' values are stored after every plane's gathers (up to 4 planes, so 2-8 bits): a store between
         # them keeps the next plane's loads behind it (out may alias the inputs for all the compiler knows), so the
         # per-plane form waited out one gather latency per plane (-10 to -18% at S4/B16 on the H100,
@@ -176,16 +160,15 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
 
 def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None, block_n: int = 32,
                rows: tuple[int, int] | None = None, num_warps: int = 4, rope: RopeTables | None = None,
-               progs: int = 0, plane_split: bool = False, index64: bool | None = None,
-               prefetch: int = 0) -> torch.Tensor:
+               progs: int = 0, plane_split: bool = False, index64: bool | None = None) -> torch.Tensor:
     """Triton version of `qvg.decompress` (rtn / qvg / qvg-pro, per-token groups) and of
     `PackedSequence.decompress` (with `rope`: keys stored before RoPE, rotated as they are decoded).
     progs > 0: that many programs per group (and plane) loop over the token blocks; plane_split: one program per
     code plane (1/P of each centroid row gathered per program); index64: 64-bit offsets (None: for decodes of two
     stages or more, and wherever a tensor has 2^31 elements or more; one-stage and rtn decodes use 32-bit offsets:
     on the H100 that made the S1/B64 decode 0.4-1.5% faster and the S4/B16 one 2.4-3.6% slower,
-    eval/results/profile-dequant-h100.md); prefetch 1 / 2: each block first asks for its centroid rows' lines into L1
-    / L2 (PTX prefetch; not under the interpreter). Every choice writes the same bits. The defaults
+    eval/results/profile-dequant-h100.md). Every choice writes the same bits. (Tried and removed: persistent programs
+    that load the next block's ids early, 5-36% slower; PTX prefetch of the centroid rows, 1.5-3x slower.) The defaults
     (32-token blocks, 4 warps, one program per block) were the fastest of eval/bench_kernels.py's sweep on the
     H100 for S4/B16 at both spans and for S1/B64 at the LongCat span, within 2% of the fastest (64 x 4) for S1/B64
     at the Self-Forcing span (eval/results/kernels-h100.dequant-1439d16.json, each dequant row's `configs`). `out`: a contiguous
@@ -216,7 +199,7 @@ def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None,
         t["centroids"] if stages else dummy, out, n, chunk_len, n // chunk_len, k, b * h, r0, r1, out.shape[2],
         *_rope_args(rope, dummy), D=d, STAGES=stages, BLOCK_N=block_n, ROPE=rope is not None,
         SPLIT_H=rope.split[0] if rope else 0, SPLIT_W=rope.split[1] if rope else 0, INTERP=INTERPRET,
-        NBLK=nblk, PROGS=progs, PLANE_SPLIT=plane_split, IDX64=index64, PREFETCH=prefetch, num_warps=num_warps, enable_fp_fusion=False,
+        NBLK=nblk, PROGS=progs, PLANE_SPLIT=plane_split, IDX64=index64, num_warps=num_warps, enable_fp_fusion=False,
         **grid_constants(spec))
     return out
 

@@ -125,12 +125,11 @@ def test_sequence_dequantize_rows(sequence, rows, device):
 
 @pytest.mark.parametrize("grid", [dict(progs=1), dict(progs=2, plane_split=True), dict(plane_split=True),
                                   dict(progs=3, plane_split=True, block_n=16), dict(index64=True),
-                                  dict(index64=False), dict(progs=2, plane_split=True, index64=False),
-                                  dict(prefetch=1), dict(prefetch=2, plane_split=True)])
+                                  dict(index64=False), dict(progs=2, plane_split=True, index64=False)])
 @pytest.mark.parametrize("rows", [(0, 120), (35, 117)])
 def test_sequence_dequantize_grids(sequence, rows, grid, device):
-    """Persistent programs, one program per code plane, 64- or 32-bit offsets (the default picks by stages) and
-    centroid rows prefetched (a no-op under the interpreter) write the same bits as the default grid."""
+    """Persistent programs, one program per code plane, and 64- or 32-bit offsets (the default picks by stages)
+    write the same bits as the default grid."""
     seq, ref = sequence
     want = ref[:, :, rows[0]:rows[1]]
     got = dequantize(_seq_to(seq, device), out=_nan_like(want, device), rows=rows, **grid)
