@@ -36,13 +36,15 @@ VARIANTS = {
 }
 
 
-def resolve(opts: dict, groups: int) -> dict:
-    """An option's dequantize kwargs at a shape of `groups` (batch x heads) groups: per_sm -> progs per group."""
+def resolve(opts: dict, groups: int, sms: int | None = None) -> dict:
+    """An option's dequantize kwargs at a shape of `groups` (batch x heads) groups on `sms` SMs (None: this GPU's):
+    per_sm -> progs per group."""
     if "per_sm" not in opts:
         return dict(opts)
-    from qvg.kernels.common import sm_count
-    return {**{k: v for k, v in opts.items() if k != "per_sm"},
-            "progs": max(1, opts["per_sm"] * sm_count(torch.device("cuda")) // groups)}
+    if sms is None:
+        from qvg.kernels.common import sm_count
+        sms = sm_count(torch.device("cuda"))
+    return {**{k: v for k, v in opts.items() if k != "per_sm"}, "progs": max(1, opts["per_sm"] * sms // groups)}
 
 
 def _smi() -> str:

@@ -27,7 +27,10 @@ def test_options_are_dequantize_keywords():
     from qvg.kernels.dequant import dequantize
     params = set(inspect.signature(dequantize).parameters)
     for name, kw in profile_dequant.VARIANTS.items():
-        assert set(kw) <= params, name
+        assert set(kw) - {"per_sm"} <= params, name  # (per_sm: resolved to progs per shape)
+        if "per_sm" in kw:
+            got = profile_dequant.resolve(kw, 12, sms=132)
+            assert set(got) <= params and got["progs"] == kw["per_sm"] * 11, name
 
 
 def test_baseline_info_names_the_file_by_hash(tmp_path):
