@@ -20,4 +20,4 @@ def missing(what: str, how: str):
     """Skip the test because `what` (fail under CI, which installs everything the tests use), saying `how` to get it."""
     if os.environ.get("CI") == "true":
         pytest.fail(f"{what} under CI ({how})")
-    pytest.skip(f"{what} ({how})")
+    pytest.skip(f"{what} ({how})", allow_module_level=True)  # (also called at a test module's top)
