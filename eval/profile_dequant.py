@@ -27,8 +27,6 @@ VARIANTS = {
     "b64w8": dict(block_n=64, num_warps=8),
     "planes-b32w4": dict(plane_split=True, block_n=32, num_warps=4),
     "planes-b64w4": dict(plane_split=True, block_n=64, num_warps=4),
-    "i64": dict(index64=True),  # 64-bit offsets (the only form before 32-bit offsets; the default for S >= 2)
-    "i32": dict(index64=False),  # 32-bit offsets
     # persistent programs, `per_sm` of them per SM over all groups (progs per group resolved per shape by `resolve`)
     "persist-s4": dict(per_sm=4),
     "persist-s6": dict(per_sm=6),

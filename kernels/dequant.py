@@ -41,13 +41,10 @@ def _widen(s, BLOCK_N: tl.constexpr, G2: tl.constexpr, W: tl.constexpr):
 
 
 @triton.jit
-def _crow(ids_ptr, st: tl.constexpr, GH, N, tok, rmask, gh, C, chunk, K, IDX64: tl.constexpr):
+def _crow(ids_ptr, st: tl.constexpr, GH, N, tok, rmask, gh, C, chunk, K):
     """Row of stage st's centroid table each token was assigned (ids [S, GH, N], tables [S, GH, C, K])."""
-    cid = tl.load(ids_ptr + st * GH * N + tok, mask=rmask, other=0)
-    if IDX64:
-        return ((st * GH + gh).to(tl.int64) * C + chunk) * K + cid.to(tl.int64)
-    else:
-        return ((st * GH + gh) * C + chunk) * K + cid.to(tl.int32)
+    cid = tl.load(ids_ptr + st * GH * N + tok, mask=rmask, other=0).to(tl.int64)
+    return ((st * GH + gh).to(tl.int64) * C + chunk) * K + cid
 
 
 @triton.jit
@@ -69,10 +66,9 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
                     D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr,
                     OFFSET: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr, BLOCK_N: tl.constexpr,
                     ROPE: tl.constexpr, SPLIT_H: tl.constexpr, SPLIT_W: tl.constexpr, INTERP: tl.constexpr,
-                    NBLK, PROGS, PLANE_SPLIT: tl.constexpr, IDX64: tl.constexpr = True):
+                    NBLK, PROGS, PLANE_SPLIT: tl.constexpr):
     """Program (i, gh, q) decodes token blocks i, i + PROGS, ... (< NBLK) of group gh: every code plane, or only
-    plane q with PLANE_SPLIT (then a program gathers 1/P of each centroid row: its centroid tables stay small).
-    IDX64 False: 32-bit offsets (every tensor has fewer than 2^31 elements: the caller checked)."""
+    plane q with PLANE_SPLIT (then a program gathers 1/P of each centroid row: its centroid tables stay small)."""
     pid = tl.program_id(0)
     gh = tl.program_id(1)
     P: tl.constexpr = 8 // BITS  # planes per byte
@@ -85,12 +81,8 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
     for pid_n in range(pid, NBLK, PROGS):
         rows = ROW0 + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # tokens [ROW0, ROW_END) -> output rows [0, OUT_N)
         rmask = rows < ROW_END
-        if IDX64:
-            tok = gh.to(tl.int64) * N + rows  # flat token index
-            otok = gh.to(tl.int64) * OUT_N + rows - ROW0
-        else:
-            tok = gh * N + rows
-            otok = gh * OUT_N + rows - ROW0
+        tok = gh.to(tl.int64) * N + rows  # flat token index
+        otok = gh.to(tl.int64) * OUT_N + rows - ROW0
         m2 = rmask[:, None]
         byte = tl.load(codes_ptr + tok[:, None] * W + cols[None, :], mask=m2, other=0)
         chunk = rows // L  # a PackedSequence holds C chunks of L tokens, each with its own tscale and centroids
@@ -104,13 +96,13 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
         crow2 = tok
         crow3 = tok
         if STAGES > 0:
-            crow0 = _crow(ids_ptr, 0, GH, N, tok, rmask, gh, C, chunk, K, IDX64)
+            crow0 = _crow(ids_ptr, 0, GH, N, tok, rmask, gh, C, chunk, K)
         if STAGES > 1:
-            crow1 = _crow(ids_ptr, 1, GH, N, tok, rmask, gh, C, chunk, K, IDX64)
+            crow1 = _crow(ids_ptr, 1, GH, N, tok, rmask, gh, C, chunk, K)
         if STAGES > 2:
-            crow2 = _crow(ids_ptr, 2, GH, N, tok, rmask, gh, C, chunk, K, IDX64)
+            crow2 = _crow(ids_ptr, 2, GH, N, tok, rmask, gh, C, chunk, K)
         if STAGES > 3:
-            crow3 = _crow(ids_ptr, 3, GH, N, tok, rmask, gh, C, chunk, K, IDX64)
+            crow3 = _crow(ids_ptr, 3, GH, N, tok, rmask, gh, C, chunk, K)
         # the planes' values are stored after every plane's gathers (up to 4 planes, so 2-8 bits): a store between
         # them keeps the next plane's loads behind it (out may alias the inputs for all the compiler knows), so the
         # per-plane form waited out one gather latency per plane (-10 to -18% at S4/B16 on the H100,
@@ -136,7 +128,7 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
                 if st < 4:
                     crow = _pick4(st, crow0, crow1, crow2, crow3)
                 else:
-                    crow = _crow(ids_ptr, st, GH, N, tok, rmask, gh, C, chunk, K, IDX64)
+                    crow = _crow(ids_ptr, st, GH, N, tok, rmask, gh, C, chunk, K)
                 v += tl.load(cent_ptr + crow[:, None] * D + col[None, :], mask=m2, other=0.0).to(tl.float32)
             if ROPE:  # keys stored before RoPE: rotate channel pairs (2j, 2j+1) by the token's 3D position
                 v = _rope(v, rows, chunk, L, rmask, p * W // 2, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF,
@@ -160,15 +152,14 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
 
 def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None, block_n: int = 32,
                rows: tuple[int, int] | None = None, num_warps: int = 4, rope: RopeTables | None = None,
-               progs: int = 0, plane_split: bool = False, index64: bool | None = None) -> torch.Tensor:
+               progs: int = 0, plane_split: bool = False) -> torch.Tensor:
     """Triton version of `qvg.decompress` (rtn / qvg / qvg-pro, per-token groups) and of
     `PackedSequence.decompress` (with `rope`: keys stored before RoPE, rotated as they are decoded).
     progs > 0: that many programs per group (and plane) loop over the token blocks; plane_split: one program per
-    code plane (1/P of each centroid row gathered per program); index64: 64-bit offsets (None: for decodes of two
-    stages or more, and wherever a tensor has 2^31 elements or more; one-stage and rtn decodes use 32-bit offsets:
-    on the H100 that made the S1/B64 decode 0.4-1.5% faster and the S4/B16 one 2.4-3.6% slower,
-    eval/results/profile-dequant-h100.md). Every choice writes the same bits. (Tried and removed: persistent programs
-    that load the next block's ids early, 5-36% slower; PTX prefetch of the centroid rows, 1.5-3x slower.) The defaults
+    code plane (1/P of each centroid row gathered per program). Every choice writes the same bits. (Tried on the
+    H100 and removed, eval/results/profile-dequant-h100.md: 32-bit offsets, S4/B16 2.4-3.6% slower and S1/B64 within
+    the noise; persistent programs that load the next block's ids early, 5-36% slower; PTX prefetch of the centroid
+    rows, 1.3-3x slower.) The defaults
     (32-token blocks, 4 warps, one program per block) were the fastest of eval/bench_kernels.py's sweep on the
     H100 for S4/B16 at both spans and for S1/B64 at the LongCat span, within 2% of the fastest (64 x 4) for S1/B64
     at the Self-Forcing span (eval/results/kernels-h100.dequant-1439d16.json, each dequant row's `configs`). `out`: a contiguous
@@ -191,15 +182,13 @@ def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None,
     progs = nblk if progs <= 0 else min(progs, nblk)
     planes = 8 // spec.bits if plane_split else 1
     grid = (progs, b * h, planes)
-    if index64 is None:
-        index64 = stages > 1 or max([x.numel() for x in t.values()] + [out.numel()]) >= 2 ** 31
     _dequant_kernel[grid](
         t["codes"], raw_view(t["scale"]), raw_view(t["zero"]) if "zero" in t else dummy,
         t.get("tscale", dummy), t["ids"] if stages else dummy,
         t["centroids"] if stages else dummy, out, n, chunk_len, n // chunk_len, k, b * h, r0, r1, out.shape[2],
         *_rope_args(rope, dummy), D=d, STAGES=stages, BLOCK_N=block_n, ROPE=rope is not None,
         SPLIT_H=rope.split[0] if rope else 0, SPLIT_W=rope.split[1] if rope else 0, INTERP=INTERPRET,
-        NBLK=nblk, PROGS=progs, PLANE_SPLIT=plane_split, IDX64=index64, num_warps=num_warps, enable_fp_fusion=False,
+        NBLK=nblk, PROGS=progs, PLANE_SPLIT=plane_split, num_warps=num_warps, enable_fp_fusion=False,
         **grid_constants(spec))
     return out
 

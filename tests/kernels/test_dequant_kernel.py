@@ -124,20 +124,17 @@ def test_sequence_dequantize_rows(sequence, rows, device):
 
 
 @pytest.mark.parametrize("grid", [dict(progs=1), dict(progs=2, plane_split=True), dict(plane_split=True),
-                                  dict(progs=3, plane_split=True, block_n=16), dict(index64=True),
-                                  dict(index64=False), dict(progs=2, plane_split=True, index64=False)])
+                                  dict(progs=3, plane_split=True, block_n=16)])
 @pytest.mark.parametrize("rows", [(0, 120), (35, 117)])
 def test_sequence_dequantize_grids(sequence, rows, grid, device):
-    """Persistent programs, one program per code plane, and 64- or 32-bit offsets (the default picks by stages)
-    write the same bits as the default grid."""
+    """Persistent programs and one program per code plane write the same bits as the default grid."""
     seq, ref = sequence
     want = ref[:, :, rows[0]:rows[1]]
     got = dequantize(_seq_to(seq, device), out=_nan_like(want, device), rows=rows, **grid)
     assert_bitwise_equal(got, want, f"rows {rows} {grid}")
 
 
-@pytest.mark.parametrize("grid", [dict(), dict(plane_split=True), dict(block_n=16, progs=2),
-                                  dict(index64=True), dict(index64=False)])
+@pytest.mark.parametrize("grid", [dict(), dict(plane_split=True), dict(block_n=16, progs=2)])
 @pytest.mark.parametrize("rows", [(0, 120), (35, 117)])
 def test_sequence_dequantize_rope_matches_reference(sequence, rows, grid, device):
     """Keys stored before RoPE, rotated as they are decoded (factorized tables), bitwise equal to the torch path's
@@ -172,16 +169,6 @@ def test_dequantize_plane_split_matches_decompress(method, opts, dtype, block_n,
     ref = qvg.decompress(p)
     got = dequantize(p.to(device), out=_nan_like(ref, device), block_n=block_n, plane_split=True)
     assert_bitwise_equal(got, ref, f"{method} {opts} plane_split")
-
-
-@pytest.mark.parametrize("method,opts,dtype,block_n", CASES)
-def test_dequantize_offsets_match_decompress(method, opts, dtype, block_n, device):
-    """64- and 32-bit offsets (the default picks one by the stage count) write the same bits for every case."""
-    p = _pack(method, opts, dtype)
-    ref = qvg.decompress(p)
-    for index64 in (False, True):
-        got = dequantize(p.to(device), out=_nan_like(ref, device), block_n=block_n, index64=index64)
-        assert_bitwise_equal(got, ref, f"{method} {opts} index64={index64}")
 
 
 # --- every stored scale value ---------------------------------------------------------------------------------------
