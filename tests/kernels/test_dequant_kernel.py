@@ -285,3 +285,70 @@ def test_out_must_be_a_contiguous_big_enough_buffer(sequence, device):
         with pytest.raises(ValueError, match="out must be a contiguous"):
             dequantize(seq, out=bad)
     assert_bitwise_equal(dequantize(seq, out=good)[:, :, :n], sequence[1], "rows 0..n of a longer buffer")
+
+
+# --- one wave of persistent programs for small decodes ---------------------------------------------------------------
+def test_one_wave_only_between_one_and_the_limit_of_waves(monkeypatch):
+    """Programs per group of the one-wave choice: none before the occupancy is known, for one wave or less, past
+    ONE_WAVE_MAX waves, or with ONE_WAVE off; otherwise the SMs' slots shared by the groups."""
+    from qvg.kernels import dequant
+    monkeypatch.setattr(dequant, "sm_count", lambda device: 132)
+    slots = 6 * 132
+    assert dequant._one_wave(146, 12, None, "cuda") == 0  # occupancy not known yet (the shape's first call)
+    assert dequant._one_wave(66, 12, 6, "cuda") == 0  # 792 programs: one wave already
+    assert dequant._one_wave(146, 12, 6, "cuda") == slots // 12  # the 21-frame read: 2.2 waves -> 66 per group
+    assert dequant._one_wave(int(dequant.ONE_WAVE_MAX * slots) // 12 + 1, 12, 6, "cuda") == 0
+    assert dequant._one_wave(2, 1000, 6, "cuda") == 1  # more groups than slots: one program each
+    monkeypatch.setattr(dequant, "ONE_WAVE", False)
+    assert dequant._one_wave(146, 12, 6, "cuda") == 0
+
+
+def test_programs_per_sm_from_registers_threads_and_shared_memory(monkeypatch):
+    """Occupancy of a compiled kernel (H100-like SM: 64K registers in 4 quarters, 2048 threads, 228 KB shared)."""
+    from types import SimpleNamespace
+    from qvg.kernels.common import programs_per_sm
+    props = SimpleNamespace(regs_per_multiprocessor=65536, max_threads_per_multi_processor=2048,
+                            shared_memory_per_multiprocessor=228 * 1024)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+
+    def k(regs, shared=0):
+        return SimpleNamespace(n_regs=regs, metadata=SimpleNamespace(shared=shared))
+    assert programs_per_sm(k(80), 4, "cuda") == 6  # 2560 registers a warp: 6 warps per quarter, 24 per SM
+    assert programs_per_sm(k(72), 4, "cuda") == 7  # 2304: 7 per quarter
+    assert programs_per_sm(k(32), 4, "cuda") == 16  # the 2048-thread limit
+    assert programs_per_sm(k(32, 100 * 1024), 4, "cuda") == 2  # shared memory
+    assert programs_per_sm(k(255), 8, "cuda") == 1
+    assert programs_per_sm(None, 4, "cuda") is None and programs_per_sm(k(0), 4, "cuda") is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the one-wave grid needs a compiled kernel's occupancy")
+@pytest.mark.parametrize("method,opts", [("qvg", {"centroids": 64}), ("qvg-pro", {"centroids": 64, "block_size": 16})])
+def test_one_wave_grid_writes_the_same_bits(method, opts):
+    """A decode of 1-3 waves of one-block programs (12 heads x 7 chunks of 4,680 tokens: the 21-frame read) runs as
+    one persistent wave once the kernel's occupancy is known, and writes what the per-block grid writes."""
+    from qvg.kernels import dequant
+    x = clustered(1, 12, 4680, 128, seed=0).cuda().bfloat16()
+    seq = PackedSequence.from_chunks([qvg.compress(x, method, bits=2, **opts)] * 7)
+    want = dequantize(seq, progs=-1)  # one program per block
+    got = dequantize(seq, out=torch.full_like(want, float("nan")))  # (the occupancy is known after the first call)
+    per_sm = next(v for k, v in dequant._PER_SM.items() if k[1] == seq.stages and k[2] == seq.spec)
+    waves = triton.cdiv(7 * 4680, 32) * 12 / (per_sm * torch.cuda.get_device_properties(0).multi_processor_count)
+    assert dequant._one_wave(triton.cdiv(7 * 4680, 32), 12, per_sm, want.device) > 0, (per_sm, waves)
+    assert_bitwise_equal(got, want, f"{method} one wave")
+
+
+def test_bench_pipeline_per_block_grid_flag():
+    """bench_pipeline's `:per-block-grid` runs a chunk with the one-wave choice off, and turns it back on after,
+    also when the chunk raises."""
+    from qvg.eval import bench_pipeline as bp
+    from qvg.kernels import dequant
+    seen = []
+    bp.per_block_grid(lambda: seen.append(dequant.ONE_WAVE))()
+
+    def boom():
+        seen.append(dequant.ONE_WAVE)
+        raise RuntimeError("chunk failed")
+    with pytest.raises(RuntimeError):
+        bp.per_block_grid(boom)()
+    assert seen == [False, False] and dequant.ONE_WAVE
+    assert bp.parse_method("qvg-pro:per-block-grid") == ("qvg-pro", ["per-block-grid"], None)
