@@ -42,15 +42,14 @@ def wan_model(**config):
 def new_cache(model, method: str, window: int, options: dict):
     """A 30-layer cache of 3-frame chunks with a rolling window (options apply to the compressed methods).
     method "NAME[:pre-rope][:sync][:eager-commit][:noprefetch|:prefetch-all][:plain-writes][:high-priority]
-    [:per-block-grid][:compress=PRESET]" (`parse_method`): keys
+    [:compress=PRESET]" (`parse_method`): keys
     packed before RoPE (KVCache key_storage); commits in line with the forward instead of on the cache's side stream
     (KVCache async_commit=False); side-stream commits queued by each layer's commit_layer (KVCache defer_commits=False);
     every history decoded in line before its attention (KVCache prefetch_bytes=0), or prefetched up to the largest
     staging window (prefetch_bytes=WINDOW_BYTES) instead of the default budget; plain-writes: the chunk's denoising
     steps write as the re-run does, not transient; high-priority: the chunk runs on a high-priority CUDA stream, so the
-    cache's side streams (prefetched decodes, queued commits) get only the SMs its kernels leave idle; per-block-grid:
-    the history decodes run one program per token block, never one persistent wave (kernels/dequant.py ONE_WAVE; these
-    three flags are read by `method_runner`; the cache ignores them); compress=PRESET: the cache compresses with
+    cache's side streams (prefetched decodes, queued commits) get only the SMs its kernels leave idle (these two flags
+    are read by `method_runner`; the cache ignores them); compress=PRESET: the cache compresses with
     kernels/compress.py's preset PRESET instead of the default "auto" (KVCache compress_preset)."""
     from qvg.cache import KVCache
     from qvg.kernels.windowed_sdpa import WINDOW_BYTES
@@ -63,8 +62,7 @@ def new_cache(model, method: str, window: int, options: dict):
                    **({} if name == "bf16" else dict(options, compress_preset=preset)))
 
 
-FLAGS = ("pre-rope", "sync", "eager-commit", "noprefetch", "prefetch-all", "plain-writes", "high-priority",
-         "per-block-grid")
+FLAGS = ("pre-rope", "sync", "eager-commit", "noprefetch", "prefetch-all", "plain-writes", "high-priority")
 
 
 def parse_method(method: str) -> tuple[str, list[str], str | None]:
@@ -165,26 +163,11 @@ def chunk_runner(model, cache, commit_layers: bool = True, transient: bool = Tru
 
 
 def method_runner(model, cache, method: str, commit_layers: bool = True):
-    """`chunk_runner` for a `new_cache` method name: its plain-writes / high-priority / per-block-grid flags applied."""
+    """`chunk_runner` for a `new_cache` method name: its plain-writes / high-priority flags applied."""
     flags = method.split(":")[1:]
     high = torch.cuda.Stream(priority=-1) if "high-priority" in flags else None
     chunk, forwards = chunk_runner(model, cache, commit_layers, transient="plain-writes" not in flags)
-    if "per-block-grid" in flags:  # the decodes' grid without the one-wave choice (kernels/dequant.py ONE_WAVE)
-        chunk, forwards = per_block_grid(chunk), per_block_grid(forwards)
     return on_stream(chunk, high), on_stream(forwards, high)
-
-
-def per_block_grid(fn):
-    """fn run with the dequant kernel's one-program-per-block grid (its one-wave choice off), for same-run A/Bs."""
-    from qvg.kernels import dequant
-
-    def run():
-        dequant.ONE_WAVE = False
-        try:
-            return fn()
-        finally:
-            dequant.ONE_WAVE = True
-    return run
 
 
 def run(histories, methods, options, repeat: int = 7, split: bool = False) -> list[dict]:

@@ -27,7 +27,6 @@ VARIANTS = {
     "b64w8": dict(block_n=64, num_warps=8),
     "planes-b32w4": dict(plane_split=True, block_n=32, num_warps=4),
     "planes-b64w4": dict(plane_split=True, block_n=64, num_warps=4),
-    "per-block": dict(progs=-1),  # one program per block (the default's one-wave choice off)
     # persistent programs, `per_sm` of them per SM over all groups (progs per group resolved per shape by `resolve`)
     "persist-s4": dict(per_sm=4),
     "persist-s6": dict(per_sm=6),

@@ -24,22 +24,6 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def programs_per_sm(kernel, num_warps: int, device: torch.device) -> int | None:
-    """How many programs of a compiled Triton kernel fit on one SM at once (registers, threads, shared memory), from
-    the compiled kernel's register count; None where it has none (the interpreter). Registers are allocated per warp
-    in units of 256 from each of the SM's 4 sub-partitions' quarter of the register file."""
-    regs = getattr(kernel, "n_regs", None)
-    if not regs:
-        return None
-    props = torch.cuda.get_device_properties(device)
-    warp_regs = -(-regs * 32 // 256) * 256
-    warps = 4 * (getattr(props, "regs_per_multiprocessor", 65536) // 4 // warp_regs)
-    threads = getattr(props, "max_threads_per_multi_processor", 2048)
-    shared = getattr(getattr(kernel, "metadata", None), "shared", 0) or 0
-    smem = getattr(props, "shared_memory_per_multiprocessor", 228 * 1024)
-    return max(1, min(warps // num_warps, threads // (32 * num_warps), smem // shared if shared else 32, 32))
-
-
 def grid_constants(spec: QuantSpec) -> dict:
     """Kernel constexprs of a per-token spec: GRID id, level offset (code -> level), bits, group, FP8 flag."""
     if spec.axis != "token":

@@ -11,14 +11,7 @@ from qvg.packed import Packed
 from qvg.rope import RopeTables
 from qvg.sequence import PER_TOKEN_METHODS, PackedSequence
 
-from .common import (INTERPRET, bf16_bits_to_f32, decode_scale, dequant_codes, grid_constants, programs_per_sm,
-                     raw_view, sm_count, to_out)
-
-# A decode of at most ONE_WAVE_MAX waves of one-block programs runs as one wave of persistent programs instead (no
-# partly filled last wave); ONE_WAVE = False turns that off (eval/bench_pipeline.py's `:per-block-grid` A/B flag).
-ONE_WAVE = True
-ONE_WAVE_MAX = 3.0
-_PER_SM: dict = {}  # compile key -> programs of the compiled kernel that fit on one SM
+from .common import INTERPRET, bf16_bits_to_f32, decode_scale, dequant_codes, grid_constants, raw_view, to_out
 
 
 @triton.jit
@@ -162,10 +155,7 @@ def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None,
                progs: int = 0, plane_split: bool = False) -> torch.Tensor:
     """Triton version of `qvg.decompress` (rtn / qvg / qvg-pro, per-token groups) and of
     `PackedSequence.decompress` (with `rope`: keys stored before RoPE, rotated as they are decoded).
-    progs > 0: that many programs per group (and plane) loop over the token blocks; -1: one program per block; 0
-    (default): one program per block, or one wave of persistent programs where that would take 1 to ONE_WAVE_MAX
-    waves (`_one_wave`; the choice needs the compiled kernel's occupancy, so a shape's first call runs per block);
-    plane_split: one program per
+    progs > 0: that many programs per group (and plane) loop over the token blocks; plane_split: one program per
     code plane (1/P of each centroid row gathered per program). Every choice writes the same bits. (Tried on the
     H100 and removed, eval/results/profile-dequant-h100.md: 32-bit offsets, S4/B16 2.4-3.6% slower and S1/B64 within
     the noise; persistent programs that load the next block's ids early, 5-36% slower; PTX prefetch of the centroid
@@ -189,15 +179,10 @@ def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None,
     dummy = t["codes"]
     k = t["centroids"].shape[-2] if stages else 1
     nblk = triton.cdiv(r1 - r0, block_n)
+    progs = nblk if progs <= 0 else min(progs, nblk)
     planes = 8 // spec.bits if plane_split else 1
-    key = (out.device, stages, spec, block_n, num_warps, plane_split, rope is not None, out.dtype)
-    if progs == 0:
-        progs = _one_wave(nblk, b * h * planes, _PER_SM.get(key), out.device)
-    if progs <= 0:
-        progs = nblk
-    progs = min(progs, nblk)
     grid = (progs, b * h, planes)
-    kernel = _dequant_kernel[grid](
+    _dequant_kernel[grid](
         t["codes"], raw_view(t["scale"]), raw_view(t["zero"]) if "zero" in t else dummy,
         t.get("tscale", dummy), t["ids"] if stages else dummy,
         t["centroids"] if stages else dummy, out, n, chunk_len, n // chunk_len, k, b * h, r0, r1, out.shape[2],
@@ -205,23 +190,7 @@ def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None,
         SPLIT_H=rope.split[0] if rope else 0, SPLIT_W=rope.split[1] if rope else 0, INTERP=INTERPRET,
         NBLK=nblk, PROGS=progs, PLANE_SPLIT=plane_split, num_warps=num_warps, enable_fp_fusion=False,
         **grid_constants(spec))
-    if key not in _PER_SM and out.device.type == "cuda":
-        _PER_SM[key] = programs_per_sm(kernel, num_warps, out.device)
     return out
-
-
-def _one_wave(nblk: int, groups: int, per_sm: int | None, device) -> int:
-    """Programs per group for one wave of persistent programs when one program per block would take more than one
-    wave and at most ONE_WAVE_MAX waves; 0 otherwise (and before the kernel's occupancy is known). On the H100
-    the pipeline's four-stage read at a 21-frame window (12 x 32,760 tokens: 2.2 waves of one-block programs) took
-    6-8% less time as one wave of six programs per SM (eval/results/profile-dequant-h100.md); the benchmark spans (18
-    to 37 waves) were 7-13% slower persistent."""
-    if not ONE_WAVE or not per_sm:
-        return 0
-    slots = per_sm * sm_count(device)
-    if not slots < nblk * groups <= ONE_WAVE_MAX * slots:
-        return 0
-    return max(1, slots // groups)
 
 
 def _check_out(out: torch.Tensor, need: tuple, device) -> None:
