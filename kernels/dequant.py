@@ -157,9 +157,9 @@ def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None,
     `PackedSequence.decompress` (with `rope`: keys stored before RoPE, rotated as they are decoded).
     progs > 0: that many programs per group (and plane) loop over the token blocks; plane_split: one program per
     code plane (1/P of each centroid row gathered per program). Every choice writes the same bits. (Tried on the
-    H100 and removed, eval/results/profile-dequant-h100.md: 32-bit offsets, S4/B16 2.4-3.6% slower and S1/B64 within
-    the noise; persistent programs that load the next block's ids early, 5-36% slower; PTX prefetch of the centroid
-    rows, 1.3-3x slower.) The defaults
+    H100 and removed, eval/results/profile-dequant-h100.md: 32-bit offsets, S4/B16 1.2-3.9% slower at the benchmark
+    spans and S1/B64 within the noise; persistent programs that load the next block's ids early, up to 35% slower;
+    PTX prefetch of the centroid rows, 1.3-2.9x slower.) The defaults
     (32-token blocks, 4 warps, one program per block) were the fastest of eval/bench_kernels.py's sweep on the
     H100 for S4/B16 at both spans and for S1/B64 at the LongCat span, within 2% of the fastest (64 x 4) for S1/B64
     at the Self-Forcing span (eval/results/kernels-h100.dequant-1439d16.json, each dequant row's `configs`). `out`: a contiguous
