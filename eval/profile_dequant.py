@@ -4,11 +4,12 @@
 Shapes: the benchmark's spans (LongCat [1, 32, 29640, 128] and Self-Forcing [1, 12, 37440, 128], qvg S1/B64 and
 qvg-pro S4/B16 at their default K) and the Self-Forcing pipeline's read at a 21-frame window (7 chunks of 12 x
 4,680 tokens, K = 64, as a PackedSequence). Each option of kernels/dequant.py `dequantize` (token block, warps,
-one program per code plane) is timed with triton's do_bench (L2 flushed before each call), the
-options interleaved over R rounds (median of the rounds' medians), and checked bitwise against the default
-output. `persist-s<N>`: N persistent programs per SM over all groups (progs per group resolved per shape). The copy bandwidth is measured in the same run and nvidia-smi's clocks read once at its end (one kernel's
-time differed by up to 17% between runs at one copy bandwidth: compare options within one run). `--workload`: one call of each option
-per shape, in order, for Nsight Compute (no timing)."""
+one program per code plane; `persist-s<N>`: N persistent programs per SM over all groups, resolved per shape to
+programs per group) is timed with triton's do_bench (L2 flushed before each call), the options interleaved over R
+rounds (median of the rounds' medians), and checked bitwise against the default output. The copy bandwidth is
+measured in the same run and nvidia-smi's clocks read once at its end (one kernel's time differed by up to 17%
+between runs at one copy bandwidth: compare options within one run). `--workload`: one call of each option per
+shape, in order, for Nsight Compute (no timing)."""
 from __future__ import annotations
 
 import argparse
