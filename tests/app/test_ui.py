@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from optional_deps import need  # noqa: E402
+from optional_deps import need
 
 gradio_client = need("gradio_client", "the UI tests need the test extra: pip install -e '.[test]'")
 from gradio_client import Client, handle_file  # noqa: E402

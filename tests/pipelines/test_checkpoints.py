@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 import torch
+
 from optional_deps import need
 
 need("transformers", "pip install -e '.[wan]'")
