@@ -83,11 +83,13 @@ def decode_window(k_hist: PackedSequence, v_hist: PackedSequence, extra: int = 0
 def windowed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: PackedSequence | None,
                        k_tail: torch.Tensor | None = None, v_tail: torch.Tensor | None = None,
                        scale: float | None = None, window_bytes: int = WINDOW_BYTES,
-                       rope: RopeTables | None = None, decoded: tuple | None = None) -> torch.Tensor:
+                       rope: RopeTables | None = None, decoded: tuple | None = None,
+                       before_sdpa=None) -> torch.Tensor:
     """softmax(q [history; tail]^T * scale) [history; tail]. q [B, Hq, M, D]; histories: PackedSequence with Hkv
     heads (Hq a multiple of Hkv); tails [B, Hkv, T, D] BF16 (views are fine). `rope`: the history keys were stored
     before RoPE and are rotated as they are decoded. `decoded`: the (K, V) buffers `decode_window(k_hist, v_hist,
-    T, rope)` returned (history and tail in one window), decoded ahead of time; the tail is copied into them."""
+    T, rope)` returned (history and tail in one window), decoded ahead of time; the tail is copied into them.
+    before_sdpa: called once, right before the first SDPA call is queued (the cache queues its next prefetch there)."""
     if k_hist is None and k_tail is None:
         raise ValueError("attention needs a history or a tail")
     bsz, hq, m, d = q.shape
@@ -98,6 +100,8 @@ def windowed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: P
     n = 0 if k_hist is None else k_hist.shape[2]
     t = 0 if k_tail is None else k_tail.shape[2]
     if n == 0:
+        if before_sdpa is not None:
+            before_sdpa()
         return sdpa_gqa(q, k_tail, v_tail, scale)
     cap = window_tokens(k_hist, window_bytes)
     bounds = [(r0, min(n, r0 + cap)) for r0 in range(0, n, cap)]
@@ -113,6 +117,9 @@ def windowed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: P
         if extra:
             ks[:, :, r1 - r0:] = k_tail
             vs[:, :, r1 - r0:] = v_tail
+        if before_sdpa is not None:
+            before_sdpa()
+            before_sdpa = None
         if len(bounds) == 1 and (tail_inline or not t):
             return sdpa_gqa(q, ks, vs, scale)
         acc, lse = merge_lse(acc, lse, *sdpa_lse(q, *repeat_kv(ks, vs, hq), scale))
