@@ -130,6 +130,7 @@ class KVCache:
     staging window (BF16 K + V of history and tail) takes at most this many bytes (see the module docstring); 0: no
     prefetch. prefetch_at: "after" (the next layer's decode queued once the layer's attention is queued) or "before"
     (queued just before the layer's SDPA call, so it can run on the SMs that attention's last wave leaves idle).
+    prefetch_layers: how many layers ahead are kept decoded (each a window alive at once).
     compress_preset: on CUDA, the compress kernels' preset (a kernels/compress.py COMPRESS_VARIANTS name); None: the
     method's entry in COMMIT_PRESETS, else the kernels' default "auto" (picked by shape). Same compression either way
     (ids equal, centroids up to the order of the FP32 sums).
@@ -139,7 +140,7 @@ class KVCache:
                  sink_frames: int = 0, window_frames: int | None = None, commit_every: int = 1,
                  cuda_graphs: bool = True, key_storage: str = "post-rope", async_commit: bool = True,
                  prefetch_bytes: int = PREFETCH_BYTES, defer_commits: bool = True, compress_preset: str | None = None,
-                 prefetch_at: str = "after", **options):
+                 prefetch_at: str = "after", prefetch_layers: int = 1, **options):
         if method not in CACHE_METHODS:
             raise ValueError(f"unknown cache method {method!r}; choose one of: {', '.join(CACHE_METHODS)}")
         if key_storage not in KEY_STORAGE:
@@ -159,6 +160,8 @@ class KVCache:
                 raise ValueError(f"{name} must be True or False, got {v!r}")
         if isinstance(prefetch_bytes, bool) or not isinstance(prefetch_bytes, int) or prefetch_bytes < 0:
             raise ValueError(f"prefetch_bytes must be a non-negative integer (0: no prefetch), got {prefetch_bytes!r}")
+        if isinstance(prefetch_layers, bool) or not isinstance(prefetch_layers, int) or prefetch_layers < 1:
+            raise ValueError(f"prefetch_layers must be a positive integer, got {prefetch_layers!r}")
         if prefetch_at not in PREFETCH_AT:
             raise ValueError(f"prefetch_at must be one of {', '.join(PREFETCH_AT)}, got {prefetch_at!r}")
         if method == "bf16" and (options or compress_preset is not None):
@@ -181,7 +184,7 @@ class KVCache:
         self._graphed = GraphedCompress() if cuda_graphs and method != "bf16" else None
         self.async_commit, self.defer_commits = async_commit, defer_commits
         self._side: dict = {}  # device -> the CUDA side stream of the async commits
-        self.prefetch_bytes, self.prefetch_at = prefetch_bytes, prefetch_at
+        self.prefetch_bytes, self.prefetch_at, self.prefetch_layers = prefetch_bytes, prefetch_at, prefetch_layers
         self._ahead: dict = {}  # device -> the CUDA side stream of the prefetched decodes
         self.prefetch_stats = {"used": 0, "dropped": 0}  # prefetched windows attended / dropped as stale
 
@@ -528,13 +531,15 @@ class KVCache:
         SDPA; afterwards the next layer's history is prefetched."""
         from .kernels.windowed_sdpa import windowed_attention
         L = self.layers[layer]
-        ahead = self.layers[(layer + 1) % self.num_layers]
         early = self.prefetch_at == "before"
+
+        def ahead():
+            for j in range(1, min(self.prefetch_layers, self.num_layers - 1) + 1):
+                self._prefetch(self.layers[(layer + j) % self.num_layers], kt.shape[2])
         out = windowed_attention(q, *L.hist, kt, vt, scale=scale, rope=rope,
-                                 decoded=self._take_prefetch(L, kt.shape[2]),
-                                 before_sdpa=(lambda: self._prefetch(ahead, kt.shape[2])) if early else None)
+                                 decoded=self._take_prefetch(L, kt.shape[2]), before_sdpa=ahead if early else None)
         if not early:
-            self._prefetch(ahead, kt.shape[2])
+            ahead()
         return out
 
     def _prefetch(self, L: _Layer, tail: int) -> None:
