@@ -47,8 +47,8 @@ def new_cache(model, method: str, window: int, options: dict):
     queued by each layer's commit_layer (KVCache defer_commits=False); every history decoded in line before its
     attention (KVCache prefetch_bytes=0), or prefetched up to the largest staging window (prefetch_bytes=
     WINDOW_BYTES) instead of the default budget; prefetch-early: the next layer's decode queued just before each SDPA
-    call, not after it (KVCache prefetch_at="before"); prefetch-2: two layers kept decoded ahead, not one
-    (prefetch_layers=2); plain-writes: the chunk's denoising steps write as the re-run
+    call, not after it (KVCache prefetch_at="before"); prefetch-split: its keys' decode queued before, its
+    values' after (prefetch_at="split"); plain-writes: the chunk's denoising steps write as the re-run
     does, not transient; high-priority: the chunk runs on a high-priority CUDA stream, so the cache's side streams
     (prefetched decodes, queued commits) get only the SMs its kernels leave idle (these two flags are read by
     `method_runner`; the cache ignores them); compress=PRESET: the cache compresses with
@@ -60,13 +60,13 @@ def new_cache(model, method: str, window: int, options: dict):
     return KVCache(30, name, chunk_frames=3, tokens_per_frame=model.tokens_per_latent_frame(*LATENT_HW),
                    window_frames=window, key_storage="pre-rope" if "pre-rope" in flags else "post-rope",
                    async_commit="sync" not in flags, defer_commits="eager-commit" not in flags,
-                   prefetch_at="before" if "prefetch-early" in flags else "after",
-                   prefetch_layers=2 if "prefetch-2" in flags else 1,
+                   prefetch_at="before" if "prefetch-early" in flags else "split" if "prefetch-split" in flags
+                   else "after",
                    **{"prefetch_bytes": prefetch[f] for f in flags if f in prefetch},
                    **({} if name == "bf16" else dict(options, compress_preset=preset)))
 
 
-FLAGS = ("pre-rope", "sync", "eager-commit", "noprefetch", "prefetch-all", "prefetch-early", "prefetch-2",
+FLAGS = ("pre-rope", "sync", "eager-commit", "noprefetch", "prefetch-all", "prefetch-early", "prefetch-split",
          "plain-writes", "high-priority")
 
 

@@ -81,7 +81,8 @@ KEY_STORAGE = ("post-rope", "pre-rope")
 # memory()'s components: they sum to its total
 MEMORY_COMPONENTS = ("codes", "scales", "ids", "centroids", "positions", "bf16", "workspace")
 PREFETCH_BYTES = 512 << 20  # the largest staging window (BF16 K + V) decoded ahead (Self-Forcing: 21 frames, 230 MB)
-PREFETCH_AT = ("after", "before")  # where the next layer's decode is queued: after / just before a layer's SDPA
+PREFETCH_AT = ("after", "before", "split")  # where the next layer's decode is queued: after / just before a layer's
+# SDPA, or its keys before and its values after
 
 
 class _Layer:
@@ -99,7 +100,8 @@ class _Layer:
         self.pos_pending: list[torch.Tensor] = []  # pre-rope: positions [B, F, 3] of each pending chunk
         self.pos_hist: list[torch.Tensor] = []  # pre-rope: positions [B, F_unit, 3] of each packed unit, oldest first
         self.done = None  # async commit: (device, CUDA event recorded after this layer's queued commit work) or None
-        self.prefetch = None  # (tail tokens, K, V, CUDA event): the history decoded ahead on a side stream (every
+        self.prefetch = None  # (tail tokens, K, V, CUDA event, "kv" / "k": what is decoded): the history decoded
+        # ahead on a side stream (every
         # commit of the layer drops it first, so a held one always matches the history)
         self.loose = None  # (K, V) of a transient write, not copied into the current zone (attend takes them)
         self.transient = False  # the current chunk came from a transient write (it serves one attention)
@@ -129,8 +131,8 @@ class KVCache:
     prefetch_bytes: on CUDA, while a layer attends, the next layer's history is decoded on a side stream when its
     staging window (BF16 K + V of history and tail) takes at most this many bytes (see the module docstring); 0: no
     prefetch. prefetch_at: "after" (the next layer's decode queued once the layer's attention is queued) or "before"
-    (queued just before the layer's SDPA call, so it can run on the SMs that attention's last wave leaves idle).
-    prefetch_layers: how many layers ahead are kept decoded (each a window alive at once).
+    (queued just before the layer's SDPA call, so it can run on the SMs that attention's last wave leaves idle) or
+    "split" (keys before, values after).
     compress_preset: on CUDA, the compress kernels' preset (a kernels/compress.py COMPRESS_VARIANTS name); None: the
     method's entry in COMMIT_PRESETS, else the kernels' default "auto" (picked by shape). Same compression either way
     (ids equal, centroids up to the order of the FP32 sums).
@@ -140,7 +142,7 @@ class KVCache:
                  sink_frames: int = 0, window_frames: int | None = None, commit_every: int = 1,
                  cuda_graphs: bool = True, key_storage: str = "post-rope", async_commit: bool = True,
                  prefetch_bytes: int = PREFETCH_BYTES, defer_commits: bool = True, compress_preset: str | None = None,
-                 prefetch_at: str = "after", prefetch_layers: int = 1, **options):
+                 prefetch_at: str = "after", **options):
         if method not in CACHE_METHODS:
             raise ValueError(f"unknown cache method {method!r}; choose one of: {', '.join(CACHE_METHODS)}")
         if key_storage not in KEY_STORAGE:
@@ -160,8 +162,6 @@ class KVCache:
                 raise ValueError(f"{name} must be True or False, got {v!r}")
         if isinstance(prefetch_bytes, bool) or not isinstance(prefetch_bytes, int) or prefetch_bytes < 0:
             raise ValueError(f"prefetch_bytes must be a non-negative integer (0: no prefetch), got {prefetch_bytes!r}")
-        if isinstance(prefetch_layers, bool) or not isinstance(prefetch_layers, int) or prefetch_layers < 1:
-            raise ValueError(f"prefetch_layers must be a positive integer, got {prefetch_layers!r}")
         if prefetch_at not in PREFETCH_AT:
             raise ValueError(f"prefetch_at must be one of {', '.join(PREFETCH_AT)}, got {prefetch_at!r}")
         if method == "bf16" and (options or compress_preset is not None):
@@ -184,7 +184,7 @@ class KVCache:
         self._graphed = GraphedCompress() if cuda_graphs and method != "bf16" else None
         self.async_commit, self.defer_commits = async_commit, defer_commits
         self._side: dict = {}  # device -> the CUDA side stream of the async commits
-        self.prefetch_bytes, self.prefetch_at, self.prefetch_layers = prefetch_bytes, prefetch_at, prefetch_layers
+        self.prefetch_bytes, self.prefetch_at = prefetch_bytes, prefetch_at
         self._ahead: dict = {}  # device -> the CUDA side stream of the prefetched decodes
         self.prefetch_stats = {"used": 0, "dropped": 0}  # prefetched windows attended / dropped as stale
 
@@ -531,27 +531,31 @@ class KVCache:
         SDPA; afterwards the next layer's history is prefetched."""
         from .kernels.windowed_sdpa import windowed_attention
         L = self.layers[layer]
-        early = self.prefetch_at == "before"
-
-        def ahead():
-            for j in range(1, min(self.prefetch_layers, self.num_layers - 1) + 1):
-                self._prefetch(self.layers[(layer + j) % self.num_layers], kt.shape[2])
+        at, ahead = self.prefetch_at, self.layers[(layer + 1) % self.num_layers]
+        before = {"before": "kv", "split": "k"}.get(at)
         out = windowed_attention(q, *L.hist, kt, vt, scale=scale, rope=rope,
-                                 decoded=self._take_prefetch(L, kt.shape[2]), before_sdpa=ahead if early else None)
-        if not early:
-            ahead()
+                                 decoded=self._take_prefetch(L, kt.shape[2]),
+                                 before_sdpa=(lambda: self._prefetch(ahead, kt.shape[2], before)) if before else None)
+        if at != "before":
+            self._prefetch(ahead, kt.shape[2], "v" if at == "split" else "kv")
         return out
 
-    def _prefetch(self, L: _Layer, tail: int) -> None:
+    def _prefetch(self, L: _Layer, tail: int, parts: str = "kv") -> None:
         """Queue the decode of L's history (and room for a tail of `tail` tokens) on a side stream, behind the
         current stream's work so far: it then runs beside the rest of this layer's forward instead of in line
         before L's attention. Only when that one window takes at most `prefetch_bytes`, L holds no prefetch yet and
         L has not been committed in this chunk (then its next read is the next chunk's, after `commit()`: nothing
         is held across chunks). The buffers come from the current stream's pool: its later kernels use and free
-        them after waiting for the decode."""
-        from .kernels.windowed_sdpa import WINDOW_BYTES, decode_window
+        them after waiting for the decode. parts: "kv" both, "k" the keys only (a part-done prefetch), "v" the
+        values of a part-done one."""
+        from .kernels.dequant import dequantize
+        from .kernels.windowed_sdpa import WINDOW_BYTES
         kh, vh = L.hist
-        if not self.prefetch_bytes or L.prefetch is not None or L.committed or not isinstance(kh, PackedSequence):
+        if parts == "v":
+            if L.prefetch is None or L.prefetch[4] != "k":
+                return
+            tail, ks, vs = L.prefetch[:3]
+        elif not self.prefetch_bytes or L.prefetch is not None or L.committed or not isinstance(kh, PackedSequence):
             return
         dev = kh.tensors["codes"].device
         b, h, n, d = kh.shape
@@ -560,17 +564,21 @@ class KVCache:
         rope = self._rope_tables(L, dev) if self._pre_rope else None
         if self._pre_rope and rope is None:
             return
-        ks = torch.empty(b, h, n + tail, d, device=dev, dtype=torch.bfloat16)
-        vs = torch.empty_like(ks)
+        if parts != "v":
+            ks = torch.empty(b, h, n + tail, d, device=dev, dtype=torch.bfloat16)
+            vs = torch.empty_like(ks)
         side = _stream(self._ahead, dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         if L.done is not None:  # (a commit of L still queued on the commit stream)
             side.wait_event(L.done[1])
         with torch.cuda.stream(side):
-            decode_window(kh, vh, tail, rope, out=(ks, vs))
+            if "k" in parts:
+                dequantize(kh, out=ks, rows=(0, n), rope=rope)
+            if "v" in parts:
+                dequantize(vh, out=vs, rows=(0, n))
         event = torch.cuda.Event()
         event.record(side)
-        L.prefetch = (tail, ks, vs, event)
+        L.prefetch = (tail, ks, vs, event, "kv" if parts != "k" else "k")
 
     def _take_prefetch(self, L: _Layer, tail: int | None):
         """L's prefetched (K, V) window if it holds L's history and this tail, else None (dropped; tail None: drop
@@ -578,9 +586,9 @@ class KVCache:
         p, L.prefetch = L.prefetch, None
         if p is None:
             return None
-        t, ks, vs, event = p
+        t, ks, vs, event, done = p
         torch.cuda.current_stream(ks.device).wait_event(event)
-        if t != tail or ks.shape[2] != L.hist[0].shape[2] + tail:
+        if t != tail or done != "kv" or ks.shape[2] != L.hist[0].shape[2] + tail:
             self.prefetch_stats["dropped"] += 1
             return None
         self.prefetch_stats["used"] += 1

@@ -1,0 +1,115 @@
+"""Where the cache's side-stream kernels run against the forward (GPU): `python -m qvg.eval.trace_overlap
+[--out DIR] [--history 21] [--methods qvg,qvg-pro]`.
+
+Same set-up as bench_pipeline. One chunk per method (right behind an untimed one, as in generation) is traced with
+torch.profiler (CUDA kernels only). The main stream is the one the SDPA kernels run on. For the decode
+kernels (`_dequant_kernel`) and the commits' kernels (every other kernel on a side stream) it reports their GPU
+time split by what the main stream ran meanwhile: SDPA (self- or cross-attention), another kernel, or nothing (the main stream
+idle: waiting for them, or for the host). Writes trace-overlap-<gpu>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+from .bench_pipeline import _fill, method_runner, new_cache, parse_method, wan_model
+
+ATTENTION = ("fmha", "flash", "sdpa", "attention")  # substrings of the SDPA kernels' names (cuDNN, flash)
+
+
+def _kernels(trace: str) -> list[dict]:
+    with open(trace) as f:
+        events = json.load(f)["traceEvents"]
+    return [dict(name=e["name"], stream=e["args"].get("stream"), t0=e["ts"], t1=e["ts"] + e["dur"])
+            for e in events if e.get("cat") == "kernel"]
+
+
+def _overlap(a0: float, a1: float, spans: list[tuple[float, float]]) -> float:
+    return sum(max(0.0, min(a1, b1) - max(a0, b0)) for b0, b1 in spans)
+
+
+def split(kernels: list[dict]) -> dict:
+    """The side-stream kernels' time (us) by what the main stream ran meanwhile, and the main stream's idle time."""
+    attn = [k for k in kernels if any(s in k["name"].lower() for s in ATTENTION)]
+    if not attn:
+        raise RuntimeError("no attention kernel in the trace")
+    main = max({k["stream"] for k in attn}, key=lambda s: sum(k["stream"] == s for k in attn))
+    on_main = [k for k in kernels if k["stream"] == main]
+    attn_spans = [(k["t0"], k["t1"]) for k in on_main if k in attn]
+    other_spans = [(k["t0"], k["t1"]) for k in on_main if k not in attn]
+    out = {}
+    for what, pick in (("decode", lambda k: "_dequant_kernel" in k["name"]),
+                       ("commit", lambda k: "_dequant_kernel" not in k["name"])):
+        side = [k for k in kernels if k["stream"] != main and pick(k)]
+        total = sum(k["t1"] - k["t0"] for k in side)
+        during_attn = sum(_overlap(k["t0"], k["t1"], attn_spans) for k in side)
+        during_other = sum(_overlap(k["t0"], k["t1"], other_spans) for k in side)
+        out[what] = {"kernels": len(side), "gpu_us": total, "during_attention_us": during_attn,
+                     "during_other_main_kernels_us": during_other,
+                     "main_idle_us": total - during_attn - during_other}
+    t0, t1 = min(k["t0"] for k in on_main), max(k["t1"] for k in on_main)
+    busy = sum(k["t1"] - k["t0"] for k in on_main)
+    out["main"] = {"span_us": t1 - t0, "kernel_us": busy, "idle_us": t1 - t0 - busy,
+                   "attention_us": sum(b - a for a, b in attn_spans), "attention_kernels": len(attn_spans)}
+    return out
+
+
+def trace_chunk(chunk) -> list[dict]:
+    from torch.profiler import ProfilerActivity, profile
+    chunk()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        chunk()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        return _kernels(path)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="eval/results")
+    ap.add_argument("--history", type=int, default=21)
+    ap.add_argument("--methods", default="qvg,qvg-pro")
+    ap.add_argument("--options", default='{"centroids": 64}', help="JSON options of the compressed methods")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("error: trace_overlap needs a CUDA GPU", file=sys.stderr)
+        return 2
+    try:
+        methods = args.methods.split(",")
+        for m in methods:
+            parse_method(m)
+        options = json.loads(args.options)
+    except (ValueError, json.JSONDecodeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    from .bench_kernels import gpu_tag, result_header, write_result
+    t0 = time.time()
+    model = wan_model()
+    rows = []
+    with torch.no_grad():
+        for method in methods:
+            cache = new_cache(model, method, args.history, options)
+            _fill(cache, args.history, 12)
+            chunk = method_runner(model, cache, method)[0]
+            chunk()
+            row = {"method": method, "history_frames": args.history, **split(trace_chunk(chunk))}
+            rows.append(row)
+            print(method, json.dumps({k: v for k, v in row.items() if isinstance(v, dict)}), flush=True)
+            del cache, chunk
+            torch.cuda.empty_cache()
+    res = {**result_header("trace_overlap", argv), "rows": rows}
+    write_result(res, args.out, f"trace-overlap-{gpu_tag(res['device'])}.json", t0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
