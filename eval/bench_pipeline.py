@@ -41,33 +41,27 @@ def wan_model(**config):
 
 def new_cache(model, method: str, window: int, options: dict):
     """A 30-layer cache of 3-frame chunks with a rolling window (options apply to the compressed methods).
-    method "NAME[:pre-rope][:sync][:eager-commit][:noprefetch|:prefetch-all][:prefetch-early][:plain-writes]
-    [:high-priority][:compress=PRESET]" (`parse_method`): keys packed before RoPE (KVCache key_storage); commits in
-    line with the forward instead of on the cache's side stream (KVCache async_commit=False); side-stream commits
-    queued by each layer's commit_layer (KVCache defer_commits=False); every history decoded in line before its
-    attention (KVCache prefetch_bytes=0), or prefetched up to the largest staging window (prefetch_bytes=
-    WINDOW_BYTES) instead of the default budget; prefetch-early: the next layer's decode queued just before each SDPA
-    call, not after it (KVCache prefetch_at="before"); prefetch-split: its keys' decode queued before, its
-    values' after (prefetch_at="split"); plain-writes: the chunk's denoising steps write as the re-run
-    does, not transient; high-priority: the chunk runs on a high-priority CUDA stream, so the cache's side streams
-    (prefetched decodes, queued commits) get only the SMs its kernels leave idle (these two flags are read by
-    `method_runner`; the cache ignores them); compress=PRESET: the cache compresses with
+    method "NAME[:pre-rope][:sync][:eager-commit][:noprefetch|:prefetch-after][:plain-writes][:high-priority]
+    [:compress=PRESET]" (`parse_method`): keys packed before RoPE (KVCache key_storage); commits in line with the
+    forward instead of on the cache's side stream (KVCache async_commit=False); side-stream commits queued by each
+    layer's commit_layer (KVCache defer_commits=False); every history decoded in line before its attention (KVCache
+    prefetch_bytes=0), or its prefetch queued after each SDPA call instead of just before it (prefetch_at="after", the
+    placement before 2368c9e); plain-writes: the chunk's denoising steps write as the re-run does, not transient;
+    high-priority: the chunk runs on a high-priority CUDA stream, so the cache's side streams (prefetched decodes,
+    queued commits) get only the SMs its kernels leave idle (these two flags are read by `method_runner`; the cache
+    ignores them); compress=PRESET: the cache compresses with
     kernels/compress.py's preset PRESET instead of the default "auto" (KVCache compress_preset)."""
     from qvg.cache import KVCache
-    from qvg.kernels.windowed_sdpa import WINDOW_BYTES
     name, flags, preset = parse_method(method)
-    prefetch = {"noprefetch": 0, "prefetch-all": WINDOW_BYTES}
     return KVCache(30, name, chunk_frames=3, tokens_per_frame=model.tokens_per_latent_frame(*LATENT_HW),
                    window_frames=window, key_storage="pre-rope" if "pre-rope" in flags else "post-rope",
                    async_commit="sync" not in flags, defer_commits="eager-commit" not in flags,
-                   prefetch_at="before" if "prefetch-early" in flags else "split" if "prefetch-split" in flags
-                   else "after",
-                   **{"prefetch_bytes": prefetch[f] for f in flags if f in prefetch},
+                   prefetch_at="after" if "prefetch-after" in flags else "before",
+                   **({"prefetch_bytes": 0} if "noprefetch" in flags else {}),
                    **({} if name == "bf16" else dict(options, compress_preset=preset)))
 
 
-FLAGS = ("pre-rope", "sync", "eager-commit", "noprefetch", "prefetch-all", "prefetch-early", "prefetch-split",
-         "plain-writes", "high-priority")
+FLAGS = ("pre-rope", "sync", "eager-commit", "noprefetch", "prefetch-after", "plain-writes", "high-priority")
 
 
 def parse_method(method: str) -> tuple[str, list[str], str | None]:

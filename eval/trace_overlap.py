@@ -1,11 +1,13 @@
 """Where the cache's side-stream kernels run against the forward (GPU): `python -m qvg.eval.trace_overlap
 [--out DIR] [--history 21] [--methods qvg,qvg-pro]`.
 
-Same set-up as bench_pipeline. One chunk per method (right behind an untimed one, as in generation) is traced with
-torch.profiler (CUDA kernels only). The main stream is the one the SDPA kernels run on. For the decode
-kernels (`_dequant_kernel`) and the commits' kernels (every other kernel on a side stream) it reports their GPU
-time split by what the main stream ran meanwhile: SDPA (self- or cross-attention), another kernel, or nothing (the main stream
-idle: waiting for them, or for the host). Writes trace-overlap-<gpu>.json.
+Same set-up as bench_pipeline. Two chunks per method, back to back as in generation (the first one's queued
+commits run into the second's forward), are traced with torch.profiler (CUDA kernels only). The main stream is the
+one the SDPA kernels run on. For the decode kernels (`_dequant_kernel`) and the commits' kernels (every other
+kernel on a side stream) it reports their GPU time split by what the main stream ran meanwhile: SDPA (self- or
+cross-attention), another kernel, or nothing (the main stream idle: waiting for them, or for the host);
+side-stream work left after the main stream's last kernel (the second chunk's own commits) is counted apart.
+Writes trace-overlap-<gpu>.json (after each method).
 """
 from __future__ import annotations
 
@@ -35,7 +37,8 @@ def _overlap(a0: float, a1: float, spans: list[tuple[float, float]]) -> float:
 
 
 def split(kernels: list[dict]) -> dict:
-    """The side-stream kernels' time (us) by what the main stream ran meanwhile, and the main stream's idle time."""
+    """The side-stream kernels' time (us) by what the main stream ran meanwhile (or after its last kernel), and the
+    main stream's idle time."""
     attn = [k for k in kernels if any(s in k["name"].lower() for s in ATTENTION)]
     if not attn:
         raise RuntimeError("no attention kernel in the trace")
@@ -43,6 +46,7 @@ def split(kernels: list[dict]) -> dict:
     on_main = [k for k in kernels if k["stream"] == main]
     attn_spans = [(k["t0"], k["t1"]) for k in on_main if k in attn]
     other_spans = [(k["t0"], k["t1"]) for k in on_main if k not in attn]
+    end = max(k["t1"] for k in on_main)
     out = {}
     for what, pick in (("decode", lambda k: "_dequant_kernel" in k["name"]),
                        ("commit", lambda k: "_dequant_kernel" not in k["name"])):
@@ -50,9 +54,10 @@ def split(kernels: list[dict]) -> dict:
         total = sum(k["t1"] - k["t0"] for k in side)
         during_attn = sum(_overlap(k["t0"], k["t1"], attn_spans) for k in side)
         during_other = sum(_overlap(k["t0"], k["t1"], other_spans) for k in side)
+        after = sum(max(0.0, k["t1"] - max(k["t0"], end)) for k in side)
         out[what] = {"kernels": len(side), "gpu_us": total, "during_attention_us": during_attn,
-                     "during_other_main_kernels_us": during_other,
-                     "main_idle_us": total - during_attn - during_other}
+                     "during_other_main_kernels_us": during_other, "after_main_us": after,
+                     "main_idle_us": total - during_attn - during_other - after}
     t0, t1 = min(k["t0"] for k in on_main), max(k["t1"] for k in on_main)
     busy = sum(k["t1"] - k["t0"] for k in on_main)
     out["main"] = {"span_us": t1 - t0, "kernel_us": busy, "idle_us": t1 - t0 - busy,
@@ -65,6 +70,7 @@ def trace_chunk(chunk) -> list[dict]:
     chunk()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        chunk()
         chunk()
         torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as tmp:
@@ -106,8 +112,8 @@ def main(argv=None) -> int:
             print(method, json.dumps({k: v for k, v in row.items() if isinstance(v, dict)}), flush=True)
             del cache, chunk
             torch.cuda.empty_cache()
-    res = {**result_header("trace_overlap", argv), "rows": rows}
-    write_result(res, args.out, f"trace-overlap-{gpu_tag(res['device'])}.json", t0)
+            res = {**result_header("trace_overlap", argv), "rows": rows}
+            write_result(res, args.out, f"trace-overlap-{gpu_tag(res['device'])}.json", t0)
     return 0
 
 

@@ -38,16 +38,19 @@ Per layer, three zones, for keys and values alike ([B, H, tokens, D], H = kv hea
   qvg-pro is decoded window by window (<= 1 GiB of one layer's BF16 K + V, never the whole history) and
   attended by torch's SDPA (cuDNN), windows merged by log-sum-exp (kernels/windowed_sdpa.py); kivi / quarot and
   CPU decode the history first (the reference path). The BF16 zones are one contiguous buffer, read as a view.
-- Decode prefetch (`prefetch_bytes`; CUDA only): right after a layer's attention is queued, the next layer's
-  history is decoded into its staging window on a second side stream, so the decode runs beside the rest of
-  the forward instead of in line before that attention (it would cost the dequant's full time there: 13.8 ms of a
-  21-frame Self-Forcing chunk). Only when history and tail fit one window of at most `prefetch_bytes` (512 MiB by
-  default). The prefetched window is alive beside the rest of the layer's forward: a 21-frame chunk's peak above
-  the resident cache was 461 MB with it, 322 MB without (eval/results/pipeline-h100.md). Like the staging window
-  itself it is attention workspace, not counted by `memory()`. A commit of the layer drops its prefetch; one whose
-  tail length no longer matches is dropped too, and the layer decodes in line. The last layer prefetches the
-  first one for the next forward, except after the first layer's commit in this chunk: nothing is held across
-  `commit()`. Bitwise the same outputs as without.
+- Decode prefetch (`prefetch_bytes`, `prefetch_at`; CUDA only): just before a layer's SDPA call is queued, the
+  next layer's history is decoded into its staging window on a second side stream. The GPU hands the decode the
+  SMs that the attention's last wave leaves idle, so it is all but hidden (a 21-frame Self-Forcing chunk: 14.9 of
+  its 15.1 ms of decode ran during attention; in line it would add ~13.8 ms). Queued after the SDPA call
+  (`prefetch_at="after"`, the placement before 2368c9e) it waits behind the persistent GEMMs that follow and mostly
+  runs while the forward waits for it (9.9 of 12.8 ms; eval/results/pipeline-h100.md). Only when history and tail
+  fit one window of at most `prefetch_bytes` (1 GiB, the largest staging window, by default: Self-Forcing histories
+  up to ~112 latent frames). The prefetched window is alive beside the layer's own: a chunk's peak above the
+  resident cache is ~530 MiB at 21 frames and ~1.24 GiB at 60 (~220 MiB / ~660 MiB without prefetch). Like the
+  staging window itself it is attention workspace, not counted by `memory()`. A commit of the layer drops its
+  prefetch; one whose tail length no longer matches is dropped too, and the layer decodes in line. The last layer
+  prefetches the first one for the next forward, except after the first layer's commit in this chunk: nothing is
+  held across `commit()`. Bitwise the same outputs as without.
 - Key storage (`key_storage`): "post-rope" packs the keys as written (after RoPE: Self-Forcing's layout);
   "pre-rope" (rtn / qvg / qvg-pro) turns each key back to before RoPE when it is packed and rotates it again when it
   is read, so k-means groups keys by content rather than by position (eval/results/rope_storage.md: 1.8x lower
@@ -80,9 +83,8 @@ CACHE_METHODS = ("bf16", *compression.methods())
 KEY_STORAGE = ("post-rope", "pre-rope")
 # memory()'s components: they sum to its total
 MEMORY_COMPONENTS = ("codes", "scales", "ids", "centroids", "positions", "bf16", "workspace")
-PREFETCH_BYTES = 512 << 20  # the largest staging window (BF16 K + V) decoded ahead (Self-Forcing: 21 frames, 230 MB)
-PREFETCH_AT = ("after", "before", "split")  # where the next layer's decode is queued: after / just before a layer's
-# SDPA, or its keys before and its values after
+PREFETCH_BYTES = 1 << 30  # the largest staging window (BF16 K + V) decoded ahead: = WINDOW_BYTES, any single window
+PREFETCH_AT = ("before", "after")  # where the next layer's decode is queued: just before / after a layer's SDPA
 
 
 class _Layer:
@@ -100,8 +102,7 @@ class _Layer:
         self.pos_pending: list[torch.Tensor] = []  # pre-rope: positions [B, F, 3] of each pending chunk
         self.pos_hist: list[torch.Tensor] = []  # pre-rope: positions [B, F_unit, 3] of each packed unit, oldest first
         self.done = None  # async commit: (device, CUDA event recorded after this layer's queued commit work) or None
-        self.prefetch = None  # (tail tokens, K, V, CUDA event, "kv" / "k": what is decoded): the history decoded
-        # ahead on a side stream (every
+        self.prefetch = None  # (tail tokens, K, V, CUDA event): the history decoded ahead on a side stream (every
         # commit of the layer drops it first, so a held one always matches the history)
         self.loose = None  # (K, V) of a transient write, not copied into the current zone (attend takes them)
         self.transient = False  # the current chunk came from a transient write (it serves one attention)
@@ -130,9 +131,8 @@ class KVCache:
     layers together, instead of right away (see the module docstring).
     prefetch_bytes: on CUDA, while a layer attends, the next layer's history is decoded on a side stream when its
     staging window (BF16 K + V of history and tail) takes at most this many bytes (see the module docstring); 0: no
-    prefetch. prefetch_at: "after" (the next layer's decode queued once the layer's attention is queued) or "before"
-    (queued just before the layer's SDPA call, so it can run on the SMs that attention's last wave leaves idle) or
-    "split" (keys before, values after).
+    prefetch. prefetch_at: "before" (the next layer's decode queued just before a layer's SDPA call, so it runs on
+    the SMs the attention's last wave leaves idle) or "after" (once the SDPA call is queued).
     compress_preset: on CUDA, the compress kernels' preset (a kernels/compress.py COMPRESS_VARIANTS name); None: the
     method's entry in COMMIT_PRESETS, else the kernels' default "auto" (picked by shape). Same compression either way
     (ids equal, centroids up to the order of the FP32 sums).
@@ -142,7 +142,7 @@ class KVCache:
                  sink_frames: int = 0, window_frames: int | None = None, commit_every: int = 1,
                  cuda_graphs: bool = True, key_storage: str = "post-rope", async_commit: bool = True,
                  prefetch_bytes: int = PREFETCH_BYTES, defer_commits: bool = True, compress_preset: str | None = None,
-                 prefetch_at: str = "after", **options):
+                 prefetch_at: str = "before", **options):
         if method not in CACHE_METHODS:
             raise ValueError(f"unknown cache method {method!r}; choose one of: {', '.join(CACHE_METHODS)}")
         if key_storage not in KEY_STORAGE:
@@ -531,31 +531,25 @@ class KVCache:
         SDPA; afterwards the next layer's history is prefetched."""
         from .kernels.windowed_sdpa import windowed_attention
         L = self.layers[layer]
-        at, ahead = self.prefetch_at, self.layers[(layer + 1) % self.num_layers]
-        before = {"before": "kv", "split": "k"}.get(at)
+        ahead = self.layers[(layer + 1) % self.num_layers]
+        early = self.prefetch_at == "before"
         out = windowed_attention(q, *L.hist, kt, vt, scale=scale, rope=rope,
                                  decoded=self._take_prefetch(L, kt.shape[2]),
-                                 before_sdpa=(lambda: self._prefetch(ahead, kt.shape[2], before)) if before else None)
-        if at != "before":
-            self._prefetch(ahead, kt.shape[2], "v" if at == "split" else "kv")
+                                 before_sdpa=(lambda: self._prefetch(ahead, kt.shape[2])) if early else None)
+        if not early:
+            self._prefetch(ahead, kt.shape[2])
         return out
 
-    def _prefetch(self, L: _Layer, tail: int, parts: str = "kv") -> None:
+    def _prefetch(self, L: _Layer, tail: int) -> None:
         """Queue the decode of L's history (and room for a tail of `tail` tokens) on a side stream, behind the
-        current stream's work so far: it then runs beside the rest of this layer's forward instead of in line
-        before L's attention. Only when that one window takes at most `prefetch_bytes`, L holds no prefetch yet and
-        L has not been committed in this chunk (then its next read is the next chunk's, after `commit()`: nothing
-        is held across chunks). The buffers come from the current stream's pool: its later kernels use and free
-        them after waiting for the decode. parts: "kv" both, "k" the keys only (a part-done prefetch), "v" the
-        values of a part-done one."""
-        from .kernels.dequant import dequantize
-        from .kernels.windowed_sdpa import WINDOW_BYTES
+        current stream's work so far: it then runs beside this layer's attention (`prefetch_at`) instead of in line
+        before L's. Only when that one window takes at most `prefetch_bytes`, L holds no prefetch yet and L has not
+        been committed in this chunk (then its next read is the next chunk's, after `commit()`: nothing is held
+        across chunks). The buffers come from the current stream's pool: its later kernels use and free them after
+        waiting for the decode."""
+        from .kernels.windowed_sdpa import WINDOW_BYTES, decode_window
         kh, vh = L.hist
-        if parts == "v":
-            if L.prefetch is None or L.prefetch[4] != "k":
-                return
-            tail, ks, vs = L.prefetch[:3]
-        elif not self.prefetch_bytes or L.prefetch is not None or L.committed or not isinstance(kh, PackedSequence):
+        if not self.prefetch_bytes or L.prefetch is not None or L.committed or not isinstance(kh, PackedSequence):
             return
         dev = kh.tensors["codes"].device
         b, h, n, d = kh.shape
@@ -564,21 +558,17 @@ class KVCache:
         rope = self._rope_tables(L, dev) if self._pre_rope else None
         if self._pre_rope and rope is None:
             return
-        if parts != "v":
-            ks = torch.empty(b, h, n + tail, d, device=dev, dtype=torch.bfloat16)
-            vs = torch.empty_like(ks)
+        ks = torch.empty(b, h, n + tail, d, device=dev, dtype=torch.bfloat16)
+        vs = torch.empty_like(ks)
         side = _stream(self._ahead, dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         if L.done is not None:  # (a commit of L still queued on the commit stream)
             side.wait_event(L.done[1])
         with torch.cuda.stream(side):
-            if "k" in parts:
-                dequantize(kh, out=ks, rows=(0, n), rope=rope)
-            if "v" in parts:
-                dequantize(vh, out=vs, rows=(0, n))
+            decode_window(kh, vh, tail, rope, out=(ks, vs))
         event = torch.cuda.Event()
         event.record(side)
-        L.prefetch = (tail, ks, vs, event, "kv" if parts != "k" else "k")
+        L.prefetch = (tail, ks, vs, event)
 
     def _take_prefetch(self, L: _Layer, tail: int | None):
         """L's prefetched (K, V) window if it holds L's history and this tail, else None (dropped; tail None: drop
@@ -586,9 +576,9 @@ class KVCache:
         p, L.prefetch = L.prefetch, None
         if p is None:
             return None
-        t, ks, vs, event, done = p
+        t, ks, vs, event = p
         torch.cuda.current_stream(ks.device).wait_event(event)
-        if t != tail or done != "kv" or ks.shape[2] != L.hist[0].shape[2] + tail:
+        if t != tail or ks.shape[2] != L.hist[0].shape[2] + tail:
             self.prefetch_stats["dropped"] += 1
             return None
         self.prefetch_stats["used"] += 1

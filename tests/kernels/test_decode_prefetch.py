@@ -1,5 +1,5 @@
 """KVCache's decode prefetch (CUDA only): the next layer's history decoded on a side stream while a layer
-attends (queued after or just before its SDPA, or split around it) gives bitwise the same attention outputs and history as decoding in
+attends (queued just before or after its SDPA) gives bitwise the same attention outputs and history as decoding in
 line, is used in the Self-Forcing pattern (denoising forwards, then the clean re-run with per-layer commits), is
 dropped when its layer commits first, stays within its byte budget and holds nothing across `commit()` or
 `reset()`."""
