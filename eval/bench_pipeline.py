@@ -57,13 +57,11 @@ def new_cache(model, method: str, window: int, options: dict):
                    window_frames=window, key_storage="pre-rope" if "pre-rope" in flags else "post-rope",
                    async_commit="sync" not in flags, defer_commits="eager-commit" not in flags,
                    prefetch_at="after" if "prefetch-after" in flags else "before",
-                   prefetch_per_sm=6 if "decode-persist6" in flags else 0,
                    **({"prefetch_bytes": 0} if "noprefetch" in flags else {}),
                    **({} if name == "bf16" else dict(options, compress_preset=preset)))
 
 
-FLAGS = ("pre-rope", "sync", "eager-commit", "noprefetch", "prefetch-after", "decode-persist6", "plain-writes",
-         "high-priority")
+FLAGS = ("pre-rope", "sync", "eager-commit", "noprefetch", "prefetch-after", "plain-writes", "high-priority")
 
 
 def parse_method(method: str) -> tuple[str, list[str], str | None]:

@@ -63,13 +63,10 @@ def window_tokens(k_hist: PackedSequence, window_bytes: int = WINDOW_BYTES) -> i
 
 
 def decode_window(k_hist: PackedSequence, v_hist: PackedSequence, extra: int = 0,
-                  rope: RopeTables | None = None, rows: tuple[int, int] | None = None, out: tuple | None = None,
-                  per_sm: int = 0):
+                  rope: RopeTables | None = None, rows: tuple[int, int] | None = None, out: tuple | None = None):
     """History rows `rows` (default: all) decoded into BF16 [B, H, r1 - r0 + extra, D] K and V buffers (new, or
     `out`); their last `extra` rows are left for the tail. (The cache also runs it ahead of time on a side stream
-    into buffers it allocated on the main one: `KVCache(prefetch_bytes=...)`.) per_sm > 0: the dequant on a
-    persistent grid of that many programs per SM (`dequantize(progs=)`), else one program per token block."""
-    from .common import sm_count
+    into buffers it allocated on the main one: `KVCache(prefetch_bytes=...)`.)"""
     from .dequant import dequantize
     r0, r1 = rows or (0, k_hist.shape[2])
     bsz, hkv, _, d = k_hist.shape
@@ -78,9 +75,8 @@ def decode_window(k_hist: PackedSequence, v_hist: PackedSequence, extra: int = 0
                          dtype=torch.bfloat16)
         out = ks, torch.empty_like(ks)
     ks, vs = out
-    progs = max(1, per_sm * sm_count(ks.device) // (bsz * hkv)) if per_sm else 0
-    dequantize(k_hist, out=ks, rows=(r0, r1), rope=rope, progs=progs)
-    dequantize(v_hist, out=vs, rows=(r0, r1), progs=progs)
+    dequantize(k_hist, out=ks, rows=(r0, r1), rope=rope)
+    dequantize(v_hist, out=vs, rows=(r0, r1))
     return ks, vs
 
 

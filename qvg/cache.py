@@ -142,7 +142,7 @@ class KVCache:
                  sink_frames: int = 0, window_frames: int | None = None, commit_every: int = 1,
                  cuda_graphs: bool = True, key_storage: str = "post-rope", async_commit: bool = True,
                  prefetch_bytes: int = PREFETCH_BYTES, defer_commits: bool = True, compress_preset: str | None = None,
-                 prefetch_at: str = "before", prefetch_per_sm: int = 0, **options):
+                 prefetch_at: str = "before", **options):
         if method not in CACHE_METHODS:
             raise ValueError(f"unknown cache method {method!r}; choose one of: {', '.join(CACHE_METHODS)}")
         if key_storage not in KEY_STORAGE:
@@ -184,7 +184,7 @@ class KVCache:
         self._graphed = GraphedCompress() if cuda_graphs and method != "bf16" else None
         self.async_commit, self.defer_commits = async_commit, defer_commits
         self._side: dict = {}  # device -> the CUDA side stream of the async commits
-        self.prefetch_bytes, self.prefetch_at, self.prefetch_per_sm = prefetch_bytes, prefetch_at, prefetch_per_sm
+        self.prefetch_bytes, self.prefetch_at = prefetch_bytes, prefetch_at
         self._ahead: dict = {}  # device -> the CUDA side stream of the prefetched decodes
         self.prefetch_stats = {"used": 0, "dropped": 0}  # prefetched windows attended / dropped as stale
 
@@ -565,7 +565,7 @@ class KVCache:
         if L.done is not None:  # (a commit of L still queued on the commit stream)
             side.wait_event(L.done[1])
         with torch.cuda.stream(side):
-            decode_window(kh, vh, tail, rope, out=(ks, vs), per_sm=self.prefetch_per_sm)
+            decode_window(kh, vh, tail, rope, out=(ks, vs))
         event = torch.cuda.Event()
         event.record(side)
         L.prefetch = (tail, ks, vs, event)
