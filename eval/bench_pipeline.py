@@ -56,14 +56,12 @@ def new_cache(model, method: str, window: int, options: dict):
     return KVCache(30, name, chunk_frames=3, tokens_per_frame=model.tokens_per_latent_frame(*LATENT_HW),
                    window_frames=window, key_storage="pre-rope" if "pre-rope" in flags else "post-rope",
                    async_commit="sync" not in flags, defer_commits="eager-commit" not in flags,
-                   prefetch_at="after" if "prefetch-after" in flags else "beside" if "prefetch-beside" in flags
-                   else "before",
+                   prefetch_at="after" if "prefetch-after" in flags else "before",
                    **({"prefetch_bytes": 0} if "noprefetch" in flags else {}),
                    **({} if name == "bf16" else dict(options, compress_preset=preset)))
 
 
-FLAGS = ("pre-rope", "sync", "eager-commit", "noprefetch", "prefetch-after", "prefetch-beside", "plain-writes",
-         "high-priority")
+FLAGS = ("pre-rope", "sync", "eager-commit", "noprefetch", "prefetch-after", "plain-writes", "high-priority")
 
 
 def parse_method(method: str) -> tuple[str, list[str], str | None]:

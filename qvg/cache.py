@@ -84,9 +84,7 @@ KEY_STORAGE = ("post-rope", "pre-rope")
 # memory()'s components: they sum to its total
 MEMORY_COMPONENTS = ("codes", "scales", "ids", "centroids", "positions", "bf16", "workspace")
 PREFETCH_BYTES = 1 << 30  # the largest staging window (BF16 K + V) decoded ahead: = WINDOW_BYTES, any single window
-# where the next layer's decode is queued: just before / after a layer's SDPA call, or after it but waiting only for
-# the work before it ("beside")
-PREFETCH_AT = ("before", "after", "beside")
+PREFETCH_AT = ("before", "after")  # where the next layer's decode is queued: just before / after a layer's SDPA
 
 
 class _Layer:
@@ -134,8 +132,7 @@ class KVCache:
     prefetch_bytes: on CUDA, while a layer attends, the next layer's history is decoded on a side stream when its
     staging window (BF16 K + V of history and tail) takes at most this many bytes (see the module docstring); 0: no
     prefetch. prefetch_at: "before" (the next layer's decode queued just before a layer's SDPA call, so it runs on
-    the SMs the attention's last wave leaves idle), "after" (once the SDPA call is queued, behind it) or "beside"
-    (queued after the SDPA call but waiting only for the work before it).
+    the SMs the attention's last wave leaves idle) or "after" (once the SDPA call is queued).
     compress_preset: on CUDA, the compress kernels' preset (a kernels/compress.py COMPRESS_VARIANTS name); None: the
     method's entry in COMMIT_PRESETS, else the kernels' default "auto" (picked by shape). Same compression either way
     (ids equal, centroids up to the order of the FP32 sums).
@@ -534,54 +531,41 @@ class KVCache:
         SDPA; afterwards the next layer's history is prefetched."""
         from .kernels.windowed_sdpa import windowed_attention
         L = self.layers[layer]
-        ahead, at, held = self.layers[(layer + 1) % self.num_layers], self.prefetch_at, []
-
-        def before_sdpa():  # "before": queue the decode here; "beside": only take its buffers and mark the point
-            held.append(self._prefetch_buffers(ahead, kt.shape[2]))
-            if at == "before" and held[0] is not None:
-                self._prefetch_queue(ahead, *held[0])
+        ahead = self.layers[(layer + 1) % self.num_layers]
+        early = self.prefetch_at == "before"
         out = windowed_attention(q, *L.hist, kt, vt, scale=scale, rope=rope,
                                  decoded=self._take_prefetch(L, kt.shape[2]),
-                                 before_sdpa=before_sdpa if at != "after" else None)
-        if at == "after":
-            held.append(self._prefetch_buffers(ahead, kt.shape[2]))
-        if at != "before" and held and held[0] is not None:
-            self._prefetch_queue(ahead, *held[0])
+                                 before_sdpa=(lambda: self._prefetch(ahead, kt.shape[2])) if early else None)
+        if not early:
+            self._prefetch(ahead, kt.shape[2])
         return out
 
-    def _prefetch_buffers(self, L: _Layer, tail: int):
-        """(K, V buffers of L's window with room for `tail` tokens, its RoPE tables, an event marking the current
-        stream's work so far) for a prefetch of L, or None when none applies: only when that one window takes at
-        most `prefetch_bytes`, L holds no prefetch yet and L has not been committed in this chunk (then its next read
-        is the next chunk's, after `commit()`: nothing is held across chunks). The buffers come from the current
-        stream's pool: its later kernels use and free them after waiting for the decode."""
-        from .kernels.windowed_sdpa import WINDOW_BYTES
+    def _prefetch(self, L: _Layer, tail: int) -> None:
+        """Queue the decode of L's history (and room for a tail of `tail` tokens) on a side stream, behind the
+        current stream's work so far: it then runs beside this layer's attention (`prefetch_at`) instead of in line
+        before L's. Only when that one window takes at most `prefetch_bytes`, L holds no prefetch yet and L has not
+        been committed in this chunk (then its next read is the next chunk's, after `commit()`: nothing is held
+        across chunks). The buffers come from the current stream's pool: its later kernels use and free them after
+        waiting for the decode."""
+        from .kernels.windowed_sdpa import WINDOW_BYTES, decode_window
         kh, vh = L.hist
         if not self.prefetch_bytes or L.prefetch is not None or L.committed or not isinstance(kh, PackedSequence):
-            return None
+            return
         dev = kh.tensors["codes"].device
         b, h, n, d = kh.shape
         if dev.type != "cuda" or 2 * b * h * (n + tail) * d * 2 > min(self.prefetch_bytes, WINDOW_BYTES):
-            return None
+            return
         rope = self._rope_tables(L, dev) if self._pre_rope else None
         if self._pre_rope and rope is None:
-            return None
+            return
         ks = torch.empty(b, h, n + tail, d, device=dev, dtype=torch.bfloat16)
-        mark = torch.cuda.Event()
-        mark.record(torch.cuda.current_stream(dev))
-        return ks, torch.empty_like(ks), rope, mark
-
-    def _prefetch_queue(self, L: _Layer, ks, vs, rope, mark) -> None:
-        """Queue the decode of L's history into (ks, vs) on a side stream, behind the current stream's work up to
-        `mark` (where the buffers were taken: whatever used their memory before is done by then)."""
-        from .kernels.windowed_sdpa import decode_window
-        tail = ks.shape[2] - L.hist[0].shape[2]
-        side = _stream(self._ahead, ks.device)
-        side.wait_event(mark)
+        vs = torch.empty_like(ks)
+        side = _stream(self._ahead, dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
         if L.done is not None:  # (a commit of L still queued on the commit stream)
             side.wait_event(L.done[1])
         with torch.cuda.stream(side):
-            decode_window(*L.hist, tail, rope, out=(ks, vs))
+            decode_window(kh, vh, tail, rope, out=(ks, vs))
         event = torch.cuda.Event()
         event.record(side)
         L.prefetch = (tail, ks, vs, event)

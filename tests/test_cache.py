@@ -348,7 +348,7 @@ def test_async_commit_option():
     for bad in (-1, True, 1.5, "1"):
         with pytest.raises(ValueError, match="prefetch_bytes must be a non-negative integer"):
             KVCache(1, "qvg", chunk_frames=CF, tokens_per_frame=TPF, prefetch_bytes=bad)
-    with pytest.raises(ValueError, match="prefetch_at must be one of before, after, beside"):
+    with pytest.raises(ValueError, match="prefetch_at must be one of before, after"):
         KVCache(1, "qvg", chunk_frames=CF, tokens_per_frame=TPF, prefetch_at="during")
     # on the CPU there is no side stream: both settings commit in line, with the same result
     caches = [KVCache(1, "qvg", chunk_frames=CF, tokens_per_frame=TPF, window_frames=2 * CF, async_commit=flag,
