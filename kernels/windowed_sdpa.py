@@ -10,7 +10,7 @@ exists: the transient is one window of one layer (`WINDOW_BYTES` of K + V), what
 When the history and the tail fit one window (the common case: a rolling window of a few dozen latent frames),
 the tail is copied behind the decoded history and one plain SDPA call does it all (no merge). That window can be
 decoded ahead of time (`decode_window`, then `windowed_attention(..., decoded=...)`): the cache does so on a side
-stream while the previous layer finishes (`KVCache(prefetch_bytes=...)`).
+stream while the previous layer attends (`KVCache(prefetch_bytes=..., prefetch_at=...)`).
 Reference: qvg.attention.attend_reference (tests/kernels/test_windowed_sdpa.py).
 """
 from __future__ import annotations

@@ -40,17 +40,18 @@ Per layer, three zones, for keys and values alike ([B, H, tokens, D], H = kv hea
   CPU decode the history first (the reference path). The BF16 zones are one contiguous buffer, read as a view.
 - Decode prefetch (`prefetch_bytes`, `prefetch_at`; CUDA only): just before a layer's SDPA call is queued, the
   next layer's history is decoded into its staging window on a second side stream. The GPU hands the decode the
-  SMs that the attention's last wave leaves idle, so it is all but hidden (a 21-frame Self-Forcing chunk: 14.9 of
-  its 15.1 ms of decode ran during attention; in line it would add ~13.8 ms). Queued after the SDPA call
-  (`prefetch_at="after"`, the placement before 2368c9e) it waits behind the persistent GEMMs that follow and mostly
-  runs while the forward waits for it (9.9 of 12.8 ms; eval/results/pipeline-h100.md). Only when history and tail
-  fit one window of at most `prefetch_bytes` (1 GiB, the largest staging window, by default: Self-Forcing histories
-  up to ~112 latent frames). The prefetched window is alive beside the layer's own: a chunk's peak above the
-  resident cache is ~530 MiB at 21 frames and ~1.24 GiB at 60 (~220 MiB / ~660 MiB without prefetch). Like the
-  staging window itself it is attention workspace, not counted by `memory()`. A commit of the layer drops its
-  prefetch; one whose tail length no longer matches is dropped too, and the layer decodes in line. The last layer
-  prefetches the first one for the next forward, except after the first layer's commit in this chunk: nothing is
-  held across `commit()`. Bitwise the same outputs as without.
+  SMs that the attention's last wave leaves idle. In a 21-frame Self-Forcing chunk, 14.9 of qvg's 15.1 ms of decode
+  ran during attention (in line it would add ~13.8 ms), and about three quarters of qvg-pro's four-stage decode.
+  Queued after the SDPA call (`prefetch_at="after"`, the default before 525b5c6) it waits behind the persistent
+  GEMMs that follow and mostly runs while the forward waits for it (qvg: 9.9 of 12.8 ms;
+  eval/results/pipeline-h100.md). Only when history and tail fit one window of at most `prefetch_bytes` (1 GiB, the
+  largest staging window, by default: Self-Forcing histories up to ~112 latent frames). The prefetched window is
+  alive beside the layer's own: a chunk's peak above the resident cache is ~530 MiB at 21 frames (~450 MiB with the
+  decode queued after the SDPA call) and ~1.24 GiB at 60 (~660 MiB decoding in line). Like the staging window
+  itself it is attention workspace, not counted by `memory()`. A commit of the layer drops its prefetch; one whose
+  tail length no longer matches is dropped too, and the layer decodes in line. The last layer prefetches the first
+  one for the next forward, except after the first layer's commit in this chunk: nothing is held across
+  `commit()`. Bitwise the same outputs as without.
 - Key storage (`key_storage`): "post-rope" packs the keys as written (after RoPE: Self-Forcing's layout);
   "pre-rope" (rtn / qvg / qvg-pro) turns each key back to before RoPE when it is packed and rotates it again when it
   is read, so k-means groups keys by content rather than by position (eval/results/rope_storage.md: 1.8x lower
