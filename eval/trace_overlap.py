@@ -98,7 +98,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     from .bench_kernels import gpu_tag, result_header, write_result
-    t0 = time.time()
+    t0, header = time.time(), result_header("trace_overlap", argv)  # (the date is the run's start)
     model = wan_model()
     rows = []
     with torch.no_grad():
@@ -112,7 +112,7 @@ def main(argv=None) -> int:
             print(method, json.dumps({k: v for k, v in row.items() if isinstance(v, dict)}), flush=True)
             del cache, chunk
             torch.cuda.empty_cache()
-            res = {**result_header("trace_overlap", argv), "rows": rows}
+            res = {**header, "rows": rows}
             write_result(res, args.out, f"trace-overlap-{gpu_tag(res['device'])}.json", t0)
     return 0
 

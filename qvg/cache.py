@@ -39,19 +39,20 @@ Per layer, three zones, for keys and values alike ([B, H, tokens, D], H = kv hea
   attended by torch's SDPA (cuDNN), windows merged by log-sum-exp (kernels/windowed_sdpa.py); kivi / quarot and
   CPU decode the history first (the reference path). The BF16 zones are one contiguous buffer, read as a view.
 - Decode prefetch (`prefetch_bytes`, `prefetch_at`; CUDA only): just before a layer's SDPA call is queued, the
-  next layer's history is decoded into its staging window on a second side stream. The GPU hands the decode the
-  SMs that the attention's last wave leaves idle. In a 21-frame Self-Forcing chunk, 14.9 of qvg's 15.1 ms of decode
-  ran during attention (in line it would add ~13.8 ms), and about three quarters of qvg-pro's four-stage decode.
-  Queued after the SDPA call (`prefetch_at="after"`, the default before 525b5c6) it waits behind the persistent
-  GEMMs that follow and mostly runs while the forward waits for it (qvg: 9.9 of 12.8 ms;
-  eval/results/pipeline-h100.md). Only when history and tail fit one window of at most `prefetch_bytes` (1 GiB, the
-  largest staging window, by default: Self-Forcing histories up to ~112 latent frames). The prefetched window is
-  alive beside the layer's own: a chunk's peak above the resident cache is ~530 MiB at 21 frames (~450 MiB with the
-  decode queued after the SDPA call) and ~1.24 GiB at 60 (~660 MiB decoding in line). Like the staging window
-  itself it is attention workspace, not counted by `memory()`. A commit of the layer drops its prefetch; one whose
-  tail length no longer matches is dropped too, and the layer decodes in line. The last layer prefetches the first
-  one for the next forward, except after the first layer's commit in this chunk: nothing is held across
-  `commit()`. Bitwise the same outputs as without.
+  next layer's history is decoded into its staging window on a second side stream. It then runs during the
+  attention, most likely on the SMs the attention's last wave leaves idle. In one traced 21-frame Self-Forcing
+  chunk, 14.9 of qvg's 15.1 ms of decode ran during attention (in line it would add ~13.8 ms), and 19.1 of qvg-pro's
+  23.2 ms. Queued after the SDPA call (`prefetch_at="after"`, the default before 525b5c6) it mostly ran while the
+  forward waited for it (qvg: 9.9 of 12.8 ms), probably because the GEMMs that follow hold every SM
+  (eval/results/pipeline-h100.md). Only when history and tail fit one window of at most `prefetch_bytes` (1 GiB, the
+  largest staging window, by default: Self-Forcing histories up to ~109 latent frames). The prefetched window is
+  alive beside the layer's own: a chunk's peak above the resident cache is ~530 MiB at 21 frames (~440 MiB with the
+  decode queued after the SDPA call) and ~1.21 GiB at 60 (~660 MiB decoding in line). A prefetch whose buffers
+  can't be allocated is skipped (`prefetch_stats["no_memory"]`) and that layer decodes in line. Like the staging
+  window itself the prefetched one is attention workspace, not counted by `memory()`. A commit of the layer drops
+  its prefetch; one whose tail length no longer matches is dropped too, and the layer decodes in line. The last
+  layer prefetches the first one for the next forward, except after the first layer's commit in this chunk: nothing
+  is held across `commit()`. Bitwise the same outputs as without.
 - Key storage (`key_storage`): "post-rope" packs the keys as written (after RoPE: Self-Forcing's layout);
   "pre-rope" (rtn / qvg / qvg-pro) turns each key back to before RoPE when it is packed and rotates it again when it
   is read, so k-means groups keys by content rather than by position (eval/results/rope_storage.md: 1.8x lower
@@ -132,8 +133,8 @@ class KVCache:
     layers together, instead of right away (see the module docstring).
     prefetch_bytes: on CUDA, while a layer attends, the next layer's history is decoded on a side stream when its
     staging window (BF16 K + V of history and tail) takes at most this many bytes (see the module docstring); 0: no
-    prefetch. prefetch_at: "before" (the next layer's decode queued just before a layer's SDPA call, so it runs on
-    the SMs the attention's last wave leaves idle) or "after" (once the SDPA call is queued).
+    prefetch. prefetch_at: "before" (the next layer's decode queued just before a layer's SDPA call, so it runs
+    during the attention) or "after" (once the SDPA call is queued).
     compress_preset: on CUDA, the compress kernels' preset (a kernels/compress.py COMPRESS_VARIANTS name); None: the
     method's entry in COMMIT_PRESETS, else the kernels' default "auto" (picked by shape). Same compression either way
     (ids equal, centroids up to the order of the FP32 sums).
@@ -187,7 +188,8 @@ class KVCache:
         self._side: dict = {}  # device -> the CUDA side stream of the async commits
         self.prefetch_bytes, self.prefetch_at = prefetch_bytes, prefetch_at
         self._ahead: dict = {}  # device -> the CUDA side stream of the prefetched decodes
-        self.prefetch_stats = {"used": 0, "dropped": 0}  # prefetched windows attended / dropped as stale
+        # prefetched windows attended / dropped as stale / not taken for lack of memory (that layer decodes in line)
+        self.prefetch_stats = {"used": 0, "dropped": 0, "no_memory": 0}
 
     @property
     def chunk_tokens(self) -> int:
@@ -529,7 +531,8 @@ class KVCache:
 
     def _attend_windowed(self, layer: int, q: torch.Tensor, kt, vt, scale, rope) -> torch.Tensor:
         """The GPU path: the history decoded into a staging window (or taken from this layer's prefetch), then
-        SDPA; afterwards the next layer's history is prefetched."""
+        SDPA; the next layer's history is prefetched just before the SDPA call (`prefetch_at="before"`) or after
+        it ("after")."""
         from .kernels.windowed_sdpa import windowed_attention
         L = self.layers[layer]
         ahead = self.layers[(layer + 1) % self.num_layers]
@@ -559,8 +562,11 @@ class KVCache:
         rope = self._rope_tables(L, dev) if self._pre_rope else None
         if self._pre_rope and rope is None:
             return
-        ks = torch.empty(b, h, n + tail, d, device=dev, dtype=torch.bfloat16)
-        vs = torch.empty_like(ks)
+        try:
+            ks, vs = _window_pair(b, h, n + tail, d, dev)
+        except torch.cuda.OutOfMemoryError:  # the prefetch is optional: the layer then decodes in line
+            self.prefetch_stats["no_memory"] += 1
+            return
         side = _stream(self._ahead, dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         if L.done is not None:  # (a commit of L still queued on the commit stream)
@@ -679,7 +685,7 @@ class KVCache:
         self.layers = [_Layer() for _ in range(self.num_layers)]
         self.frames = 0
         self.commits = 0
-        self.prefetch_stats = {"used": 0, "dropped": 0}
+        self.prefetch_stats = {"used": 0, "dropped": 0, "no_memory": 0}
         self._positions = None
         self._rope_memo = {}
         if self._graphed is not None:
@@ -692,6 +698,12 @@ def _preset(name: str | None):
         return contextlib.nullcontext()
     from .kernels.compress import use_variant
     return use_variant(name)
+
+
+def _window_pair(b: int, h: int, n: int, d: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty BF16 K and V staging buffers [b, h, n, d] for a prefetched window."""
+    ks = torch.empty(b, h, n, d, device=dev, dtype=torch.bfloat16)
+    return ks, torch.empty_like(ks)
 
 
 def _stream(streams: dict, dev) -> torch.cuda.Stream:

@@ -1,8 +1,8 @@
 """KVCache's decode prefetch (CUDA only): the next layer's history decoded on a side stream while a layer
 attends (queued just before or after its SDPA) gives bitwise the same attention outputs and history as decoding in
 line, is used in the Self-Forcing pattern (denoising forwards, then the clean re-run with per-layer commits), is
-dropped when its layer commits first, stays within its byte budget and holds nothing across `commit()` or
-`reset()`."""
+dropped when its layer commits first, stays within its byte budget, is skipped when its buffers can't be allocated
+and holds nothing across `commit()` or `reset()`."""
 import pytest
 import torch
 
@@ -55,7 +55,7 @@ def test_prefetch_equals_in_line(method, opts, storage, at):
     used = caches[0].prefetch_stats["used"]
     # once the history exists: every read but each chunk's first one of layer 0 (4 chunks x (3 forwards x 3 - 1))
     assert used >= 4 * (3 * LAYERS - 1), caches[0].prefetch_stats
-    assert caches[1].prefetch_stats == {"used": 0, "dropped": 0} and not caches[1]._ahead
+    assert caches[1].prefetch_stats == {"used": 0, "dropped": 0, "no_memory": 0} and not caches[1]._ahead
 
 
 def test_stale_prefetch_is_dropped():
@@ -103,3 +103,20 @@ def test_budget_and_reset():
     c.reset()  # ... and dropped (the current stream waited for it first)
     assert c.memory()["total"] == 0 and all(L.prefetch is None for L in c.layers)
 
+
+
+def test_out_of_memory_decodes_in_line(monkeypatch):
+    """A prefetch whose buffers can't be allocated is skipped (counted): the layer decodes in line, same outputs."""
+    import qvg.cache as cache_module
+
+    def no_memory(*args):
+        raise torch.cuda.OutOfMemoryError("test")
+    caches = [_cache("qvg", {"centroids": 8}, "post-rope"), _cache("qvg", {"centroids": 8}, "post-rope",
+                                                                   prefetch_bytes=0)]
+    q = torch.randn(1, 2, CF * TPF, 64, device="cuda").bfloat16()
+    monkeypatch.setattr(cache_module, "_window_pair", no_memory)
+    for i in range(3):
+        x = clustered(2 * LAYERS, 2, CF * TPF, 64, seed=95 + i).bfloat16().cuda()
+        for a, b in zip(*[_chunk(c, x, q) for c in caches]):
+            assert torch.equal(a, b)
+    assert caches[0].prefetch_stats["no_memory"] > 0 and caches[0].prefetch_stats["used"] == 0

@@ -127,3 +127,15 @@ def test_decoded_ahead_is_the_same(name, device):
     with pytest.raises(ValueError, match="do not hold one window"):  # the history fits one window, the tail not
         windowed_attention(q, kh, vh, kt, vt, window_bytes=_bytes(kh.shape[2] + 1),
                            decoded=decode_window(kh, vh, kt.shape[2]))
+
+
+@pytest.mark.parametrize("history,tokens", [(False, 10 ** 6), (True, 10 ** 6), (True, 30), (True, 130)])
+def test_before_sdpa_is_called_once(history, tokens, device):
+    """The hook (the cache queues its next prefetch there) runs once, before any SDPA call, on every path: tail
+    only, one window, several windows with the tail apart or inline; the result is unchanged."""
+    q, kt, vt = _qkv(seed=8)
+    kh, vh = _history("qvg", seed=9) if history else (None, None)
+    calls = []
+    out = _run(device, q, kh, vh, kt, vt, window_bytes=_bytes(tokens), before_sdpa=lambda: calls.append(1))
+    assert calls == [1]
+    assert torch.equal(out, _run(device, q, kh, vh, kt, vt, window_bytes=_bytes(tokens)))
