@@ -61,14 +61,20 @@ def test_matches_sklearn_lloyd(n, d, k, sep, noise, iters, seed, init_kind):
     assert km.n_iter_ <= iters
     # centroids: sklearn's after `iters` updates; ids: the assignment those centroids were updated from, i.e.
     # sklearn's labels after iters - 1 updates (our result ends on an update, sklearn's on a final assignment)
-    # (exact on one machine; another CPU's summation order may flip a near-tie token between two centroids that
-    # share a blob, so allow a handful of such tokens)
+    # (exact on one machine; another CPU's summation order, or sklearn's thread count, may flip a near-tie token
+    # between two centroids that share a blob, so allow a handful of such tokens)
     prev = sk_lloyd(x, init, iters - 1).labels_ if iters > 1 else brute_assign(x, init).numpy()
-    assert (ids.numpy() != prev).mean() <= 0.005
-    np.testing.assert_allclose(c.numpy(), km.cluster_centers_, atol=1e-2 if (ids.numpy() != prev).any() else 1e-4,
-                               rtol=0)
+    flipped = ids.numpy() != prev
+    assert flipped.mean() <= 0.005
+    # a cluster with the same members in both is the mean of the same tokens in both; a flipped token changes only
+    # the two clusters it moved between (one token moves such a centroid by ~|x - c| / size, far above rounding),
+    # and those are checked as the means of our own members
+    moved = set(ids.numpy()[flipped].tolist()) | set(prev[flipped].tolist())
+    same = [j for j in range(k) if j not in moved]
+    np.testing.assert_allclose(c.numpy()[same], km.cluster_centers_[same], atol=1e-4, rtol=0)
+    assert_cluster_means(x, ids, c)
     inertia = ours.trace[-1].item() * n  # the trace is the mean squared distance; this is the sum
-    expected = ((x.double() - torch.from_numpy(km.cluster_centers_).double()[ids]) ** 2).sum().item()
+    expected = ((x.double() - c.double()[ids]) ** 2).sum().item()
     assert abs(inertia - expected) <= 1e-4 * expected
 
 
