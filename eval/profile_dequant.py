@@ -32,25 +32,18 @@ VARIANTS = {
     "persist-s4": dict(per_sm=4),
     "persist-s6": dict(per_sm=6),
     "persist-s8": dict(per_sm=8),
-    # `per_sm` programs per SM over one region of all groups' blocks per SM (programs sharing a region tend to share
-    # an SM, and its centroid rows in L1)
-    "regions-s4": dict(per_sm=4, regions=True),
-    "regions-s6": dict(per_sm=6, regions=True),
 }
 
 
 def resolve(opts: dict, groups: int, sms: int | None = None) -> dict:
     """An option's dequantize kwargs at a shape of `groups` (batch x heads) groups on `sms` SMs (None: this GPU's):
-    per_sm -> progs per group, or with regions: per_sm x sms programs over sms regions."""
+    per_sm -> progs per group."""
     if "per_sm" not in opts:
         return dict(opts)
     if sms is None:
         from qvg.kernels.common import sm_count
         sms = sm_count(torch.device("cuda"))
-    rest = {k: v for k, v in opts.items() if k not in ("per_sm", "regions")}
-    if opts.get("regions"):
-        return {**rest, "progs": opts["per_sm"] * sms, "regions": sms}
-    return {**rest, "progs": max(1, opts["per_sm"] * sms // groups)}
+    return {**{k: v for k, v in opts.items() if k != "per_sm"}, "progs": max(1, opts["per_sm"] * sms // groups)}
 
 
 def _smi() -> str:

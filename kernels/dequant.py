@@ -66,12 +66,9 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
                     D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr,
                     OFFSET: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr, BLOCK_N: tl.constexpr,
                     ROPE: tl.constexpr, SPLIT_H: tl.constexpr, SPLIT_W: tl.constexpr, INTERP: tl.constexpr,
-                    NBLK, PROGS, PLANE_SPLIT: tl.constexpr, REGIONS: tl.constexpr = False, NREG=1, RBLK=1):
+                    NBLK, PROGS, PLANE_SPLIT: tl.constexpr):
     """Program (i, gh, q) decodes token blocks i, i + PROGS, ... (< NBLK) of group gh: every code plane, or only
-    plane q with PLANE_SPLIT (then a program gathers 1/P of each centroid row: its centroid tables stay small).
-    REGIONS (grid (PROGS, 1, 1)): the GH * NBLK blocks of all groups are cut into NREG contiguous regions of RBLK
-    blocks; program i takes every (PROGS // NREG)-th block of region i % NREG, from block i // NREG (programs i,
-    i + NREG, ... share a region: in a grid of one wave they tend to share an SM, and so its centroid rows in L1)."""
+    plane q with PLANE_SPLIT (then a program gathers 1/P of each centroid row: its centroid tables stay small)."""
     pid = tl.program_id(0)
     gh = tl.program_id(1)
     P: tl.constexpr = 8 // BITS  # planes per byte
@@ -81,19 +78,9 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
     G2: tl.constexpr = W // GROUP if GROUP < W else 1  # groups per plane
     gi = tl.arange(0, G2)
     cols = tl.arange(0, W)
-    first, step, end = pid, PROGS, NBLK
-    if REGIONS:
-        first, step, end = pid // NREG, PROGS // NREG, RBLK
-    for w in range(first, end, step):
-        pid_n = w
-        row_end = ROW_END
-        if REGIONS:
-            gb = (pid % NREG) * RBLK + w  # a block of all groups' blocks
-            gh = gb // NBLK
-            pid_n = gb % NBLK
-            row_end = tl.where(gb < GH * NBLK, ROW_END, 0)  # (past the last block: nothing)
+    for pid_n in range(pid, NBLK, PROGS):
         rows = ROW0 + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # tokens [ROW0, ROW_END) -> output rows [0, OUT_N)
-        rmask = rows < row_end
+        rmask = rows < ROW_END
         tok = gh.to(tl.int64) * N + rows  # flat token index
         otok = gh.to(tl.int64) * OUT_N + rows - ROW0
         m2 = rmask[:, None]
@@ -165,7 +152,7 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
 
 def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None, block_n: int = 32,
                rows: tuple[int, int] | None = None, num_warps: int = 4, rope: RopeTables | None = None,
-               progs: int = 0, plane_split: bool = False, regions: int = 0) -> torch.Tensor:
+               progs: int = 0, plane_split: bool = False) -> torch.Tensor:
     """Triton version of `qvg.decompress` (rtn / qvg / qvg-pro, per-token groups) and of
     `PackedSequence.decompress` (with `rope`: keys stored before RoPE, rotated as they are decoded).
     progs > 0: that many programs per group (and plane) loop over the token blocks; plane_split: one program per
@@ -192,23 +179,16 @@ def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None,
     dummy = t["codes"]
     k = t["centroids"].shape[-2] if stages else 1
     nblk = triton.cdiv(r1 - r0, block_n)
-    rb = 1
-    if regions > 0:  # progs programs over `regions` regions of all groups' blocks (see the kernel)
-        if plane_split or progs < regions or progs % regions:
-            raise ValueError(f"regions={regions} needs progs a multiple of it and no plane_split, got progs={progs}")
-        rb = triton.cdiv(b * h * nblk, regions)
-        grid = (progs, 1, 1)
-    else:
-        progs = nblk if progs <= 0 else min(progs, nblk)
-        grid = (progs, b * h, 8 // spec.bits if plane_split else 1)
+    progs = nblk if progs <= 0 else min(progs, nblk)
+    planes = 8 // spec.bits if plane_split else 1
+    grid = (progs, b * h, planes)
     _dequant_kernel[grid](
         t["codes"], raw_view(t["scale"]), raw_view(t["zero"]) if "zero" in t else dummy,
         t.get("tscale", dummy), t["ids"] if stages else dummy,
         t["centroids"] if stages else dummy, out, n, chunk_len, n // chunk_len, k, b * h, r0, r1, out.shape[2],
         *_rope_args(rope, dummy), D=d, STAGES=stages, BLOCK_N=block_n, ROPE=rope is not None,
         SPLIT_H=rope.split[0] if rope else 0, SPLIT_W=rope.split[1] if rope else 0, INTERP=INTERPRET,
-        NBLK=nblk, PROGS=progs, PLANE_SPLIT=plane_split, REGIONS=regions > 0, NREG=max(regions, 1), RBLK=rb,
-        num_warps=num_warps, enable_fp_fusion=False,
+        NBLK=nblk, PROGS=progs, PLANE_SPLIT=plane_split, num_warps=num_warps, enable_fp_fusion=False,
         **grid_constants(spec))
     return out
 

@@ -30,11 +30,7 @@ def test_options_are_dequantize_keywords():
         assert set(kw) - {"per_sm"} <= params, name  # (per_sm: resolved to progs per shape)
         if "per_sm" in kw:
             got = profile_dequant.resolve(kw, 12, sms=132)
-            assert set(got) <= params, name
-            if kw.get("regions"):  # per_sm x SMs programs over one region per SM
-                assert got["progs"] == kw["per_sm"] * 132 and got["regions"] == 132, name
-            else:
-                assert got["progs"] == kw["per_sm"] * 11, name
+            assert set(got) <= params and got["progs"] == kw["per_sm"] * 11, name
 
 
 def test_baseline_info_names_the_file_by_hash(tmp_path):
