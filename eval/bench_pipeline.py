@@ -46,7 +46,7 @@ def new_cache(model, method: str, window: int, options: dict):
     forward instead of on the cache's side stream (KVCache async_commit=False); side-stream commits queued by each
     layer's commit_layer (KVCache defer_commits=False); every history decoded in line before its attention (KVCache
     prefetch_bytes=0), or its prefetch queued after each SDPA call instead of just before it (prefetch_at="after", the
-    placement before 2368c9e); plain-writes: the chunk's denoising steps write as the re-run does, not transient;
+    default before 525b5c6); plain-writes: the chunk's denoising steps write as the re-run does, not transient;
     high-priority: the chunk runs on a high-priority CUDA stream, so the cache's side streams (prefetched decodes,
     queued commits) get only the SMs its kernels leave idle (these two flags are read by `method_runner`; the cache
     ignores them); compress=PRESET: the cache compresses with

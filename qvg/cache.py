@@ -35,20 +35,20 @@ Per layer, three zones, for keys and values alike ([B, H, tokens, D], H = kv hea
   `read` waits for that layer's queued commit (a read before `commit()` queues the layer's deferred commit first).
   Bitwise the same history as synchronous commits.
 - `attend(layer, q)`: attention of q over sink + history + pending + current. On CUDA the history of rtn / qvg /
-  qvg-pro is decoded window by window (<= 1 GiB of one layer's BF16 K + V, never the whole history) and
-  attended by torch's SDPA (cuDNN), windows merged by log-sum-exp (kernels/windowed_sdpa.py); kivi / quarot and
-  CPU decode the history first (the reference path). The BF16 zones are one contiguous buffer, read as a view.
+  qvg-pro is decoded window by window (<= 1 GiB of one layer's BF16 K + V, plus the next layer's prefetched window;
+  never the whole history) and attended by torch's SDPA (cuDNN), windows merged by log-sum-exp
+  (kernels/windowed_sdpa.py); kivi / quarot and CPU decode the history first (the reference path). The BF16 zones are one contiguous buffer, read as a view.
 - Decode prefetch (`prefetch_bytes`, `prefetch_at`; CUDA only): just before a layer's SDPA call is queued, the
   next layer's history is decoded into its staging window on a second side stream. It then runs during the
   attention, most likely on the SMs the attention's last wave leaves idle. In one traced 21-frame Self-Forcing
-  chunk, 14.9 of qvg's 15.1 ms of decode ran during attention (in line it would add ~13.8 ms), and 19.1 of qvg-pro's
-  23.2 ms. Queued after the SDPA call (`prefetch_at="after"`, the default before 525b5c6) it mostly ran while the
+  chunk, 14.9 of qvg's 15.1 ms of decode ran during attention, and 19.1 of qvg-pro's 23.2 ms. Queued after the SDPA call (`prefetch_at="after"`, the default before 525b5c6) it mostly ran while the
   forward waited for it (qvg: 9.9 of 12.8 ms), probably because the GEMMs that follow hold every SM
   (eval/results/pipeline-h100.md). Only when history and tail fit one window of at most `prefetch_bytes` (1 GiB, the
   largest staging window, by default: Self-Forcing histories up to ~109 latent frames). The prefetched window is
   alive beside the layer's own: a chunk's peak above the resident cache is ~530 MiB at 21 frames (~440 MiB with the
   decode queued after the SDPA call) and ~1.21 GiB at 60 (~660 MiB decoding in line). A prefetch whose buffers
-  can't be allocated is skipped (`prefetch_stats["no_memory"]`) and that layer decodes in line. Like the staging
+  can't be allocated is skipped (`prefetch_stats["no_memory"]`): that layer decodes in line, and no other prefetch
+  is tried until `commit()` (each failed allocation makes the allocator free its cache first). Like the staging
   window itself the prefetched one is attention workspace, not counted by `memory()`. A commit of the layer drops
   its prefetch; one whose tail length no longer matches is dropped too, and the layer decodes in line. The last
   layer prefetches the first one for the next forward, except after the first layer's commit in this chunk: nothing
@@ -188,6 +188,7 @@ class KVCache:
         self._side: dict = {}  # device -> the CUDA side stream of the async commits
         self.prefetch_bytes, self.prefetch_at = prefetch_bytes, prefetch_at
         self._ahead: dict = {}  # device -> the CUDA side stream of the prefetched decodes
+        self._prefetch_off = False  # a prefetch ran out of memory in this chunk: none until commit()
         # prefetched windows attended / dropped as stale / not taken for lack of memory (that layer decodes in line)
         self.prefetch_stats = {"used": 0, "dropped": 0, "no_memory": 0}
 
@@ -300,6 +301,7 @@ class KVCache:
         # no join: each layer's next write / attend / read waits for its own queued commit, so the queued work runs
         # on into the next chunk's first forward
         self._positions = None  # the next chunk's must be given again
+        self._prefetch_off = False
         self.frames += self.chunk_frames
         self.commits += 1
 
@@ -553,19 +555,21 @@ class KVCache:
         waiting for the decode."""
         from .kernels.windowed_sdpa import WINDOW_BYTES, decode_window
         kh, vh = L.hist
-        if not self.prefetch_bytes or L.prefetch is not None or L.committed or not isinstance(kh, PackedSequence):
+        if (not self.prefetch_bytes or self._prefetch_off or L.prefetch is not None or L.committed
+                or not isinstance(kh, PackedSequence)):
             return
         dev = kh.tensors["codes"].device
         b, h, n, d = kh.shape
         if dev.type != "cuda" or 2 * b * h * (n + tail) * d * 2 > min(self.prefetch_bytes, WINDOW_BYTES):
             return
-        rope = self._rope_tables(L, dev) if self._pre_rope else None
-        if self._pre_rope and rope is None:
-            return
         try:
+            rope = self._rope_tables(L, dev) if self._pre_rope else None
+            if self._pre_rope and rope is None:
+                return
             ks, vs = _window_pair(b, h, n + tail, d, dev)
-        except torch.cuda.OutOfMemoryError:  # the prefetch is optional: the layer then decodes in line
-            self.prefetch_stats["no_memory"] += 1
+        except torch.cuda.OutOfMemoryError:  # the prefetch is optional: the layer then decodes in line, and no
+            self.prefetch_stats["no_memory"] += 1  # other prefetch is tried before commit() (each failure makes the
+            self._prefetch_off = True  # allocator free its whole cache first)
             return
         side = _stream(self._ahead, dev)
         side.wait_stream(torch.cuda.current_stream(dev))
@@ -686,6 +690,7 @@ class KVCache:
         self.frames = 0
         self.commits = 0
         self.prefetch_stats = {"used": 0, "dropped": 0, "no_memory": 0}
+        self._prefetch_off = False
         self._positions = None
         self._rope_memo = {}
         if self._graphed is not None:

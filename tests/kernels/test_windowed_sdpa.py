@@ -129,10 +129,11 @@ def test_decoded_ahead_is_the_same(name, device):
                            decoded=decode_window(kh, vh, kt.shape[2]))
 
 
-@pytest.mark.parametrize("history,tokens", [(False, 10 ** 6), (True, 10 ** 6), (True, 30), (True, 130)])
+@pytest.mark.parametrize("history,tokens", [(False, 10 ** 6), (True, 10 ** 6), (True, 30), (True, 50), (True, 130)])
 def test_before_sdpa_is_called_once(history, tokens, device):
     """The hook (the cache queues its next prefetch there) runs once, before any SDPA call, on every path: tail
-    only, one window, several windows with the tail apart or inline; the result is unchanged."""
+    only; history and tail in one window; several windows with the tail apart (30) or inline (50); one history window
+    with the tail apart (130); the result is unchanged."""
     q, kt, vt = _qkv(seed=8)
     kh, vh = _history("qvg", seed=9) if history else (None, None)
     calls = []
