@@ -37,12 +37,14 @@ Per layer, three zones, for keys and values alike ([B, H, tokens, D], H = kv hea
 - `attend(layer, q)`: attention of q over sink + history + pending + current. On CUDA the history of rtn / qvg /
   qvg-pro is decoded window by window (<= 1 GiB of one layer's BF16 K + V, plus the next layer's prefetched window;
   never the whole history) and attended by torch's SDPA (cuDNN), windows merged by log-sum-exp
-  (kernels/windowed_sdpa.py); kivi / quarot and CPU decode the history first (the reference path). The BF16 zones are one contiguous buffer, read as a view.
+  (kernels/windowed_sdpa.py); kivi / quarot and CPU decode the history first (the reference path). The BF16 zones
+  are one contiguous buffer, read as a view.
 - Decode prefetch (`prefetch_bytes`, `prefetch_at`; CUDA only): just before a layer's SDPA call is queued, the
   next layer's history is decoded into its staging window on a second side stream. It then runs during the
   attention, most likely on the SMs the attention's last wave leaves idle. In one traced 21-frame Self-Forcing
-  chunk, 14.9 of qvg's 15.1 ms of decode ran during attention, and 19.1 of qvg-pro's 23.2 ms. Queued after the SDPA call (`prefetch_at="after"`, the default before 525b5c6) it mostly ran while the
-  forward waited for it (qvg: 9.9 of 12.8 ms), probably because the GEMMs that follow hold every SM
+  chunk, 14.9 of qvg's 15.1 ms of decode ran during attention, and 19.1 of qvg-pro's 23.2 ms. Queued after the
+  SDPA call (`prefetch_at="after"`, the default before 525b5c6) it mostly ran while the main stream was idle (qvg:
+  9.9 of 12.8 ms), probably waiting for it because the GEMMs that follow hold every SM
   (eval/results/pipeline-h100.md). Only when history and tail fit one window of at most `prefetch_bytes` (1 GiB, the
   largest staging window, by default: Self-Forcing histories up to ~109 latent frames). The prefetched window is
   alive beside the layer's own: a chunk's peak above the resident cache is ~530 MiB at 21 frames (~440 MiB with the
