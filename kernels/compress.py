@@ -42,11 +42,6 @@ COMPRESS_VARIANTS = {
 }
 # "fast" with the pack's code planes ORed byte by byte (as before the 32-bit words), for same-run timing
 COMPRESS_VARIANTS["fast-bytes"] = dict(COMPRESS_VARIANTS["fast"], pack_kw=dict(_FAST["pack_kw"], words=False))
-# "fast" with the persistent assignment's centroid tile loaded in every token block, and / or its packed argmin
-# (kernels/kmeans.py `assign`'s c_in_loop / packed), for same-run timing
-for _name, _kw in (("fast-cloop", dict(c_in_loop=True)), ("fast-packed", dict(packed=True)),
-                   ("fast-cloop-packed", dict(c_in_loop=True, packed=True))):
-    COMPRESS_VARIANTS[_name] = dict(COMPRESS_VARIANTS["fast"], assign_kw=dict(_FAST["assign_kw"], **_kw))
 # The default, "auto", picks one of them by shape (`pick_variant`); COMPRESS_VARIANT is the switch, and
 # `compress_prq(..., variant=)` overrides it per call.
 COMPRESS_VARIANT = "auto"

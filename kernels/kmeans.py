@@ -89,20 +89,16 @@ def _segment_mean_kernel(x_ptr, order_ptr, bounds_ptr, c_old_ptr, c_new_ptr, N, 
 @triton.jit
 def _assign_min_kernel(x_ptr, c_ptr, csq_ptr, ids_ptr, dist_ptr, N, K, NBLK, PROGS, D: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr, WANT_DIST: tl.constexpr,
-                       INTERP: tl.constexpr, C_IN_LOOP: tl.constexpr = False, PACKED: tl.constexpr = False):
+                       INTERP: tl.constexpr):
     """`_assign_kernel`'s result (same distances, ties -> lowest id) with ONE (value, index) reduction per token:
     all K centroids in one tile (ONE_TILE), or an elementwise running minimum over the centroid tiles (strict <:
     the earlier tile keeps a tie) reduced once at the end. Program p of a group takes token blocks p, p + PROGS,
-    ... (PROGS < NBLK: persistent; a single tile is then loaded once per program into registers, and stored to
-    shared memory for every block's dot). C_IN_LOOP (ONE_TILE): the tile is loaded in every block instead (async
-    copies to shared memory, no registers held: 64 KB from L2 per block at K = 256). PACKED (ONE_TILE, K <= 256):
-    the argmin is one integer min over keys (`_assign_kernel`'s packed form: ties within 2^-15 relative go to the
-    lower id, the distance returned is the truncated one)."""
+    ... (PROGS < NBLK: persistent; a single tile is then loaded once per program)."""
     pid = tl.program_id(0)
     g = tl.program_id(1).to(tl.int64)
     dcols = tl.arange(0, D)
     kt = tl.arange(0, BLOCK_K)
-    if ONE_TILE and not C_IN_LOOP:
+    if ONE_TILE:
         c1 = tl.load(c_ptr + (g * K + kt)[:, None] * D + dcols[None, :], mask=(kt < K)[:, None], other=0.0)
         csq1 = tl.load(csq_ptr + g * K + kt, mask=kt < K, other=float("inf"))
     for blk in range(pid, NBLK, PROGS):
@@ -110,19 +106,8 @@ def _assign_min_kernel(x_ptr, c_ptr, csq_ptr, ids_ptr, dist_ptr, N, K, NBLK, PRO
         rmask = rows < N
         x = tl.load(x_ptr + (g * N + rows)[:, None] * D + dcols[None, :], mask=rmask[:, None], other=0.0)
         if ONE_TILE:
-            if C_IN_LOOP:
-                c1 = tl.load(c_ptr + (g * K + kt)[:, None] * D + dcols[None, :], mask=(kt < K)[:, None], other=0.0)
-                csq1 = tl.load(csq_ptr + g * K + kt, mask=kt < K, other=float("inf"))
             d = csq1[None, :] - 2.0 * dot_bf16(x, tl.trans(c1), tl.zeros((BLOCK_N, BLOCK_K), tl.float32), INTERP)
-            if PACKED:
-                u = d.to(tl.int32, bitcast=True)
-                key = tl.where((kt < K)[None, :], ((u ^ ((u >> 31) & 0x7FFFFFFF)) & -256) | kt[None, :], 0x7FFFFFFF)
-                kb = tl.min(key, 1)
-                best_id = kb & 255
-                kb = kb & -256
-                best = (kb ^ ((kb >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-            else:
-                best, best_id = tl.min(d, 1, return_indices=True)
+            best, best_id = tl.min(d, 1, return_indices=True)
         else:
             run = tl.full((BLOCK_N, BLOCK_K), float("inf"), tl.float32)
             base = tl.zeros((BLOCK_N, BLOCK_K), tl.int32)
@@ -146,17 +131,14 @@ ASSIGN_MODES = ("tiles", "min")
 
 
 def assign(x: torch.Tensor, c: torch.Tensor, want_dist: bool = False, block_n: int = 64, block_k: int = 64,
-           num_warps: int = 4, num_stages: int = 2, packed: bool = False, mode: str = "tiles", progs: int = 0,
-           c_in_loop: bool = False):
+           num_warps: int = 4, num_stages: int = 2, packed: bool = False, mode: str = "tiles", progs: int = 0):
     """x [G, N, D] (bf16/fp32), c [G, K, D] fp32 -> (ids [G, N] narrow dtype, squared distance [G, N] or None).
     packed (K <= 256; measured no faster on an H100, eval/results/profile-compress-h100.json): the argmin is one
     integer min over (distance with its last 8 mantissa bits replaced by the id): ties within 2^-15 relative go to
     the lower id, the returned distance is that truncated value.
     mode "min" (`_assign_min_kernel`, same result as "tiles"): one reduction per token; block_k >= K puts all
     centroids in one tile; progs > 0: that many programs per group loop over the token blocks (persistent);
-    progs="auto": about two programs per SM over all groups (at least one per group); there, with one tile,
-    c_in_loop loads the centroid tile in every token block (`_assign_min_kernel`'s C_IN_LOOP) and packed is the
-    packed argmin."""
+    progs="auto": about two programs per SM over all groups (at least one per group)."""
     if mode not in ASSIGN_MODES:
         raise ValueError(f"unknown assign mode {mode!r}; choose one of {ASSIGN_MODES}")
     g, n, d = x.shape
@@ -174,8 +156,7 @@ def assign(x: torch.Tensor, c: torch.Tensor, want_dist: bool = False, block_n: i
         progs = nblk if progs <= 0 else min(progs, nblk)
         _assign_min_kernel[(progs, g)](x.contiguous(), c, csq, ids, dist, n, k, nblk, progs, D=d, BLOCK_N=block_n,
                                        BLOCK_K=block_k, ONE_TILE=block_k >= k, WANT_DIST=want_dist,
-                                       INTERP=INTERPRET, C_IN_LOOP=c_in_loop, PACKED=packed and k <= 256,
-                                       num_warps=num_warps, num_stages=num_stages)
+                                       INTERP=INTERPRET, num_warps=num_warps, num_stages=num_stages)
         return ids, (dist if want_dist else None)
     _assign_kernel[(triton.cdiv(n, block_n), g)](x.contiguous(), c, csq, ids, dist, n, k, D=d, BLOCK_N=block_n,
                                                  BLOCK_K=block_k,
