@@ -42,6 +42,9 @@ COMPRESS_VARIANTS = {
 }
 # "fast" with the pack's code planes ORed byte by byte (as before the 32-bit words), for same-run timing
 COMPRESS_VARIANTS["fast-bytes"] = dict(COMPRESS_VARIANTS["fast"], pack_kw=dict(_FAST["pack_kw"], words=False))
+# "fast" with the persistent assignment's centroid tile loaded through a TMA descriptor (kernels/kmeans.py `assign`'s
+# tma), for same-run timing
+COMPRESS_VARIANTS["fast-tma"] = dict(COMPRESS_VARIANTS["fast"], assign_kw=dict(_FAST["assign_kw"], tma=True))
 # The default, "auto", picks one of them by shape (`pick_variant`); COMPRESS_VARIANT is the switch, and
 # `compress_prq(..., variant=)` overrides it per call.
 COMPRESS_VARIANT = "auto"
