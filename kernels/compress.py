@@ -22,16 +22,18 @@ from .quantize import _residual, quantize_packed
 # `quantize_packed` (pack_kw). "fast" was chosen at the LongCat span ([1, 32, 29640, 128], K=256) piece by piece in
 # `python -m qvg.eval.profile_compress --variants` sweeps (eval/results/profile-compress-variants-h100*.json):
 # one-reduction persistent assignment (progs="auto": ~2 programs per SM), counting-sort segmented-sum update, fused
-# reseeding, fused pack. Its update sums 16 rows per step (39 registers against 56 for 32 rows under ncu; no slower
-# in one run, kernels-h100.headmax-72b904b.json) and orders each block's tokens by counted ranks, 64 at a time on one
+# reseeding, fused pack. The assignment prefetches its token tiles 3 deep (num_stages=3: 0.173 against 0.193 ms
+# with 2 at the LongCat span, whole compress 3.4% / 3.6% faster for qvg / qvg-pro in one run, kernels-h100.md).
+# Its update sums 16 rows per step (39 registers against 56 for 32 rows under ncu; no slower in one run,
+# kernels-h100.headmax-72b904b.json) and orders each block's tokens by counted ranks, 64 at a time on one
 # warp, not a sort (whole compress 3.5% / 3.7% faster for qvg / qvg-pro in one run, kernels-h100.compress-6b0c1ca.json).
 # "fast-sort" is "fast" with the block sort (tl.sort), as before 6b0c1ca; "fast-onehot" / "fast-onehot-1024" take
 # the one-hot tensor-core update instead, on 512- / 1024-token splits. "current" (tiled assignment, one-hot update,
 # torch reseeding, two-kernel pack: what kernels-h100.md measured before "fast") stays for those sweeps to time
 # against. All of them return the same ids, and centroids up to the order in which the FP32 cluster sums are added.
 _FAST_UPDATE = dict(method="segsum", item=256, rows=16, num_warps=4, num_stages=3, sort_block=1024)
-_FAST = dict(assign_kw=dict(mode="min", block_n=64, block_k=256, num_warps=4, progs="auto"), reseed="fused",
-             pack_kw=dict(fused=True, block_n=32, num_warps=4))
+_FAST = dict(assign_kw=dict(mode="min", block_n=64, block_k=256, num_warps=4, num_stages=3, progs="auto"),
+             reseed="fused", pack_kw=dict(fused=True, block_n=32, num_warps=4))
 _ONEHOT_UPDATE = dict(method="onehot", block_k=64, block_n=32, num_warps=4)
 COMPRESS_VARIANTS = {
     "current": dict(assign_kw={}, update_kw={}, reseed="torch", pack_kw={}),
@@ -40,11 +42,10 @@ COMPRESS_VARIANTS = {
     "fast-onehot": dict(_FAST, update_kw=dict(_ONEHOT_UPDATE, chunk=512)),
     "fast-onehot-1024": dict(_FAST, update_kw=dict(_ONEHOT_UPDATE, chunk=1024)),
 }
+# "fast" with the assignment's token tiles prefetched 2 deep (as before the 3-deep default), for same-run timing
+COMPRESS_VARIANTS["fast-s2"] = dict(COMPRESS_VARIANTS["fast"], assign_kw=dict(_FAST["assign_kw"], num_stages=2))
 # "fast" with the pack's code planes ORed byte by byte (as before the 32-bit words), for same-run timing
 COMPRESS_VARIANTS["fast-bytes"] = dict(COMPRESS_VARIANTS["fast"], pack_kw=dict(_FAST["pack_kw"], words=False))
-# "fast" with the persistent assignment's centroid tile loaded through a TMA descriptor (kernels/kmeans.py `assign`'s
-# tma), for same-run timing
-COMPRESS_VARIANTS["fast-tma"] = dict(COMPRESS_VARIANTS["fast"], assign_kw=dict(_FAST["assign_kw"], tma=True))
 # The default, "auto", picks one of them by shape (`pick_variant`); COMPRESS_VARIANT is the switch, and
 # `compress_prq(..., variant=)` overrides it per call.
 COMPRESS_VARIANT = "auto"
