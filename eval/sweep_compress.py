@@ -22,7 +22,8 @@ import time
 import torch
 
 ASSIGN = {
-    "a64w4auto": dict(mode="min", block_n=64, block_k=256, num_warps=4, progs="auto"),  # "fast"
+    "a64w4auto": dict(mode="min", block_n=64, block_k=256, num_warps=4, progs="auto"),  # "fast" before 3d1d3ad
+    "a64w4s3auto": dict(mode="min", block_n=64, block_k=256, num_warps=4, num_stages=3, progs="auto"),  # "fast"
     "a64w8": dict(mode="min", block_n=64, block_k=256, num_warps=8),
     "a128w8s3": dict(mode="min", block_n=128, block_k=256, num_warps=8, num_stages=3),
     "a32w4auto": dict(mode="min", block_n=32, block_k=256, num_warps=4, progs="auto"),
