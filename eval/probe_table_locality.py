@@ -1,5 +1,5 @@
 """Probe (GPU): does the four-stage decode's speed depend on how many centroid tables the resident blocks touch?
-`python -m qvg.eval.probe_table_locality` prints one JSON line. It decodes a 12 x 32,760-token history at K = 64
+`python -m qvg.eval.probe_table_locality` prints each timing, then all of them as one JSON line. It decodes a 12 x 32,760-token history at K = 64
 three ways: as 7 chunks of 4,680 tokens (the pipeline's 21-frame read: 7 table sets per head) whose chunks are
 one pack repeated or 7 packs of their own, and as one pack of the whole span (one table set per head), with the
 default grid and 64-token blocks; best of 5 do_bench medians each. Result: eval/results/probe-table-locality-h100.json."""
@@ -31,7 +31,7 @@ def main() -> int:
             out = dequantize(p)
             for kw in ({}, {"block_n": 64, "num_warps": 4}):
                 ms = min(bench(lambda: dequantize(p, out=out, **kw), warmup=10, rep=50) for _ in range(5))  # noqa: B023
-                row = {"method": method, "case": name, "kw": kw, "ms": ms}
+                row = {"method": method, "case": name, "kwargs": kw, "ms": ms}
                 res["rows"].append(row)
                 print(row, flush=True)
     res["ceilings"] = ceilings(False)

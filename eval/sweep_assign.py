@@ -2,7 +2,8 @@
 sweep-assign-<gpu>.json. At the LongCat span ([1, 32, 29640, 128], K = 256, the benchmark's warm start: the
 centroids a previous chunk's compress gives), each (token block, warps, num_stages, programs per group) of
 kernels/kmeans.py `assign(mode="min", block_k=256)` is timed with triton's do_bench (best of 3) and its ids
-compared with the default tiling's (64 tokens, 4 warps, 2 stages, progs="auto": about two programs per SM)."""
+compared with those of `assign`'s own defaults there (64 tokens, 4 warps, 2 stages, progs="auto": about two programs
+per SM; the compress presets prefetch 3 deep since 3d1d3ad)."""
 from __future__ import annotations
 
 import argparse

@@ -23,7 +23,8 @@ from .quantize import _residual, quantize_packed
 # `python -m qvg.eval.profile_compress --variants` sweeps (eval/results/profile-compress-variants-h100*.json):
 # one-reduction persistent assignment (progs="auto": ~2 programs per SM), counting-sort segmented-sum update, fused
 # reseeding, fused pack. The assignment prefetches its token tiles 3 deep (num_stages=3: 0.173 against 0.193 ms
-# with 2 at the LongCat span, whole compress 3.4% / 3.6% faster for qvg / qvg-pro in one run, kernels-h100.md).
+# with 2 at the LongCat span; whole compress 3.4-5.3% faster in two runs, kernels-h100.md; a tie at the Self-Forcing
+# chunk, compress-sweep-h100.md).
 # Its update sums 16 rows per step (39 registers against 56 for 32 rows under ncu; no slower in one run,
 # kernels-h100.headmax-72b904b.json) and orders each block's tokens by counted ranks, 64 at a time on one
 # warp, not a sort (whole compress 3.5% / 3.7% faster for qvg / qvg-pro in one run, kernels-h100.compress-6b0c1ca.json).

@@ -130,7 +130,7 @@ def test_update_uint16_ids(method, device):
 
 MIN_MODES = [dict(mode="min"), dict(mode="min", block_k=256, num_warps=8), dict(mode="min", block_k=16, block_n=32),
              dict(mode="min", block_k=512, progs=2), dict(mode="min", block_n=16, progs=3),
-             dict(mode="min", block_k=256, progs=2, num_stages=3)]  # (3 x 64 KB centroid tiles at k = 300)
+             dict(mode="min", block_k=256, progs=2, num_stages=3)]  # (k = 300: two centroid tiles, 3 deep)
 
 
 @pytest.mark.parametrize("kw", MIN_MODES)
