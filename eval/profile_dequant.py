@@ -4,8 +4,8 @@
 Shapes: the benchmark's spans (LongCat [1, 32, 29640, 128] and Self-Forcing [1, 12, 37440, 128], qvg S1/B64 and
 qvg-pro S4/B16 at their default K) and the Self-Forcing pipeline's read at a 21-frame window (7 chunks of 12 x
 4,680 tokens, K = 64, as a PackedSequence). Each option of kernels/dequant.py `dequantize` (token block, warps,
-one program per code plane; `persist-s<N>[-p<D>]`: N persistent programs per SM over all groups, each loop
-software-pipelined D deep, resolved per shape to programs per group) is timed with triton's do_bench (L2 flushed before each call), the options interleaved over R
+one program per code plane; `persist-s<N>`: N persistent programs per SM over all groups, resolved per shape to
+programs per group) is timed with triton's do_bench (L2 flushed before each call), the options interleaved over R
 rounds (median of the rounds' medians), and checked bitwise against the default output. The copy bandwidth is
 measured in the same run and nvidia-smi's clocks read once at its end (one kernel's time differed by up to 17%
 between runs at one copy bandwidth: compare options within one run). `--workload`: one call of each option per
@@ -32,12 +32,6 @@ VARIANTS = {
     "persist-s4": dict(per_sm=4),
     "persist-s6": dict(per_sm=6),
     "persist-s8": dict(per_sm=8),
-    # the same with each program's loop software-pipelined `pipe` deep (kernels/dequant.py PIPE)
-    "persist-s2-p3": dict(per_sm=2, pipe=3),
-    "persist-s4-p2": dict(per_sm=4, pipe=2),
-    "persist-s4-p3": dict(per_sm=4, pipe=3),
-    "persist-s6-p2": dict(per_sm=6, pipe=2),
-    "persist-s6-p3": dict(per_sm=6, pipe=3),
 }
 
 

@@ -66,11 +66,9 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
                     D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr,
                     OFFSET: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr, BLOCK_N: tl.constexpr,
                     ROPE: tl.constexpr, SPLIT_H: tl.constexpr, SPLIT_W: tl.constexpr, INTERP: tl.constexpr,
-                    NBLK, PROGS, PLANE_SPLIT: tl.constexpr, PIPE: tl.constexpr = 1):
+                    NBLK, PROGS, PLANE_SPLIT: tl.constexpr):
     """Program (i, gh, q) decodes token blocks i, i + PROGS, ... (< NBLK) of group gh: every code plane, or only
-    plane q with PLANE_SPLIT (then a program gathers 1/P of each centroid row: its centroid tables stay small).
-    PIPE > 1 software-pipelines that loop PIPE deep (the next blocks' loads copied ahead into shared memory; 1: the
-    plain loop, the same SASS)."""
+    plane q with PLANE_SPLIT (then a program gathers 1/P of each centroid row: its centroid tables stay small)."""
     pid = tl.program_id(0)
     gh = tl.program_id(1)
     P: tl.constexpr = 8 // BITS  # planes per byte
@@ -80,7 +78,7 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
     G2: tl.constexpr = W // GROUP if GROUP < W else 1  # groups per plane
     gi = tl.arange(0, G2)
     cols = tl.arange(0, W)
-    for pid_n in tl.range(pid, NBLK, PROGS, num_stages=PIPE):
+    for pid_n in range(pid, NBLK, PROGS):
         rows = ROW0 + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # tokens [ROW0, ROW_END) -> output rows [0, OUT_N)
         rmask = rows < ROW_END
         tok = gh.to(tl.int64) * N + rows  # flat token index
@@ -154,15 +152,15 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
 
 def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None, block_n: int = 32,
                rows: tuple[int, int] | None = None, num_warps: int = 4, rope: RopeTables | None = None,
-               progs: int = 0, plane_split: bool = False, pipe: int = 1) -> torch.Tensor:
+               progs: int = 0, plane_split: bool = False) -> torch.Tensor:
     """Triton version of `qvg.decompress` (rtn / qvg / qvg-pro, per-token groups) and of
     `PackedSequence.decompress` (with `rope`: keys stored before RoPE, rotated as they are decoded).
     progs > 0: that many programs per group (and plane) loop over the token blocks; plane_split: one program per
-    code plane (1/P of each centroid row gathered per program); pipe > 1 (with progs): each program's loop over its
-    blocks is software-pipelined that deep. Every choice writes the same bits. (Tried on the
+    code plane (1/P of each centroid row gathered per program). Every choice writes the same bits. (Tried on the
     H100 and removed, eval/results/profile-dequant-h100.md: 32-bit offsets, S4/B16 1.2-3.9% slower at the benchmark
     spans and S1/B64 within the noise; persistent programs that load the next block's ids early, up to 35% slower;
-    PTX prefetch of the centroid rows, 1.3-2.9x slower.) The defaults
+    PTX prefetch of the centroid rows, 1.3-2.9x slower; persistent loops software-pipelined 2-3 deep, 12-92% slower.)
+    The defaults
     (32-token blocks, 4 warps, one program per block) were the fastest of eval/bench_kernels.py's sweep on the
     H100 for S4/B16 at both spans and for S1/B64 at the LongCat span, within 2% of the fastest (64 x 4) for S1/B64
     at the Self-Forcing span (eval/results/kernels-h100.dequant-1439d16.json, each dequant row's `configs`). `out`: a contiguous
@@ -191,8 +189,7 @@ def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None,
         t["centroids"] if stages else dummy, out, n, chunk_len, n // chunk_len, k, b * h, r0, r1, out.shape[2],
         *_rope_args(rope, dummy), D=d, STAGES=stages, BLOCK_N=block_n, ROPE=rope is not None,
         SPLIT_H=rope.split[0] if rope else 0, SPLIT_W=rope.split[1] if rope else 0, INTERP=INTERPRET,
-        NBLK=nblk, PROGS=progs, PLANE_SPLIT=plane_split, PIPE=pipe, num_warps=num_warps,
-        enable_fp_fusion=False,
+        NBLK=nblk, PROGS=progs, PLANE_SPLIT=plane_split, num_warps=num_warps, enable_fp_fusion=False,
         **grid_constants(spec))
     return out
 

@@ -124,8 +124,7 @@ def test_sequence_dequantize_rows(sequence, rows, device):
 
 
 @pytest.mark.parametrize("grid", [dict(progs=1), dict(progs=2, plane_split=True), dict(plane_split=True),
-                                  dict(progs=3, plane_split=True, block_n=16), dict(progs=2, pipe=3),
-                                  dict(progs=1, pipe=2, block_n=16)])
+                                  dict(progs=3, plane_split=True, block_n=16)])
 @pytest.mark.parametrize("rows", [(0, 120), (35, 117)])
 def test_sequence_dequantize_grids(sequence, rows, grid, device):
     """Persistent programs and one program per code plane write the same bits as the default grid."""
