@@ -190,9 +190,7 @@ class KVCache:
         self._side: dict = {}  # device -> the CUDA side stream of the async commits
         self.prefetch_bytes, self.prefetch_at = prefetch_bytes, prefetch_at
         self._ahead: dict = {}  # device -> the CUDA side stream of the prefetched decodes
-        self._prefetch_off = False  # a prefetch ran out of memory in this chunk: none until commit()
-        # prefetched windows attended / dropped as stale / not taken for lack of memory (that layer decodes in line)
-        self.prefetch_stats = {"used": 0, "dropped": 0, "no_memory": 0}
+        self._clear_prefetch_state()
 
     @property
     def chunk_tokens(self) -> int:
@@ -583,6 +581,11 @@ class KVCache:
         event.record(side)
         L.prefetch = (tail, ks, vs, event)
 
+    def _clear_prefetch_state(self) -> None:
+        self._prefetch_off = False  # a prefetch ran out of memory in this chunk: none until commit()
+        # prefetched windows attended / dropped as stale / not taken for lack of memory (that layer decodes in line)
+        self.prefetch_stats = {"used": 0, "dropped": 0, "no_memory": 0}
+
     def _take_prefetch(self, L: _Layer, tail: int | None):
         """L's prefetched (K, V) window if it holds L's history and this tail, else None (dropped; tail None: drop
         it). The current stream waits for the decode either way, so the buffers are safe to use or free on it."""
@@ -691,8 +694,7 @@ class KVCache:
         self.layers = [_Layer() for _ in range(self.num_layers)]
         self.frames = 0
         self.commits = 0
-        self.prefetch_stats = {"used": 0, "dropped": 0, "no_memory": 0}
-        self._prefetch_off = False
+        self._clear_prefetch_state()
         self._positions = None
         self._rope_memo = {}
         if self._graphed is not None:
