@@ -42,16 +42,15 @@ def wan_model(**config):
 def new_cache(model, method: str, window: int, options: dict):
     """A 30-layer cache of 3-frame chunks with a rolling window (options apply to the compressed methods).
     method "NAME[:pre-rope][:sync][:eager-commit][:noprefetch|:prefetch-after][:plain-writes][:high-priority]
-    [:byte-decode][:compress=PRESET]" (`parse_method`): keys packed before RoPE (KVCache key_storage); commits in
-    line with the forward instead of on the cache's side stream (KVCache async_commit=False); side-stream commits
-    queued by each layer's commit_layer (KVCache defer_commits=False); every history decoded in line before its
-    attention (KVCache prefetch_bytes=0), or its prefetch queued after each SDPA call instead of just before it
-    (prefetch_at="after", the default before 525b5c6); plain-writes: the chunk's denoising steps write as the re-run
-    does, not transient; high-priority: the chunk runs on a high-priority CUDA stream, so the cache's side streams
-    (prefetched decodes, queued commits) get only the SMs its kernels leave idle; byte-decode: the history is
-    decoded byte by byte (kernels/dequant.py pairs=False), not by column pairs (these three flags are read by
-    `method_runner`; the cache ignores them); compress=PRESET: the cache compresses with kernels/compress.py's
-    preset PRESET instead of the default "auto" (KVCache compress_preset)."""
+    [:compress=PRESET]" (`parse_method`): keys packed before RoPE (KVCache key_storage); commits in line with the
+    forward instead of on the cache's side stream (KVCache async_commit=False); side-stream commits queued by each
+    layer's commit_layer (KVCache defer_commits=False); every history decoded in line before its attention (KVCache
+    prefetch_bytes=0), or its prefetch queued after each SDPA call instead of just before it (prefetch_at="after", the
+    default before 525b5c6); plain-writes: the chunk's denoising steps write as the re-run does, not transient;
+    high-priority: the chunk runs on a high-priority CUDA stream, so the cache's side streams (prefetched decodes,
+    queued commits) get only the SMs its kernels leave idle (these two flags are read by `method_runner`; the cache
+    ignores them); compress=PRESET: the cache compresses with
+    kernels/compress.py's preset PRESET instead of the default "auto" (KVCache compress_preset)."""
     from qvg.cache import KVCache
     name, flags, preset = parse_method(method)
     return KVCache(30, name, chunk_frames=3, tokens_per_frame=model.tokens_per_latent_frame(*LATENT_HW),
@@ -62,8 +61,7 @@ def new_cache(model, method: str, window: int, options: dict):
                    **({} if name == "bf16" else dict(options, compress_preset=preset)))
 
 
-FLAGS = ("pre-rope", "sync", "eager-commit", "noprefetch", "prefetch-after", "plain-writes", "high-priority",
-         "byte-decode")
+FLAGS = ("pre-rope", "sync", "eager-commit", "noprefetch", "prefetch-after", "plain-writes", "high-priority")
 
 
 def parse_method(method: str) -> tuple[str, list[str], str | None]:
@@ -164,21 +162,11 @@ def chunk_runner(model, cache, commit_layers: bool = True, transient: bool = Tru
 
 
 def method_runner(model, cache, method: str, commit_layers: bool = True):
-    """`chunk_runner` for a `new_cache` method name: its plain-writes / high-priority / byte-decode flags applied."""
-    from qvg.kernels.dequant import pairs_form
+    """`chunk_runner` for a `new_cache` method name: its plain-writes / high-priority flags applied."""
     flags = method.split(":")[1:]
     high = torch.cuda.Stream(priority=-1) if "high-priority" in flags else None
     chunk, forwards = chunk_runner(model, cache, commit_layers, transient="plain-writes" not in flags)
-
-    def decode_form(fn):
-        if "byte-decode" not in flags:
-            return fn
-
-        def run():
-            with pairs_form(False):
-                fn()
-        return run
-    return decode_form(on_stream(chunk, high)), decode_form(on_stream(forwards, high))
+    return on_stream(chunk, high), on_stream(forwards, high)
 
 
 def run(histories, methods, options, repeat: int = 7, split: bool = False) -> list[dict]:

@@ -22,7 +22,6 @@ import torch
 
 VARIANTS = {
     "default": dict(),
-    "bytes": dict(pairs=False),  # the byte-wise decode (before the column-pair form)
     "b16w2": dict(block_n=16, num_warps=2),
     "b16w4": dict(block_n=16, num_warps=4),
     "b64w4": dict(block_n=64, num_warps=4),

@@ -83,25 +83,6 @@ def dequant_codes(c, s, z, OFFSET: tl.constexpr, GRID: tl.constexpr, NO_I2F: tl.
 
 
 @triton.jit
-def dequant_codes2(c2, s, z, OFFSET: tl.constexpr, GRID: tl.constexpr):
-    """`dequant_codes` of codes given as 2 * code (uint32, < 2^9): they go straight into the mantissa of 2^22
-    (`_code_minus`'s NO_I2F form without its shift), the same bits."""
-    if GRID == 2:
-        sub = 0.0
-    elif GRID == 3:
-        sub = tl.where(s < 0, OFFSET + 0.5, OFFSET)
-    else:
-        sub = OFFSET
-    v = (c2 | 0x4A800000).to(tl.float32, bitcast=True) - (4194304.0 + sub)
-    if GRID == 2:
-        return z + v * s
-    elif GRID == 3:
-        return v * tl.abs(s)
-    else:
-        return v * s
-
-
-@triton.jit
 def to_bf16(v, EMULATE_RNE: tl.constexpr):
     """fp32 -> bf16 rounded to nearest even (by hand when EMULATE_RNE, i.e. under the interpreter)."""
     if EMULATE_RNE:

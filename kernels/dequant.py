@@ -2,8 +2,6 @@
 one pass, intermediates in registers. Reference: `qvg.decompress` (qvg/compression/prq.py, rtn.py)."""
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
@@ -13,8 +11,7 @@ from qvg.packed import Packed
 from qvg.rope import RopeTables
 from qvg.sequence import PER_TOKEN_METHODS, PackedSequence
 
-from .common import (INTERPRET, bf16_bits_to_f32, decode_scale, dequant_codes, dequant_codes2, grid_constants, raw_view,
-                     to_out)
+from .common import INTERPRET, bf16_bits_to_f32, decode_scale, dequant_codes, grid_constants, raw_view, to_out
 
 
 @triton.jit
@@ -44,10 +41,9 @@ def _widen(s, BLOCK_N: tl.constexpr, G2: tl.constexpr, W: tl.constexpr):
 
 
 @triton.jit
-def _crow(ids_ptr, st: tl.constexpr, GH, N, tok, gh, C, chunk, K):
-    """Row of stage st's centroid table each token was assigned (ids [S, GH, N], tables [S, GH, C, K]); tok: in-range
-    tokens only (the loads are not masked)."""
-    cid = tl.load(ids_ptr + st * GH * N + tok).to(tl.int64)
+def _crow(ids_ptr, st: tl.constexpr, GH, N, tok, rmask, gh, C, chunk, K):
+    """Row of stage st's centroid table each token was assigned (ids [S, GH, N], tables [S, GH, C, K])."""
+    cid = tl.load(ids_ptr + st * GH * N + tok, mask=rmask, other=0).to(tl.int64)
     return ((st * GH + gh).to(tl.int64) * C + chunk) * K + cid
 
 
@@ -70,15 +66,9 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
                     D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr,
                     OFFSET: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr, BLOCK_N: tl.constexpr,
                     ROPE: tl.constexpr, SPLIT_H: tl.constexpr, SPLIT_W: tl.constexpr, INTERP: tl.constexpr,
-                    NBLK, PROGS, PLANE_SPLIT: tl.constexpr, PAIRS: tl.constexpr):
+                    NBLK, PROGS, PLANE_SPLIT: tl.constexpr):
     """Program (i, gh, q) decodes token blocks i, i + PROGS, ... (< NBLK) of group gh: every code plane, or only
-    plane q with PLANE_SPLIT (then a program gathers 1/P of each centroid row: its centroid tables stay small).
-    Loads read in-range tokens only (a ragged last block repeats its last token; only the stores are masked), so
-    no load is predicated and no register is zeroed for masked-off rows.
-    PAIRS (W and the groups within a plane of even width): a plane is decoded as its even and odd columns, from
-    16-bit code pairs and 32-bit centroid words: a BF16 -> FP32 widening is then one shift or one AND, and each code
-    enters as a float's mantissa bits (`dequant_codes2`), no byte extraction or int -> float conversion. The same
-    bits as the byte-wise form (PAIRS=False)."""
+    plane q with PLANE_SPLIT (then a program gathers 1/P of each centroid row: its centroid tables stay small)."""
     pid = tl.program_id(0)
     gh = tl.program_id(1)
     P: tl.constexpr = 8 // BITS  # planes per byte
@@ -86,27 +76,19 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
     p0 = tl.program_id(2) if PLANE_SPLIT else 0
     NP: tl.constexpr = 1 if PLANE_SPLIT else P
     G2: tl.constexpr = W // GROUP if GROUP < W else 1  # groups per plane
-    WS: tl.constexpr = W // 2 if PAIRS else W  # a plane's columns (pairs of columns with PAIRS)
-    CM: tl.constexpr = ((1 << BITS) - 1) * 2  # PAIRS: the mask of 2 * code
     gi = tl.arange(0, G2)
     cols = tl.arange(0, W)
     for pid_n in range(pid, NBLK, PROGS):
         rows = ROW0 + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # tokens [ROW0, ROW_END) -> output rows [0, OUT_N)
         rmask = rows < ROW_END
-        rl = tl.minimum(rows, ROW_END - 1)  # the token each row loads (in range)
-        tok = gh.to(tl.int64) * N + rl  # flat token index
+        tok = gh.to(tl.int64) * N + rows  # flat token index
         otok = gh.to(tl.int64) * OUT_N + rows - ROW0
         m2 = rmask[:, None]
-        if PAIRS:  # code pairs (bytes 2j, 2j + 1), times 2: the mantissa bits `dequant_codes2` takes
-            pc = tl.arange(0, W // 2)
-            hw = tl.load(codes_ptr.to(tl.pointer_type(tl.uint16)) + tok[:, None] * (W // 2) + pc[None, :])
-            hw = hw.to(tl.uint32) << 1
-        else:
-            byte = tl.load(codes_ptr + tok[:, None] * W + cols[None, :])
-        chunk = rl // L  # a PackedSequence holds C chunks of L tokens, each with its own tscale and centroids
+        byte = tl.load(codes_ptr + tok[:, None] * W + cols[None, :], mask=m2, other=0)
+        chunk = rows // L  # a PackedSequence holds C chunks of L tokens, each with its own tscale and centroids
         ts = 1.0
         if FP8:
-            ts = tl.load(tscale_ptr + gh.to(tl.int64) * C + chunk)[:, None]
+            ts = tl.load(tscale_ptr + gh.to(tl.int64) * C + chunk, mask=rmask, other=1.0)[:, None]
         # each stage's centroid row, from its own id load once for every plane (the first 4 stages; a [BLOCK_N, S]
         # id tile would need a reduction per stage, through shared memory with barriers)
         crow0 = tok
@@ -114,13 +96,13 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
         crow2 = tok
         crow3 = tok
         if STAGES > 0:
-            crow0 = _crow(ids_ptr, 0, GH, N, tok, gh, C, chunk, K)
+            crow0 = _crow(ids_ptr, 0, GH, N, tok, rmask, gh, C, chunk, K)
         if STAGES > 1:
-            crow1 = _crow(ids_ptr, 1, GH, N, tok, gh, C, chunk, K)
+            crow1 = _crow(ids_ptr, 1, GH, N, tok, rmask, gh, C, chunk, K)
         if STAGES > 2:
-            crow2 = _crow(ids_ptr, 2, GH, N, tok, gh, C, chunk, K)
+            crow2 = _crow(ids_ptr, 2, GH, N, tok, rmask, gh, C, chunk, K)
         if STAGES > 3:
-            crow3 = _crow(ids_ptr, 3, GH, N, tok, gh, C, chunk, K)
+            crow3 = _crow(ids_ptr, 3, GH, N, tok, rmask, gh, C, chunk, K)
         # the planes' values are stored after every plane's gathers (up to 4 planes, so 2-8 bits): a store between
         # them keeps the next plane's loads behind it (out may alias the inputs for all the compiler knows), so the
         # per-plane form waited out one gather latency per plane (-10 to -18% at S4/B16 on the H100,
@@ -134,36 +116,22 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
         for pi in tl.static_range(NP):
             p = p0 + pi
             col = p * W + cols
-            # the plane's G2 scales per row (one load each), then widened to its W columns (W / 2 pairs)
+            c = (byte >> (p * BITS)) & ((1 << BITS) - 1)
+            # the plane's G2 scales per row (one load each), then widened to its W columns
             goff = tok[:, None] * (D // GROUP) + (p * W) // GROUP + gi[None, :]
-            s = _widen(decode_scale(tl.load(scale_ptr + goff), ts, FP8), BLOCK_N, G2, WS)
+            s = _widen(decode_scale(tl.load(scale_ptr + goff, mask=m2, other=0), ts, FP8), BLOCK_N, G2, W)
             z = 0.0
             if GRID == 2:
-                z = _widen(bf16_bits_to_f32(tl.load(zero_ptr + goff)), BLOCK_N, G2, WS)
-            if PAIRS:
-                v_lo = dequant_codes2((hw >> (p * BITS)) & CM, s, z, OFFSET, GRID)
-                v_hi = dequant_codes2((hw >> (8 + p * BITS)) & CM, s, z, OFFSET, GRID)
-                for st in tl.static_range(STAGES):
-                    if st < 4:
-                        crow = _pick4(st, crow0, crow1, crow2, crow3)
-                    else:
-                        crow = _crow(ids_ptr, st, GH, N, tok, gh, C, chunk, K)
-                    cw = tl.load(cent_ptr.to(tl.pointer_type(tl.uint32)) + crow[:, None] * (D // 2) +
-                                 (p * (W // 2) + pc)[None, :])
-                    v_lo += (cw << 16).to(tl.float32, bitcast=True)
-                    v_hi += (cw & 0xFFFF0000).to(tl.float32, bitcast=True)
-                v = tl.reshape(tl.join(v_lo, v_hi), (BLOCK_N, W))
-            else:
-                c = (byte >> (p * BITS)) & ((1 << BITS) - 1)
-                v = dequant_codes(c, s, z, OFFSET, GRID, STAGES == 1)  # (the case timed faster without I2F)
-                for st in tl.static_range(STAGES):
-                    if st < 4:
-                        crow = _pick4(st, crow0, crow1, crow2, crow3)
-                    else:
-                        crow = _crow(ids_ptr, st, GH, N, tok, gh, C, chunk, K)
-                    v += tl.load(cent_ptr + crow[:, None] * D + col[None, :]).to(tl.float32)
+                z = _widen(bf16_bits_to_f32(tl.load(zero_ptr + goff, mask=m2, other=0)), BLOCK_N, G2, W)
+            v = dequant_codes(c, s, z, OFFSET, GRID, STAGES == 1)  # (the case timed faster without I2F)
+            for st in tl.static_range(STAGES):
+                if st < 4:
+                    crow = _pick4(st, crow0, crow1, crow2, crow3)
+                else:
+                    crow = _crow(ids_ptr, st, GH, N, tok, rmask, gh, C, chunk, K)
+                v += tl.load(cent_ptr + crow[:, None] * D + col[None, :], mask=m2, other=0.0).to(tl.float32)
             if ROPE:  # keys stored before RoPE: rotate channel pairs (2j, 2j+1) by the token's 3D position
-                v = _rope(v, rl, chunk, L, rmask, p * W // 2, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF,
+                v = _rope(v, rows, chunk, L, rmask, p * W // 2, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF,
                           D, W, BLOCK_N, SPLIT_H, SPLIT_W)
             if DEFER:
                 if pi == 0:
@@ -184,13 +152,11 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
 
 def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None, block_n: int = 32,
                rows: tuple[int, int] | None = None, num_warps: int = 4, rope: RopeTables | None = None,
-               progs: int = 0, plane_split: bool = False, pairs: bool | None = None) -> torch.Tensor:
+               progs: int = 0, plane_split: bool = False) -> torch.Tensor:
     """Triton version of `qvg.decompress` (rtn / qvg / qvg-pro, per-token groups) and of
     `PackedSequence.decompress` (with `rope`: keys stored before RoPE, rotated as they are decoded).
     progs > 0: that many programs per group (and plane) loop over the token blocks; plane_split: one program per
-    code plane (1/P of each centroid row gathered per program); pairs: decode even and odd columns apart (the
-    kernel's PAIRS, where `use_pairs` allows it; False: byte by byte; None: the module's PAIRS switch, see
-    `pairs_form`). Every choice writes the same bits. (Tried on the
+    code plane (1/P of each centroid row gathered per program). Every choice writes the same bits. (Tried on the
     H100 and removed, eval/results/profile-dequant-h100.md: 32-bit offsets, S4/B16 1.2-3.9% slower at the benchmark
     spans and S1/B64 within the noise; persistent programs that load the next block's ids early, up to 35% slower;
     PTX prefetch of the centroid rows, 1.3-2.9x slower; persistent loops software-pipelined 2-3 deep, 12-92% slower.)
@@ -223,34 +189,9 @@ def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None,
         t["centroids"] if stages else dummy, out, n, chunk_len, n // chunk_len, k, b * h, r0, r1, out.shape[2],
         *_rope_args(rope, dummy), D=d, STAGES=stages, BLOCK_N=block_n, ROPE=rope is not None,
         SPLIT_H=rope.split[0] if rope else 0, SPLIT_W=rope.split[1] if rope else 0, INTERP=INTERPRET,
-        NBLK=nblk, PROGS=progs, PLANE_SPLIT=plane_split,
-        PAIRS=(PAIRS if pairs is None else pairs) and use_pairs(spec, d, t.get("centroids")),
-        num_warps=num_warps, enable_fp_fusion=False,
+        NBLK=nblk, PROGS=progs, PLANE_SPLIT=plane_split, num_warps=num_warps, enable_fp_fusion=False,
         **grid_constants(spec))
     return out
-
-
-PAIRS = True  # dequantize's default form (pairs=None); `pairs_form` sets it for a block
-
-
-@contextlib.contextmanager
-def pairs_form(on: bool):
-    """PAIRS set to `on` inside the block, for every dequantize call that does not choose (the KV cache's reads):
-    same-run timing of the two forms (eval/bench_pipeline.py's `:byte-decode` flag)."""
-    global PAIRS
-    old, PAIRS = PAIRS, bool(on)
-    try:
-        yield
-    finally:
-        PAIRS = old
-
-
-def use_pairs(spec, d: int, centroids: torch.Tensor | None) -> bool:
-    """Whether the kernel's PAIRS form applies: an even number of code bytes per plane (W = D * bits / 8), groups
-    that never split a column pair within a plane, and BF16 centroids (read as 32-bit words)."""
-    w = d * spec.bits // 8
-    return w % 2 == 0 and (spec.group >= w or spec.group % 2 == 0) and \
-        (centroids is None or centroids.dtype == torch.bfloat16)
 
 
 def _check_out(out: torch.Tensor, need: tuple, device) -> None:

@@ -127,7 +127,6 @@ def test_bench_pipeline_compress_flag():
     assert bp.new_cache(model, "qvg:noprefetch", 6, {}).compress_preset == "fast"  # (qvg's commit preset)
     assert bp.new_cache(model, "qvg-pro", 6, {}).compress_preset is None
     assert bp.parse_method("qvg-pro:sync:compress=fast") == ("qvg-pro", ["sync"], "fast")
-    assert bp.parse_method("qvg-pro:byte-decode") == ("qvg-pro", ["byte-decode"], None)
     for bad, msg in (("qvg:compress=nope", "unknown compress variant 'nope'"), ("qvg:bogus", "unknown method flag"),
                      ("bf16:compress=fast", "not for bf16"), ("qvg:compress=fast:compress=fast-sort", "at most"),
                      ("nope", "unknown cache method")):

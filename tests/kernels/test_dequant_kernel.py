@@ -8,8 +8,7 @@ import triton.language as tl
 import qvg
 from kernel_helpers import assert_bitwise_equal, clustered, gen, poisoned, varied
 from qvg.kernels import common
-from qvg.compression.registry import token_spec
-from qvg.kernels.dequant import dequantize, use_pairs
+from qvg.kernels.dequant import dequantize
 from qvg.packed import Packed
 from qvg.sequence import PackedSequence
 
@@ -170,58 +169,6 @@ def test_dequantize_plane_split_matches_decompress(method, opts, dtype, block_n,
     ref = qvg.decompress(p)
     got = dequantize(p.to(device), out=_nan_like(ref, device), block_n=block_n, plane_split=True)
     assert_bitwise_equal(got, ref, f"{method} {opts} plane_split")
-
-
-@pytest.mark.parametrize("method,opts,dtype,block_n", CASES)
-def test_dequantize_byte_form_matches_decompress(method, opts, dtype, block_n, device):
-    """pairs=False: the byte-wise decode (one code byte and one BF16 centroid column at a time) writes the same bits
-    as the default column-pair form and the torch path, at every grid, bit width and stage count of CASES."""
-    p = _pack(method, opts, dtype)
-    ref = qvg.decompress(p)
-    pd = p.to(device)
-    got = dequantize(pd, out=_nan_like(ref, device), block_n=block_n, pairs=False)
-    assert_bitwise_equal(got, ref, f"{method} {opts} pairs=False")
-    assert_bitwise_equal(dequantize(pd, out=_nan_like(ref, device), block_n=block_n), got, f"{method} {opts} pairs")
-
-
-@pytest.mark.parametrize("method,opts", [
-    ("rtn", {"bits": 4, "grid": "sym", "block_size": 1}),  # one-column groups: a pair spans two groups
-    ("qvg", {"centroids": 8, "grid": "asym", "block_size": 1}),
-    ("qvg-pro", {"centroids": 8, "bits": 8, "grid": "midrise", "block_size": 1}),
-])
-def test_dequantize_odd_groups_take_the_byte_form(method, opts, device):
-    p = _pack(method, opts, torch.bfloat16)
-    assert not use_pairs(token_spec(p.meta), 64, p.tensors.get("centroids"))
-    ref = qvg.decompress(p)
-    assert_bitwise_equal(dequantize(p.to(device), out=_nan_like(ref, device), block_n=16), ref, f"{method} {opts}")
-
-
-def test_pairs_form_switch(monkeypatch, device):
-    """pairs=None follows the module's PAIRS, which `pairs_form` sets inside its block only (also on error)."""
-    from qvg.kernels import dequant as dq
-    seen = []
-    real = dq.use_pairs
-    monkeypatch.setattr(dq, "use_pairs", lambda *a: seen.append(dq.PAIRS) or real(*a))
-    p = _pack("qvg-pro", {"centroids": 8}, torch.bfloat16).to(device)
-    want = dequantize(p)
-    with dq.pairs_form(False):
-        assert_bitwise_equal(dequantize(p), want, "pairs_form(False)")
-        with pytest.raises(RuntimeError), dq.pairs_form(True):
-            raise RuntimeError
-        assert dq.PAIRS is False
-    assert dq.PAIRS is True
-    assert seen[0] is True  # (with PAIRS False the `and` stops before use_pairs)
-
-
-def test_use_pairs():
-    from qvg.quant import QuantSpec
-    bf, f32 = torch.zeros(1, dtype=torch.bfloat16), torch.zeros(1)
-    assert use_pairs(QuantSpec(bits=2, group=16), 128, bf)  # W = 32 bytes per plane, 8 pairs per group
-    assert use_pairs(QuantSpec(bits=2, group=64), 128, None)  # a group spans two planes
-    assert use_pairs(QuantSpec(bits=1, group=16), 16, None)  # W = 2: one pair per plane
-    assert not use_pairs(QuantSpec(bits=2, group=1), 128, bf)  # groups split pairs
-    assert not use_pairs(QuantSpec(bits=2, group=16), 128, f32)  # centroids not BF16 words
-    assert not use_pairs(QuantSpec(bits=1, group=8), 8, None)  # W = 1 byte per plane
 
 
 # --- every stored scale value ---------------------------------------------------------------------------------------
