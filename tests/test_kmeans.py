@@ -69,8 +69,14 @@ def test_matches_sklearn_lloyd(n, d, k, sep, noise, iters, seed, init_kind):
     # a cluster with the same members in both is the mean of the same tokens in both; a flipped token changes only
     # the two clusters it moved between (one token moves such a centroid by ~|x - c| / size, far above rounding),
     # and those are checked as the means of our own members
+    # (prev comes from a second sklearn run; where that run and `km` parted at an earlier near-tie, which sklearn's
+    # threads can do on another machine (the H100 image at 9219506 and 079e987), km's centre is not the mean of
+    # prev's members: such clusters are left out, and at least half of them must remain)
     moved = set(ids.numpy()[flipped].tolist()) | set(prev[flipped].tolist())
-    same = [j for j in range(k) if j not in moved]
+    xs = x.double().numpy()
+    consistent = [j for j in range(k) if (prev == j).any() and
+                  np.allclose(xs[prev == j].mean(0), km.cluster_centers_[j], atol=1e-4, rtol=0)]
+    same = [j for j in consistent if j not in moved]
     assert len(same) >= k // 2
     np.testing.assert_allclose(c.numpy()[same], km.cluster_centers_[same], atol=1e-4, rtol=0)
     assert_cluster_means(x, ids, c)
