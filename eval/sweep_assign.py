@@ -12,10 +12,7 @@ import time
 
 import torch
 
-# (tokens, warps, num_stages, centroid tile through a TMA descriptor, register cap or None)
-TILINGS = ((64, 4, 2, False, None), (64, 4, 3, False, None), (64, 4, 3, True, None), (64, 8, 3, False, None),
-           (64, 8, 2, True, None), (64, 8, 3, True, None), (64, 8, 2, True, 128), (64, 8, 3, True, 128),
-           (64, 8, 3, False, 128))
+TILINGS = ((64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 4, 5), (128, 8, 3), (128, 8, 4))
 
 
 def main(argv=None) -> int:
@@ -36,14 +33,13 @@ def main(argv=None) -> int:
     ref, _ = assign(xg, c0, True, mode="min", block_n=64, block_k=256, num_warps=4, progs="auto")
     sms = sm_count(torch.device("cuda"))
     rows = []
-    for bn, nw, ns, tma, maxnreg in TILINGS:
+    for bn, nw, ns in TILINGS:
         for progs in ("auto", sms // 32, 3 * sms // 32, 4 * sms // 32):  # ~1, 3, 4 programs per SM over 32 groups
-            kw = dict(mode="min", block_n=bn, block_k=256, num_warps=nw, num_stages=ns, progs=progs, tma=tma,
-                      maxnreg=maxnreg)
+            kw = dict(mode="min", block_n=bn, block_k=256, num_warps=nw, num_stages=ns, progs=progs)
             ids, _ = assign(xg, c0, True, **kw)
             ms = min(bench(lambda: assign(xg, c0, True, **kw)) for _ in range(3))  # noqa: B023
             rows.append({**kw, "ms": ms, "ids_equal_default": float((ids == ref).float().mean())})
-            print(f"  {bn} tokens x {nw} warps, {ns} stages, tma {tma}, maxnreg {maxnreg}, progs {progs}: {ms:.4f} ms, ids equal "
+            print(f"  {bn} tokens x {nw} warps, {ns} stages, progs {progs}: {ms:.4f} ms, ids equal "
                   f"{rows[-1]['ids_equal_default']:.4f}", flush=True)
     res = {**result_header("sweep_assign", argv), "shape": list(shape), "centroids": 256, "rows": rows}
     write_result(res, args.out, f"sweep-assign-{gpu_tag(res['device'])}.json", t0)

@@ -45,12 +45,6 @@ COMPRESS_VARIANTS = {
 }
 # "fast" with the assignment's token tiles prefetched 2 deep (as before the 3-deep default), for same-run timing
 COMPRESS_VARIANTS["fast-s2"] = dict(COMPRESS_VARIANTS["fast"], assign_kw=dict(_FAST["assign_kw"], num_stages=2))
-# "fast" with the assignment on 8 warps (the centroid tile split over two warpgroups) and that tile loaded through a
-# TMA descriptor into shared memory; -r128: a 128-register cap, so two such programs fit an SM (timing only)
-COMPRESS_VARIANTS["fast-t8"] = dict(COMPRESS_VARIANTS["fast"],
-                                    assign_kw=dict(_FAST["assign_kw"], num_warps=8, tma=True))
-COMPRESS_VARIANTS["fast-t8-r128"] = dict(COMPRESS_VARIANTS["fast"],
-                                         assign_kw=dict(_FAST["assign_kw"], num_warps=8, tma=True, maxnreg=128))
 # "fast" with the pack's code planes ORed byte by byte (as before the 32-bit words), for same-run timing
 COMPRESS_VARIANTS["fast-bytes"] = dict(COMPRESS_VARIANTS["fast"], pack_kw=dict(_FAST["pack_kw"], words=False))
 # The default, "auto", picks one of them by shape (`pick_variant`); COMPRESS_VARIANT is the switch, and

@@ -18,7 +18,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from qvg.kmeans import KMeansResult, id_dtype
 from qvg.kmeans import kmeans as ref_kmeans
@@ -90,23 +89,17 @@ def _segment_mean_kernel(x_ptr, order_ptr, bounds_ptr, c_old_ptr, c_new_ptr, N, 
 @triton.jit
 def _assign_min_kernel(x_ptr, c_ptr, csq_ptr, ids_ptr, dist_ptr, N, K, NBLK, PROGS, D: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr, WANT_DIST: tl.constexpr,
-                       INTERP: tl.constexpr, c_desc=None, TMA: tl.constexpr = False):
+                       INTERP: tl.constexpr):
     """`_assign_kernel`'s result (same distances, ties -> lowest id) with ONE (value, index) reduction per token:
     all K centroids in one tile (ONE_TILE), or an elementwise running minimum over the centroid tiles (strict <:
     the earlier tile keeps a tie) reduced once at the end. Program p of a group takes token blocks p, p + PROGS,
-    ... (PROGS < NBLK: persistent; a single tile is then loaded once per program). TMA (ONE_TILE, K == BLOCK_K):
-    that tile comes through c_desc, a TMA descriptor of the [G * K, D] BF16 centroids, straight into shared memory,
-    where every block's dot reads it; loaded with tl.load it is held in registers and stored to shared memory again
-    for every block (eval/results/sass-assign-cpu.md)."""
+    ... (PROGS < NBLK: persistent; a single tile is then loaded once per program)."""
     pid = tl.program_id(0)
     g = tl.program_id(1).to(tl.int64)
     dcols = tl.arange(0, D)
     kt = tl.arange(0, BLOCK_K)
     if ONE_TILE:
-        if TMA:
-            c1 = c_desc.load([(g * K).to(tl.int32), 0])
-        else:
-            c1 = tl.load(c_ptr + (g * K + kt)[:, None] * D + dcols[None, :], mask=(kt < K)[:, None], other=0.0)
+        c1 = tl.load(c_ptr + (g * K + kt)[:, None] * D + dcols[None, :], mask=(kt < K)[:, None], other=0.0)
         csq1 = tl.load(csq_ptr + g * K + kt, mask=kt < K, other=float("inf"))
     for blk in range(pid, NBLK, PROGS):
         rows = blk * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -138,18 +131,14 @@ ASSIGN_MODES = ("tiles", "min")
 
 
 def assign(x: torch.Tensor, c: torch.Tensor, want_dist: bool = False, block_n: int = 64, block_k: int = 64,
-           num_warps: int = 4, num_stages: int = 2, packed: bool = False, mode: str = "tiles", progs: int = 0,
-           tma: bool = False, maxnreg: int | None = None):
+           num_warps: int = 4, num_stages: int = 2, packed: bool = False, mode: str = "tiles", progs: int = 0):
     """x [G, N, D] (bf16/fp32), c [G, K, D] fp32 -> (ids [G, N] narrow dtype, squared distance [G, N] or None).
     packed (K <= 256; measured no faster on an H100, eval/results/profile-compress-h100.json): the argmin is one
     integer min over (distance with its last 8 mantissa bits replaced by the id): ties within 2^-15 relative go to
     the lower id, the returned distance is that truncated value.
     mode "min" (`_assign_min_kernel`, same result as "tiles"): one reduction per token; block_k >= K puts all
     centroids in one tile; progs > 0: that many programs per group loop over the token blocks (persistent);
-    progs="auto": about two programs per SM over all groups (at least one per group). tma (mode "min", one tile of
-    exactly K centroids): the tile is loaded through a TMA descriptor straight into shared memory (`_assign_min_kernel`
-    TMA), the same result. maxnreg (mode "min"): a register cap per thread for the compiler (None: its own choice).
-    """
+    progs="auto": about two programs per SM over all groups (at least one per group)."""
     if mode not in ASSIGN_MODES:
         raise ValueError(f"unknown assign mode {mode!r}; choose one of {ASSIGN_MODES}")
     g, n, d = x.shape
@@ -165,12 +154,9 @@ def assign(x: torch.Tensor, c: torch.Tensor, want_dist: bool = False, block_n: i
         if progs == "auto":
             progs = nblk if INTERPRET or not x.is_cuda else max(1, 2 * sm_count(x.device) // g)
         progs = nblk if progs <= 0 else min(progs, nblk)
-        use_tma = tma and block_k == k and d * 2 % 16 == 0
-        desc = TensorDescriptor.from_tensor(c.view(g * k, d), [block_k, d]) if use_tma else None
         _assign_min_kernel[(progs, g)](x.contiguous(), c, csq, ids, dist, n, k, nblk, progs, D=d, BLOCK_N=block_n,
                                        BLOCK_K=block_k, ONE_TILE=block_k >= k, WANT_DIST=want_dist,
-                                       INTERP=INTERPRET, c_desc=desc, TMA=use_tma, num_warps=num_warps,
-                                       num_stages=num_stages, **({"maxnreg": maxnreg} if maxnreg else {}))
+                                       INTERP=INTERPRET, num_warps=num_warps, num_stages=num_stages)
         return ids, (dist if want_dist else None)
     _assign_kernel[(triton.cdiv(n, block_n), g)](x.contiguous(), c, csq, ids, dist, n, k, D=d, BLOCK_N=block_n,
                                                  BLOCK_K=block_k,

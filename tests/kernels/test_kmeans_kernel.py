@@ -130,9 +130,7 @@ def test_update_uint16_ids(method, device):
 
 MIN_MODES = [dict(mode="min"), dict(mode="min", block_k=256, num_warps=8), dict(mode="min", block_k=16, block_n=32),
              dict(mode="min", block_k=512, progs=2), dict(mode="min", block_n=16, progs=3),
-             dict(mode="min", block_k=256, progs=2, num_stages=3),  # (k = 300: two centroid tiles, 3 deep)
-             dict(mode="min", block_k=256, progs=2, tma=True),
-             dict(mode="min", block_k=256, progs=2, num_warps=8, tma=True, maxnreg=128)]
+             dict(mode="min", block_k=256, progs=2, num_stages=3)]  # (k = 300: two centroid tiles, 3 deep)
 
 
 @pytest.mark.parametrize("kw", MIN_MODES)
@@ -159,23 +157,6 @@ def test_assign_min_mode_equals_tiles(kw, k, device):
     full = torch.cdist(x.bfloat16().float(), c.bfloat16().float()).pow(2)  # the kernel's operands
     got = full.gather(2, ids.cpu().long()[..., None])[..., 0]
     assert (got <= full.amin(2) * (1 + 1e-5) + 1e-4).all(), f"ids {kw} are not nearest centroids"
-
-
-@pytest.mark.parametrize("k", [16, 64, 256])
-@pytest.mark.parametrize("warps", [4, 8])
-def test_assign_min_tma_is_bitwise(k, warps, device):
-    """The persistent one-tile assignment with its centroid tile loaded through a TMA descriptor returns the same ids
-    and distances as with tl.load, bitwise (the same dot on the same operands), ties included."""
-    x, centres = _blobs(3, 200, 64, min(k, 12), seed=k)
-    c = torch.cat([centres, torch.randn(3, k - centres.shape[1], 64, generator=gen(4)) * 3], 1)
-    c[:, k - 1] = c[:, 2]
-    kw = dict(mode="min", block_k=k, progs=2, num_warps=warps)
-    want, wdist = kk.assign(x.bfloat16().to(device), c.to(device), True, **kw)
-    with poisoned():
-        ids, dist = kk.assign(x.bfloat16().to(device), c.to(device), True, tma=True, **kw)
-    assert_bitwise_equal(ids, want, "ids")
-    assert_bitwise_equal(dist, wdist, "distances")
-    assert not (ids.cpu() == k - 1).any()
 
 
 FAST = {k: v for k, v in COMPRESS_VARIANTS["fast"].items() if k != "pack_kw"}
