@@ -22,11 +22,6 @@ import torch
 
 VARIANTS = {
     "default": dict(),
-    # each program first asks L2 for the inputs of the block N blocks later (PTX prefetch)
-    "pf64": dict(prefetch=64),
-    "pf256": dict(prefetch=256),
-    "pf768": dict(prefetch=768),
-    "pf1536": dict(prefetch=1536),
     "b16w2": dict(block_n=16, num_warps=2),
     "b16w4": dict(block_n=16, num_warps=4),
     "b64w4": dict(block_n=64, num_warps=4),

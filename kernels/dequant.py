@@ -61,44 +61,12 @@ def _pick4(i: tl.constexpr, a0, a1, a2, a3):
 
 
 @triton.jit
-def _prefetch_l2(p):
-    """PTX prefetch.global.L2 of each address in p (a hint: no register is held, nothing waits for it)."""
-    return tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [p], dtype=tl.int32,
-                                     is_pure=False, pack=1)
-
-
-@triton.jit
-def _prefetch_block(codes_ptr, scale_ptr, ids_ptr, f, NBLK, GH, N, ROW0, ROW_END, W: tl.constexpr,
-                    NGR: tl.constexpr, SBYTES: tl.constexpr, IBYTES: tl.constexpr, STAGES: tl.constexpr,
-                    BLOCK_N: tl.constexpr):
-    """Ask L2 for the code, scale and id lines of flat block f (= group * NBLK + block), if it exists."""
-    NC: tl.constexpr = (BLOCK_N * W + 127) // 128  # 128-byte lines of codes
-    NS: tl.constexpr = (BLOCK_N * NGR * SBYTES + 127) // 128
-    LANES: tl.constexpr = 32
-    if f < GH * NBLK:
-        g2 = f // NBLK
-        r0 = tl.minimum(ROW0 + (f % NBLK) * BLOCK_N, ROW_END - 1)
-        t0 = g2.to(tl.int64) * N + r0
-        i = tl.arange(0, LANES)
-        ntok = GH.to(tl.int64) * N
-        cb = tl.minimum(t0 * W + i * 128, ntok * W - 1)
-        sb = tl.minimum(t0 * NGR * SBYTES + (i - NC) * 128, ntok * NGR * SBYTES - 1)
-        st = tl.minimum(i - NC - NS, STAGES - 1)
-        ib = st.to(tl.int64) * ntok * IBYTES + t0 * IBYTES
-        p = tl.where(i < NC, codes_ptr + cb,
-                     tl.where(i < NC + NS, scale_ptr.to(tl.pointer_type(tl.uint8)) + sb,
-                              ids_ptr.to(tl.pointer_type(tl.uint8)) + ib))
-        _prefetch_l2(tl.where(i < NC + NS + STAGES, p, codes_ptr + cb - i * 128))
-
-
-@triton.jit
 def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_ptr, out_ptr, N, L, C, K, GH,
                     ROW0, ROW_END, OUT_N, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF,
                     D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr,
                     OFFSET: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr, BLOCK_N: tl.constexpr,
                     ROPE: tl.constexpr, SPLIT_H: tl.constexpr, SPLIT_W: tl.constexpr, INTERP: tl.constexpr,
-                    NBLK, PROGS, PLANE_SPLIT: tl.constexpr, PF_DIST: tl.constexpr = 0, SBYTES: tl.constexpr = 1,
-                    IBYTES: tl.constexpr = 1):
+                    NBLK, PROGS, PLANE_SPLIT: tl.constexpr):
     """Program (i, gh, q) decodes token blocks i, i + PROGS, ... (< NBLK) of group gh: every code plane, or only
     plane q with PLANE_SPLIT (then a program gathers 1/P of each centroid row: its centroid tables stay small)."""
     pid = tl.program_id(0)
@@ -111,9 +79,6 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
     gi = tl.arange(0, G2)
     cols = tl.arange(0, W)
     for pid_n in range(pid, NBLK, PROGS):
-        if PF_DIST > 0:  # the inputs of the block that starts about PF_DIST blocks later, into L2 now
-            _prefetch_block(codes_ptr, scale_ptr, ids_ptr, gh * NBLK + pid_n + PF_DIST, NBLK, GH, N, ROW0, ROW_END,
-                            W, D // GROUP, SBYTES, IBYTES, STAGES, BLOCK_N)
         rows = ROW0 + pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # tokens [ROW0, ROW_END) -> output rows [0, OUT_N)
         rmask = rows < ROW_END
         tok = gh.to(tl.int64) * N + rows  # flat token index
@@ -187,14 +152,11 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
 
 def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None, block_n: int = 32,
                rows: tuple[int, int] | None = None, num_warps: int = 4, rope: RopeTables | None = None,
-               progs: int = 0, plane_split: bool = False, prefetch: int = 0) -> torch.Tensor:
+               progs: int = 0, plane_split: bool = False) -> torch.Tensor:
     """Triton version of `qvg.decompress` (rtn / qvg / qvg-pro, per-token groups) and of
     `PackedSequence.decompress` (with `rope`: keys stored before RoPE, rotated as they are decoded).
     progs > 0: that many programs per group (and plane) loop over the token blocks; plane_split: one program per
-    code plane (1/P of each centroid row gathered per program); prefetch > 0 (GPU, centroid methods): each program
-    first asks L2 (PTX prefetch) for the code, scale and id lines of the block `prefetch` blocks after its own, so
-    that block's first loads find them there (skipped under the interpreter: a hint that changes no value). Every
-    choice writes the same bits. (Tried on the
+    code plane (1/P of each centroid row gathered per program). Every choice writes the same bits. (Tried on the
     H100 and removed, eval/results/profile-dequant-h100.md: 32-bit offsets, S4/B16 1.2-3.9% slower at the benchmark
     spans and S1/B64 within the noise; persistent programs that load the next block's ids early, up to 35% slower;
     PTX prefetch of the centroid rows, 1.3-2.9x slower; persistent loops software-pipelined 2-3 deep, 12-92% slower.)
@@ -228,8 +190,6 @@ def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None,
         *_rope_args(rope, dummy), D=d, STAGES=stages, BLOCK_N=block_n, ROPE=rope is not None,
         SPLIT_H=rope.split[0] if rope else 0, SPLIT_W=rope.split[1] if rope else 0, INTERP=INTERPRET,
         NBLK=nblk, PROGS=progs, PLANE_SPLIT=plane_split, num_warps=num_warps, enable_fp_fusion=False,
-        PF_DIST=0 if INTERPRET or not stages else prefetch, SBYTES=t["scale"].element_size(),
-        IBYTES=t["ids"].element_size() if stages else 1,
         **grid_constants(spec))
     return out
 

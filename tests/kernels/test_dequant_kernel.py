@@ -171,20 +171,6 @@ def test_dequantize_plane_split_matches_decompress(method, opts, dtype, block_n,
     assert_bitwise_equal(got, ref, f"{method} {opts} plane_split")
 
 
-@pytest.mark.parametrize("method,opts,dtype,block_n", CASES)
-def test_dequantize_prefetch_writes_the_same_bits(method, opts, dtype, block_n, device):
-    """prefetch=N (an L2 hint for the block N ahead, GPU only; near the end it points past the last block or row)
-    changes no output bit."""
-    p = _pack(method, opts, dtype)
-    ref = qvg.decompress(p)
-    pd = p.to(device)
-    for dist in (1, 3, 1000):
-        got = dequantize(pd, out=_nan_like(ref, device), block_n=block_n, prefetch=dist)
-        assert_bitwise_equal(got, ref, f"{method} {opts} prefetch={dist}")
-    got = dequantize(pd, out=_nan_like(ref[:, :, :40], device), block_n=block_n, rows=(17, 57), prefetch=2)
-    assert_bitwise_equal(got, ref[:, :, 17:57], f"{method} {opts} rows, prefetch")
-
-
 # --- every stored scale value ---------------------------------------------------------------------------------------
 
 def test_all_fp8_scale_bytes_through_dequant(device):
