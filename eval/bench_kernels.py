@@ -234,12 +234,14 @@ def _compress_row(x1, o, warm, name, pk, shape) -> dict:
     # qvg.eval.profile_compress --variants)
     from qvg.kernels.compress import pick_variant
     picked = pick_variant(shape[0] * shape[1], shape[2], o["centroids"]) if name == "auto" else name
+    bound = _pack_bound(xg, pk, o) if v.get("tscale", "bound") == "bound" else None
     parts = {"variant": name, "preset": picked, "config": v, "ms": ms, "cuda_graph_ms": graph_ms,
              "assign_ms": bench(lambda: assign(xg, c0, True, **v["assign_kw"])),
              "update_ms": bench(lambda: update(xg, ids0, c0, **v["update_kw"])),
              "update_onehot_ms": bench(lambda: update(xg, ids0, c0, method="onehot")),
              "pack_ms": bench(lambda: quantize_packed(x1, token_spec(o), pk.get("ids"), pk.get("centroids"),
-                                                      **v["pack_kw"]))}
+                                                      bound=bound, **v["pack_kw"])),
+             "pack_tscale": "bound" if bound else "pass"}
     if o["stages"] > 1:
         from qvg.kernels.compress import residual_bf16
         ids_t = pk["ids"].view(o["stages"], -1, shape[2])
@@ -247,6 +249,22 @@ def _compress_row(x1, o, warm, name, pk, shape) -> dict:
         parts["residual_ms"] = bench(lambda: residual_bf16(xg, ids_t, cents_t, o["stages"] - 1))
     print(f"    parts: {parts}", flush=True)
     return parts
+
+
+def _pack_bound(xg, pk, o):
+    """The (m_in, m_c) the compress hands its pack (FP8 scales, not asym): max|last k-means input| as FP32 bits
+    and max|last centroids|; None otherwise."""
+    from qvg.compression.registry import token_spec
+    from qvg.kernels.compress import head_absmax, residual_bf16
+    from qvg.kernels.kmeans import amax_bits
+    spec = token_spec(o)
+    if spec.scale_dtype != "fp8" or spec.grid == "asym" or not o["stages"]:
+        return None
+    s, (g, n, d) = o["stages"], xg.shape
+    ids_t = pk["ids"].view(s, g, n)
+    cents_t = pk["centroids"].view(s, g, -1, d)
+    r = xg.to(torch.bfloat16) if s == 1 else residual_bf16(xg, ids_t, cents_t, s - 1)
+    return amax_bits(r), head_absmax(cents_t[s - 1])
 
 
 def _history(h, n_hist, chunk, method="qvg"):

@@ -47,6 +47,9 @@ COMPRESS_VARIANTS = {
 COMPRESS_VARIANTS["fast-s2"] = dict(COMPRESS_VARIANTS["fast"], assign_kw=dict(_FAST["assign_kw"], num_stages=2))
 # "fast" with the pack's code planes ORed byte by byte (as before the 32-bit words), for same-run timing
 COMPRESS_VARIANTS["fast-bytes"] = dict(COMPRESS_VARIANTS["fast"], pack_kw=dict(_FAST["pack_kw"], words=False))
+# "fast" with the pack's tscale from its own pass over the residual (as before the bound), for same-run timing:
+# other tscale bits, so other stored scales, than every preset above
+COMPRESS_VARIANTS["fast-stats"] = dict(COMPRESS_VARIANTS["fast"], tscale="pass")
 # The default, "auto", picks one of them by shape (`pick_variant`); COMPRESS_VARIANT is the switch, and
 # `compress_prq(..., variant=)` overrides it per call.
 COMPRESS_VARIANT = "auto"
@@ -122,10 +125,32 @@ def residual_bf16(x: torch.Tensor, ids: torch.Tensor, cents: torch.Tensor, stage
     return out
 
 
+@triton.jit
+def _head_absmax_kernel(t_ptr, out_ptr, M, BLOCK: tl.constexpr):
+    g = tl.program_id(0).to(tl.int64)
+    big = tl.zeros((BLOCK,), tl.float32)
+    for i0 in range(0, M, BLOCK):
+        i = i0 + tl.arange(0, BLOCK)
+        big = tl.maximum(big, tl.abs(tl.load(t_ptr + g * M + i, mask=i < M, other=0.0).to(tl.float32)))
+    tl.store(out_ptr + g, tl.max(big, 0))
+
+
+def head_absmax(t: torch.Tensor) -> torch.Tensor:
+    """max|t| over each group of t [G, ...] (FP32 [G]) in one launch (the tscale bound's centroid term)."""
+    g = t.shape[0]
+    t = t.contiguous()
+    out = torch.empty(g, device=t.device, dtype=torch.float32)
+    _head_absmax_kernel[(g,)](t, out, t.numel() // max(g, 1), BLOCK=1024, num_warps=4)
+    return out
+
+
 def compress_prq(x: torch.Tensor, o: dict, warm: torch.Tensor | None, iters: int,
                  variant: str | dict | None = None) -> dict[str, torch.Tensor]:
     """x [B, H, N, D]; o: resolved options; warm: [S, B*H, K, D] centroids or None -> the tensors to store.
-    variant: a COMPRESS_VARIANTS name, "auto" (`pick_variant` by shape) or such a dict (default: COMPRESS_VARIANT)."""
+    variant: a COMPRESS_VARIANTS name, "auto" (`pick_variant` by shape) or such a dict (default: COMPRESS_VARIANT).
+    With FP8 scales (not asym) the pack takes its tscale from a bound, as the torch path does
+    (`qvg.compression.prq.residual_tscale`): the last stage's first k-means update finds max|input| while it reads
+    the tokens, and one small launch max|centroid|; so the pack makes one pass over x, not two."""
     b, h, n, d = x.shape
     s_count, k = o.get("stages", 0), o.get("centroids", 1)
     v = resolve_variant(variant, b * h, n, k)
@@ -135,20 +160,25 @@ def compress_prq(x: torch.Tensor, o: dict, warm: torch.Tensor | None, iters: int
     x = x.contiguous()
     g = b * h
     xg = x.view(g, n, d)
+    spec = token_spec(o)
+    m_in = None
+    if spec.scale_dtype == "fp8" and spec.grid != "asym" and v.get("tscale", "bound") == "bound":
+        m_in = torch.zeros(g, device=x.device, dtype=torch.int32)
     ids_t = cents_t = None
     for s in range(s_count):
         r = xg.to(torch.bfloat16) if s == 0 else residual_bf16(xg, ids_t, cents_t, s)
         res = kmeans(r, k, iters=iters, init=None if warm is None else warm[s], seed=o["seed"] + s,
                      seeding=o["seeding"], assign_kw=v.get("assign_kw"), update_kw=v.get("update_kw"),
-                     reseed=v.get("reseed", "torch"))
+                     reseed=v.get("reseed", "torch"), amax=m_in if s == s_count - 1 else None)
         if ids_t is None:
             ids_t = torch.empty(s_count, g, n, device=x.device, dtype=res.ids.dtype)
             cents_t = torch.empty(s_count, g, k, d, device=x.device, dtype=torch.bfloat16)
         ids_t[s] = res.ids
         cents_t[s] = res.centroids
+    bound = None if m_in is None else (m_in, head_absmax(cents_t[s_count - 1]))
     ids_t = ids_t.view(s_count, b, h, n)
     cents_t = cents_t.view(s_count, b, h, k, d)
-    tensors = quantize_packed(x, token_spec(o), ids_t, cents_t, **pack_kw)
+    tensors = quantize_packed(x, spec, ids_t, cents_t, bound=bound, **pack_kw)
     tensors["ids"] = ids_t
     tensors["centroids"] = cents_t
     return tensors

@@ -127,6 +127,33 @@ def _assign_min_kernel(x_ptr, c_ptr, csq_ptr, ids_ptr, dist_ptr, N, K, NBLK, PRO
             tl.store(dist_ptr + g * N + rows, tl.maximum(best + tl.sum(xf * xf, 1), 0.0), mask=rmask)
 
 
+@triton.jit
+def _prep_centroids_kernel(c_ptr, cb_ptr, csq_ptr, R, D: tl.constexpr, BLOCK: tl.constexpr, INTERP: tl.constexpr):
+    """Rows of c (any float dtype) -> their BF16 rounding and |BF16 row|^2 in FP32: the assignment's operands."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = rows < R
+    off = rows.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :]
+    cb = to_bf16(tl.load(c_ptr + off, mask=m[:, None], other=0.0).to(tl.float32), INTERP)
+    tl.store(cb_ptr + off, cb, mask=m[:, None])
+    cf = cb.to(tl.float32)
+    tl.store(csq_ptr + rows, tl.sum(cf * cf, 1), mask=m)
+
+
+def prep_centroids(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """c [G, K, D] -> (BF16 c, |BF16 c|^2 [G, K] FP32) in one launch (the torch form took four)."""
+    g, k, d = c.shape
+    c = c.contiguous()
+    cb = torch.empty(g, k, d, device=c.device, dtype=torch.bfloat16)
+    csq = torch.empty(g, k, device=c.device, dtype=torch.float32)
+    if d & (d - 1):  # the kernel's row is one power-of-two tile
+        cb.copy_(c)
+        return cb, cb.float().pow(2).sum(-1)
+    block = max(1, min(64, 8192 // d))
+    _prep_centroids_kernel[(triton.cdiv(g * k, block),)](c, cb, csq, g * k, D=d, BLOCK=block, INTERP=INTERPRET,
+                                                         num_warps=4)
+    return cb, csq
+
+
 ASSIGN_MODES = ("tiles", "min")
 
 
@@ -143,8 +170,7 @@ def assign(x: torch.Tensor, c: torch.Tensor, want_dist: bool = False, block_n: i
         raise ValueError(f"unknown assign mode {mode!r}; choose one of {ASSIGN_MODES}")
     g, n, d = x.shape
     k = c.shape[1]
-    c = c.to(torch.bfloat16).contiguous()  # the dot's operands are bf16 anyway; |c|^2 of the same values
-    csq = c.float().pow(2).sum(-1)
+    c, csq = prep_centroids(c)  # the dot's operands are bf16 anyway; |c|^2 of the same values
     ids = torch.empty(g, n, device=x.device, dtype=id_dtype(k))
     dist = torch.empty(g, n, device=x.device, dtype=torch.float32) if want_dist else csq
     block_n = min(block_n, max(16, triton.next_power_of_2(n)))
@@ -167,11 +193,13 @@ def assign(x: torch.Tensor, c: torch.Tensor, want_dist: bool = False, block_n: i
 
 
 @triton.jit
-def _onehot_partial_kernel(x_ptr, ids_ptr, sums_ptr, cnt_ptr, N, K, CHUNK, SPLITS, D: tl.constexpr,
-                           BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, PARTS: tl.constexpr, INTERP: tl.constexpr):
+def _onehot_partial_kernel(x_ptr, ids_ptr, sums_ptr, cnt_ptr, amax_ptr, N, K, CHUNK, SPLITS, D: tl.constexpr,
+                           BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, PARTS: tl.constexpr, INTERP: tl.constexpr,
+                           AMAX: tl.constexpr):
     """Per (centroid block, token split, group): sums[k] = onehot(ids == k) @ x over the split's tokens, on tensor
     cores (exact products, FP32 accumulation in a fixed order), and the split's cluster sizes. FP32 x is split
-    into PARTS BF16 pieces (hi + mid + lo carries its 24 mantissa bits)."""
+    into PARTS BF16 pieces (hi + mid + lo carries its 24 mantissa bits). AMAX: the first centroid block's programs
+    also take the group's max|x| (an integer max of FP32 bits into amax_ptr[g], as in kmeans_segsum)."""
     kb = tl.program_id(0)
     sp = tl.program_id(1)
     g = tl.program_id(2).to(tl.int64)
@@ -179,6 +207,7 @@ def _onehot_partial_kernel(x_ptr, ids_ptr, sums_ptr, cnt_ptr, N, K, CHUNK, SPLIT
     dcols = tl.arange(0, D)
     acc = tl.zeros((BLOCK_K, D), tl.float32)
     cnt = tl.zeros((BLOCK_K,), tl.int32)
+    big = tl.zeros((BLOCK_N, D), tl.float32)
     lo = sp * CHUNK
     hi = tl.minimum(lo + CHUNK, N)
     for n0 in range(lo, hi, BLOCK_N):
@@ -187,6 +216,8 @@ def _onehot_partial_kernel(x_ptr, ids_ptr, sums_ptr, cnt_ptr, N, K, CHUNK, SPLIT
         idv = tl.where(m, tl.load(ids_ptr + g * N + rows, mask=m, other=0).to(tl.int32), -1)
         oh = ks[:, None] == idv[None, :]
         x = tl.load(x_ptr + (g * N + rows)[:, None] * D + dcols[None, :], mask=m[:, None], other=0.0)
+        if AMAX:
+            big = tl.maximum(big, tl.abs(x.to(tl.float32)))
         ohb = tl.where(oh, 1.0, 0.0).to(tl.bfloat16)
         if PARTS == 1:
             acc = dot_bf16(ohb, x, acc, INTERP)
@@ -201,6 +232,9 @@ def _onehot_partial_kernel(x_ptr, ids_ptr, sums_ptr, cnt_ptr, N, K, CHUNK, SPLIT
     base = (g * SPLITS + sp) * K + ks
     tl.store(sums_ptr + base[:, None] * D + dcols[None, :], acc, mask=kmask[:, None])
     tl.store(cnt_ptr + base, cnt, mask=kmask)
+    if AMAX:
+        if kb == 0:
+            tl.atomic_max(amax_ptr + g, tl.max(tl.max(big, 1), 0).to(tl.int32, bitcast=True))
 
 
 @triton.jit
@@ -230,22 +264,32 @@ def update(x: torch.Tensor, ids: torch.Tensor, c: torch.Tensor, **kw) -> torch.T
     return update_with_counts(x, ids, c, **kw)[0]
 
 
-def update_with_counts(x: torch.Tensor, ids: torch.Tensor, c: torch.Tensor, method: str | None = None, **kw):
+def update_with_counts(x: torch.Tensor, ids: torch.Tensor, c: torch.Tensor, method: str | None = None,
+                       amax: torch.Tensor | None = None, **kw):
     """`update`, plus the cluster sizes [G, K] int32. method: "onehot" (default for K <= 512: one-hot products on
     tensor cores, split over tokens, splits summed in a fixed order), "sort" (stable sort by id + segmented sum) or
-    "segsum" (counting sort + load-balanced segmented sum, memory-bound: kernels/kmeans_segsum.py)."""
+    "segsum" (counting sort + load-balanced segmented sum, memory-bound: kernels/kmeans_segsum.py).
+    amax: an int32 [G] tensor of zeros that receives each group's max|x| as FP32 bits (`amax_bits`); the onehot and
+    segsum kernels take it while they read x, "sort" with a torch reduction."""
     method = method or ("onehot" if c.shape[1] <= ONEHOT_MAX_K else "sort")
     if method == "segsum":
-        return update_segsum(x, ids, c, **kw)
+        return update_segsum(x, ids, c, amax=amax, **kw)
     if method == "onehot":
-        return _update_onehot(x, ids, c, **kw)
+        return _update_onehot(x, ids, c, amax=amax, **kw)
     if method == "sort":
+        if amax is not None:
+            amax.copy_(amax_bits(x))
         return _update_sort(x, ids, c, **kw)
     raise ValueError(f"unknown update method {method!r}")
 
 
+def amax_bits(x: torch.Tensor) -> torch.Tensor:
+    """max|x| over each group of x [G, ...] as the int32 bits of its FP32 value (the update kernels' `amax`)."""
+    return x.flatten(1).abs().amax(1).float().view(torch.int32)
+
+
 def _update_onehot(x, ids, c, block_k: int = 64, block_n: int = 32, chunk: int = 4096, num_warps: int = 4,
-                   num_stages: int = 3):
+                   num_stages: int = 3, amax: torch.Tensor | None = None):
     g, n, d = x.shape
     k = c.shape[1]
     block_k = min(block_k, max(16, triton.next_power_of_2(k)))
@@ -254,8 +298,9 @@ def _update_onehot(x, ids, c, block_k: int = 64, block_n: int = 32, chunk: int =
     sums = torch.empty(g, splits, k, d, device=x.device, dtype=torch.float32)
     cnt = torch.empty(g, splits, k, device=x.device, dtype=torch.int32)
     _onehot_partial_kernel[(triton.cdiv(k, block_k), splits, g)](
-        x.contiguous(), ids.contiguous(), sums, cnt, n, k, chunk, splits, D=d, BLOCK_K=block_k, BLOCK_N=block_n,
-        PARTS=1 if x.dtype == torch.bfloat16 else 3, INTERP=INTERPRET, num_warps=num_warps, num_stages=num_stages)
+        x.contiguous(), ids.contiguous(), sums, cnt, cnt if amax is None else amax, n, k, chunk, splits, D=d,
+        BLOCK_K=block_k, BLOCK_N=block_n, PARTS=1 if x.dtype == torch.bfloat16 else 3, INTERP=INTERPRET,
+        AMAX=amax is not None, num_warps=num_warps, num_stages=num_stages)
     c_new = torch.empty(g, k, d, device=x.device, dtype=torch.float32)
     counts = torch.empty(g, k, device=x.device, dtype=torch.int32)
     fk = min(32, max(16, triton.next_power_of_2(k)))
@@ -280,11 +325,21 @@ def _update_sort(x, ids, c, block_n: int = 32, num_warps: int = 2):
 
 def kmeans(x: torch.Tensor, k: int, *, iters: int = 2, init: torch.Tensor | None = None, seed: int = 0,
            seeding: str = "k-means++", track: bool = False, assign_kw: dict | None = None,
-           update_kw: dict | None = None, reseed: str = "torch") -> KMeansResult:
+           update_kw: dict | None = None, reseed: str = "torch", amax: torch.Tensor | None = None) -> KMeansResult:
     """`qvg.kmeans.kmeans` (same seeding, loop and result) with the Triton assignment and update steps.
     assign_kw / update_kw: options of `assign` / `update_with_counts` (variants, tiles); reseed: "torch"
-    (`qvg.kmeans.reseed_empty`) or "fused" (the same in one launch, K <= 512: kernels/kmeans_reseed.py)."""
+    (`qvg.kmeans.reseed_empty`) or "fused" (the same in one launch, K <= 512: kernels/kmeans_reseed.py).
+    amax: an int32 [G] tensor of zeros that receives each group's max|x| (FP32 bits): the first update reads x
+    anyway and takes it (with iters = 0 a torch reduction does)."""
     akw, ukw = dict(assign_kw or {}), dict(update_kw or {})
+    if amax is not None and iters == 0:
+        amax.copy_(amax_bits(x))
+    first = [amax]
+
+    def update_fn(x_, i_, c_):
+        a, first[0] = first[0], None  # the first update only: x is the same at every iteration
+        return update_with_counts(x_, i_, c_, amax=a, **ukw)
+
     reseed_fn = None
     if reseed == "fused" and k <= RESEED_MAX_K:
         reseed_fn = reseed_empty_fused
@@ -292,4 +347,4 @@ def kmeans(x: torch.Tensor, k: int, *, iters: int = 2, init: torch.Tensor | None
         raise ValueError(f"unknown reseed {reseed!r}; choose torch or fused")
     return ref_kmeans(x, k, iters=iters, init=init, seed=seed, seeding=seeding, track=track,
                       assign_fn=lambda x_, c: assign(x_, c, True, **akw),
-                      update_fn=lambda x_, i_, c_: update_with_counts(x_, i_, c_, **ukw), reseed_fn=reseed_fn)
+                      update_fn=update_fn, reseed_fn=reseed_fn)

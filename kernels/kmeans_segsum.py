@@ -136,8 +136,11 @@ def _scatter_kernel(keys_ptr, lstart_ptr, offs_ptr, order_ptr, N, K, NB, SB: tl.
 
 
 @triton.jit
-def _segsum_kernel(x_ptr, order_ptr, cstart_ptr, istart_ptr, part_ptr, N, K, ITEM, MAXI, KP: tl.constexpr,
-                   D: tl.constexpr, ROWS: tl.constexpr):
+def _segsum_kernel(x_ptr, order_ptr, cstart_ptr, istart_ptr, part_ptr, amax_ptr, N, K, ITEM, MAXI, KP: tl.constexpr,
+                   D: tl.constexpr, ROWS: tl.constexpr, AMAX: tl.constexpr):
+    """AMAX: also the group's max|x| (every token is summed by exactly one item), as an integer max of its FP32
+    bits into amax_ptr[g] (non-negative floats order like their bits: an order-independent, deterministic atomic;
+    amax_ptr starts at 0)."""
     p = tl.program_id(0)
     g = tl.program_id(1).to(tl.int64)
     ks = tl.arange(0, KP)
@@ -150,12 +153,19 @@ def _segsum_kernel(x_ptr, order_ptr, cstart_ptr, istart_ptr, part_ptr, N, K, ITE
     hi = tl.minimum(lo + ITEM, c1)  # a surplus item (p >= n_items) has lo >= c1: no tokens
     dcols = tl.arange(0, D)
     acc = tl.zeros((ROWS, D), tl.float32)
+    big = tl.zeros((ROWS, D), tl.float32)
     for i0 in range(lo, hi, ROWS):
         idx = i0 + tl.arange(0, ROWS)
         m = idx < hi
         tok = tl.load(order_ptr + g * N + idx, mask=m, other=0)
-        acc += tl.load(x_ptr + (g * N + tok)[:, None] * D + dcols[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+        xv = tl.load(x_ptr + (g * N + tok)[:, None] * D + dcols[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+        acc += xv
+        if AMAX:
+            big = tl.maximum(big, tl.abs(xv))
     tl.store(part_ptr + (g * MAXI + p) * D + dcols, tl.sum(acc, 0), mask=dcols < tl.where(p < n_items, D, 0))
+    if AMAX:
+        if lo < hi:
+            tl.atomic_max(amax_ptr + g, tl.max(tl.max(big, 1), 0).to(tl.int32, bitcast=True))
 
 
 @triton.jit
@@ -228,11 +238,13 @@ def sort_by_cluster(ids: torch.Tensor, k: int, item: int = 256, sort_block: int 
 
 def update_segsum(x: torch.Tensor, ids: torch.Tensor, c: torch.Tensor, item: int = 256, rows: int = 32,
                   sort_block: int = 1024, num_warps: int = 4, num_stages: int = 2, finish_block: int = 16,
-                  block: str = "sort", rank_rows: int = 32, rank_warps: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                  block: str = "sort", rank_rows: int = 32, rank_warps: int = 1,
+                  amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [G, N, D] (bf16 / fp32), ids [G, N] (any integer dtype, values < K), c [G, K, D] -> (centroids [G, K, D]
     fp32, cluster sizes [G, K] int32). item: most tokens one work item sums (a multiple of rows); rows: tokens
     summed per step; sort_block: tokens per counting-sort block (a power of two); block: how a block orders its
-    tokens ("sort": tl.sort; "rank": counted ranks, no sort; rank_rows / rank_warps: its tiling; `sort_by_cluster`)."""
+    tokens ("sort": tl.sort; "rank": counted ranks, no sort; rank_rows / rank_warps: its tiling; `sort_by_cluster`).
+    amax: an int32 [G] tensor of zeros to receive each group's max|x| as FP32 bits (read while summing)."""
     g, n, d = x.shape
     k = c.shape[1]
     if d & (d - 1) or d < 16:
@@ -244,9 +256,9 @@ def update_segsum(x: torch.Tensor, ids: torch.Tensor, c: torch.Tensor, item: int
     maxi = triton.cdiv(n, item) + k  # >= sum_k ceil(c_k / item)
     part = torch.empty(g, maxi, d, device=x.device, dtype=torch.float32)
     c_new = torch.empty(g, k, d, device=x.device, dtype=torch.float32)
-    _segsum_kernel[(maxi, g)](x.contiguous(), order, cstart, istart, part, n, k, item, maxi,
-                              KP=triton.next_power_of_2(k), D=d, ROWS=rows, num_warps=num_warps,
-                              num_stages=num_stages)
+    _segsum_kernel[(maxi, g)](x.contiguous(), order, cstart, istart, part, part if amax is None else amax, n, k,
+                              item, maxi, KP=triton.next_power_of_2(k), D=d, ROWS=rows, AMAX=amax is not None,
+                              num_warps=num_warps, num_stages=num_stages)
     _segfinish_kernel[(triton.cdiv(k, finish_block), g)](part, istart, counts, c.contiguous(), c_new, k, maxi, D=d,
                                                          BLOCK_K=finish_block, num_warps=4)
     return c_new, counts

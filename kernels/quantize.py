@@ -10,7 +10,7 @@ import triton.language as tl
 
 from triton.language.extra import libdevice
 
-from qvg.quant import FP8_MAX, TSCALE_MIN, QuantSpec, _div, tensor_scale
+from qvg.quant import FP8_MAX, TSCALE_MIN, QuantSpec, _div, bound_tscale, scale_bound, scale_divisor, tensor_scale
 
 from .common import INTERPRET, bf16_bits_to_f32, grid_constants, raw_view, to_bf16
 
@@ -118,16 +118,19 @@ def _rne(v, RINT: tl.constexpr):
 
 
 @triton.jit
-def _pack_kernel(x_ptr, ids_ptr, cent_ptr, raw_ptr, zero_ptr, tscale_ptr, codes_ptr, scale_ptr, N, K, GH,
+def _pack_kernel(x_ptr, ids_ptr, cent_ptr, raw_ptr, zero_ptr, tscale_ptr, codes_ptr, scale_ptr, mc_ptr, N, K, GH,
                  D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr,
                  OFFSET: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr, STAGES: tl.constexpr,
                  BLOCK_N: tl.constexpr, RECOMPUTE: tl.constexpr = False, RINT: tl.constexpr = False,
                  TS_DIV: tl.constexpr = 1.0, TSCALE_MIN: tl.constexpr = 0.0, INTERP: tl.constexpr = False,
-                 WORDS: tl.constexpr = True):
+                 WORDS: tl.constexpr = True, TS_BOUND: tl.constexpr = False):
     """Pass 2: stored scales and packed codes (planar layout of qvg/bitpack.py). RECOMPUTE: the group stats are
     formed here (`_group_stats`, as pass 1 would), the zero point stored here, and with FP8 the tscale computed
     from the head's largest raw scale (raw_ptr[head], fp32 bits; TS_DIV: auto's divisor) as `qvg.quant.
     tensor_scale` does, and stored by each head's first program: no [N, NG] raw array, no torch reductions.
+    TS_BOUND (with RECOMPUTE and FP8): the tscale from a bound instead, as `qvg.quant.bound_tscale(scale_bound(
+    m_in, m_c))` computes it: m_in = raw_ptr[head] (FP32 bits of the k-means input's max|.|), m_c = mc_ptr[head],
+    TS_DIV = `scale_divisor`; then no pass 1 at all.
     WORDS: the planes are ORed as 32-bit words of 4 bytes (rows of a whole number of words), else byte by byte."""
     pid_n = tl.program_id(0)
     gh = tl.program_id(1)
@@ -150,6 +153,8 @@ def _pack_kernel(x_ptr, ids_ptr, cent_ptr, raw_ptr, zero_ptr, tscale_ptr, codes_
             tl.store(zero_ptr + goff, zb, mask=m2)
         if FP8:
             smax = tl.load(raw_ptr + gh).to(tl.float32, bitcast=True)
+            if TS_BOUND:
+                smax = smax * (1 + 2.0 ** -7) + tl.load(mc_ptr + gh)
             if TS_DIV != 1.0:
                 smax = tl.math.div_rn(smax, TS_DIV)
             ts = tl.maximum(tl.math.div_rn(smax, FP8_MAX) * (1 + 2.0 ** -20), TSCALE_MIN)
@@ -206,14 +211,17 @@ def _pack_kernel(x_ptr, ids_ptr, cent_ptr, raw_ptr, zero_ptr, tscale_ptr, codes_
 
 def quantize_packed(x: torch.Tensor, spec: QuantSpec, ids: torch.Tensor | None = None,
                     centroids: torch.Tensor | None = None, block_n: int = 16, num_warps: int = 2,
-                    fused: bool = False, words: bool = True) -> dict[str, torch.Tensor]:
+                    fused: bool = False, words: bool = True,
+                    bound: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Triton version of `qvg.quant.quantize_packed` for per-token specs. With `ids` [S, B, H, N] and `centroids`
     [S, B, H, K, D] (BF16) it quantizes the PRQ residual x - sum_s centroids_s[ids_s] without materializing it.
     fused (same stored tensors): no [B, H, N, D/group] raw-scale array and no torch reductions; FP8 scales: pass 1
     only finds each head's largest raw scale (an integer atomic max), pass 2 forms the group stats itself and the
     tscale from that maximum; BF16 scales: pass 2 alone (one read of x). words: the code planes are ORed 4 bytes
     at a time (32-bit words, so each value exchanged between threads holds 4 bytes); False: byte by byte (the same
-    bits)."""
+    bits). bound = (m_in, m_c), int32 [B*H] FP32 bits and FP32 [B*H] (FP8 scales, not asym): the tscale is
+    `qvg.quant.bound_tscale(scale_bound(m_in, m_c), spec)`, as qvg's torch path stores it
+    (`qvg.compression.prq.residual_tscale`); fused, no pass 1 then."""
     b, h, n, d = x.shape
     spec.check(tuple(x.shape))
     c = grid_constants(spec)
@@ -226,20 +234,24 @@ def quantize_packed(x: torch.Tensor, spec: QuantSpec, ids: torch.Tensor | None =
     grid = (triton.cdiv(n, block_n), b * h)
     ids_ = ids.contiguous() if stages else x
     cent_ = centroids.contiguous() if stages else x
+    if bound is not None and (not c["FP8"] or spec.grid == "asym"):
+        raise ValueError("a tscale bound needs FP8 scales and a grid other than asym")
     if fused:
-        return _quantize_fused(x, spec, c, ids_, cent_, zero, stages, k, grid, block_n, num_warps, words)
+        return _quantize_fused(x, spec, c, ids_, cent_, zero, stages, k, grid, block_n, num_warps, words, bound)
     raw = torch.empty(b, h, n, ng, device=dev, dtype=torch.float32)
     _stats_kernel[grid](x, ids_, cent_, raw, raw_view(zero) if zero is not None else raw, n, k, b * h,
                         D=d, BITS=c["BITS"], GROUP=c["GROUP"], GRID=c["GRID"], OFFSET=c["OFFSET"],
                         STAGES=stages, BLOCK_N=block_n, INTERP=INTERPRET, HEADMAX=False, num_warps=num_warps,
                         enable_fp_fusion=False)
     out = {}
-    if c["FP8"]:  # auto's stats pass keeps max|x|: the tscale follows its sym candidate (midrise for 1 bit)
+    if bound is not None:
+        out["tscale"] = bound_tscale(scale_bound(bound[0].view(torch.float32), bound[1]), spec).view(b, h)
+    elif c["FP8"]:  # auto's stats pass keeps max|x|: the tscale follows its sym candidate (midrise for 1 bit)
         out["tscale"] = tensor_scale(raw if spec.grid != "auto" else _div(raw, c["OFFSET"] if spec.bits > 1 else 0.5))
     codes = torch.empty(b, h, n, d * spec.bits // 8, device=dev, dtype=torch.uint8)
     scale = torch.empty(b, h, n, ng, device=dev, dtype=torch.float8_e4m3fn if c["FP8"] else torch.bfloat16)
     _pack_kernel[grid](x, ids_, cent_, raw, raw_view(zero) if zero is not None else raw,
-                       out.get("tscale", raw), codes, raw_view(scale), n, k, b * h, D=d, FP8_MAX=FP8_MAX,
+                       out.get("tscale", raw), codes, raw_view(scale), raw, n, k, b * h, D=d, FP8_MAX=FP8_MAX,
                        STAGES=stages, BLOCK_N=block_n, WORDS=words, num_warps=num_warps, enable_fp_fusion=False,
                        **c)
     out = {"codes": codes, "scale": scale, **out}
@@ -248,14 +260,17 @@ def quantize_packed(x: torch.Tensor, spec: QuantSpec, ids: torch.Tensor | None =
     return out
 
 
-def _quantize_fused(x, spec, c, ids_, cent_, zero, stages, k, grid, block_n, num_warps,
-                    words) -> dict[str, torch.Tensor]:
+def _quantize_fused(x, spec, c, ids_, cent_, zero, stages, k, grid, block_n, num_warps, words,
+                    bound) -> dict[str, torch.Tensor]:
     b, h, n, d = x.shape
     ng = d // spec.group
     dev = x.device
     out = {}
-    hmax = x  # unused without FP8 scales
-    if c["FP8"]:
+    hmax = mc = x  # unused without FP8 scales
+    if bound is not None:  # the head's bound is known: no pass 1
+        hmax, mc = bound[0].contiguous(), bound[1].float().contiguous()
+        out["tscale"] = torch.empty(b, h, device=dev, dtype=torch.float32)
+    elif c["FP8"]:
         hmax = torch.zeros(b * h, device=dev, dtype=torch.int32)
         _stats_kernel[grid](x, ids_, cent_, hmax, hmax, n, k, b * h, D=d, BITS=c["BITS"], GROUP=c["GROUP"],
                             GRID=c["GRID"], OFFSET=c["OFFSET"], STAGES=stages, BLOCK_N=block_n, INTERP=INTERPRET,
@@ -263,11 +278,15 @@ def _quantize_fused(x, spec, c, ids_, cent_, zero, stages, k, grid, block_n, num
         out["tscale"] = torch.empty(b, h, device=dev, dtype=torch.float32)
     codes = torch.empty(b, h, n, d * spec.bits // 8, device=dev, dtype=torch.uint8)
     scale = torch.empty(b, h, n, ng, device=dev, dtype=torch.float8_e4m3fn if c["FP8"] else torch.bfloat16)
-    ts_div = (c["OFFSET"] if spec.bits > 1 else 0.5) if spec.grid == "auto" else 1.0  # see tensor_scale's use above
+    if bound is not None:
+        ts_div = scale_divisor(spec)
+    else:  # see tensor_scale's use above
+        ts_div = (c["OFFSET"] if spec.bits > 1 else 0.5) if spec.grid == "auto" else 1.0
     _pack_kernel[grid](x, ids_, cent_, hmax, raw_view(zero) if zero is not None else hmax, out.get("tscale", hmax),
-                       codes, raw_view(scale), n, k, b * h, D=d, FP8_MAX=FP8_MAX, STAGES=stages, BLOCK_N=block_n,
+                       codes, raw_view(scale), mc, n, k, b * h, D=d, FP8_MAX=FP8_MAX, STAGES=stages, BLOCK_N=block_n,
                        RECOMPUTE=True, RINT=not INTERPRET, TS_DIV=float(ts_div), TSCALE_MIN=TSCALE_MIN,
-                       INTERP=INTERPRET, WORDS=words, num_warps=num_warps, enable_fp_fusion=False, **c)
+                       INTERP=INTERPRET, WORDS=words, TS_BOUND=bound is not None, num_warps=num_warps,
+                       enable_fp_fusion=False, **c)
     out = {"codes": codes, "scale": scale, **out}
     if zero is not None:
         out["zero"] = zero

@@ -26,6 +26,10 @@ Scale storage (`QuantSpec.scale_dtype`):
           smallest positive (subnormal) one, so no scale becomes 0 or inf. Rounding *up* to the next E4M3 value
           (not to nearest) keeps every group's range covered, so the s/2 bound holds for the stored scale.
           Cost: 32 bits per (batch, head), i.e. 32 / (N * D) bits per element.
+          A caller that knows an upper bound on the head's largest |x| may pass the tscale of that bound instead
+          (`bound_tscale`): the scales then sit a little lower in E4M3's range and the quantizer needs no pass over
+          x before it encodes one. QVG does (qvg/compression/prq.py): the bound of the residual it stores is
+          max|k-means input| + max|centroid|, which the k-means update finds while it reads the tokens anyway.
   "bf16"  BF16 (2 bytes), also rounded up; clamped below at 2^-126 (BF16's smallest normal).
 """
 from __future__ import annotations
@@ -136,6 +140,32 @@ def tensor_scale(s: torch.Tensor) -> torch.Tensor:
     return (_div(smax, FP8_MAX) * (1 + 2.0 ** -20)).clamp(min=TSCALE_MIN)
 
 
+def scale_divisor(spec: QuantSpec) -> float:
+    """Raw group scale = max|x| / this, for the grid whose scale sets the tscale (sym's for "auto", midrise's at 1
+    bit). Not defined for "asym" (its scale depends on the group's minimum too)."""
+    if spec.grid == "asym":
+        raise ValueError("the asym grid has no scale bound from max|x| alone")
+    half = 2 ** (spec.bits - 1)
+    if spec.grid == "midrise" or (spec.grid == "auto" and spec.bits == 1):
+        return half - 0.5
+    return half - 1.0
+
+
+def scale_bound(m_in: torch.Tensor, m_c: torch.Tensor) -> torch.Tensor:
+    """Upper bound (FP32, [B, H]) of |x - c| for every x of a head whose k-means input (the BF16 rounding of x) has
+    max|.| = m_in and every c of its centroids |c| <= m_c: m_in * (1 + 2^-7) + m_c. The 2^-7 covers the BF16
+    rounding of the input (2^-8 relative) and the FP32 roundings of the subtraction with room to spare."""
+    return m_in.float() * (1 + 2.0 ** -7) + m_c.float()
+
+
+def bound_tscale(bound: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """The FP8 tscale [B, H] of heads whose max|x| is at most `bound` [B, H]: `tensor_scale` of the largest raw
+    group scale that bound allows (bound / `scale_divisor`), so no stored scale can clamp at 448."""
+    div = scale_divisor(spec)
+    smax = bound.float() if div == 1.0 else _div(bound.float(), div)
+    return (_div(smax, FP8_MAX) * (1 + 2.0 ** -20)).clamp(min=TSCALE_MIN)
+
+
 def encode_scale(s: torch.Tensor, spec: QuantSpec, tscale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Raw fp32 group scales [B, H, ...] (>= 0) -> stored tensors (see module doc). `tscale` defaults to
     tensor_scale(s)."""
@@ -163,8 +193,13 @@ def decode_scale(stored: dict[str, torch.Tensor], spec: QuantSpec) -> torch.Tens
 
 # --- quantize / dequantize ---------------------------------------------------------------------------------------
 
-def quantize(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """x [B, H, N, D] -> (unsigned codes uint8 [B, H, N, D], stored scale tensors)."""
+def quantize(x: torch.Tensor, spec: QuantSpec,
+             tscale: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """x [B, H, N, D] -> (unsigned codes uint8 [B, H, N, D], stored scale tensors). tscale [B, H] (FP8 scales,
+    not asym): the per-head scale to store the group scales against, e.g. `bound_tscale` of a known bound of
+    max|x| (default: `tensor_scale` of x's own largest group scale)."""
+    if tscale is not None and (spec.scale_dtype != "fp8" or spec.grid == "asym"):
+        raise ValueError("a given tscale needs FP8 scales and a grid other than asym")
     xg, rd = _grouped(x.float(), spec)
     b = spec.bits
     if spec.grid == "asym":
@@ -178,12 +213,12 @@ def quantize(x: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, dict[str, 
         grid = "midrise" if spec.grid == "auto" and b == 1 else spec.grid
         if grid in ("sym", "auto"):
             lim = 2 ** (b - 1) - 1
-            stored = encode_scale(_div(amax, lim), spec)
+            stored = encode_scale(_div(amax, lim), spec, tscale)
             s = _per_group(decode_scale(stored, spec), spec)
             codes = torch.round(xg * torch.reciprocal(s)).clamp(-lim, lim) + lim
         if grid in ("midrise", "auto"):
             half = 2 ** (b - 1)
-            m_stored = encode_scale(_div(amax, half - 0.5), spec, stored.get("tscale") if grid == "auto" else None)
+            m_stored = encode_scale(_div(amax, half - 0.5), spec, stored.get("tscale") if grid == "auto" else tscale)
             m_s = _per_group(decode_scale(m_stored, spec), spec)
             m_codes = (torch.floor(xg * torch.reciprocal(m_s)) + half).clamp(0, 2 ** b - 1)
         if grid == "midrise":
@@ -212,9 +247,10 @@ def dequantize(codes: torch.Tensor, stored: dict[str, torch.Tensor], spec: Quant
     return (c - (2 ** (spec.bits - 1) - 0.5)) * s
 
 
-def quantize_packed(x: torch.Tensor, spec: QuantSpec) -> dict[str, torch.Tensor]:
-    """Quantize and bit-pack: -> {"codes": uint8 [B, H, N, D*bits/8], "scale": ..., ["zero"], ["tscale"]}."""
-    codes, stored = quantize(x, spec)
+def quantize_packed(x: torch.Tensor, spec: QuantSpec, tscale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Quantize and bit-pack: -> {"codes": uint8 [B, H, N, D*bits/8], "scale": ..., ["zero"], ["tscale"]}.
+    tscale: see `quantize`."""
+    codes, stored = quantize(x, spec, tscale)
     return {"codes": pack(codes, spec.bits), **stored}
 
 

@@ -14,7 +14,7 @@ import torch
 from ..backend import use_kernels
 from ..kmeans import id_dtype, kmeans
 from ..packed import Packed
-from ..quant import dequantize_packed, quantize_packed
+from ..quant import bound_tscale, dequantize_packed, quantize_packed, scale_bound
 from .registry import QUANT_DEFAULTS, Method, register, scale_overhead_bits, token_spec
 
 COLD_ITERS = 8  # Lloyd iterations when no warm start is given (the first chunk)
@@ -49,20 +49,37 @@ def compress(x: torch.Tensor, o: dict, init=None) -> dict[str, torch.Tensor]:
         return compress_prq(x, o, warm, iters)
     r = x.float().reshape(b * h, n, d)
     ids, cents = [], []
+    tscale = None
     for s in range(s_count):
         # k-means clusters the BF16 rounding of the residual (what the GPU kernels read: half the bytes); the
         # residual chain itself and the quantized last residual stay exact in FP32
-        res = kmeans(r.to(torch.bfloat16), k, iters=iters, init=None if warm is None else warm[s], seed=o["seed"] + s,
+        r16 = r.to(torch.bfloat16)
+        res = kmeans(r16, k, iters=iters, init=None if warm is None else warm[s], seed=o["seed"] + s,
                      seeding=o["seeding"])
         c16 = res.centroids.to(torch.bfloat16)
         r = r - _gather(c16, res.ids)  # subtract what is stored, so decompression replays exactly
         ids.append(res.ids)
         cents.append(c16)
-    tensors = quantize_packed(r.view(b, h, n, d), token_spec(o))
+        if s == s_count - 1:
+            tscale = residual_tscale(r16, c16, token_spec(o), (b, h))
+    tensors = quantize_packed(r.view(b, h, n, d), token_spec(o), tscale)
     if s_count:
         tensors["ids"] = torch.stack(ids).view(s_count, b, h, n)
         tensors["centroids"] = torch.stack(cents).view(s_count, b, h, k, d)
     return tensors
+
+
+def residual_tscale(r16: torch.Tensor, c16: torch.Tensor, spec, bh: tuple[int, int]) -> torch.Tensor | None:
+    """The FP8 tscale [B, H] of the stored residual, from a bound rather than a pass over it: the last stage's
+    k-means input r16 [G, N, D] (BF16) and its centroids c16 [G, K, D] bound every |residual| by
+    `scale_bound(max|r16|, max|c16|)` (the GPU path reads both maxima off passes it makes anyway: the k-means
+    update reads every token, so the quantizer needs no pass of its own before it encodes a scale). None where the
+    spec has no such tscale (BF16 scales, the asym grid)."""
+    if spec.scale_dtype != "fp8" or spec.grid == "asym":
+        return None
+    m_in = r16.abs().amax((1, 2)).float()
+    m_c = c16.abs().amax((1, 2)).float()
+    return bound_tscale(scale_bound(m_in, m_c), spec).view(*bh)
 
 
 def decompress(p: Packed) -> torch.Tensor:

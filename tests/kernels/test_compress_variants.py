@@ -78,6 +78,37 @@ def test_presets_compress_alike(method, n, warm, device):
                                    rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("variant", ["fast-onehot", "fast", "fast-sort", "current"])
+@pytest.mark.parametrize("method,opts", [("qvg", {}), ("qvg-pro", {}), ("qvg", {"bits": 4, "grid": "sym"}),
+                                         ("qvg-pro", {"bits": 1, "grid": "midrise", "block_size": 32})])
+def test_compress_tscale_is_the_references_bound(variant, method, opts, device):
+    """The kernels' compress stores the tscale the torch path would store for its own ids and centroids:
+    `residual_tscale` of the last stage's k-means input and centroids (found by the update and `head_absmax`, not
+    by a pass over the residual), and the codes and scales of the reference quantizer given that tscale."""
+    from qvg.compression import prq
+    from qvg.quant import quantize_packed as quantize_packed_ref
+    from qvg.compression.registry import token_spec
+    x = clustered(1, 2, 150, 64, clusters=6, seed=8)
+    x[0, 1, 17, 3] = 40.0  # one outlier: the head's max
+    o = qvg.compress(x, method, centroids=6, iters=2, **opts).meta
+    with poisoned():
+        got = kc.compress_prq(x.to(device), o, None, 2, variant=variant)
+    s_count = o["stages"]
+    ids = got["ids"].cpu().reshape(s_count, 2, 150)
+    cents = got["centroids"].cpu().reshape(s_count, 2, 6, 64)
+    r = x.float().reshape(2, 150, 64)
+    for s in range(s_count - 1):
+        r = r - prq._gather(cents[s], ids[s])
+    spec = token_spec(o)
+    ts = prq.residual_tscale(r.to(torch.bfloat16), cents[-1], spec, (1, 2))
+    ulps = (got["tscale"].cpu().view(torch.int32).long() - ts.view(torch.int32).long()).abs().max()
+    assert int(ulps) <= (0 if device == "cpu" else 1)  # CUDA: the unfused path's torch division may be 1 ulp off
+    r_last = r - prq._gather(cents[-1], ids[-1])
+    want = quantize_packed_ref(r_last.view(1, 2, 150, 64), spec, tscale=got["tscale"].cpu())
+    for t in ("codes", "scale"):
+        assert torch.equal(got[t].cpu().view(torch.uint8), want[t].view(torch.uint8)), t
+
+
 def test_cache_compresses_with_its_preset(monkeypatch):
     """KVCache(compress_preset=...) runs its commits' compressions under that preset (and restores the default);
     bad values are refused."""

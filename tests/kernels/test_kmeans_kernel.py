@@ -104,6 +104,40 @@ def test_update(x_dtype, method, device):
     assert_bitwise_equal(again, new, "update is deterministic")
 
 
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kw", [dict(method="onehot"), dict(method="onehot", block_k=32, block_n=16, chunk=64),
+                                dict(method="sort"), dict(method="segsum", block="sort", item=32, rows=16),
+                                dict(method="segsum", block="rank", item=64, rows=16, sort_block=64)])
+def test_update_amax(kw, x_dtype, device):
+    """update_with_counts(amax=) writes each group's max|x| (FP32 bits) while it reads x, and the same centroids;
+    one far token per group (its own cluster, or in the middle of a big one), one group's maximum negative."""
+    k = 40
+    x, _ = _blobs(3, 333, 32, 12, seed=21)
+    x[0, 100, 5] = 900.0
+    x[1, 7, 31] = -1200.0
+    x = x.to(x_dtype)
+    c = x[:, :k].float().clone()
+    ids = ref.assign(x.float(), c)[0].to(torch.uint8)
+    plain = kk.update(x.to(device), ids.to(device), c.to(device), **kw).cpu()
+    amax = torch.zeros(3, dtype=torch.int32, device=device)
+    new = kk.update(x.to(device), ids.to(device), c.to(device), amax=amax, **kw).cpu()
+    assert_bitwise_equal(new, plain, "amax= changes no centroid")
+    assert torch.equal(amax.cpu().view(torch.float32), x.float().abs().amax((1, 2)))
+    assert torch.equal(amax.cpu(), kk.amax_bits(x))
+
+
+@pytest.mark.parametrize("iters", [0, 2])
+def test_kmeans_amax(iters, device):
+    """kmeans(amax=) fills the buffer once (the first update, or a torch reduction without one), same result."""
+    x, _ = _blobs(2, 200, 32, 8, seed=3)
+    x = x.to(torch.bfloat16).to(device)
+    kw = dict(iters=iters, seed=1, update_kw=dict(method="segsum", item=32, rows=16, sort_block=64, block="rank"))
+    amax = torch.zeros(2, dtype=torch.int32, device=device)
+    a, b = kk.kmeans(x, 8, **kw), kk.kmeans(x, 8, amax=amax, **kw)
+    assert torch.equal(a.ids, b.ids) and torch.equal(a.centroids, b.centroids)
+    assert torch.equal(amax.cpu().view(torch.float32), x.float().abs().amax((1, 2)).cpu())
+
+
 def test_update_onehot_splits(device):
     """Several token splits (summed in a fixed order) and a centroid block that is not full."""
     k = 40

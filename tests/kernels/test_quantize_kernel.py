@@ -7,7 +7,8 @@ import qvg
 from kernel_helpers import assert_tensors_equal, clustered, gen, poisoned, raw_bits, token_spec, varied
 from qvg.kernels.common import GRID_IDS
 from qvg.kernels.quantize import quantize_packed
-from qvg.quant import QuantSpec, decode_scale, tensor_scale
+from qvg.compression import prq
+from qvg.quant import QuantSpec, bound_tscale, decode_scale, scale_bound, tensor_scale
 from qvg.quant import quantize_packed as quantize_packed_ref
 
 
@@ -121,16 +122,62 @@ def test_quantize_fp8_scale_spread(fused, device):
     ("qvg-pro", {"bits": 1, "block_size": 32, "grid": "midrise"}),
 ])
 def test_fused_prq_residual_matches_compress(method, opts, x_dtype, fused, device):
-    """quantize_packed(x, spec, ids, centroids) quantizes x - sum_s C_s[ids_s] exactly as qvg.compress's torch
-    path does (same stored codes, scales, zero points, tscale)."""
+    """quantize_packed(x, spec, ids, centroids, bound=) quantizes x - sum_s C_s[ids_s] exactly as qvg.compress's
+    torch path does (same stored codes, scales, zero points, tscale: FP8 scales take the tscale of the bound
+    max|last k-means input| + max|last centroids|, given as the kernels' compress finds it)."""
     x = clustered(1, 2, 72, 64, seed=7).to(x_dtype)
     p = qvg.compress(x, method, centroids=8, **opts)  # CPU: the torch reference path
     assert p.tensors["ids"].shape[0] == p.meta["stages"] >= 1
     want = {k: v for k, v in p.tensors.items() if k not in ("ids", "centroids")}
+    spec = token_spec(p.meta)
+    bound = None
+    if spec.scale_dtype == "fp8" and spec.grid != "asym":
+        m_in, m_c = _last_stage_maxima(x, p.tensors["ids"], p.tensors["centroids"])
+        bound = (m_in.view(torch.int32).to(device), m_c.to(device))
     with poisoned():
-        got = quantize_packed(x.to(device), token_spec(p.meta), p.tensors["ids"].to(device),
-                              p.tensors["centroids"].to(device), fused=fused)
+        got = quantize_packed(x.to(device), spec, p.tensors["ids"].to(device),
+                              p.tensors["centroids"].to(device), fused=fused, bound=bound)
     assert_matches_reference(got, want, f"{method} {opts}", device)
+
+
+def _last_stage_maxima(x, ids, cents):
+    """(max|BF16 input of the last stage's k-means|, max|its centroids|) per (batch, head), FP32 [B*H], the way
+    qvg.compression.prq forms that input (x - the earlier stages' centroids, in FP32, then rounded to BF16)."""
+    s_count, b, h, n = ids.shape
+    r = x.float().reshape(b * h, n, -1)
+    for s in range(s_count - 1):
+        r = r - prq._gather(cents[s].reshape(b * h, -1, r.shape[-1]), ids[s].reshape(b * h, n))
+    m_in = r.to(torch.bfloat16).abs().amax((1, 2)).float()
+    return m_in, cents[s_count - 1].reshape(b * h, -1).abs().amax(1).float()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("grid,bits", [(g, b) for g, b in SPECS if g != "asym"])
+def test_quantize_with_bound_matches_reference(grid, bits, fused, device):
+    """bound=(m_in, m_c): the tscale `bound_tscale(scale_bound(m_in, m_c))`, as the reference stores it given that
+    tscale; bounds from the input's own maximum, above it (a loose centroid term) and, on the hard input's regimes
+    (zero / tiny / wide heads), with tscale floored at TSCALE_MIN. Every stored scale stays finite and nonzero."""
+    spec = QuantSpec(bits=bits, grid=grid, group=16, scale_dtype="fp8")
+    x = _hard_input()
+    m_in = x.to(torch.bfloat16).abs().amax((2, 3)).float().flatten()
+    for m_c in (torch.zeros_like(m_in), m_in * 0.75 + 1e-3):
+        want = quantize_packed_ref(x, spec, tscale=bound_tscale(scale_bound(m_in, m_c), spec).view(2, 2))
+        with poisoned():
+            got = quantize_packed(x.to(device), spec, fused=fused,
+                                  bound=(m_in.view(torch.int32).to(device), m_c.to(device)))
+        assert_matches_reference(got, want, f"{spec} m_c={m_c.tolist()}", device)
+        s = decode_scale({k: v.cpu() for k, v in got.items()}, spec)
+        assert torch.isfinite(s).all() and (s.abs() > 0).all()
+
+
+def test_quantize_bound_needs_fp8_and_no_asym():
+    x = torch.randn(1, 1, 8, 16)
+    bound = (torch.zeros(1, dtype=torch.int32), torch.zeros(1))
+    for spec in (QuantSpec(grid="asym"), QuantSpec(scale_dtype="bf16")):
+        with pytest.raises(ValueError, match="needs FP8 scales"):
+            quantize_packed(x, QuantSpec(**{**spec.to_meta(), "group": 16}), bound=bound)
+        with pytest.raises(ValueError, match="needs FP8 scales"):
+            quantize_packed_ref(x, QuantSpec(**{**spec.to_meta(), "group": 16}), tscale=torch.ones(1, 1))
 
 
 @pytest.mark.parametrize("fused", [False, True])
