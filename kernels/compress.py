@@ -50,6 +50,11 @@ COMPRESS_VARIANTS["fast-bytes"] = dict(COMPRESS_VARIANTS["fast"], pack_kw=dict(_
 # "fast" with the pack's tscale from its own pass over the residual (as before the bound), for same-run timing:
 # other tscale bits, so other stored scales, than every preset above
 COMPRESS_VARIANTS["fast-stats"] = dict(COMPRESS_VARIANTS["fast"], tscale="pass")
+# "fast" with the pack pass on one thread per group span (kernels/pack_span.py; the same bits), for timing
+COMPRESS_VARIANTS["fast-span"] = dict(COMPRESS_VARIANTS["fast"], pack_kw=dict(_FAST["pack_kw"], span=True))
+COMPRESS_VARIANTS["fast-span-recode"] = dict(COMPRESS_VARIANTS["fast"], pack_kw=dict(_FAST["pack_kw"], span="recode"))
+COMPRESS_VARIANTS["fast-span-recode8"] = dict(COMPRESS_VARIANTS["fast"],
+                                              pack_kw=dict(_FAST["pack_kw"], span="recode", span_warps=8))
 # The default, "auto", picks one of them by shape (`pick_variant`); COMPRESS_VARIANT is the switch, and
 # `compress_prq(..., variant=)` overrides it per call.
 COMPRESS_VARIANT = "auto"

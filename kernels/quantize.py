@@ -8,11 +8,11 @@ import torch
 import triton
 import triton.language as tl
 
-from triton.language.extra import libdevice
-
 from qvg.quant import FP8_MAX, TSCALE_MIN, QuantSpec, _div, bound_tscale, scale_bound, scale_divisor, tensor_scale
 
 from .common import INTERPRET, bf16_bits_to_f32, grid_constants, raw_view, to_bf16
+from .encode import _encode, _rne, auto_scales, head_tscale
+from .pack_span import _pack_span_kernel, span_width
 
 
 @triton.jit
@@ -25,14 +25,6 @@ def _residual(x_ptr, ids_ptr, cent_ptr, tok, rmask, col, N, K, GH, gh, D: tl.con
         crow = (st * GH + gh).to(tl.int64) * K + cid
         r -= tl.load(cent_ptr + crow[:, None] * D + col[None, :], mask=m2, other=0.0).to(tl.float32)
     return r
-
-
-@triton.jit
-def _round_half_even(v):
-    f = tl.floor(v)
-    d = v - f
-    odd = (f - 2.0 * tl.floor(f * 0.5)) == 1.0
-    return tl.where((d > 0.5) | ((d == 0.5) & odd), f + 1.0, f)
 
 
 @triton.jit
@@ -80,44 +72,6 @@ def _stats_kernel(x_ptr, ids_ptr, cent_ptr, raw_ptr, zero_ptr, N, K, GH,
 
 
 @triton.jit
-def _fp8_round_up(q):
-    """E4M3 bits of the smallest E4M3 value >= q, for q in [2^-9, 448], with integer ops only (exact on every
-    backend; the interpreter's own fp32 -> fp8 cast mishandles mantissa carries)."""
-    u = q.to(tl.uint32, bitcast=True)
-    e = ((u >> 23) & 0xFF).to(tl.int32) - 127
-    normal = ((e + 7) << 3) | ((u >> 20) & 7).to(tl.int32)
-    normal = normal + ((u & 0xFFFFF) != 0).to(tl.int32)  # round up; a mantissa carry moves into the exponent
-    sub = -tl.floor(-q * 512.0)  # subnormals: multiples of 2^-9 (8 -> 0x08 = 2^-6, the smallest normal)
-    return tl.where(e < -6, sub.to(tl.int32), normal).to(tl.uint8)
-
-
-@triton.jit
-def _encode(raw, tscale, FP8: tl.constexpr, FP8_MAX: tl.constexpr):
-    """Raw fp32 scale -> (stored bits, decoded fp32 scale), rounded up, with the core's clamp."""
-    if FP8:
-        q = tl.minimum(tl.maximum(tl.math.div_rn(raw, tscale), 0.001953125), FP8_MAX)
-        b = _fp8_round_up(q)
-        return b, b.to(tl.float8e4nv, bitcast=True).to(tl.float32) * tscale
-    else:
-        q = tl.maximum(raw, 1.1754943508222875e-38)
-        e = q.to(tl.bfloat16)
-        b = e.to(tl.int16, bitcast=True)
-        b = tl.where(e.to(tl.float32) < q, b + 1, b)
-        return b, bf16_bits_to_f32(b)
-
-
-@triton.jit
-def _rne(v, RINT: tl.constexpr):
-    """Round half to even: the hardware's (cvt.rni, RINT) or floor-based (the interpreter has no rint); the same
-    value for every input (rint may give -0.0 where the floor form gives +0.0, which the codes never see: they are
-    clamped and offset by OFFSET >= 1/2, or multiplied and subtracted)."""
-    if RINT:
-        return libdevice.rint(v)
-    else:
-        return _round_half_even(v)
-
-
-@triton.jit
 def _pack_kernel(x_ptr, ids_ptr, cent_ptr, raw_ptr, zero_ptr, tscale_ptr, codes_ptr, scale_ptr, mc_ptr, N, K, GH,
                  D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr,
                  OFFSET: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr, STAGES: tl.constexpr,
@@ -152,33 +106,23 @@ def _pack_kernel(x_ptr, ids_ptr, cent_ptr, raw_ptr, zero_ptr, tscale_ptr, codes_
         if GRID == 2:
             tl.store(zero_ptr + goff, zb, mask=m2)
         if FP8:
-            smax = tl.load(raw_ptr + gh).to(tl.float32, bitcast=True)
-            if TS_BOUND:
-                smax = smax * (1 + 2.0 ** -7) + tl.load(mc_ptr + gh)
-            if TS_DIV != 1.0:
-                smax = tl.math.div_rn(smax, TS_DIV)
-            ts = tl.maximum(tl.math.div_rn(smax, FP8_MAX) * (1 + 2.0 ** -20), TSCALE_MIN)
-            if pid_n == 0:
-                tl.store(tscale_ptr + gh, ts)
+            ts = head_tscale(raw_ptr, mc_ptr, tscale_ptr, gh, pid_n == 0, TS_BOUND, TS_DIV, FP8_MAX, TSCALE_MIN)
     else:
         if FP8:
             ts = tl.load(tscale_ptr + gh)
         raw = tl.load(raw_ptr + goff, mask=m2, other=1.0)
     if GRID == 3:  # auto: both candidates, then per group the one with the smaller squared error (ties: sym)
-        amax = raw
-        mbits, ms = _encode(tl.math.div_rn(amax, OFFSET + 0.5), ts, FP8, FP8_MAX)
+        mbits, ms, sbits, s = auto_scales(raw, ts, OFFSET, BITS, FP8, FP8_MAX)  # (raw is max|x| here)
         cm = tl.minimum(tl.maximum(tl.floor(r * tl.math.div_rn(1.0, ms)[:, :, None]) + (OFFSET + 1.0), 0.0), LEVELS)
-        sign = (tl.zeros_like(mbits) + 1) << (mbits.dtype.primitive_bitwidth - 1)
         if BITS == 1:  # 1-bit auto is midrise, flagged
-            sbits = mbits | sign
+            sbits = mbits
             c = cm
         else:
-            sbits, s = _encode(amax if OFFSET == 1.0 else tl.math.div_rn(amax, OFFSET), ts, FP8, FP8_MAX)
             cs = tl.minimum(tl.maximum(_rne(r * tl.math.div_rn(1.0, s)[:, :, None], RINT), -OFFSET), OFFSET)
             es = cs * s[:, :, None] - r
             em = (cm - (OFFSET + 0.5)) * ms[:, :, None] - r
             use_mid = tl.sum(em * em, 2) < tl.sum(es * es, 2)
-            sbits = tl.where(use_mid, mbits | sign, sbits)
+            sbits = tl.where(use_mid, mbits, sbits)
             c = tl.where(use_mid[:, :, None], cm, cs + OFFSET)
         tl.store(scale_ptr + goff, sbits, mask=m2)
     else:
@@ -212,7 +156,8 @@ def _pack_kernel(x_ptr, ids_ptr, cent_ptr, raw_ptr, zero_ptr, tscale_ptr, codes_
 def quantize_packed(x: torch.Tensor, spec: QuantSpec, ids: torch.Tensor | None = None,
                     centroids: torch.Tensor | None = None, block_n: int = 16, num_warps: int = 2,
                     fused: bool = False, words: bool = True,
-                    bound: tuple[torch.Tensor, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+                    bound: tuple[torch.Tensor, torch.Tensor] | None = None, span: bool | str = False,
+                    span_warps: int = 4) -> dict[str, torch.Tensor]:
     """Triton version of `qvg.quant.quantize_packed` for per-token specs. With `ids` [S, B, H, N] and `centroids`
     [S, B, H, K, D] (BF16) it quantizes the PRQ residual x - sum_s centroids_s[ids_s] without materializing it.
     fused (same stored tensors): no [B, H, N, D/group] raw-scale array and no torch reductions; FP8 scales: pass 1
@@ -221,7 +166,10 @@ def quantize_packed(x: torch.Tensor, spec: QuantSpec, ids: torch.Tensor | None =
     at a time (32-bit words, so each value exchanged between threads holds 4 bytes); False: byte by byte (the same
     bits). bound = (m_in, m_c), int32 [B*H] FP32 bits and FP32 [B*H] (FP8 scales, not asym): the tscale is
     `qvg.quant.bound_tscale(scale_bound(m_in, m_c), spec)`, as qvg's torch path stores it
-    (`qvg.compression.prq.residual_tscale`); fused, no pass 1 then."""
+    (`qvg.compression.prq.residual_tscale`); fused, no pass 1 then. span (fused; grids sym / midrise / auto): the
+    pack pass with each group in one thread (kernels/pack_span.py, the same bits; "recode": the auto grid's codes
+    formed again after its choice, in fewer registers) on span_warps warps; block_n / num_warps then apply to pass
+    1 alone."""
     b, h, n, d = x.shape
     spec.check(tuple(x.shape))
     c = grid_constants(spec)
@@ -237,7 +185,10 @@ def quantize_packed(x: torch.Tensor, spec: QuantSpec, ids: torch.Tensor | None =
     if bound is not None and (not c["FP8"] or spec.grid == "asym"):
         raise ValueError("a tscale bound needs FP8 scales and a grid other than asym")
     if fused:
-        return _quantize_fused(x, spec, c, ids_, cent_, zero, stages, k, grid, block_n, num_warps, words, bound)
+        sw = span_width(d, spec.bits, spec.group) if span and spec.grid != "asym" else 0
+        span_kw = dict(SPAN=sw, RECODE=span == "recode", num_warps=span_warps) if sw else None
+        return _quantize_fused(x, spec, c, ids_, cent_, zero, stages, k, grid, block_n, num_warps, words, bound,
+                               span_kw)
     raw = torch.empty(b, h, n, ng, device=dev, dtype=torch.float32)
     _stats_kernel[grid](x, ids_, cent_, raw, raw_view(zero) if zero is not None else raw, n, k, b * h,
                         D=d, BITS=c["BITS"], GROUP=c["GROUP"], GRID=c["GRID"], OFFSET=c["OFFSET"],
@@ -260,8 +211,8 @@ def quantize_packed(x: torch.Tensor, spec: QuantSpec, ids: torch.Tensor | None =
     return out
 
 
-def _quantize_fused(x, spec, c, ids_, cent_, zero, stages, k, grid, block_n, num_warps, words,
-                    bound) -> dict[str, torch.Tensor]:
+def _quantize_fused(x, spec, c, ids_, cent_, zero, stages, k, grid, block_n, num_warps, words, bound,
+                    span_kw=None) -> dict[str, torch.Tensor]:
     b, h, n, d = x.shape
     ng = d // spec.group
     dev = x.device
@@ -282,11 +233,19 @@ def _quantize_fused(x, spec, c, ids_, cent_, zero, stages, k, grid, block_n, num
         ts_div = scale_divisor(spec)
     else:  # see tensor_scale's use above
         ts_div = (c["OFFSET"] if spec.bits > 1 else 0.5) if spec.grid == "auto" else 1.0
-    _pack_kernel[grid](x, ids_, cent_, hmax, raw_view(zero) if zero is not None else hmax, out.get("tscale", hmax),
-                       codes, raw_view(scale), mc, n, k, b * h, D=d, FP8_MAX=FP8_MAX, STAGES=stages, BLOCK_N=block_n,
-                       RECOMPUTE=True, RINT=not INTERPRET, TS_DIV=float(ts_div), TSCALE_MIN=TSCALE_MIN,
-                       INTERP=INTERPRET, WORDS=words, TS_BOUND=bound is not None, num_warps=num_warps,
-                       enable_fp_fusion=False, **c)
+    if span_kw:  # one thread per (token, span): BLOCK_N tokens fill the program's threads
+        bn = 32 * span_kw["num_warps"] * span_kw["SPAN"] // d
+        _pack_span_kernel[(triton.cdiv(n, bn), b * h)](
+            x, ids_, cent_, hmax, mc, out.get("tscale", hmax), codes, raw_view(scale), n, k, b * h, D=d,
+            BITS=c["BITS"], GROUP=c["GROUP"], GRID=c["GRID"], OFFSET=c["OFFSET"], FP8=c["FP8"], FP8_MAX=FP8_MAX,
+            STAGES=stages, BLOCK_N=bn, RINT=not INTERPRET, TS_DIV=float(ts_div), TSCALE_MIN=TSCALE_MIN,
+            TS_BOUND=bound is not None, enable_fp_fusion=False, **span_kw)
+    else:
+        _pack_kernel[grid](x, ids_, cent_, hmax, raw_view(zero) if zero is not None else hmax,
+                           out.get("tscale", hmax), codes, raw_view(scale), mc, n, k, b * h, D=d, FP8_MAX=FP8_MAX,
+                           STAGES=stages, BLOCK_N=block_n, RECOMPUTE=True, RINT=not INTERPRET, TS_DIV=float(ts_div),
+                           TSCALE_MIN=TSCALE_MIN, INTERP=INTERPRET, WORDS=words, TS_BOUND=bound is not None,
+                           num_warps=num_warps, enable_fp_fusion=False, **c)
     out = {"codes": codes, "scale": scale, **out}
     if zero is not None:
         out["zero"] = zero

@@ -63,15 +63,18 @@ def test_presets_compress_alike(method, n, warm, device):
     o = prev.meta
     init = prev.tensors["centroids"].reshape(o["stages"], 2, 6, 64).to(device) if warm else None
     out = {}
-    for name in ("auto", "fast-onehot", "fast-onehot-1024", "fast", "fast-sort", "fast-bytes", "fast-s2"):
+    for name in ("auto", "fast-onehot", "fast-onehot-1024", "fast", "fast-sort", "fast-bytes", "fast-s2", "fast-span",
+                 "fast-span-recode"):
         with poisoned():
             out[name] = kc.compress_prq(x.to(device), o, init, 2, variant=name)
     assert kc.pick_variant(2, n, 6) == "fast-onehot"
     for t in out["auto"]:
         assert torch.equal(out["auto"][t], out["fast-onehot"][t]), t
-    for t in out["fast"]:  # the pack's byte-wise plane OR, the assignment's 2-deep prefetch: bitwise the same
-        assert torch.equal(out["fast-bytes"][t], out["fast"][t]), t
+    for t in out["fast"]:  # the pack's byte-wise plane OR, the assignment's 2-deep prefetch, the pack on one thread
+        assert torch.equal(out["fast-bytes"][t], out["fast"][t]), t  # per group span: bitwise the same
         assert torch.equal(out["fast-s2"][t], out["fast"][t]), t
+        assert torch.equal(out["fast-span"][t], out["fast"][t]), t
+        assert torch.equal(out["fast-span-recode"][t], out["fast"][t]), t
     for name in ("fast-onehot-1024", "fast", "fast-sort"):
         assert torch.equal(out[name]["ids"], out["fast-onehot"]["ids"]), name
         torch.testing.assert_close(out[name]["centroids"].float(), out["fast-onehot"]["centroids"].float(),

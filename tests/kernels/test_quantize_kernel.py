@@ -194,3 +194,42 @@ def test_quantize_subnormal_input(grid, bits, fused, device, request):
 def test_tscale_is_device_independent():
     raw = torch.rand(4, 8, 64, 4, generator=gen(0)) * torch.logspace(-3, 3, 8)[None, :, None, None]
     assert torch.equal(raw_bits(tensor_scale(raw.cuda())), raw_bits(tensor_scale(raw)))
+
+
+@pytest.mark.parametrize("span", [True, "recode"])
+@pytest.mark.parametrize("grid,bits,group,d", [
+    ("auto", 2, 64, 128), ("auto", 2, 16, 128), ("auto", 4, 64, 128), ("auto", 1, 32, 64), ("auto", 8, 16, 64),
+    ("sym", 2, 64, 128), ("sym", 4, 16, 64), ("midrise", 2, 32, 64), ("midrise", 1, 16, 64), ("auto", 4, 128, 128)])
+@pytest.mark.parametrize("stages", [0, 1, 3])
+def test_span_pack_matches_reference(span, grid, bits, group, d, stages, device):
+    """quantize_packed(span=...): one thread per group span (kernels/pack_span.py) stores the reference's bits, for
+    the PRQ residual of 0, 1 or 3 stages, with the tscale of a pass over x (hmax) and of a bound; N = 70 leaves the
+    last token block ragged. The hard input (heads of zeros / tiny / wide values, a constant row on the group max)
+    checks the dropped code clamps."""
+    from qvg.kernels.pack_span import span_width
+    assert span_width(d, bits, group)
+    spec = QuantSpec(bits=bits, grid=grid, group=group, scale_dtype="fp8")
+    n, k = 70, 5
+    x = torch.cat([_hard_input(n, d, seed=1), varied(2, 2, n, d, seed=2)], 0)  # [4, 2, N, D]
+    g = gen(3)
+    ids = torch.randint(0, k, (stages, 4, 2, n), generator=g).to(torch.uint8)
+    cents = (torch.randn(stages, 4, 2, k, d, generator=g) * 0.3).to(torch.bfloat16)
+    r = x.float()
+    for st in range(stages):
+        r = r - prq._gather(cents[st].reshape(8, k, d), ids[st].reshape(8, n).long()).view(4, 2, n, d)
+    for bound in (None, (r.abs().amax((2, 3)).flatten(), torch.zeros(8))):
+        ts = None if bound is None else bound_tscale(scale_bound(*bound), spec).view(4, 2)
+        want = quantize_packed_ref(r, spec, tscale=ts)
+        dev_bound = None if bound is None else (bound[0].view(torch.int32).to(device), bound[1].to(device))
+        with poisoned():
+            got = quantize_packed(x.to(device), spec, ids.to(device) if stages else None,
+                                  cents.to(device) if stages else None, fused=True, bound=dev_bound, span=span)
+        assert_matches_reference(got, want, f"{spec} stages={stages} bound={bound is not None}", device)
+
+
+def test_span_width():
+    from qvg.kernels.pack_span import span_width
+    assert span_width(128, 2, 64) == 64 and span_width(128, 2, 16) == 32 and span_width(128, 8, 16) == 128
+    assert span_width(128, 4, 128) == 128 and span_width(64, 1, 16) == 16
+    assert span_width(128, 2, 4) == 0  # groups under 8 columns: the default kernel
+    assert span_width(96, 2, 32) == 0  # D not a multiple of a power-of-two span

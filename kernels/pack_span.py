@@ -1,0 +1,120 @@
+"""The fused quantize + pack pass (kernels/quantize.py's `_pack_kernel` with RECOMPUTE) with every quantization
+group inside one thread, for the grids sym / midrise / auto. Same stored bits; reference: qvg.quant.quantize_packed
+(and the residual loop of qvg.compression.prq).
+
+Why. `_pack_kernel` works on [BLOCK_N, D] tiles that Triton lays out as 8 contiguous columns per thread, so a
+64-column group is spread over 8 threads and each thread repeats its groups' scalar work (two scale encodings and
+IEEE divisions per candidate grid, the error sums' shuffles) for 4 groups: on the H100 that kernel issues ~54
+instructions per element (eval/results/kernels-h100.md, ncu), most of them this replicated per-group work.
+
+Layout. A program takes BLOCK_N tokens; each token's D columns are split into NS = D / SPAN spans of SPAN
+contiguous columns (SPAN = max(GROUP, W), W = D * BITS / 8 the packed row's bytes, so a span holds whole groups
+and whole code planes), and each (token, span) row is one thread's. The tile is held as [R, CH, 8]: R = BLOCK_N * NS
+rows, CH = SPAN / 8 chunks of 8 columns. The 8 columns are one 16-byte load; of the two strided axes, Triton 3.6's
+coalescing lays the first (rows) over the threads, so each thread holds all CH chunks of its row (Triton 3.9 breaks
+that tie the other way: the same results, slower). The group reductions, the scale encodings and the plane ORs then
+stay in registers, once per group. Only the span partials of a packed row meet across threads (NS - 1 shuffles per
+32-bit word).
+
+The clamps of the code ranges are left out: with the scale rounded up from max|r| / L (stored scales never clamp at
+448: the tscale is the head's largest scale or a bound of it), |r| * (1/s) <= L (1 + 3 ulp), so the rounded codes
+are already in range; the codes and error sums are the reference's, bitwise.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .encode import _encode, _rne, auto_scales, head_tscale
+
+
+def span_width(d: int, bits: int, group: int) -> int:
+    """Columns per thread: whole groups and whole code planes (0 where this kernel does not apply)."""
+    def pow2(v):
+        return v > 0 and (v & (v - 1)) == 0
+
+    w = d * bits // 8
+    span = max(group, w)
+    ok = (pow2(d) and pow2(group) and pow2(w) and group >= 8 and w >= 8 and d % span == 0 and span % group == 0
+          and span % w == 0)
+    return span if ok else 0
+
+
+@triton.jit
+def _pack_span_kernel(x_ptr, ids_ptr, cent_ptr, hmax_ptr, mc_ptr, tscale_ptr, codes_ptr, scale_ptr, N, K, GH,
+                      D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr,
+                      OFFSET: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr, STAGES: tl.constexpr,
+                      BLOCK_N: tl.constexpr, SPAN: tl.constexpr, RINT: tl.constexpr, TS_DIV: tl.constexpr,
+                      TSCALE_MIN: tl.constexpr, TS_BOUND: tl.constexpr, RECODE: tl.constexpr = False):
+    """RECODE (auto grid): the chosen grid's codes formed again from r after the choice, instead of both
+    candidates' codes kept in registers until it (fewer registers, a few more instructions per element)."""
+    pid_n = tl.program_id(0)
+    gh = tl.program_id(1)
+    NS: tl.constexpr = D // SPAN  # spans per token
+    R: tl.constexpr = BLOCK_N * NS  # rows: one (token, span) per thread
+    CH: tl.constexpr = SPAN // 8  # 8-column chunks per span
+    NGS: tl.constexpr = SPAN // GROUP  # groups per span
+    GC: tl.constexpr = GROUP // 8  # chunks per group
+    P: tl.constexpr = 8 // BITS  # code planes
+    W: tl.constexpr = D // P  # packed bytes per token = columns per plane
+    SPW: tl.constexpr = SPAN // W  # planes per span
+    WC: tl.constexpr = W // 8  # chunks per plane
+    row = tl.arange(0, R)
+    tokl = row // NS
+    sp = row % NS
+    rows = pid_n * BLOCK_N + tokl  # [R]
+    rmask = rows < N
+    tok = gh.to(tl.int64) * N + rows
+    col = (sp * SPAN)[:, None, None] + (tl.arange(0, CH) * 8)[None, :, None] + tl.arange(0, 8)[None, None, :]
+    m3 = rmask[:, None, None]
+    r = tl.load(x_ptr + tok[:, None, None] * D + col, mask=m3, other=0.0).to(tl.float32)  # [R, CH, 8]
+    for st in tl.static_range(STAGES):  # the reference's order: x - C_0[id_0] - C_1[id_1] - ...
+        cid = tl.load(ids_ptr + st * GH * N + tok, mask=rmask, other=0).to(tl.int64)
+        crow = (st * GH + gh).to(tl.int64) * K + cid
+        r -= tl.load(cent_ptr + crow[:, None, None] * D + col, mask=m3, other=0.0).to(tl.float32)
+    rg = tl.reshape(r, (R, NGS, GC, 8))
+    amax = tl.max(tl.max(tl.abs(rg), 3), 2)  # [R, NGS]
+    ts = 1.0
+    if FP8:  # the tscale: from the head's largest raw scale (hmax, a pass before) or from a bound (TS_BOUND)
+        ts = head_tscale(hmax_ptr, mc_ptr, tscale_ptr, gh, pid_n == 0, TS_BOUND, TS_DIV, FP8_MAX, TSCALE_MIN)
+    if GRID == 3:  # auto: both candidates, then per group the one with the smaller squared error (ties: sym)
+        mbits, ms, sbits, s = auto_scales(amax, ts, OFFSET, BITS, FP8, FP8_MAX)
+        fm = tl.floor(rg * tl.math.div_rn(1.0, ms)[:, :, None, None])  # (the same product as RECODE's below)
+        cm = fm + (OFFSET + 1.0)
+        if BITS == 1:  # 1-bit auto is midrise, flagged
+            sbits = mbits
+            c = cm
+        else:
+            inv_s = tl.math.div_rn(1.0, s)[:, :, None, None]
+            inv_m = tl.math.div_rn(1.0, ms)[:, :, None, None]
+            qs = _rne(rg * inv_s, RINT)
+            es = qs * s[:, :, None, None] - rg
+            em = (fm + 0.5) * ms[:, :, None, None] - rg  # (cm - (OFFSET + 1/2)) * ms, exactly
+            use_mid = tl.sum(tl.sum(em * em, 3), 2) < tl.sum(tl.sum(es * es, 3), 2)
+            sbits = tl.where(use_mid, mbits, sbits)
+            if RECODE:
+                mid = use_mid[:, :, None, None]
+                t = rg * tl.where(mid, inv_m, inv_s)
+                c = tl.where(mid, tl.floor(t) + (OFFSET + 1.0), _rne(t, RINT) + OFFSET)
+            else:
+                c = tl.where(use_mid[:, :, None, None], cm, qs + OFFSET)
+    else:
+        raw = tl.math.div_rn(amax, OFFSET)  # sym: max|x| / (2^(b-1) - 1); midrise: / (2^(b-1) - 1/2)
+        sbits, s = _encode(raw, ts, FP8, FP8_MAX)
+        inv = tl.math.div_rn(1.0, s)[:, :, None, None]
+        if GRID == 0:
+            c = _rne(rg * inv, RINT) + OFFSET
+        else:
+            c = tl.floor(rg * inv) + (OFFSET + 0.5)
+    gcol = (sp * NGS)[:, None] + tl.arange(0, NGS)[None, :]  # [R, NGS]: the group's index in its token
+    tl.store(scale_ptr + tok[:, None] * (D // GROUP) + gcol, sbits, mask=rmask[:, None])
+    # planar packing: chunk j of the span is plane sp * SPW + j // WC, bytes 8 (j % WC) .. + 8 of the row
+    c4 = tl.reshape(c.to(tl.uint32), (R, SPW, WC, 8))
+    plane = (sp * SPW)[:, None, None, None] + tl.arange(0, SPW)[None, :, None, None]
+    part = tl.sum(c4 << (plane * BITS).to(tl.uint32), 1)  # [R, WC, 8] this span's bits of each byte
+    word = tl.sum(tl.reshape(part, (R, WC, 2, 4)) << (tl.arange(0, 4) * 8).to(tl.uint32)[None, None, None, :], 3)
+    word = tl.sum(tl.reshape(word, (BLOCK_N, NS, WC, 2)), 1)  # the token's spans ORed (disjoint bits: sum == OR)
+    wtok = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    woff = (gh.to(tl.int64) * N + wtok)[:, None, None] * (W // 4) + (tl.arange(0, WC) * 2)[None, :, None] \
+        + tl.arange(0, 2)[None, None, :]
+    tl.store(codes_ptr.to(tl.pointer_type(tl.uint32)) + woff, word, mask=(wtok < N)[:, None, None])
