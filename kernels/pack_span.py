@@ -16,6 +16,11 @@ that tie the other way: the same results, slower). The group reductions, the sca
 stay in registers, once per group. Only the span partials of a packed row meet across threads (NS - 1 shuffles per
 32-bit word).
 
+Rounding. Codes are rounded by adding and subtracting 1.5 * 2^23 in FP32 and read off the sum's bits
+(`round_int` / `floor_int` in kernels/encode.py), not by rint / floor / float-to-int conversions: sm_90's conversion
+unit does 16 of those per clock per SM against 128 FP32 adds, and with four of them per element it was this pass's
+limit. The same values (the reference's round-half-to-even and floor).
+
 The clamps of the code ranges are left out: with the scale rounded up from max|r| / L (stored scales never clamp at
 448: the tscale is the head's largest scale or a bound of it), |r| * (1/s) <= L (1 + 3 ulp), so the rounded codes
 are already in range; the codes and error sums are the reference's, bitwise.
@@ -25,7 +30,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .encode import _encode, _rne, auto_scales, head_tscale
+from .encode import _encode, auto_scales, floor_int, head_tscale, round_int
 
 
 def span_width(d: int, bits: int, group: int) -> int:
@@ -44,7 +49,7 @@ def span_width(d: int, bits: int, group: int) -> int:
 def _pack_span_kernel(x_ptr, ids_ptr, cent_ptr, hmax_ptr, mc_ptr, tscale_ptr, codes_ptr, scale_ptr, N, K, GH,
                       D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr,
                       OFFSET: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr, STAGES: tl.constexpr,
-                      BLOCK_N: tl.constexpr, SPAN: tl.constexpr, RINT: tl.constexpr, TS_DIV: tl.constexpr,
+                      BLOCK_N: tl.constexpr, SPAN: tl.constexpr, TS_DIV: tl.constexpr,
                       TSCALE_MIN: tl.constexpr, TS_BOUND: tl.constexpr, RECODE: tl.constexpr = False):
     """RECODE (auto grid): the chosen grid's codes formed again from r after the choice, instead of both
     candidates' codes kept in registers until it (fewer registers, a few more instructions per element)."""
@@ -77,39 +82,40 @@ def _pack_span_kernel(x_ptr, ids_ptr, cent_ptr, hmax_ptr, mc_ptr, tscale_ptr, co
     ts = 1.0
     if FP8:  # the tscale: from the head's largest raw scale (hmax, a pass before) or from a bound (TS_BOUND)
         ts = head_tscale(hmax_ptr, mc_ptr, tscale_ptr, gh, pid_n == 0, TS_BOUND, TS_DIV, FP8_MAX, TSCALE_MIN)
+    HALF: tl.constexpr = 2 ** (BITS - 1)  # codes: sym rne(x / s) + HALF - 1; midrise floor(x / s) + HALF
     if GRID == 3:  # auto: both candidates, then per group the one with the smaller squared error (ties: sym)
         mbits, ms, sbits, s = auto_scales(amax, ts, OFFSET, BITS, FP8, FP8_MAX)
-        fm = tl.floor(rg * tl.math.div_rn(1.0, ms)[:, :, None, None])  # (the same product as RECODE's below)
-        cm = fm + (OFFSET + 1.0)
+        inv_m = tl.math.div_rn(1.0, ms)[:, :, None, None]
+        fm, fmi = floor_int(rg * inv_m)
         if BITS == 1:  # 1-bit auto is midrise, flagged
             sbits = mbits
-            c = cm
+            c = fmi + HALF
         else:
             inv_s = tl.math.div_rn(1.0, s)[:, :, None, None]
-            inv_m = tl.math.div_rn(1.0, ms)[:, :, None, None]
-            qs = _rne(rg * inv_s, RINT)
+            qs, qsi = round_int(rg * inv_s)
             es = qs * s[:, :, None, None] - rg
-            em = (fm + 0.5) * ms[:, :, None, None] - rg  # (cm - (OFFSET + 1/2)) * ms, exactly
+            em = (fm + 0.5) * ms[:, :, None, None] - rg  # (code - (HALF - 1/2)) * ms, exactly
             use_mid = tl.sum(tl.sum(em * em, 3), 2) < tl.sum(tl.sum(es * es, 3), 2)
             sbits = tl.where(use_mid, mbits, sbits)
-            if RECODE:
-                mid = use_mid[:, :, None, None]
+            mid = use_mid[:, :, None, None]
+            if RECODE:  # the chosen candidate's product again (bitwise the same), rounded once more
                 t = rg * tl.where(mid, inv_m, inv_s)
-                c = tl.where(mid, tl.floor(t) + (OFFSET + 1.0), _rne(t, RINT) + OFFSET)
+                q, qi = round_int(t)
+                c = tl.where(mid, qi - (q > t).to(tl.int32) + HALF, qi + (HALF - 1))
             else:
-                c = tl.where(use_mid[:, :, None, None], cm, qs + OFFSET)
+                c = tl.where(mid, fmi + HALF, qsi + (HALF - 1))
     else:
         raw = tl.math.div_rn(amax, OFFSET)  # sym: max|x| / (2^(b-1) - 1); midrise: / (2^(b-1) - 1/2)
         sbits, s = _encode(raw, ts, FP8, FP8_MAX)
         inv = tl.math.div_rn(1.0, s)[:, :, None, None]
         if GRID == 0:
-            c = _rne(rg * inv, RINT) + OFFSET
+            c = round_int(rg * inv)[1] + (HALF - 1)
         else:
-            c = tl.floor(rg * inv) + (OFFSET + 0.5)
+            c = floor_int(rg * inv)[1] + HALF
     gcol = (sp * NGS)[:, None] + tl.arange(0, NGS)[None, :]  # [R, NGS]: the group's index in its token
     tl.store(scale_ptr + tok[:, None] * (D // GROUP) + gcol, sbits, mask=rmask[:, None])
     # planar packing: chunk j of the span is plane sp * SPW + j // WC, bytes 8 (j % WC) .. + 8 of the row
-    c4 = tl.reshape(c.to(tl.uint32), (R, SPW, WC, 8))
+    c4 = tl.reshape(c.to(tl.uint32), (R, SPW, WC, 8))  # (int32 -> uint32: the same bits)
     plane = (sp * SPW)[:, None, None, None] + tl.arange(0, SPW)[None, :, None, None]
     part = tl.sum(c4 << (plane * BITS).to(tl.uint32), 1)  # [R, WC, 8] this span's bits of each byte
     word = tl.sum(tl.reshape(part, (R, WC, 2, 4)) << (tl.arange(0, 4) * 8).to(tl.uint32)[None, None, None, :], 3)

@@ -2,10 +2,13 @@
 scales, zero points and tscales, for every grid / bit width / scale dtype, and for the fused PRQ residual path."""
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import qvg
 from kernel_helpers import assert_tensors_equal, clustered, gen, poisoned, raw_bits, token_spec, varied
 from qvg.kernels.common import GRID_IDS
+from qvg.kernels.encode import floor_int, round_int
 from qvg.kernels.quantize import quantize_packed
 from qvg.compression import prq
 from qvg.quant import QuantSpec, bound_tscale, decode_scale, scale_bound, tensor_scale
@@ -233,3 +236,33 @@ def test_span_width():
     assert span_width(128, 4, 128) == 128 and span_width(64, 1, 16) == 16
     assert span_width(128, 2, 4) == 0  # groups under 8 columns: the default kernel
     assert span_width(96, 2, 32) == 0  # D not a multiple of a power-of-two span
+
+
+@triton.jit
+def _round_floor_kernel(t_ptr, rq_ptr, ri_ptr, fq_ptr, fi_ptr, n, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    m = i < n
+    t = tl.load(t_ptr + i, mask=m)
+    q, qi = round_int(t)
+    f, fi = floor_int(t)
+    tl.store(rq_ptr + i, q, mask=m)
+    tl.store(ri_ptr + i, qi, mask=m)
+    tl.store(fq_ptr + i, f, mask=m)
+    tl.store(fi_ptr + i, fi, mask=m)
+
+
+def test_round_int_and_floor_int(device):
+    """encode.round_int / floor_int (FP32 adds of 1.5 * 2^23, no conversion unit) give torch.round (half to even)
+    and torch.floor, as floats and as int32, on ties, integers, values a hair off them, tiny and large ones."""
+    base = torch.tensor([0.0, -0.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 1.0, -1.0, 3.0, -7.0, 127.0, -128.0, 1e-30,
+                         -1e-30, 0.49999997, -0.49999997, 4194303.5, -4194303.5, 4194302.5, 1234.5678])
+    t = torch.cat([base, torch.nextafter(base, torch.full_like(base, 1e9)),
+                   torch.nextafter(base, torch.full_like(base, -1e9)), torch.randn(200, generator=gen(1)) * 100])
+    t = t[t.abs() < 2 ** 22]
+    out = [torch.empty_like(t), torch.empty(t.shape, dtype=torch.int32), torch.empty_like(t),
+           torch.empty(t.shape, dtype=torch.int32)]
+    dev = [o.to(device) for o in out]
+    _round_floor_kernel[(1,)](t.to(device), *dev, t.numel(), BLOCK=triton.next_power_of_2(t.numel()))
+    rq, ri, fq, fi = (o.cpu() for o in dev)
+    assert torch.equal(rq, torch.round(t)) and torch.equal(ri, torch.round(t).int())
+    assert torch.equal(fq, torch.floor(t)) and torch.equal(fi, torch.floor(t).int())
