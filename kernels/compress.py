@@ -13,10 +13,11 @@ import triton
 import triton.language as tl
 
 from qvg.compression.registry import token_spec
+from qvg.kmeans import id_dtype
 
 from .common import INTERPRET, to_bf16
 from .kmeans import kmeans
-from .quantize import _residual, quantize_packed
+from .quantize import _residual, quantize_packed, quantize_packed_outputs
 
 # Which k-means / pack kernels compress runs: options of `kmeans` (assign_kw, update_kw, reseed) and of
 # `quantize_packed` (pack_kw). "fast" was chosen at the LongCat span ([1, 32, 29640, 128], K=256) piece by piece in
@@ -55,6 +56,11 @@ COMPRESS_VARIANTS["fast-span"] = dict(COMPRESS_VARIANTS["fast"], pack_kw=dict(_F
 COMPRESS_VARIANTS["fast-span-recode"] = dict(COMPRESS_VARIANTS["fast"], pack_kw=dict(_FAST["pack_kw"], span="recode"))
 COMPRESS_VARIANTS["fast-span-recode8"] = dict(COMPRESS_VARIANTS["fast"],
                                               pack_kw=dict(_FAST["pack_kw"], span="recode", span_warps=8))
+# "fast-span-recode" as two or four chains of heads on side streams (warm starts; the same bits), for timing
+for _n in (2, 4):
+    COMPRESS_VARIANTS[f"fast-split{_n}"] = dict(COMPRESS_VARIANTS["fast-span-recode"], split=_n)
+    COMPRESS_VARIANTS[f"fast-split{_n}-1sm"] = dict(COMPRESS_VARIANTS["fast-span-recode"], split=_n,
+                                                    assign_kw=dict(_FAST["assign_kw"], per_sm=1))
 # The default, "auto", picks one of them by shape (`pick_variant`); COMPRESS_VARIANT is the switch, and
 # `compress_prq(..., variant=)` overrides it per call.
 COMPRESS_VARIANT = "auto"
@@ -155,7 +161,11 @@ def compress_prq(x: torch.Tensor, o: dict, warm: torch.Tensor | None, iters: int
     variant: a COMPRESS_VARIANTS name, "auto" (`pick_variant` by shape) or such a dict (default: COMPRESS_VARIANT).
     With FP8 scales (not asym) the pack takes its tscale from a bound, as the torch path does
     (`qvg.compression.prq.residual_tscale`): the last stage's first k-means update finds max|input| while it reads
-    the tokens, and one small launch max|centroid|; so the pack makes one pass over x, not two."""
+    the tokens, and one small launch max|centroid|; so the pack makes one pass over x, not two.
+    A variant's "split": n (CUDA, warm-started, n dividing B*H) runs the groups as n independent chains (k-means
+    stages and pack of B*H / n heads each) on n side streams, so that one chain's compute-bound kernels (the
+    assignment, the pack) can run beside another's memory-bound ones (the update); the same bits (every step is per
+    group; only the cold start's seeding draws depend on the group count, hence warm starts only)."""
     b, h, n, d = x.shape
     s_count, k = o.get("stages", 0), o.get("centroids", 1)
     v = resolve_variant(variant, b * h, n, k)
@@ -164,22 +174,15 @@ def compress_prq(x: torch.Tensor, o: dict, warm: torch.Tensor | None, iters: int
         return quantize_packed(x, token_spec(o), **pack_kw)
     x = x.contiguous()
     g = b * h
-    xg = x.view(g, n, d)
     spec = token_spec(o)
-    m_in = None
-    if spec.scale_dtype == "fp8" and spec.grid != "asym" and v.get("tscale", "bound") == "bound":
-        m_in = torch.zeros(g, device=x.device, dtype=torch.int32)
-    ids_t = cents_t = None
-    for s in range(s_count):
-        r = xg.to(torch.bfloat16) if s == 0 else residual_bf16(xg, ids_t, cents_t, s)
-        res = kmeans(r, k, iters=iters, init=None if warm is None else warm[s], seed=o["seed"] + s,
-                     seeding=o["seeding"], assign_kw=v.get("assign_kw"), update_kw=v.get("update_kw"),
-                     reseed=v.get("reseed", "torch"), amax=m_in if s == s_count - 1 else None)
-        if ids_t is None:
-            ids_t = torch.empty(s_count, g, n, device=x.device, dtype=res.ids.dtype)
-            cents_t = torch.empty(s_count, g, k, d, device=x.device, dtype=torch.bfloat16)
-        ids_t[s] = res.ids
-        cents_t[s] = res.centroids
+    use_bound = spec.scale_dtype == "fp8" and spec.grid != "asym" and v.get("tscale", "bound") == "bound"
+    split = v.get("split", 1)
+    if split > 1 and x.is_cuda and warm is not None and g % split == 0 and pack_kw.get("fused"):
+        return _compress_split(x, o, v, warm, iters, split, use_bound)
+    ids_t = torch.empty(s_count, g, n, device=x.device, dtype=id_dtype(k))
+    cents_t = torch.empty(s_count, g, k, d, device=x.device, dtype=torch.bfloat16)
+    m_in = torch.zeros(g, device=x.device, dtype=torch.int32) if use_bound else None
+    _stages(x.view(g, n, d), o, v, warm, iters, m_in, ids_t, cents_t)
     bound = None if m_in is None else (m_in, head_absmax(cents_t[s_count - 1]))
     ids_t = ids_t.view(s_count, b, h, n)
     cents_t = cents_t.view(s_count, b, h, k, d)
@@ -187,3 +190,64 @@ def compress_prq(x: torch.Tensor, o: dict, warm: torch.Tensor | None, iters: int
     tensors["ids"] = ids_t
     tensors["centroids"] = cents_t
     return tensors
+
+
+def _stages(xg, o, v, warm, iters, m_in, ids_t, cents_t) -> None:
+    """PRQ's k-means stages over xg [G, N, D] into ids_t [S, G, N] and cents_t [S, G, K, D] (BF16); m_in: int32 [G]
+    zeros for the last stage's max|input| (FP32 bits), or None."""
+    s_count, k = ids_t.shape[0], cents_t.shape[2]
+    for s in range(s_count):
+        r = xg.to(torch.bfloat16) if s == 0 else residual_bf16(xg, ids_t, cents_t, s)
+        res = kmeans(r, k, iters=iters, init=None if warm is None else warm[s], seed=o["seed"] + s,
+                     seeding=o["seeding"], assign_kw=v.get("assign_kw"), update_kw=v.get("update_kw"),
+                     reseed=v.get("reseed", "torch"), amax=m_in if s == s_count - 1 else None)
+        ids_t[s] = res.ids
+        cents_t[s] = res.centroids
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def _side_streams(device, count: int) -> list:
+    """`count` side streams of `device`, made once (a CUDA graph capture may fork onto them)."""
+    key = (device, count)
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = [torch.cuda.Stream(device) for _ in range(count)]
+    return _SIDE_STREAMS[key]
+
+
+def _compress_split(x, o, v, warm, iters, split, use_bound) -> dict[str, torch.Tensor]:
+    """`compress_prq` as `split` chains of G / split groups on side streams (see there). Every output is allocated
+    on the calling stream before the fork and each chain writes its slice of it; the chains' own temporaries live
+    on their streams; the calling stream waits for all of them."""
+    b, h, n, d = x.shape
+    g = b * h
+    gs = g // split
+    s_count, k = o["stages"], o["centroids"]
+    spec = token_spec(o)
+    dev = x.device
+    xg = x.view(g, n, d)
+    ids_t = torch.empty(s_count, g, n, device=dev, dtype=id_dtype(k))
+    cents_t = torch.empty(s_count, g, k, d, device=dev, dtype=torch.bfloat16)
+    ids_h = torch.empty(split, s_count, gs, n, device=dev, dtype=id_dtype(k))  # each chain's stages, contiguous
+    cents_h = torch.empty(split, s_count, gs, k, d, device=dev, dtype=torch.bfloat16)
+    m_in = torch.zeros(g, device=dev, dtype=torch.int32) if use_bound else None
+    out = quantize_packed_outputs(b, h, n, d, spec, dev)
+    main = torch.cuda.current_stream(dev)
+    streams = _side_streams(dev, split)
+    for i, st in enumerate(streams):
+        st.wait_stream(main)
+        with torch.cuda.stream(st):
+            sl = slice(i * gs, (i + 1) * gs)
+            mi = None if m_in is None else m_in[sl]
+            _stages(xg[sl], o, v, warm[:, sl], iters, mi, ids_h[i], cents_h[i])
+            bound = None if mi is None else (mi, head_absmax(cents_h[i, s_count - 1]))
+            quantize_packed(xg[sl].view(1, gs, n, d), spec, ids_h[i].view(s_count, 1, gs, n),
+                            cents_h[i].view(s_count, 1, gs, k, d), bound=bound,
+                            out={name: t.view(g, *t.shape[2:])[sl].unsqueeze(0) for name, t in out.items()},
+                            **v["pack_kw"])
+            ids_t[:, sl] = ids_h[i]
+            cents_t[:, sl] = cents_h[i]
+    for st in streams:
+        main.wait_stream(st)
+    return {**out, "ids": ids_t.view(s_count, b, h, n), "centroids": cents_t.view(s_count, b, h, k, d)}

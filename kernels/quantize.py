@@ -157,7 +157,7 @@ def quantize_packed(x: torch.Tensor, spec: QuantSpec, ids: torch.Tensor | None =
                     centroids: torch.Tensor | None = None, block_n: int = 16, num_warps: int = 2,
                     fused: bool = False, words: bool = True,
                     bound: tuple[torch.Tensor, torch.Tensor] | None = None, span: bool | str = False,
-                    span_warps: int = 4) -> dict[str, torch.Tensor]:
+                    span_warps: int = 4, out: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Triton version of `qvg.quant.quantize_packed` for per-token specs. With `ids` [S, B, H, N] and `centroids`
     [S, B, H, K, D] (BF16) it quantizes the PRQ residual x - sum_s centroids_s[ids_s] without materializing it.
     fused (same stored tensors): no [B, H, N, D/group] raw-scale array and no torch reductions; FP8 scales: pass 1
@@ -169,7 +169,7 @@ def quantize_packed(x: torch.Tensor, spec: QuantSpec, ids: torch.Tensor | None =
     (`qvg.compression.prq.residual_tscale`); fused, no pass 1 then. span (fused; grids sym / midrise / auto): the
     pack pass with each group in one thread (kernels/pack_span.py, the same bits; "recode": the auto grid's codes
     formed again after its choice, in fewer registers) on span_warps warps; block_n / num_warps then apply to pass
-    1 alone."""
+    1 alone. out (fused): `quantize_packed_outputs`-shaped tensors (or views) to write into."""
     b, h, n, d = x.shape
     spec.check(tuple(x.shape))
     c = grid_constants(spec)
@@ -178,7 +178,6 @@ def quantize_packed(x: torch.Tensor, spec: QuantSpec, ids: torch.Tensor | None =
     k = centroids.shape[-2] if stages else 1
     dev = x.device
     ng = d // spec.group
-    zero = torch.empty(b, h, n, ng, device=dev, dtype=torch.bfloat16) if spec.grid == "asym" else None
     grid = (triton.cdiv(n, block_n), b * h)
     ids_ = ids.contiguous() if stages else x
     cent_ = centroids.contiguous() if stages else x
@@ -187,8 +186,11 @@ def quantize_packed(x: torch.Tensor, spec: QuantSpec, ids: torch.Tensor | None =
     if fused:
         sw = span_width(d, spec.bits, spec.group) if span and spec.grid != "asym" else 0
         span_kw = dict(SPAN=sw, RECODE=span == "recode", num_warps=span_warps) if sw else None
-        return _quantize_fused(x, spec, c, ids_, cent_, zero, stages, k, grid, block_n, num_warps, words, bound,
-                               span_kw)
+        return _quantize_fused(x, spec, c, ids_, cent_, stages, k, grid, block_n, num_warps, words, bound,
+                               span_kw, out or quantize_packed_outputs(b, h, n, d, spec, dev))
+    if out is not None:
+        raise ValueError("out= needs the fused pack")
+    zero = torch.empty(b, h, n, ng, device=dev, dtype=torch.bfloat16) if spec.grid == "asym" else None
     raw = torch.empty(b, h, n, ng, device=dev, dtype=torch.float32)
     _stats_kernel[grid](x, ids_, cent_, raw, raw_view(zero) if zero is not None else raw, n, k, b * h,
                         D=d, BITS=c["BITS"], GROUP=c["GROUP"], GRID=c["GRID"], OFFSET=c["OFFSET"],
@@ -211,24 +213,32 @@ def quantize_packed(x: torch.Tensor, spec: QuantSpec, ids: torch.Tensor | None =
     return out
 
 
-def _quantize_fused(x, spec, c, ids_, cent_, zero, stages, k, grid, block_n, num_warps, words, bound,
-                    span_kw=None) -> dict[str, torch.Tensor]:
+def quantize_packed_outputs(b: int, h: int, n: int, d: int, spec: QuantSpec, device) -> dict[str, torch.Tensor]:
+    """Empty stored tensors of `quantize_packed` for x [B, H, N, D] (per-token spec)."""
+    fp8 = spec.scale_dtype == "fp8"
+    out = {"codes": torch.empty(b, h, n, d * spec.bits // 8, device=device, dtype=torch.uint8),
+           "scale": torch.empty(b, h, n, d // spec.group, device=device,
+                                dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16)}
+    if fp8:
+        out["tscale"] = torch.empty(b, h, device=device, dtype=torch.float32)
+    if spec.grid == "asym":
+        out["zero"] = torch.empty(b, h, n, d // spec.group, device=device, dtype=torch.bfloat16)
+    return out
+
+
+def _quantize_fused(x, spec, c, ids_, cent_, stages, k, grid, block_n, num_warps, words, bound,
+                    span_kw, out) -> dict[str, torch.Tensor]:
     b, h, n, d = x.shape
-    ng = d // spec.group
     dev = x.device
-    out = {}
+    codes, scale, zero = out["codes"], out["scale"], out.get("zero")
     hmax = mc = x  # unused without FP8 scales
     if bound is not None:  # the head's bound is known: no pass 1
         hmax, mc = bound[0].contiguous(), bound[1].float().contiguous()
-        out["tscale"] = torch.empty(b, h, device=dev, dtype=torch.float32)
     elif c["FP8"]:
         hmax = torch.zeros(b * h, device=dev, dtype=torch.int32)
         _stats_kernel[grid](x, ids_, cent_, hmax, hmax, n, k, b * h, D=d, BITS=c["BITS"], GROUP=c["GROUP"],
                             GRID=c["GRID"], OFFSET=c["OFFSET"], STAGES=stages, BLOCK_N=block_n, INTERP=INTERPRET,
                             HEADMAX=True, num_warps=num_warps, enable_fp_fusion=False)
-        out["tscale"] = torch.empty(b, h, device=dev, dtype=torch.float32)
-    codes = torch.empty(b, h, n, d * spec.bits // 8, device=dev, dtype=torch.uint8)
-    scale = torch.empty(b, h, n, ng, device=dev, dtype=torch.float8_e4m3fn if c["FP8"] else torch.bfloat16)
     if bound is not None:
         ts_div = scale_divisor(spec)
     else:  # see tensor_scale's use above
@@ -246,7 +256,4 @@ def _quantize_fused(x, spec, c, ids_, cent_, zero, stages, k, grid, block_n, num
                            STAGES=stages, BLOCK_N=block_n, RECOMPUTE=True, RINT=not INTERPRET, TS_DIV=float(ts_div),
                            TSCALE_MIN=TSCALE_MIN, INTERP=INTERPRET, WORDS=words, TS_BOUND=bound is not None,
                            num_warps=num_warps, enable_fp_fusion=False, **c)
-    out = {"codes": codes, "scale": scale, **out}
-    if zero is not None:
-        out["zero"] = zero
     return out

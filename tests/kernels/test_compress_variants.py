@@ -152,6 +152,34 @@ def test_graphs_are_keyed_by_preset():
     assert len(g._graphs) == 3 and torch.equal(a, b) and torch.equal(b, c)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("method", ["qvg", "qvg-pro"])
+def test_split_chains_compress_alike(method):
+    """"split": n chains of heads on side streams give bitwise the unsplit preset's tensors (warm starts), eagerly
+    and replayed from a CUDA graph (the capture forks onto the side streams and joins them); a cold start and a
+    group count it does not divide run unsplit."""
+    from qvg.compression.graphed import GraphedCompress
+    x = clustered(1, 4, 700, 64, clusters=6, seed=4).cuda()
+    prev = qvg.compress(clustered(1, 4, 700, 64, clusters=6, seed=5).cuda(), method, centroids=6, iters=2)
+    o = prev.meta
+    init = prev.tensors["centroids"].reshape(o["stages"], 4, 6, 64)
+    want = kc.compress_prq(x, o, init, 2, variant="fast-span-recode")
+    for name in ("fast-split2", "fast-split4", "fast-split2-1sm"):
+        with poisoned():
+            got = kc.compress_prq(x, o, init, 2, variant=name)
+        torch.cuda.synchronize()
+        for t in want:
+            assert torch.equal(got[t], want[t]), (name, t)
+    assert torch.equal(kc.compress_prq(x, o, None, 2, variant="fast-split2")["ids"],
+                       kc.compress_prq(x, o, None, 2, variant="fast-span-recode")["ids"])
+    g = GraphedCompress()
+    for _ in range(2):  # capture, then replay
+        got = g(x, method, prev.tensors["centroids"], preset="fast-split2", centroids=6, iters=2).tensors
+        torch.cuda.synchronize()
+        for t in ("ids", "centroids", "codes", "scale", "tscale"):
+            assert torch.equal(got[t].reshape(want[t].shape), want[t]), t
+
+
 def test_bench_pipeline_compress_flag():
     """`qvg:compress=NAME` builds a cache with that compress_preset; bad method strings are refused by
     parse_method (bench_pipeline's main checks them all before building the model)."""
