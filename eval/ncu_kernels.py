@@ -62,7 +62,7 @@ RAW = {
 NVTX_COLUMN = "Push/Pop_Range"
 
 
-def workload() -> None:
+def workload(variant: str | None = None) -> None:
     """The profiled calls, between cudaProfilerStart/Stop, each after an unprofiled warm-up (Triton compiles, the
     caches fill). An NVTX range names each call (ncu's raw page carries it per launch)."""
     import torch
@@ -78,7 +78,7 @@ def workload() -> None:
     calls = []
     for method in ("qvg", "qvg-pro"):
         _, o, warm = warm_start(x0, method, shape)
-        calls.append((f"compress {method}", lambda o=o, warm=warm: compress_prq(x1, o, warm, 2)))
+        calls.append((f"compress {method}", lambda o=o, warm=warm: compress_prq(x1, o, warm, 2, variant=variant)))
         p = qvg.compress(x1, method)
         out = torch.empty(shape, device="cuda", dtype=torch.bfloat16)
         calls.append((f"dequant {method}", lambda p=p, out=out: dequantize(p, out=out)))
@@ -141,9 +141,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="/tmp/qvg-ncu", help="where the report, its CSV pages and the JSON go")
     ap.add_argument("--workload", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--ncu", default=shutil.which("ncu") or "ncu")
+    ap.add_argument("--variant", default=None, help="the compress preset to profile (kernels/compress.py; default: "
+                    "the default, auto)")
     args = ap.parse_args(argv)
     if args.workload:
-        workload()
+        workload(args.variant)
         return 0
     import torch
     if not torch.cuda.is_available():
@@ -157,7 +159,8 @@ def main(argv=None) -> int:
            "regex:^_", "-f", "-o", rep]  # the Triton kernels (torch's own launches are named void at::...)
     for s in SECTIONS:
         cmd += ["--section", s]
-    cmd += [sys.executable, "-m", "qvg.eval.ncu_kernels", "--workload"]
+    cmd += [sys.executable, "-m", "qvg.eval.ncu_kernels", "--workload"] + (["--variant", args.variant]
+                                                                           if args.variant else [])
     print(" ".join(cmd), flush=True)
     try:
         version = subprocess.run([args.ncu, "--version"], check=True, capture_output=True, text=True).stdout
@@ -187,7 +190,8 @@ def main(argv=None) -> int:
         print(f'{k["id"]:3d} {k["kernel"][:40]:40s} {s.get("duration")} SM {s.get("sm_throughput_pct")}% mem '
               f'{s.get("memory_throughput_pct")}% dram {s.get("dram_throughput_pct")}% L2 '
               f'{s.get("l2_throughput_pct")}% L1 {s.get("l1tex_throughput_pct")}% occ '
-              f'{s.get("achieved_occupancy_pct")}% stalls {top}', flush=True)
+              f'{s.get("achieved_occupancy_pct")}% issue {s.get("issue_slots_busy_pct")}% regs '
+              f'{s.get("registers_per_thread")} stalls {top}', flush=True)
     print(f"wrote {path}")
     return 0
 
