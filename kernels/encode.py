@@ -86,18 +86,11 @@ def auto_scales(amax, ts, OFFSET: tl.constexpr, BITS: tl.constexpr, FP8: tl.cons
 
 
 @triton.jit
-def round_int(t):
-    """(rne(t) in FP32, the same as int32) for |t| < 2^22, with two FP32 adds of 1.5 * 2^23 (the sum lands in
-    [2^23, 2^24), whose spacing is 1, so the add rounds to an integer, to nearest even) and the integer read off
-    its bits. Bitwise what rint / cvt.rni give (up to the sign of a zero), without the conversion unit, which on
-    sm_90 does 16 operations per clock per SM against 128 FP32 adds."""
-    u = t + 12582912.0
-    return u - 12582912.0, u.to(tl.int32, bitcast=True) - 0x4B400000
-
-
-@triton.jit
-def floor_int(t):
-    """(floor(t) in FP32, the same as int32) for |t| < 2^22, from `round_int`: one below where it rounded up."""
-    q, qi = round_int(t)
-    up = q > t
-    return tl.where(up, q - 1.0, q), qi - up.to(tl.int32)
+def add_floor(t, m, INTERP: tl.constexpr):
+    """t + m rounded toward -inf, for a whole number m with t + m in [2^23, 2^24) (spacing 1): floor(t) + m, by one
+    FP32 add in round-down mode (libdevice's fadd_rd; the interpreter has no rounding modes, so floor there).
+    With m = 1.5 * 2^23 + c the sum's bits are 0x4B400000 + floor(t) + c: an integer code without a conversion."""
+    if INTERP:
+        return tl.floor(t) + m
+    else:
+        return libdevice.add_rd(t, m)

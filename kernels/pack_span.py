@@ -16,10 +16,14 @@ that tie the other way: the same results, slower). The group reductions, the sca
 stay in registers, once per group. Only the span partials of a packed row meet across threads (NS - 1 shuffles per
 32-bit word).
 
-Rounding. Codes are rounded by adding and subtracting 1.5 * 2^23 in FP32 and read off the sum's bits
-(`round_int` / `floor_int` in kernels/encode.py), not by rint / floor / float-to-int conversions: sm_90's conversion
-unit does 16 of those per clock per SM against 128 FP32 adds, and with four of them per element it was this pass's
-limit. The same values (the reference's round-half-to-even and floor).
+Rounding and packing on the FMA pipe. A code is an FP32 add or two: x / s + 1.5 * 2^23 lands in [2^23, 2^24), where
+FP32's spacing is 1, so the add rounds x / s to an integer (to nearest even for sym; toward -inf for midrise,
+`add_floor`), and adding the code's offset (exact) leaves the sum's bits at 0x4B400000 + the code. (Sym's offset is
+added after the rounding: ties to even do not commute with an odd shift.) Subtracting the constant gives the rounded value for the
+error sums; the bits go straight into the packed words as multiply-adds (the constant taken out once per word). No
+rint / floor / float-to-int conversions (sm_90's conversion unit does 16 per clock per SM against 128 FP32 adds) and
+few integer or compare ops (the ALU pipe runs at half the FMA pipe's rate, and ncu found it this pass's busiest
+pipe). The same values as the reference's round-half-to-even and floor.
 
 The clamps of the code ranges are left out: with the scale rounded up from max|r| / L (stored scales never clamp at
 448: the tscale is the head's largest scale or a bound of it), |r| * (1/s) <= L (1 + 3 ulp), so the rounded codes
@@ -30,7 +34,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .encode import _encode, auto_scales, floor_int, head_tscale, round_int
+from .encode import _encode, add_floor, auto_scales, head_tscale
 
 
 def span_width(d: int, bits: int, group: int) -> int:
@@ -50,7 +54,8 @@ def _pack_span_kernel(x_ptr, ids_ptr, cent_ptr, hmax_ptr, mc_ptr, tscale_ptr, co
                       D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr,
                       OFFSET: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr, STAGES: tl.constexpr,
                       BLOCK_N: tl.constexpr, SPAN: tl.constexpr, TS_DIV: tl.constexpr,
-                      TSCALE_MIN: tl.constexpr, TS_BOUND: tl.constexpr, RECODE: tl.constexpr = False):
+                      TSCALE_MIN: tl.constexpr, TS_BOUND: tl.constexpr, RECODE: tl.constexpr = False,
+                      INTERP: tl.constexpr = False):
     """RECODE (auto grid): the chosen grid's codes formed again from r after the choice, instead of both
     candidates' codes kept in registers until it (fewer registers, a few more instructions per element)."""
     pid_n = tl.program_id(0)
@@ -83,42 +88,49 @@ def _pack_span_kernel(x_ptr, ids_ptr, cent_ptr, hmax_ptr, mc_ptr, tscale_ptr, co
     if FP8:  # the tscale: from the head's largest raw scale (hmax, a pass before) or from a bound (TS_BOUND)
         ts = head_tscale(hmax_ptr, mc_ptr, tscale_ptr, gh, pid_n == 0, TS_BOUND, TS_DIV, FP8_MAX, TSCALE_MIN)
     HALF: tl.constexpr = 2 ** (BITS - 1)  # codes: sym rne(x / s) + HALF - 1; midrise floor(x / s) + HALF
+    MAG: tl.constexpr = 12582912.0  # 1.5 * 2^23 (see the module docstring)
+    KM: tl.constexpr = MAG + HALF  # + midrise's code offset (floor commutes with it; rne does not with an odd one:
+    #                                sym's offset is added after its rounding)
     if GRID == 3:  # auto: both candidates, then per group the one with the smaller squared error (ties: sym)
         mbits, ms, sbits, s = auto_scales(amax, ts, OFFSET, BITS, FP8, FP8_MAX)
         inv_m = tl.math.div_rn(1.0, ms)[:, :, None, None]
-        fm, fmi = floor_int(rg * inv_m)
+        um = add_floor(rg * inv_m, KM, INTERP)  # bits: 0x4B400000 + the midrise code
         if BITS == 1:  # 1-bit auto is midrise, flagged
             sbits = mbits
-            c = fmi + HALF
+            c = um.to(tl.int32, bitcast=True)
         else:
             inv_s = tl.math.div_rn(1.0, s)[:, :, None, None]
-            qs, qsi = round_int(rg * inv_s)
-            es = qs * s[:, :, None, None] - rg
-            em = (fm + 0.5) * ms[:, :, None, None] - rg  # (code - (HALF - 1/2)) * ms, exactly
+            us = rg * inv_s + MAG  # rounded to nearest even: bits 0x4B400000 + rne(x / s)
+            es = (us - MAG) * s[:, :, None, None] - rg  # (code - (HALF - 1)) * s
+            em = ((um - KM) + 0.5) * ms[:, :, None, None] - rg  # (code - (HALF - 1/2)) * ms, exactly
             use_mid = tl.sum(tl.sum(em * em, 3), 2) < tl.sum(tl.sum(es * es, 3), 2)
             sbits = tl.where(use_mid, mbits, sbits)
             mid = use_mid[:, :, None, None]
-            if RECODE:  # the chosen candidate's product again (bitwise the same), rounded once more
+            if RECODE:  # the chosen candidate's sum again (bitwise the same), instead of both kept until here
                 t = rg * tl.where(mid, inv_m, inv_s)
-                q, qi = round_int(t)
-                c = tl.where(mid, qi - (q > t).to(tl.int32) + HALF, qi + (HALF - 1))
+                c = tl.where(mid, add_floor(t, KM, INTERP), (t + MAG) + (HALF - 1)).to(tl.int32, bitcast=True)
             else:
-                c = tl.where(mid, fmi + HALF, qsi + (HALF - 1))
+                c = tl.where(mid, um, us + (HALF - 1)).to(tl.int32, bitcast=True)
     else:
         raw = tl.math.div_rn(amax, OFFSET)  # sym: max|x| / (2^(b-1) - 1); midrise: / (2^(b-1) - 1/2)
         sbits, s = _encode(raw, ts, FP8, FP8_MAX)
         inv = tl.math.div_rn(1.0, s)[:, :, None, None]
         if GRID == 0:
-            c = round_int(rg * inv)[1] + (HALF - 1)
+            c = ((rg * inv + MAG) + (HALF - 1)).to(tl.int32, bitcast=True)
         else:
-            c = floor_int(rg * inv)[1] + HALF
+            c = add_floor(rg * inv, KM, INTERP).to(tl.int32, bitcast=True)
     gcol = (sp * NGS)[:, None] + tl.arange(0, NGS)[None, :]  # [R, NGS]: the group's index in its token
     tl.store(scale_ptr + tok[:, None] * (D // GROUP) + gcol, sbits, mask=rmask[:, None])
-    # planar packing: chunk j of the span is plane sp * SPW + j // WC, bytes 8 (j % WC) .. + 8 of the row
-    c4 = tl.reshape(c.to(tl.uint32), (R, SPW, WC, 8))  # (int32 -> uint32: the same bits)
-    plane = (sp * SPW)[:, None, None, None] + tl.arange(0, SPW)[None, :, None, None]
-    part = tl.sum(c4 << (plane * BITS).to(tl.uint32), 1)  # [R, WC, 8] this span's bits of each byte
-    word = tl.sum(tl.reshape(part, (R, WC, 2, 4)) << (tl.arange(0, 4) * 8).to(tl.uint32)[None, None, None, :], 3)
+    # planar packing: chunk j of the span is plane sp * SPW + j // WC, bytes 8 (j % WC) .. + 8 of the row. A 32-bit
+    # word of 4 bytes is sum(code * 2^(8 e + plane * BITS)) over its codes and this span's planes, formed with
+    # multiply-adds of the codes' raw bits 0x4B400000 + code (mod 2^32), less 0x4B400000 * sum(2^...) once per word
+    c5 = tl.reshape(c.to(tl.uint32), (R, SPW, WC, 2, 4))
+    plane = (sp * SPW)[:, None] + tl.arange(0, SPW)[None, :]  # [R, SPW]
+    pmul = tl.full((R, SPW), 1, tl.uint32) << (plane * BITS).to(tl.uint32)
+    emul = tl.full((4,), 1, tl.uint32) << (tl.arange(0, 4) * 8).to(tl.uint32)
+    word = tl.sum(tl.sum(c5 * (pmul[:, :, None, None, None] * emul[None, None, None, None, :]), 4), 1)  # [R, WC, 2]
+    magic = tl.full((R,), 0x8B400000, tl.uint32)  # 0x4B400000 * (1 + 2^8 + 2^16 + 2^24) mod 2^32
+    word -= (tl.sum(pmul, 1) * magic)[:, None, None]  # the constant's share of each word
     word = tl.sum(tl.reshape(word, (BLOCK_N, NS, WC, 2)), 1)  # the token's spans ORed (disjoint bits: sum == OR)
     wtok = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     woff = (gh.to(tl.int64) * N + wtok)[:, None, None] * (W // 4) + (tl.arange(0, WC) * 2)[None, :, None] \

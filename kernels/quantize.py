@@ -249,7 +249,7 @@ def _quantize_fused(x, spec, c, ids_, cent_, stages, k, grid, block_n, num_warps
             x, ids_, cent_, hmax, mc, out.get("tscale", hmax), codes, raw_view(scale), n, k, b * h, D=d,
             BITS=c["BITS"], GROUP=c["GROUP"], GRID=c["GRID"], OFFSET=c["OFFSET"], FP8=c["FP8"], FP8_MAX=FP8_MAX,
             STAGES=stages, BLOCK_N=bn, TS_DIV=float(ts_div), TSCALE_MIN=TSCALE_MIN,
-            TS_BOUND=bound is not None, enable_fp_fusion=False, **span_kw)
+            TS_BOUND=bound is not None, INTERP=INTERPRET, enable_fp_fusion=False, **span_kw)
     else:
         _pack_kernel[grid](x, ids_, cent_, hmax, raw_view(zero) if zero is not None else hmax,
                            out.get("tscale", hmax), codes, raw_view(scale), mc, n, k, b * h, D=d, FP8_MAX=FP8_MAX,

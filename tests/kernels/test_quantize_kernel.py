@@ -8,7 +8,7 @@ import triton.language as tl
 import qvg
 from kernel_helpers import assert_tensors_equal, clustered, gen, poisoned, raw_bits, token_spec, varied
 from qvg.kernels.common import GRID_IDS
-from qvg.kernels.encode import floor_int, round_int
+from qvg.kernels.encode import add_floor
 from qvg.kernels.quantize import quantize_packed
 from qvg.compression import prq
 from qvg.quant import QuantSpec, bound_tscale, decode_scale, scale_bound, tensor_scale
@@ -230,6 +230,22 @@ def test_span_pack_matches_reference(span, grid, bits, group, d, stages, device)
         assert_matches_reference(got, want, f"{spec} stages={stages} bound={bound is not None}", device)
 
 
+@pytest.mark.parametrize("span", [True, "recode"])
+@pytest.mark.parametrize("grid,bits", [("sym", 2), ("sym", 4), ("auto", 2), ("auto", 4), ("midrise", 2)])
+def test_span_pack_exact_ties(span, grid, bits, device):
+    """Values exactly halfway between two levels (BF16 scales make s exact: max|x| = 2^(b-1) - 1 gives s = 1), where
+    round-half-to-even matters: the span kernel's codes are the reference's."""
+    lim = 2 ** (bits - 1) - 1
+    g = gen(9)
+    halves = (torch.randint(-lim, lim, (4, 3, 40, 64), generator=g) + 0.5).float()
+    halves[..., 0] = lim  # each group's max: s = 1 (sym), 1 / 1.5 * lim... (midrise, exact in BF16 at lim = 1)
+    spec = QuantSpec(bits=bits, grid=grid, group=64, scale_dtype="bf16")
+    want = quantize_packed_ref(halves, spec)
+    with poisoned():
+        got = quantize_packed(halves.to(device), spec, fused=True, span=span)
+    assert_matches_reference(got, want, f"{spec} ties", device)
+
+
 def test_span_width():
     from qvg.kernels.pack_span import span_width
     assert span_width(128, 2, 64) == 64 and span_width(128, 2, 16) == 32 and span_width(128, 8, 16) == 128
@@ -239,21 +255,22 @@ def test_span_width():
 
 
 @triton.jit
-def _round_floor_kernel(t_ptr, rq_ptr, ri_ptr, fq_ptr, fi_ptr, n, BLOCK: tl.constexpr):
+def _round_floor_kernel(t_ptr, rq_ptr, ri_ptr, fq_ptr, fi_ptr, n, BLOCK: tl.constexpr, INTERP: tl.constexpr):
     i = tl.arange(0, BLOCK)
     m = i < n
     t = tl.load(t_ptr + i, mask=m)
-    q, qi = round_int(t)
-    f, fi = floor_int(t)
-    tl.store(rq_ptr + i, q, mask=m)
-    tl.store(ri_ptr + i, qi, mask=m)
-    tl.store(fq_ptr + i, f, mask=m)
-    tl.store(fi_ptr + i, fi, mask=m)
+    u = t + 12582912.0  # the span pack's sym codes: rounded to nearest even
+    v = add_floor(t, 12582912.0, INTERP)  # ... its midrise codes: rounded down
+    tl.store(rq_ptr + i, u - 12582912.0, mask=m)
+    tl.store(ri_ptr + i, u.to(tl.int32, bitcast=True) - 0x4B400000, mask=m)
+    tl.store(fq_ptr + i, v - 12582912.0, mask=m)
+    tl.store(fi_ptr + i, v.to(tl.int32, bitcast=True) - 0x4B400000, mask=m)
 
 
-def test_round_int_and_floor_int(device):
-    """encode.round_int / floor_int (FP32 adds of 1.5 * 2^23, no conversion unit) give torch.round (half to even)
-    and torch.floor, as floats and as int32, on ties, integers, values a hair off them, tiny and large ones."""
+def test_magic_round_and_floor(device):
+    """The span pack's codes: t + 1.5 * 2^23 rounds t to nearest even and `add_floor` toward -inf, the integer read
+    off the sum's bits; against torch.round / torch.floor on ties, integers, their FP32 neighbours, tiny, large and
+    random values (|t| < 2^22)."""
     base = torch.tensor([0.0, -0.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 1.0, -1.0, 3.0, -7.0, 127.0, -128.0, 1e-30,
                          -1e-30, 0.49999997, -0.49999997, 4194303.5, -4194303.5, 4194302.5, 1234.5678])
     t = torch.cat([base, torch.nextafter(base, torch.full_like(base, 1e9)),
@@ -262,7 +279,8 @@ def test_round_int_and_floor_int(device):
     out = [torch.empty_like(t), torch.empty(t.shape, dtype=torch.int32), torch.empty_like(t),
            torch.empty(t.shape, dtype=torch.int32)]
     dev = [o.to(device) for o in out]
-    _round_floor_kernel[(1,)](t.to(device), *dev, t.numel(), BLOCK=triton.next_power_of_2(t.numel()))
+    _round_floor_kernel[(1,)](t.to(device), *dev, t.numel(), BLOCK=triton.next_power_of_2(t.numel()),
+                              INTERP=device == "cpu")
     rq, ri, fq, fi = (o.cpu() for o in dev)
     assert torch.equal(rq, torch.round(t)) and torch.equal(ri, torch.round(t).int())
     assert torch.equal(fq, torch.floor(t)) and torch.equal(fi, torch.floor(t).int())
