@@ -33,9 +33,12 @@ from .quantize import _residual, quantize_packed, quantize_packed_outputs
 # the one-hot tensor-core update instead, on 512- / 1024-token splits. "current" (tiled assignment, one-hot update,
 # torch reseeding, two-kernel pack: what kernels-h100.md measured before "fast") stays for those sweeps to time
 # against. All of them return the same ids, and centroids up to the order in which the FP32 cluster sums are added.
+# The fused pack takes its FP8 tscale from a bound (no pass of its own before it) and, where the shape allows, runs
+# with each quantization group in one thread (kernels/pack_span.py, span="recode"): at the LongCat span on the
+# H100 the pack went from 0.344 ms (stats pass + pack) to ~0.17 ms (kernels-h100.md).
 _FAST_UPDATE = dict(method="segsum", item=256, rows=16, num_warps=4, num_stages=3, sort_block=1024)
 _FAST = dict(assign_kw=dict(mode="min", block_n=64, block_k=256, num_warps=4, num_stages=3, progs="auto"),
-             reseed="fused", pack_kw=dict(fused=True, block_n=32, num_warps=4))
+             reseed="fused", pack_kw=dict(fused=True, block_n=32, num_warps=4, span="recode"))
 _ONEHOT_UPDATE = dict(method="onehot", block_k=64, block_n=32, num_warps=4)
 COMPRESS_VARIANTS = {
     "current": dict(assign_kw={}, update_kw={}, reseed="torch", pack_kw={}),
@@ -46,20 +49,20 @@ COMPRESS_VARIANTS = {
 }
 # "fast" with the assignment's token tiles prefetched 2 deep (as before the 3-deep default), for same-run timing
 COMPRESS_VARIANTS["fast-s2"] = dict(COMPRESS_VARIANTS["fast"], assign_kw=dict(_FAST["assign_kw"], num_stages=2))
-# "fast" with the pack's code planes ORed byte by byte (as before the 32-bit words), for same-run timing
-COMPRESS_VARIANTS["fast-bytes"] = dict(COMPRESS_VARIANTS["fast"], pack_kw=dict(_FAST["pack_kw"], words=False))
-# "fast" with the pack's tscale from its own pass over the residual (as before the bound), for same-run timing:
-# other tscale bits, so other stored scales, than every preset above
-COMPRESS_VARIANTS["fast-stats"] = dict(COMPRESS_VARIANTS["fast"], tscale="pass")
-# "fast" with the pack pass on one thread per group span (kernels/pack_span.py; the same bits), for timing
+# "fast" with the pack before kernels/pack_span.py (8 columns of a group per thread; the same bits), and that pack
+# with its tscale from its own pass over the residual, as before the bound (other tscale bits, so other stored
+# scales, than every preset above): for same-run timing
+COMPRESS_VARIANTS["fast-nospan"] = dict(COMPRESS_VARIANTS["fast"], pack_kw=dict(_FAST["pack_kw"], span=False))
+COMPRESS_VARIANTS["fast-stats"] = dict(COMPRESS_VARIANTS["fast-nospan"], tscale="pass")
+# ... and that pack with its code planes ORed byte by byte (as before the 32-bit words)
+COMPRESS_VARIANTS["fast-bytes"] = dict(COMPRESS_VARIANTS["fast"], pack_kw=dict(_FAST["pack_kw"], span=False,
+                                                                                words=False))
 COMPRESS_VARIANTS["fast-span"] = dict(COMPRESS_VARIANTS["fast"], pack_kw=dict(_FAST["pack_kw"], span=True))
-COMPRESS_VARIANTS["fast-span-recode"] = dict(COMPRESS_VARIANTS["fast"], pack_kw=dict(_FAST["pack_kw"], span="recode"))
-COMPRESS_VARIANTS["fast-span-recode8"] = dict(COMPRESS_VARIANTS["fast"],
-                                              pack_kw=dict(_FAST["pack_kw"], span="recode", span_warps=8))
-# "fast-span-recode" as two or four chains of heads on side streams (warm starts; the same bits), for timing
+# "fast" as two or four chains of heads on side streams (warm starts; the same bits), for timing; -1sm: each
+# chain's assignment on one program per SM
 for _n in (2, 4):
-    COMPRESS_VARIANTS[f"fast-split{_n}"] = dict(COMPRESS_VARIANTS["fast-span-recode"], split=_n)
-    COMPRESS_VARIANTS[f"fast-split{_n}-1sm"] = dict(COMPRESS_VARIANTS["fast-span-recode"], split=_n,
+    COMPRESS_VARIANTS[f"fast-split{_n}"] = dict(COMPRESS_VARIANTS["fast"], split=_n)
+    COMPRESS_VARIANTS[f"fast-split{_n}-1sm"] = dict(COMPRESS_VARIANTS["fast"], split=_n,
                                                     assign_kw=dict(_FAST["assign_kw"], per_sm=1))
 # The default, "auto", picks one of them by shape (`pick_variant`); COMPRESS_VARIANT is the switch, and
 # `compress_prq(..., variant=)` overrides it per call.
@@ -137,22 +140,29 @@ def residual_bf16(x: torch.Tensor, ids: torch.Tensor, cents: torch.Tensor, stage
 
 
 @triton.jit
-def _head_absmax_kernel(t_ptr, out_ptr, M, BLOCK: tl.constexpr):
+def _head_absmax_kernel(t_ptr, out_ptr, M, PER, BLOCK: tl.constexpr):
+    """Program (g, j): max|t| over elements [j * PER, (j + 1) * PER) of group g, as an integer max of its FP32 bits
+    into out_ptr[g] (zeros before; order-independent, deterministic)."""
     g = tl.program_id(0).to(tl.int64)
+    lo = tl.program_id(1) * PER
     big = tl.zeros((BLOCK,), tl.float32)
-    for i0 in range(0, M, BLOCK):
+    for i0 in range(lo, tl.minimum(lo + PER, M), BLOCK):
         i = i0 + tl.arange(0, BLOCK)
         big = tl.maximum(big, tl.abs(tl.load(t_ptr + g * M + i, mask=i < M, other=0.0).to(tl.float32)))
-    tl.store(out_ptr + g, tl.max(big, 0))
+    tl.atomic_max(out_ptr + g, tl.max(big, 0).to(tl.int32, bitcast=True))
 
 
-def head_absmax(t: torch.Tensor) -> torch.Tensor:
-    """max|t| over each group of t [G, ...] (FP32 [G]) in one launch (the tscale bound's centroid term)."""
+def head_absmax(t: torch.Tensor, bits: torch.Tensor | None = None) -> torch.Tensor:
+    """max|t| over each group of t [G, ...] (FP32 [G]), one launch of G x 8 programs. bits: an int32 [G] tensor of
+    zeros to hold the result's FP32 bits (the result is its float view)."""
     g = t.shape[0]
     t = t.contiguous()
-    out = torch.empty(g, device=t.device, dtype=torch.float32)
-    _head_absmax_kernel[(g,)](t, out, t.numel() // max(g, 1), BLOCK=1024, num_warps=4)
-    return out
+    if bits is None:
+        bits = torch.zeros(g, device=t.device, dtype=torch.int32)
+    m = t.numel() // max(g, 1)
+    per = triton.cdiv(triton.cdiv(m, 8), 1024) * 1024
+    _head_absmax_kernel[(g, triton.cdiv(m, per))](t, bits, m, per, BLOCK=1024, num_warps=4)
+    return bits.view(torch.float32)
 
 
 def compress_prq(x: torch.Tensor, o: dict, warm: torch.Tensor | None, iters: int,
@@ -181,9 +191,10 @@ def compress_prq(x: torch.Tensor, o: dict, warm: torch.Tensor | None, iters: int
         return _compress_split(x, o, v, warm, iters, split, use_bound)
     ids_t = torch.empty(s_count, g, n, device=x.device, dtype=id_dtype(k))
     cents_t = torch.empty(s_count, g, k, d, device=x.device, dtype=torch.bfloat16)
-    m_in = torch.zeros(g, device=x.device, dtype=torch.int32) if use_bound else None
+    maxes = torch.zeros(2, g, device=x.device, dtype=torch.int32) if use_bound else None  # max|input|, max|c|
+    m_in = None if maxes is None else maxes[0]
     _stages(x.view(g, n, d), o, v, warm, iters, m_in, ids_t, cents_t)
-    bound = None if m_in is None else (m_in, head_absmax(cents_t[s_count - 1]))
+    bound = None if m_in is None else (m_in, head_absmax(cents_t[s_count - 1], maxes[1]))
     ids_t = ids_t.view(s_count, b, h, n)
     cents_t = cents_t.view(s_count, b, h, k, d)
     tensors = quantize_packed(x, spec, ids_t, cents_t, bound=bound, **pack_kw)
@@ -231,7 +242,7 @@ def _compress_split(x, o, v, warm, iters, split, use_bound) -> dict[str, torch.T
     cents_t = torch.empty(s_count, g, k, d, device=dev, dtype=torch.bfloat16)
     ids_h = torch.empty(split, s_count, gs, n, device=dev, dtype=id_dtype(k))  # each chain's stages, contiguous
     cents_h = torch.empty(split, s_count, gs, k, d, device=dev, dtype=torch.bfloat16)
-    m_in = torch.zeros(g, device=dev, dtype=torch.int32) if use_bound else None
+    maxes = torch.zeros(2, g, device=dev, dtype=torch.int32) if use_bound else None  # max|input|, max|c|
     out = quantize_packed_outputs(b, h, n, d, spec, dev)
     main = torch.cuda.current_stream(dev)
     streams = _side_streams(dev, split)
@@ -239,9 +250,9 @@ def _compress_split(x, o, v, warm, iters, split, use_bound) -> dict[str, torch.T
         st.wait_stream(main)
         with torch.cuda.stream(st):
             sl = slice(i * gs, (i + 1) * gs)
-            mi = None if m_in is None else m_in[sl]
+            mi = None if maxes is None else maxes[0, sl]
             _stages(xg[sl], o, v, warm[:, sl], iters, mi, ids_h[i], cents_h[i])
-            bound = None if mi is None else (mi, head_absmax(cents_h[i, s_count - 1]))
+            bound = None if mi is None else (mi, head_absmax(cents_h[i, s_count - 1], maxes[1, sl]))
             quantize_packed(xg[sl].view(1, gs, n, d), spec, ids_h[i].view(s_count, 1, gs, n),
                             cents_h[i].view(s_count, 1, gs, k, d), bound=bound,
                             out={name: t.view(g, *t.shape[2:])[sl].unsqueeze(0) for name, t in out.items()},

@@ -88,9 +88,11 @@ def auto_scales(amax, ts, OFFSET: tl.constexpr, BITS: tl.constexpr, FP8: tl.cons
 @triton.jit
 def add_floor(t, m, INTERP: tl.constexpr):
     """t + m rounded toward -inf, for a whole number m with t + m in [2^23, 2^24) (spacing 1): floor(t) + m, by one
-    FP32 add in round-down mode (libdevice's fadd_rd; the interpreter has no rounding modes, so floor there).
+    FP32 add in round-down mode, add.rm.f32 (the interpreter has no rounding modes: floor there). Inline PTX, not
+    libdevice's fadd_rd: Triton links libdevice with flush-to-zero, which would take a negative subnormal t for 0.
     With m = 1.5 * 2^23 + c the sum's bits are 0x4B400000 + floor(t) + c: an integer code without a conversion."""
     if INTERP:
         return tl.floor(t) + m
     else:
-        return libdevice.add_rd(t, m)
+        return tl.inline_asm_elementwise("add.rm.f32 $0, $1, $2;", "=r,r,r", [t, tl.zeros_like(t) + m],
+                                         dtype=tl.float32, is_pure=True, pack=1)

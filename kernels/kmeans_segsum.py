@@ -153,19 +153,19 @@ def _segsum_kernel(x_ptr, order_ptr, cstart_ptr, istart_ptr, part_ptr, amax_ptr,
     hi = tl.minimum(lo + ITEM, c1)  # a surplus item (p >= n_items) has lo >= c1: no tokens
     dcols = tl.arange(0, D)
     acc = tl.zeros((ROWS, D), tl.float32)
-    big = tl.zeros((ROWS, D), tl.float32)
+    big = tl.zeros((ROWS, D), x_ptr.dtype.element_ty)  # (in x's own dtype: |x| and its max are exact there)
     for i0 in range(lo, hi, ROWS):
         idx = i0 + tl.arange(0, ROWS)
         m = idx < hi
         tok = tl.load(order_ptr + g * N + idx, mask=m, other=0)
-        xv = tl.load(x_ptr + (g * N + tok)[:, None] * D + dcols[None, :], mask=m[:, None], other=0.0).to(tl.float32)
-        acc += xv
+        xr = tl.load(x_ptr + (g * N + tok)[:, None] * D + dcols[None, :], mask=m[:, None], other=0.0)
+        acc += xr.to(tl.float32)
         if AMAX:
-            big = tl.maximum(big, tl.abs(xv))
+            big = tl.maximum(big, tl.abs(xr)).to(big.dtype)
     tl.store(part_ptr + (g * MAXI + p) * D + dcols, tl.sum(acc, 0), mask=dcols < tl.where(p < n_items, D, 0))
     if AMAX:
         if lo < hi:
-            tl.atomic_max(amax_ptr + g, tl.max(tl.max(big, 1), 0).to(tl.int32, bitcast=True))
+            tl.atomic_max(amax_ptr + g, tl.max(tl.max(big, 1), 0).to(tl.float32).to(tl.int32, bitcast=True))
 
 
 @triton.jit

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import qvg
-from kernel_helpers import clustered, poisoned
+from kernel_helpers import clustered, gen, poisoned
 from qvg.kernels import compress as kc
 
 
@@ -64,21 +64,32 @@ def test_presets_compress_alike(method, n, warm, device):
     init = prev.tensors["centroids"].reshape(o["stages"], 2, 6, 64).to(device) if warm else None
     out = {}
     for name in ("auto", "fast-onehot", "fast-onehot-1024", "fast", "fast-sort", "fast-bytes", "fast-s2", "fast-span",
-                 "fast-span-recode"):
+                 "fast-nospan"):
         with poisoned():
             out[name] = kc.compress_prq(x.to(device), o, init, 2, variant=name)
     assert kc.pick_variant(2, n, 6) == "fast-onehot"
     for t in out["auto"]:
         assert torch.equal(out["auto"][t], out["fast-onehot"][t]), t
-    for t in out["fast"]:  # the pack's byte-wise plane OR, the assignment's 2-deep prefetch, the pack on one thread
-        assert torch.equal(out["fast-bytes"][t], out["fast"][t]), t  # per group span: bitwise the same
-        assert torch.equal(out["fast-s2"][t], out["fast"][t]), t
-        assert torch.equal(out["fast-span"][t], out["fast"][t]), t
-        assert torch.equal(out["fast-span-recode"][t], out["fast"][t]), t
+    for t in out["fast"]:  # the assignment's 2-deep prefetch, the packs: one group span per thread without and with
+        for name in ("fast-s2", "fast-span", "fast-nospan", "fast-bytes"):  # recoding, 8 columns per thread with a
+            assert torch.equal(out[name][t], out["fast"][t]), (name, t)  # word-wise or byte-wise OR: the same bits
     for name in ("fast-onehot-1024", "fast", "fast-sort"):
         assert torch.equal(out[name]["ids"], out["fast-onehot"]["ids"]), name
         torch.testing.assert_close(out[name]["centroids"].float(), out["fast-onehot"]["centroids"].float(),
                                    rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("shape", [(3, 6, 64), (2, 300, 128), (1, 5000, 3)])
+def test_head_absmax(shape, device):
+    """head_absmax: max|t| per group (several programs per group, a ragged last block), into a given zeroed buffer
+    too."""
+    t = (torch.randn(shape, generator=gen(2)) * torch.logspace(-3, 3, shape[0])[:, None, None]).to(torch.bfloat16)
+    t[0, 1, 2] = -77.0
+    want = t.float().abs().amax((1, 2))
+    assert torch.equal(kc.head_absmax(t.to(device)).cpu(), want)
+    bits = torch.zeros(shape[0], dtype=torch.int32, device=device)
+    got = kc.head_absmax(t.to(device), bits)
+    assert torch.equal(got.cpu(), want) and got.data_ptr() == bits.data_ptr()
 
 
 @pytest.mark.parametrize("variant", ["fast-onehot", "fast", "fast-sort", "current"])
@@ -163,7 +174,7 @@ def test_split_chains_compress_alike(method):
     prev = qvg.compress(clustered(1, 4, 700, 64, clusters=6, seed=5).cuda(), method, centroids=6, iters=2)
     o = prev.meta
     init = prev.tensors["centroids"].reshape(o["stages"], 4, 6, 64)
-    want = kc.compress_prq(x, o, init, 2, variant="fast-span-recode")
+    want = kc.compress_prq(x, o, init, 2, variant="fast")
     for name in ("fast-split2", "fast-split4", "fast-split2-1sm"):
         with poisoned():
             got = kc.compress_prq(x, o, init, 2, variant=name)
@@ -171,7 +182,7 @@ def test_split_chains_compress_alike(method):
         for t in want:
             assert torch.equal(got[t], want[t]), (name, t)
     assert torch.equal(kc.compress_prq(x, o, None, 2, variant="fast-split2")["ids"],
-                       kc.compress_prq(x, o, None, 2, variant="fast-span-recode")["ids"])
+                       kc.compress_prq(x, o, None, 2, variant="fast")["ids"])
     g = GraphedCompress()
     for _ in range(2):  # capture, then replay
         got = g(x, method, prev.tensors["centroids"], preset="fast-split2", centroids=6, iters=2).tensors
