@@ -58,6 +58,8 @@ COMPRESS_VARIANTS["fast-stats"] = dict(COMPRESS_VARIANTS["fast-nospan"], tscale=
 COMPRESS_VARIANTS["fast-bytes"] = dict(COMPRESS_VARIANTS["fast"], pack_kw=dict(_FAST["pack_kw"], span=False,
                                                                                 words=False))
 COMPRESS_VARIANTS["fast-span"] = dict(COMPRESS_VARIANTS["fast"], pack_kw=dict(_FAST["pack_kw"], span=True))
+for _s in ("narrow", "narrow-recode"):
+    COMPRESS_VARIANTS[f"fast-{_s}"] = dict(COMPRESS_VARIANTS["fast"], pack_kw=dict(_FAST["pack_kw"], span=_s))
 # "fast" as two or four chains of heads on side streams (warm starts; the same bits), for timing; -1sm: each
 # chain's assignment on one program per SM
 for _n in (2, 4):

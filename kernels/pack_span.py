@@ -37,15 +37,16 @@ import triton.language as tl
 from .encode import _encode, add_floor, auto_scales, head_tscale
 
 
-def span_width(d: int, bits: int, group: int) -> int:
-    """Columns per thread: whole groups and whole code planes (0 where this kernel does not apply)."""
+def span_width(d: int, bits: int, group: int, narrow: bool = False) -> int:
+    """Columns per thread: whole groups and whole code planes (0 where this kernel does not apply); narrow: whole
+    code planes only, so a group wider than a plane spans GROUP / W threads (half the registers for qvg's INT2 B64)."""
     def pow2(v):
         return v > 0 and (v & (v - 1)) == 0
 
     w = d * bits // 8
-    span = max(group, w)
-    ok = (pow2(d) and pow2(group) and pow2(w) and group >= 8 and w >= 8 and d % span == 0 and span % group == 0
-          and span % w == 0)
+    span = w if narrow and group > w else max(group, w)
+    ok = (pow2(d) and pow2(group) and pow2(w) and group >= 8 and w >= 8 and d % span == 0
+          and (span % group == 0 or group % span == 0) and span % w == 0)
     return span if ok else 0
 
 
@@ -63,6 +64,21 @@ def _load_rows(ptr, start, rmask, R: tl.constexpr, CH: tl.constexpr):
     else:
         off = start[:, None, None] + (tl.arange(0, CH) * 8)[None, :, None] + tl.arange(0, 8)[None, None, :]
         return tl.load(ptr + off, mask=rmask[:, None, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _across(v, R: tl.constexpr, TPG: tl.constexpr, MAX: tl.constexpr):
+    """Per-row group partials v [R, 1] combined over the TPG adjacent rows (threads) of each group, the result on
+    each of them (a max, or a sum: lower row first); v itself when a group is one thread's."""
+    if TPG == 1:
+        return v
+    else:
+        v2 = tl.reshape(v, (R // TPG, TPG))
+        if MAX:
+            red = tl.max(v2, 1)
+        else:
+            red = tl.sum(v2, 1)
+        return tl.reshape(tl.broadcast_to(red[:, None], (R // TPG, TPG)), (R, 1))
 
 
 @triton.jit
@@ -89,8 +105,9 @@ def _pack_span_kernel(x_ptr, ids_ptr, cent_ptr, hmax_ptr, mc_ptr, tscale_ptr, co
     NS: tl.constexpr = D // SPAN  # spans per token
     R: tl.constexpr = BLOCK_N * NS  # rows: one (token, span) per thread
     CH: tl.constexpr = SPAN // 8  # 8-column chunks per span
-    NGS: tl.constexpr = SPAN // GROUP  # groups per span
-    GC: tl.constexpr = GROUP // 8  # chunks per group
+    TPG: tl.constexpr = GROUP // SPAN if GROUP > SPAN else 1  # threads per group (adjacent rows), narrow spans
+    NGS: tl.constexpr = SPAN // GROUP if GROUP <= SPAN else 1  # groups (or a part of one) per span
+    GC: tl.constexpr = GROUP // 8 if GROUP <= SPAN else CH  # chunks per group, in this thread
     P: tl.constexpr = 8 // BITS  # code planes
     W: tl.constexpr = D // P  # packed bytes per token = columns per plane
     SPW: tl.constexpr = SPAN // W  # planes per span
@@ -107,7 +124,7 @@ def _pack_span_kernel(x_ptr, ids_ptr, cent_ptr, hmax_ptr, mc_ptr, tscale_ptr, co
         crow = (st * GH + gh).to(tl.int64) * K + cid
         r -= _load_rows(cent_ptr, crow * D + sp * SPAN, rmask, R, CH)
     rg = tl.reshape(r, (R, NGS, GC, 8))
-    amax = tl.max(tl.max(tl.abs(rg), 3), 2)  # [R, NGS]
+    amax = _across(tl.max(tl.max(tl.abs(rg), 3), 2), R, TPG, True)  # [R, NGS]
     ts = 1.0
     if FP8:  # the tscale: from the head's largest raw scale (hmax, a pass before) or from a bound (TS_BOUND)
         ts = head_tscale(hmax_ptr, mc_ptr, tscale_ptr, gh, pid_n == 0, TS_BOUND, TS_DIV, FP8_MAX, TSCALE_MIN)
@@ -127,7 +144,8 @@ def _pack_span_kernel(x_ptr, ids_ptr, cent_ptr, hmax_ptr, mc_ptr, tscale_ptr, co
             us = rg * inv_s + MAG  # rounded to nearest even: bits 0x4B400000 + rne(x / s)
             es = (us - MAG) * s[:, :, None, None] - rg  # (code - (HALF - 1)) * s
             em = ((um - KM) + 0.5) * ms[:, :, None, None] - rg  # (code - (HALF - 1/2)) * ms, exactly
-            use_mid = tl.sum(tl.sum(em * em, 3), 2) < tl.sum(tl.sum(es * es, 3), 2)
+            use_mid = _across(tl.sum(tl.sum(em * em, 3), 2), R, TPG, False) < \
+                _across(tl.sum(tl.sum(es * es, 3), 2), R, TPG, False)
             sbits = tl.where(use_mid, mbits, sbits)
             mid = use_mid[:, :, None, None]
             if RECODE:  # the chosen candidate's sum again (bitwise the same), instead of both kept until here
@@ -143,7 +161,7 @@ def _pack_span_kernel(x_ptr, ids_ptr, cent_ptr, hmax_ptr, mc_ptr, tscale_ptr, co
             c = ((rg * inv + MAG) + (HALF - 1)).to(tl.int32, bitcast=True)
         else:
             c = add_floor(rg * inv, KM, INTERP).to(tl.int32, bitcast=True)
-    gcol = (sp * NGS)[:, None] + tl.arange(0, NGS)[None, :]  # [R, NGS]: the group's index in its token
+    gcol = (sp * SPAN // GROUP)[:, None] + tl.arange(0, NGS)[None, :]  # [R, NGS]: the group's index in its token
     tl.store(scale_ptr + tok[:, None] * (D // GROUP) + gcol, sbits, mask=rmask[:, None])
     # planar packing: chunk j of the span is plane sp * SPW + j // WC, bytes 8 (j % WC) .. + 8 of the row. A 32-bit
     # word of 4 bytes is sum(code * 2^(8 e + plane * BITS)) over its codes and this span's planes, formed with

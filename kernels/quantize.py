@@ -168,7 +168,8 @@ def quantize_packed(x: torch.Tensor, spec: QuantSpec, ids: torch.Tensor | None =
     `qvg.quant.bound_tscale(scale_bound(m_in, m_c), spec)`, as qvg's torch path stores it
     (`qvg.compression.prq.residual_tscale`); fused, no pass 1 then. span (fused; grids sym / midrise / auto): the
     pack pass with each group in one thread (kernels/pack_span.py, the same bits; "recode": the auto grid's codes
-    formed again after its choice, in fewer registers) on span_warps warps; block_n / num_warps then apply to pass
+    formed again after its choice; "narrow" / "narrow-recode": a group wider than a code plane on several threads)
+    on span_warps warps; block_n / num_warps then apply to pass
     1 alone. out (fused): `quantize_packed_outputs`-shaped tensors (or views) to write into."""
     b, h, n, d = x.shape
     spec.check(tuple(x.shape))
@@ -184,8 +185,8 @@ def quantize_packed(x: torch.Tensor, spec: QuantSpec, ids: torch.Tensor | None =
     if bound is not None and (not c["FP8"] or spec.grid == "asym"):
         raise ValueError("a tscale bound needs FP8 scales and a grid other than asym")
     if fused:
-        sw = span_width(d, spec.bits, spec.group) if span and spec.grid != "asym" else 0
-        span_kw = dict(SPAN=sw, RECODE=span == "recode", num_warps=span_warps) if sw else None
+        sw = span_width(d, spec.bits, spec.group, narrow="narrow" in str(span)) if span and spec.grid != "asym" else 0
+        span_kw = dict(SPAN=sw, RECODE="recode" in str(span), num_warps=span_warps) if sw else None
         return _quantize_fused(x, spec, c, ids_, cent_, stages, k, grid, block_n, num_warps, words, bound,
                                span_kw, out or quantize_packed_outputs(b, h, n, d, spec, dev))
     if out is not None:

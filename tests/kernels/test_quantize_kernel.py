@@ -199,7 +199,7 @@ def test_tscale_is_device_independent():
     assert torch.equal(raw_bits(tensor_scale(raw.cuda())), raw_bits(tensor_scale(raw)))
 
 
-@pytest.mark.parametrize("span", [True, "recode"])
+@pytest.mark.parametrize("span", [True, "recode", "narrow", "narrow-recode"])
 @pytest.mark.parametrize("grid,bits,group,d", [
     ("auto", 2, 64, 128), ("auto", 2, 16, 128), ("auto", 4, 64, 128), ("auto", 1, 32, 64), ("auto", 8, 16, 64),
     ("sym", 2, 64, 128), ("sym", 4, 16, 64), ("midrise", 2, 32, 64), ("midrise", 1, 16, 64), ("auto", 4, 128, 128)])
@@ -210,7 +210,7 @@ def test_span_pack_matches_reference(span, grid, bits, group, d, stages, device)
     last token block ragged. The hard input (heads of zeros / tiny / wide values, a constant row on the group max)
     checks the dropped code clamps."""
     from qvg.kernels.pack_span import span_width
-    assert span_width(d, bits, group)
+    assert span_width(d, bits, group, narrow="narrow" in str(span))
     spec = QuantSpec(bits=bits, grid=grid, group=group, scale_dtype="fp8")
     n, k = 70, 5
     x = torch.cat([_hard_input(n, d, seed=1), varied(2, 2, n, d, seed=2)], 0)  # [4, 2, N, D]
@@ -230,7 +230,7 @@ def test_span_pack_matches_reference(span, grid, bits, group, d, stages, device)
         assert_matches_reference(got, want, f"{spec} stages={stages} bound={bound is not None}", device)
 
 
-@pytest.mark.parametrize("span", [True, "recode"])
+@pytest.mark.parametrize("span", [True, "recode", "narrow"])
 @pytest.mark.parametrize("grid,bits", [("sym", 2), ("sym", 4), ("auto", 2), ("auto", 4), ("midrise", 2)])
 def test_span_pack_exact_ties(span, grid, bits, device):
     """Values exactly halfway between two levels (BF16 scales make s exact: max|x| = 2^(b-1) - 1 gives s = 1), where
@@ -252,6 +252,8 @@ def test_span_width():
     assert span_width(128, 4, 128) == 128 and span_width(64, 1, 16) == 16
     assert span_width(128, 2, 4) == 0  # groups under 8 columns: the default kernel
     assert span_width(96, 2, 32) == 0  # D not a multiple of a power-of-two span
+    assert span_width(128, 2, 64, narrow=True) == 32 and span_width(128, 1, 128, narrow=True) == 16
+    assert span_width(128, 4, 64, narrow=True) == 64  # (a group no wider than a plane: as without narrow)
 
 
 @triton.jit
