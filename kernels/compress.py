@@ -34,11 +34,12 @@ from .quantize import _residual, quantize_packed, quantize_packed_outputs
 # torch reseeding, two-kernel pack: what kernels-h100.md measured before "fast") stays for those sweeps to time
 # against. All of them return the same ids, and centroids up to the order in which the FP32 cluster sums are added.
 # The fused pack takes its FP8 tscale from a bound (no pass of its own before it) and, where the shape allows, runs
-# with each quantization group in one thread (kernels/pack_span.py, span="recode"): at the LongCat span on the
-# H100 the pack went from 0.344 ms (stats pass + pack) to ~0.17 ms (kernels-h100.md).
+# with each quantization group on one thread, or on two for a group wider than a code plane (kernels/pack_span.py,
+# span="narrow"): at the LongCat span on the H100 the pack went from 0.340 ms (stats pass + pack) to 0.149 ms
+# (kernels-h100.md).
 _FAST_UPDATE = dict(method="segsum", item=256, rows=16, num_warps=4, num_stages=3, sort_block=1024)
 _FAST = dict(assign_kw=dict(mode="min", block_n=64, block_k=256, num_warps=4, num_stages=3, progs="auto"),
-             reseed="fused", pack_kw=dict(fused=True, block_n=32, num_warps=4, span="recode"))
+             reseed="fused", pack_kw=dict(fused=True, block_n=32, num_warps=4, span="narrow"))
 _ONEHOT_UPDATE = dict(method="onehot", block_k=64, block_n=32, num_warps=4)
 COMPRESS_VARIANTS = {
     "current": dict(assign_kw={}, update_kw={}, reseed="torch", pack_kw={}),
@@ -57,9 +58,9 @@ COMPRESS_VARIANTS["fast-stats"] = dict(COMPRESS_VARIANTS["fast-nospan"], tscale=
 # ... and that pack with its code planes ORed byte by byte (as before the 32-bit words)
 COMPRESS_VARIANTS["fast-bytes"] = dict(COMPRESS_VARIANTS["fast"], pack_kw=dict(_FAST["pack_kw"], span=False,
                                                                                 words=False))
-COMPRESS_VARIANTS["fast-span"] = dict(COMPRESS_VARIANTS["fast"], pack_kw=dict(_FAST["pack_kw"], span=True))
-for _s in ("narrow", "narrow-recode"):
-    COMPRESS_VARIANTS[f"fast-{_s}"] = dict(COMPRESS_VARIANTS["fast"], pack_kw=dict(_FAST["pack_kw"], span=_s))
+for _s, _name in ((True, "span"), ("recode", "recode"), ("narrow-recode", "narrow-recode")):  # the span pack's
+    COMPRESS_VARIANTS[f"fast-{_name}"] = dict(COMPRESS_VARIANTS["fast"],  # other forms (same bits)
+                                              pack_kw=dict(_FAST["pack_kw"], span=_s))
 # "fast" as two or four chains of heads on side streams (warm starts; the same bits), for timing; -1sm: each
 # chain's assignment on one program per SM
 for _n in (2, 4):

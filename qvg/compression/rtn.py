@@ -12,7 +12,7 @@ from .registry import QUANT_DEFAULTS, Method, register, scale_overhead_bits, tok
 def compress(x: torch.Tensor, o: dict) -> dict[str, torch.Tensor]:
     if use_kernels(x):
         from ..kernels.quantize import quantize_packed as quantize_packed_triton
-        return quantize_packed_triton(x, token_spec(o), fused=True, span="recode")  # (the same bits as unfused)
+        return quantize_packed_triton(x, token_spec(o), fused=True, span="narrow")  # (the same bits as unfused)
     return quantize_packed(x, token_spec(o))
 
 

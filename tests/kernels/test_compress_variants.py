@@ -64,7 +64,7 @@ def test_presets_compress_alike(method, n, warm, device):
     init = prev.tensors["centroids"].reshape(o["stages"], 2, 6, 64).to(device) if warm else None
     out = {}
     for name in ("auto", "fast-onehot", "fast-onehot-1024", "fast", "fast-sort", "fast-bytes", "fast-s2", "fast-span",
-                 "fast-nospan", "fast-narrow", "fast-narrow-recode"):
+                 "fast-nospan", "fast-recode", "fast-narrow-recode"):
         with poisoned():
             out[name] = kc.compress_prq(x.to(device), o, init, 2, variant=name)
     assert kc.pick_variant(2, n, 6) == "fast-onehot"
@@ -72,7 +72,7 @@ def test_presets_compress_alike(method, n, warm, device):
         assert torch.equal(out["auto"][t], out["fast-onehot"][t]), t
     for t in out["fast"]:  # the assignment's 2-deep prefetch; the packs: one group span per thread (or a group
         # over threads, "narrow"), with or without recoding, and 8 columns per thread with a word- or byte-wise OR
-        for name in ("fast-s2", "fast-span", "fast-nospan", "fast-bytes", "fast-narrow", "fast-narrow-recode"):
+        for name in ("fast-s2", "fast-span", "fast-nospan", "fast-bytes", "fast-recode", "fast-narrow-recode"):
             assert torch.equal(out[name][t], out["fast"][t]), (name, t)  # all the same bits
     for name in ("fast-onehot-1024", "fast", "fast-sort"):
         assert torch.equal(out[name]["ids"], out["fast-onehot"]["ids"]), name
