@@ -7,6 +7,7 @@ never written."""
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 import triton
@@ -223,8 +224,9 @@ _SIDE_STREAMS: dict = {}
 
 
 def _side_streams(device, count: int) -> list:
-    """`count` side streams of `device`, made once (a CUDA graph capture may fork onto them)."""
-    key = (device, count)
+    """`count` side streams of `device` for the calling thread, made once (a CUDA graph capture may fork onto them;
+    two threads compressing at once, or capturing at once, never share one)."""
+    key = (device, count, threading.get_ident())
     if key not in _SIDE_STREAMS:
         _SIDE_STREAMS[key] = [torch.cuda.Stream(device) for _ in range(count)]
     return _SIDE_STREAMS[key]

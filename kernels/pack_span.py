@@ -19,15 +19,19 @@ stay in registers, once per group. Only the span partials of a packed row meet a
 Rounding and packing on the FMA pipe. A code is an FP32 add or two: x / s + 1.5 * 2^23 lands in [2^23, 2^24), where
 FP32's spacing is 1, so the add rounds x / s to an integer (to nearest even for sym; toward -inf for midrise,
 `add_floor`), and adding the code's offset (exact) leaves the sum's bits at 0x4B400000 + the code. (Sym's offset is
-added after the rounding: ties to even do not commute with an odd shift.) Subtracting the constant gives the rounded value for the
-error sums; the bits go straight into the packed words as multiply-adds (the constant taken out once per word). No
+added after the rounding: ties to even do not commute with an odd shift.) Subtracting the constant gives the rounded
+value for the error sums; the bits, masked to the code's width, go into the packed words as multiply-adds. No
 rint / floor / float-to-int conversions (sm_90's conversion unit does 16 per clock per SM against 128 FP32 adds) and
 few integer or compare ops (the ALU pipe runs at half the FMA pipe's rate, and ncu found it this pass's busiest
 pipe). The same values as the reference's round-half-to-even and floor.
 
 The clamps of the code ranges are left out: with the scale rounded up from max|r| / L (stored scales never clamp at
 448: the tscale is the head's largest scale or a bound of it), |r| * (1/s) <= L (1 + 3 ulp), so the rounded codes
-are already in range; the codes and error sums are the reference's, bitwise.
+are already in range, and the stored codes and scales are the reference's, bitwise. (The masking above keeps a
+value out of range, which only non-finite input or a wrong bound can give, inside its own field.) The auto grid's
+two squared-error sums are added in another order than torch's (and, in `narrow` mode, over two or more threads), so
+where the two candidates' errors tie to the last bit the choice may differ from the reference's, as it could in the
+8-columns-per-thread pack: the tests compare bitwise on random and hand-made inputs, where no such tie occurs.
 """
 from __future__ import annotations
 
@@ -165,15 +169,15 @@ def _pack_span_kernel(x_ptr, ids_ptr, cent_ptr, hmax_ptr, mc_ptr, tscale_ptr, co
     tl.store(scale_ptr + tok[:, None] * (D // GROUP) + gcol, sbits, mask=rmask[:, None])
     # planar packing: chunk j of the span is plane sp * SPW + j // WC, bytes 8 (j % WC) .. + 8 of the row. A 32-bit
     # word of 4 bytes is sum(code * 2^(8 e + plane * BITS)) over its codes and this span's planes, formed with
-    # multiply-adds of the codes' raw bits 0x4B400000 + code (mod 2^32), less 0x4B400000 * sum(2^...) once per word
-    c5 = tl.reshape(c.to(tl.uint32), (R, SPW, WC, 2, 4))
+    # multiply-adds. The code is its raw bits 0x4B400000 + code masked to the code's width (the constant's low bits
+    # are 0), so even a value that is not a valid code (a NaN input, a tscale bound that is not one) stays in its
+    # own bit field and cannot corrupt its neighbours'.
+    c5 = tl.reshape((c & (2 ** BITS - 1)).to(tl.uint32), (R, SPW, WC, 2, 4))
     plane = (sp * SPW)[:, None] + tl.arange(0, SPW)[None, :]  # [R, SPW]
     pmul = tl.full((R, SPW), 1, tl.uint32) << (plane * BITS).to(tl.uint32)
     emul = tl.full((4,), 1, tl.uint32) << (tl.arange(0, 4) * 8).to(tl.uint32)
     mult = _opaque(pmul[:, :, None] * emul[None, None, :], INTERP)  # [R, SPW, 4]: once per row
     word = tl.sum(tl.sum(c5 * mult[:, :, None, None, :], 4), 1)  # [R, WC, 2]
-    magic = tl.full((R,), 0x8B400000, tl.uint32)  # 0x4B400000 * (1 + 2^8 + 2^16 + 2^24) mod 2^32
-    word -= (tl.sum(pmul, 1) * magic)[:, None, None]  # the constant's share of each word
     word = tl.sum(tl.reshape(word, (BLOCK_N, NS, WC, 2)), 1)  # the token's spans ORed (disjoint bits: sum == OR)
     wtok = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     woff = (gh.to(tl.int64) * N + wtok)[:, None, None] * (W // 4) + (tl.arange(0, WC) * 2)[None, :, None] \

@@ -7,6 +7,7 @@ import triton.language as tl
 
 import qvg
 from kernel_helpers import assert_tensors_equal, clustered, gen, poisoned, raw_bits, token_spec, varied
+from qvg.bitpack import unpack
 from qvg.kernels.common import GRID_IDS
 from qvg.kernels.encode import add_floor
 from qvg.kernels.quantize import quantize_packed
@@ -203,8 +204,9 @@ def test_tscale_is_device_independent():
 @pytest.mark.parametrize("grid,bits,group,d", [
     ("auto", 2, 64, 128), ("auto", 2, 16, 128), ("auto", 4, 64, 128), ("auto", 1, 32, 64), ("auto", 8, 16, 64),
     ("sym", 2, 64, 128), ("sym", 4, 16, 64), ("midrise", 2, 32, 64), ("midrise", 1, 16, 64), ("auto", 4, 128, 128)])
-@pytest.mark.parametrize("stages", [0, 1, 3])
-def test_span_pack_matches_reference(span, grid, bits, group, d, stages, device):
+@pytest.mark.parametrize("stages,x_dtype", [(0, torch.float32), (1, torch.float32), (3, torch.float32),
+                                            (1, torch.bfloat16)])
+def test_span_pack_matches_reference(span, grid, bits, group, d, stages, x_dtype, device):
     """quantize_packed(span=...): one thread per group span (kernels/pack_span.py) stores the reference's bits, for
     the PRQ residual of 0, 1 or 3 stages, with the tscale of a pass over x (hmax) and of a bound; N = 70 leaves the
     last token block ragged. The hard input (heads of zeros / tiny / wide values, a constant row on the group max)
@@ -213,7 +215,7 @@ def test_span_pack_matches_reference(span, grid, bits, group, d, stages, device)
     assert span_width(d, bits, group, narrow="narrow" in str(span))
     spec = QuantSpec(bits=bits, grid=grid, group=group, scale_dtype="fp8")
     n, k = 70, 5
-    x = torch.cat([_hard_input(n, d, seed=1), varied(2, 2, n, d, seed=2)], 0)  # [4, 2, N, D]
+    x = torch.cat([_hard_input(n, d, seed=1), varied(2, 2, n, d, seed=2)], 0).to(x_dtype)  # [4, 2, N, D]
     g = gen(3)
     ids = torch.randint(0, k, (stages, 4, 2, n), generator=g).to(torch.uint8)
     cents = (torch.randn(stages, 4, 2, k, d, generator=g) * 0.3).to(torch.bfloat16)
@@ -244,6 +246,45 @@ def test_span_pack_exact_ties(span, grid, bits, device):
     with poisoned():
         got = quantize_packed(halves.to(device), spec, fused=True, span=span)
     assert_matches_reference(got, want, f"{spec} ties", device)
+
+
+@pytest.mark.parametrize("span", [True, "narrow"])
+@pytest.mark.parametrize("grid,bits", [("midrise", 2), ("auto", 2), ("auto", 4)])
+def test_span_pack_subnormal_ratios(span, grid, bits, device):
+    """Groups whose max is ~1e10 holding values ~-1e-34: x / s is a negative subnormal, whose floor is -1 (a
+    flush-to-zero add would make it 0); the codes are the reference's."""
+    x = torch.randn(1, 2, 40, 64, generator=gen(4))
+    x[..., 0] = 3e10
+    x[..., 1::7] = -1.5e-34
+    x[..., 2::7] = 1.5e-34
+    spec = QuantSpec(bits=bits, grid=grid, group=64, scale_dtype="fp8")
+    want = quantize_packed_ref(x, spec)
+    with poisoned():
+        got = quantize_packed(x.to(device), spec, fused=True, span=span)
+    assert_matches_reference(got, want, f"{spec} subnormal ratios", device)
+
+
+@pytest.mark.parametrize("span", [True, "narrow"])
+def test_span_pack_contains_a_nan(span, device):
+    """A NaN in one group (with a finite tscale bound given) garbles that group's codes only: every other group of
+    the head, the same token's included, is packed as the reference packs it."""
+    spec = QuantSpec(bits=2, grid="auto", group=32, scale_dtype="fp8")
+    x = varied(1, 1, 40, 128, seed=6)
+    bound = (x.abs().amax((2, 3)).flatten(), torch.zeros(1))
+    want = quantize_packed_ref(x, spec, tscale=bound_tscale(scale_bound(*bound), spec).view(1, 1))
+    x[0, 0, 5, 40] = float("nan")  # token 5, group 1 (columns 32..63): plane 1, bytes 8..31
+    with poisoned():
+        got = quantize_packed(x.to(device), spec, fused=True, span=span,
+                              bound=(bound[0].view(torch.int32).to(device), bound[1].to(device)))
+    codes = unpack(got["codes"].cpu(), 2, 128)
+    ref_codes = unpack(want["codes"], 2, 128)
+    keep = torch.ones(40, 128, dtype=torch.bool)
+    keep[5, 32:64] = False
+    assert torch.equal(codes[0, 0][keep], ref_codes[0, 0][keep])
+    scale_keep = torch.ones(40, 4, dtype=torch.bool)
+    scale_keep[5, 1] = False
+    assert torch.equal(got["scale"].cpu().view(torch.uint8)[0, 0][scale_keep],
+                       want["scale"].view(torch.uint8)[0, 0][scale_keep])
 
 
 def test_span_width():
