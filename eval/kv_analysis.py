@@ -51,7 +51,7 @@ import torch
 import qvg
 from qvg.kmeans import kmeans
 from qvg.compression import resolve_options
-from qvg.compression.prq import COLD_ITERS, WARM_ITERS, _gather
+from qvg.compression.prq import COLD_ITERS, WARM_ITERS, _gather, residual_tscale
 from qvg.compression.registry import token_spec
 from qvg.packed import Packed
 from qvg.quant import quantize_packed
@@ -157,7 +157,12 @@ class _Chain:
         b, h, n, d = self.x.shape
         o = resolve_options(name, tuple(self.x.shape), bits=bits, block_size=block_size, stages=stages,
                             centroids=self.k, seed=self.seed, grid=grid)
-        tensors = quantize_packed(self.residuals[stages].view(b, h, n, d), token_spec(o))
+        spec = token_spec(o)
+        tscale = None
+        if stages:  # the tscale of the bound qvg.compress stores (its last stage's input and centroids)
+            cents = self.direct.tensors["centroids"].reshape(self.stages, b * h, self.k, d)
+            tscale = residual_tscale(self.residuals[stages - 1].to(torch.bfloat16), cents[stages - 1], spec, (b, h))
+        tensors = quantize_packed(self.residuals[stages].view(b, h, n, d), spec, tscale)
         if stages:
             tensors["ids"] = self.direct.tensors["ids"][:stages].contiguous()
             tensors["centroids"] = self.direct.tensors["centroids"][:stages].contiguous()
@@ -425,7 +430,9 @@ def _qvg_packed(x: torch.Tensor, res, k: int) -> Packed:
     o = resolve_options("qvg", tuple(x.shape), bits=2, centroids=k)
     c16 = res.centroids.to(torch.bfloat16)
     r = x.float().reshape(b * h, n, d) - _gather(c16, res.ids)
-    tensors = quantize_packed(r.view(b, h, n, d), token_spec(o))
+    spec = token_spec(o)
+    tscale = residual_tscale(x.float().reshape(b * h, n, d).to(torch.bfloat16), c16, spec, (b, h))
+    tensors = quantize_packed(r.view(b, h, n, d), spec, tscale)
     tensors["ids"] = res.ids.reshape(1, b, h, n)
     tensors["centroids"] = c16.reshape(1, b, h, k, d)
     return Packed("qvg", tuple(x.shape), x.dtype, tensors, o)
