@@ -191,26 +191,21 @@ def quantize_packed(x: torch.Tensor, spec: QuantSpec, ids: torch.Tensor | None =
                                span_kw, out or quantize_packed_outputs(b, h, n, d, spec, dev))
     if out is not None:
         raise ValueError("out= needs the fused pack")
-    zero = torch.empty(b, h, n, ng, device=dev, dtype=torch.bfloat16) if spec.grid == "asym" else None
+    out = quantize_packed_outputs(b, h, n, d, spec, dev)
+    zero = out.get("zero")
     raw = torch.empty(b, h, n, ng, device=dev, dtype=torch.float32)
     _stats_kernel[grid](x, ids_, cent_, raw, raw_view(zero) if zero is not None else raw, n, k, b * h,
                         D=d, BITS=c["BITS"], GROUP=c["GROUP"], GRID=c["GRID"], OFFSET=c["OFFSET"],
                         STAGES=stages, BLOCK_N=block_n, INTERP=INTERPRET, HEADMAX=False, num_warps=num_warps,
                         enable_fp_fusion=False)
-    out = {}
     if bound is not None:
         out["tscale"] = bound_tscale(scale_bound(bound[0].view(torch.float32), bound[1]), spec).view(b, h)
     elif c["FP8"]:  # auto's stats pass keeps max|x|: the tscale follows its sym candidate (midrise for 1 bit)
         out["tscale"] = tensor_scale(raw if spec.grid != "auto" else _div(raw, c["OFFSET"] if spec.bits > 1 else 0.5))
-    codes = torch.empty(b, h, n, d * spec.bits // 8, device=dev, dtype=torch.uint8)
-    scale = torch.empty(b, h, n, ng, device=dev, dtype=torch.float8_e4m3fn if c["FP8"] else torch.bfloat16)
     _pack_kernel[grid](x, ids_, cent_, raw, raw_view(zero) if zero is not None else raw,
-                       out.get("tscale", raw), codes, raw_view(scale), raw, n, k, b * h, D=d, FP8_MAX=FP8_MAX,
-                       STAGES=stages, BLOCK_N=block_n, WORDS=words, num_warps=num_warps, enable_fp_fusion=False,
-                       **c)
-    out = {"codes": codes, "scale": scale, **out}
-    if zero is not None:
-        out["zero"] = zero
+                       out.get("tscale", raw), out["codes"], raw_view(out["scale"]), raw, n, k, b * h, D=d,
+                       FP8_MAX=FP8_MAX, STAGES=stages, BLOCK_N=block_n, WORDS=words, num_warps=num_warps,
+                       enable_fp_fusion=False, **c)
     return out
 
 

@@ -55,12 +55,13 @@ def _hard_input(n: int = 37, d: int = 64, seed: int = 0) -> torch.Tensor:
     return x
 
 
-def _check(x: torch.Tensor, spec: QuantSpec, device: str, block_n: int = 32, fused: bool = False) -> None:
+def _check(x: torch.Tensor, spec: QuantSpec, device: str, block_n: int = 32, fused: bool = False,
+           span: bool | str = False, what: str = "") -> None:
     want = quantize_packed_ref(x, spec)
     with poisoned():  # the kernel's own torch.empty outputs start as NaN / 0xFF
-        got = quantize_packed(x.to(device), spec, block_n=block_n, fused=fused)
+        got = quantize_packed(x.to(device), spec, block_n=block_n, fused=fused, span=span)
     assert all(t.device.type == device for t in got.values())
-    assert_matches_reference(got, want, str(spec), device)
+    assert_matches_reference(got, want, f"{spec} {what}", device)
     s = decode_scale({k: v.cpu() for k, v in got.items()}, spec)  # signed for "auto" (sign = midrise flag)
     assert torch.isfinite(s).all() and (s.abs() > 0).all(), f"{spec}: decoded scales not finite and nonzero"
 
@@ -241,11 +242,8 @@ def test_span_pack_exact_ties(span, grid, bits, device):
     g = gen(9)
     halves = (torch.randint(-lim, lim, (4, 3, 40, 64), generator=g) + 0.5).float()
     halves[..., 0] = lim  # each group's max: s = 1 (sym), 1 / 1.5 * lim... (midrise, exact in BF16 at lim = 1)
-    spec = QuantSpec(bits=bits, grid=grid, group=64, scale_dtype="bf16")
-    want = quantize_packed_ref(halves, spec)
-    with poisoned():
-        got = quantize_packed(halves.to(device), spec, fused=True, span=span)
-    assert_matches_reference(got, want, f"{spec} ties", device)
+    _check(halves, QuantSpec(bits=bits, grid=grid, group=64, scale_dtype="bf16"), device, fused=True, span=span,
+           what="ties")
 
 
 @pytest.mark.parametrize("span", [True, "narrow"])
@@ -257,11 +255,8 @@ def test_span_pack_subnormal_ratios(span, grid, bits, device):
     x[..., 0] = 3e10
     x[..., 1::7] = -1.5e-34
     x[..., 2::7] = 1.5e-34
-    spec = QuantSpec(bits=bits, grid=grid, group=64, scale_dtype="fp8")
-    want = quantize_packed_ref(x, spec)
-    with poisoned():
-        got = quantize_packed(x.to(device), spec, fused=True, span=span)
-    assert_matches_reference(got, want, f"{spec} subnormal ratios", device)
+    _check(x, QuantSpec(bits=bits, grid=grid, group=64, scale_dtype="fp8"), device, fused=True, span=span,
+           what="subnormal ratios")
 
 
 @pytest.mark.parametrize("span", [True, "narrow"])
