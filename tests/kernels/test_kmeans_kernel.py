@@ -213,3 +213,48 @@ def test_kmeans_end_to_end(warm, variant, device):
                       **variant)
     assert torch.equal(again.ids.cpu(), got.ids.cpu())
     assert_bitwise_equal(again.centroids, got.centroids, "kmeans is deterministic")
+
+
+@pytest.mark.parametrize("k", [30, 256, 300, 1024])
+def test_assign_mma_ids_equals_the_reduction(k, device):
+    """mma_ids=True (the argmin's index found on tensor cores, kernels/argmin.py) returns the (value, index)
+    reduction's ids and distances bitwise, duplicated centroids (exact ties: the lowest id) included."""
+    x, centres = _blobs(2, 150, 32, 24, seed=k + 3)
+    c = torch.cat([centres, torch.randn(2, k - 24, 32, generator=gen(5)) * 3], 1)
+    c[:, k - 1] = c[:, 3]
+    c[:, k // 2] = c[:, 5]
+    c[:, 7] = c[:, 9] = c[:, 11]  # a three-way tie
+    kw = dict(mode="min", block_k=max(256, 1 << (k - 1).bit_length()))
+    want, wdist = kk.assign(x.bfloat16().to(device), c.to(device), True, **kw)
+    with poisoned():
+        ids, dist = kk.assign(x.bfloat16().to(device), c.to(device), True, mma_ids=True, **kw)
+    assert_bitwise_equal(ids, want, "ids")
+    assert_bitwise_equal(dist, wdist, "distances")
+    assert int(ids.long().max()) < k
+
+
+@pytest.mark.parametrize("stages", [1, 3])
+@pytest.mark.parametrize("kw", [dict(), dict(mma_ids=True), dict(progs=2, num_warps=8)])
+def test_assign_forms_the_residual(stages, kw, device):
+    """assign(residual=(x0, ids, centroids, s)) writes PRQ's stage input into x (`residual_bf16`'s bits, a ragged
+    last block included) and assigns it as if it had been given."""
+    from qvg.kernels.compress import residual_bf16
+    gn = gen(7)
+    x0 = torch.randn(2, 150, 32, generator=gn)
+    ids = torch.randint(0, 6, (3, 2, 150), generator=gn).to(torch.uint8)
+    cents = torch.randn(3, 2, 6, 32, generator=gn).bfloat16()
+    c = torch.randn(2, 10, 32, generator=gn)
+    dev = [t.to(device) for t in (x0, ids, cents, c)]
+    want_r = residual_bf16(*dev[:3], stages)
+    want = kk.assign(want_r, dev[3], True, mode="min", block_k=256, **kw)
+    buf = torch.full((2, 150, 32), float("nan"), dtype=torch.bfloat16, device=device)
+    got = kk.assign(buf, dev[3], True, mode="min", block_k=256, residual=(*dev[:3], stages), **kw)
+    assert_bitwise_equal(buf, want_r, "residual")
+    assert_bitwise_equal(got[0], want[0], "ids")
+    assert_bitwise_equal(got[1], want[1], "distances")
+    with pytest.raises(ValueError, match="needs mode"):
+        kk.assign(buf, dev[3], residual=(*dev[:3], stages))
+    with pytest.raises(ValueError, match="contiguous BF16"):
+        kk.assign(buf.float(), dev[3], mode="min", residual=(*dev[:3], stages))
+    with pytest.raises(ValueError, match="needs init"):
+        kk.kmeans(buf, 10, assign_kw=dict(mode="min"), residual=(*dev[:3], stages))
