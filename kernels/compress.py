@@ -64,7 +64,7 @@ for _s, _name in ((True, "span"), ("recode", "recode"), ("narrow-recode", "narro
                                               pack_kw=dict(_FAST["pack_kw"], span=_s))
 # "fast" as two or four chains of heads on side streams (warm starts; the same bits), for timing; -1sm: each
 # chain's assignment on one program per SM
-for _n in (2, 4):
+for _n in (2, 4, 8):
     COMPRESS_VARIANTS[f"fast-split{_n}"] = dict(COMPRESS_VARIANTS["fast"], split=_n)
     COMPRESS_VARIANTS[f"fast-split{_n}-1sm"] = dict(COMPRESS_VARIANTS["fast"], split=_n,
                                                     assign_kw=dict(_FAST["assign_kw"], per_sm=1))
