@@ -247,10 +247,6 @@ def _compress_row(x1, o, warm, name, pk, shape) -> dict:
         ids_t = pk["ids"].view(o["stages"], -1, shape[2])
         cents_t = pk["centroids"].view(o["stages"], -1, o["centroids"], shape[3])
         parts["residual_ms"] = bench(lambda: residual_bf16(xg, ids_t, cents_t, o["stages"] - 1))
-        if v.get("fuse_residual"):  # the last stage's first assignment forming its input (no residual pass)
-            buf = torch.empty_like(xg, dtype=torch.bfloat16)
-            res = (xg, ids_t, cents_t, o["stages"] - 1)
-            parts["assign_residual_ms"] = bench(lambda: assign(buf, c0, True, residual=res, **v["assign_kw"]))
     print(f"    parts: {parts}", flush=True)
     return parts
 

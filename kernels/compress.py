@@ -62,20 +62,16 @@ COMPRESS_VARIANTS["fast-bytes"] = dict(COMPRESS_VARIANTS["fast"], pack_kw=dict(_
 for _s, _name in ((True, "span"), ("recode", "recode"), ("narrow-recode", "narrow-recode")):  # the span pack's
     COMPRESS_VARIANTS[f"fast-{_name}"] = dict(COMPRESS_VARIANTS["fast"],  # other forms (same bits)
                                               pack_kw=dict(_FAST["pack_kw"], span=_s))
-# "fast" as two or four chains of heads on side streams (warm starts; the same bits), for timing; -1sm: each
-# chain's assignment on one program per SM
+# "fast" as two, four or eight chains of heads on side streams (warm starts; the same bits), for timing; -1sm: each
+# chain's assignment on one program per SM.
+# Tried at 7d8cd7e and removed, all slower at the LongCat span on the H100 (kernels-h100.assign-7d8cd7e.json): the
+# assignment's argmin index found on tensor cores (fewer ALU operations, but a second MMA on the critical path and
+# spills: assignment 0.197 against 0.160 ms), on 8 warps (0.238 ms), and the later stages' inputs formed by their
+# first assignment instead of a residual pass (1.25 ms: the centroid gathers in the assignment's loop).
 for _n in (2, 4, 8):
     COMPRESS_VARIANTS[f"fast-split{_n}"] = dict(COMPRESS_VARIANTS["fast"], split=_n)
     COMPRESS_VARIANTS[f"fast-split{_n}-1sm"] = dict(COMPRESS_VARIANTS["fast"], split=_n,
                                                     assign_kw=dict(_FAST["assign_kw"], per_sm=1))
-# "fast" with the assignment's ids found on tensor cores (kernels/argmin.py), on 8 warps (one program per SM), and
-# with each later stage's input formed by its first assignment instead of a residual pass (warm starts), alone and
-# together: the same bits, for timing
-_W8 = dict(_FAST["assign_kw"], num_warps=8, per_sm=1)
-COMPRESS_VARIANTS["fast-mma"] = dict(COMPRESS_VARIANTS["fast"], assign_kw=dict(_FAST["assign_kw"], mma_ids=True))
-COMPRESS_VARIANTS["fast-w8"] = dict(COMPRESS_VARIANTS["fast"], assign_kw=_W8)
-COMPRESS_VARIANTS["fast-res"] = dict(COMPRESS_VARIANTS["fast"], fuse_residual=True)
-COMPRESS_VARIANTS["fast-res-w8"] = dict(COMPRESS_VARIANTS["fast-w8"], fuse_residual=True)
 # The default, "auto", picks one of them by shape (`pick_variant`); COMPRESS_VARIANT is the switch, and
 # `compress_prq(..., variant=)` overrides it per call.
 COMPRESS_VARIANT = "auto"
@@ -219,21 +215,11 @@ def _stages(xg, o, v, warm, iters, m_in, ids_t, cents_t) -> None:
     """PRQ's k-means stages over xg [G, N, D] into ids_t [S, G, N] and cents_t [S, G, K, D] (BF16); m_in: int32 [G]
     zeros for the last stage's max|input| (FP32 bits), or None."""
     s_count, k = ids_t.shape[0], cents_t.shape[2]
-    g, n, d = xg.shape
-    akw = v.get("assign_kw") or {}
-    fuse = v.get("fuse_residual", False) and warm is not None and iters >= 1 and akw.get("mode") == "min"
     for s in range(s_count):
-        residual = None
-        if s == 0:
-            r = xg.to(torch.bfloat16)
-        elif fuse:  # the stage's first assignment forms its input (no pass of its own)
-            r = torch.empty(g, n, d, device=xg.device, dtype=torch.bfloat16)
-            residual = (xg, ids_t, cents_t, s)
-        else:
-            r = residual_bf16(xg, ids_t, cents_t, s)
+        r = xg.to(torch.bfloat16) if s == 0 else residual_bf16(xg, ids_t, cents_t, s)
         res = kmeans(r, k, iters=iters, init=None if warm is None else warm[s], seed=o["seed"] + s,
-                     seeding=o["seeding"], assign_kw=akw, update_kw=v.get("update_kw"),
-                     reseed=v.get("reseed", "torch"), amax=m_in if s == s_count - 1 else None, residual=residual)
+                     seeding=o["seeding"], assign_kw=v.get("assign_kw"), update_kw=v.get("update_kw"),
+                     reseed=v.get("reseed", "torch"), amax=m_in if s == s_count - 1 else None)
         ids_t[s] = res.ids
         cents_t[s] = res.centroids
 

@@ -22,11 +22,9 @@ import triton.language as tl
 from qvg.kmeans import KMeansResult, id_dtype
 from qvg.kmeans import kmeans as ref_kmeans
 
-from .argmin import TIE_COLS, argmin_mma, tie_weights
 from .common import INTERPRET, dot_bf16, sm_count, to_bf16
 from .kmeans_reseed import RESEED_MAX_K, reseed_empty_fused
 from .kmeans_segsum import store_means, update_segsum
-from .quantize import _residual
 
 
 @triton.jit
@@ -89,18 +87,13 @@ def _segment_mean_kernel(x_ptr, order_ptr, bounds_ptr, c_old_ptr, c_new_ptr, N, 
 
 
 @triton.jit
-def _assign_min_kernel(x_ptr, c_ptr, csq_ptr, ids_ptr, dist_ptr, N, K, NBLK, PROGS, prev_ids_ptr, prev_c_ptr, r_ptr,
-                       PREV_K, GH, D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       ONE_TILE: tl.constexpr, WANT_DIST: tl.constexpr, MMA_IDS: tl.constexpr,
-                       RES_STAGES: tl.constexpr, INTERP: tl.constexpr):
+def _assign_min_kernel(x_ptr, c_ptr, csq_ptr, ids_ptr, dist_ptr, N, K, NBLK, PROGS, D: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ONE_TILE: tl.constexpr, WANT_DIST: tl.constexpr,
+                       INTERP: tl.constexpr):
     """`_assign_kernel`'s result (same distances, ties -> lowest id) with ONE (value, index) reduction per token:
     all K centroids in one tile (ONE_TILE), or an elementwise running minimum over the centroid tiles (strict <:
     the earlier tile keeps a tie) reduced once at the end. Program p of a group takes token blocks p, p + PROGS,
-    ... (PROGS < NBLK: persistent; a single tile is then loaded once per program). MMA_IDS (ONE_TILE): the id
-    of the minimum found on tensor cores (`argmin_mma`), not by a (value, index) reduction: the same result.
-    RES_STAGES > 0: the tokens are PRQ's next stage input, BF16(x - sum_{s < RES_STAGES} prev_c[s][prev_ids[s]])
-    (`_residual`: x [GH, N, D], prev_ids [S', GH, N], prev_c [S', GH, PREV_K, D] BF16), formed here and also
-    written to r_ptr [GH, N, D] BF16 (`residual_bf16`'s output, without its own pass)."""
+    ... (PROGS < NBLK: persistent; a single tile is then loaded once per program)."""
     pid = tl.program_id(0)
     g = tl.program_id(1).to(tl.int64)
     dcols = tl.arange(0, D)
@@ -108,24 +101,13 @@ def _assign_min_kernel(x_ptr, c_ptr, csq_ptr, ids_ptr, dist_ptr, N, K, NBLK, PRO
     if ONE_TILE:
         c1 = tl.load(c_ptr + (g * K + kt)[:, None] * D + dcols[None, :], mask=(kt < K)[:, None], other=0.0)
         csq1 = tl.load(csq_ptr + g * K + kt, mask=kt < K, other=float("inf"))
-        if MMA_IDS:
-            w = tie_weights(K, BLOCK_K)
     for blk in range(pid, NBLK, PROGS):
         rows = blk * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask = rows < N
-        if RES_STAGES > 0:
-            tok = g * N + rows
-            x = to_bf16(_residual(x_ptr, prev_ids_ptr, prev_c_ptr, tok, rmask, dcols, N, PREV_K, GH, g, D,
-                                  RES_STAGES), INTERP)
-            tl.store(r_ptr + tok[:, None] * D + dcols[None, :], x, mask=rmask[:, None])
-        else:
-            x = tl.load(x_ptr + (g * N + rows)[:, None] * D + dcols[None, :], mask=rmask[:, None], other=0.0)
+        x = tl.load(x_ptr + (g * N + rows)[:, None] * D + dcols[None, :], mask=rmask[:, None], other=0.0)
         if ONE_TILE:
             d = csq1[None, :] - 2.0 * dot_bf16(x, tl.trans(c1), tl.zeros((BLOCK_N, BLOCK_K), tl.float32), INTERP)
-            if MMA_IDS:
-                best, best_id = argmin_mma(d, w, BLOCK_N, BLOCK_K, INTERP)
-            else:
-                best, best_id = tl.min(d, 1, return_indices=True)
+            best, best_id = tl.min(d, 1, return_indices=True)
         else:
             run = tl.full((BLOCK_N, BLOCK_K), float("inf"), tl.float32)
             base = tl.zeros((BLOCK_N, BLOCK_K), tl.int32)
@@ -177,23 +159,16 @@ ASSIGN_MODES = ("tiles", "min")
 
 def assign(x: torch.Tensor, c: torch.Tensor, want_dist: bool = False, block_n: int = 64, block_k: int = 64,
            num_warps: int = 4, num_stages: int = 2, packed: bool = False, mode: str = "tiles", progs: int = 0,
-           per_sm: int = 2, mma_ids: bool = False, residual: tuple | None = None):
+           per_sm: int = 2):
     """x [G, N, D] (bf16/fp32), c [G, K, D] fp32 -> (ids [G, N] narrow dtype, squared distance [G, N] or None).
     packed (K <= 256; measured no faster on an H100, eval/results/profile-compress-h100.json): the argmin is one
     integer min over (distance with its last 8 mantissa bits replaced by the id): ties within 2^-15 relative go to
     the lower id, the returned distance is that truncated value.
     mode "min" (`_assign_min_kernel`, same result as "tiles"): one reduction per token; block_k >= K puts all
     centroids in one tile; progs > 0: that many programs per group loop over the token blocks (persistent);
-    progs="auto": about per_sm programs per SM over all groups (at least one per group). mma_ids (mode "min", one
-    tile of 16 to 1024 centroids): the ids found on tensor cores (`argmin_mma`; the same result, fewer ALU
-    operations per distance).
-    residual (mode "min"): (x0 [G, N, D], ids [S', G, N], centroids [S', G, K', D] BF16, stages): the tokens are
-    then BF16(x0 - sum_{s < stages} centroids[s][ids[s]]) (`qvg.kernels.compress.residual_bf16`), formed in the
-    kernel and written into x (a [G, N, D] BF16 buffer whose contents are not read)."""
+    progs="auto": about per_sm programs per SM over all groups (at least one per group)."""
     if mode not in ASSIGN_MODES:
         raise ValueError(f"unknown assign mode {mode!r}; choose one of {ASSIGN_MODES}")
-    if residual is not None and mode != "min":
-        raise ValueError('assign(residual=...) needs mode="min"')
     g, n, d = x.shape
     k = c.shape[1]
     c, csq = prep_centroids(c)  # the dot's operands are bf16 anyway; |c|^2 of the same values
@@ -206,13 +181,8 @@ def assign(x: torch.Tensor, c: torch.Tensor, want_dist: bool = False, block_n: i
         if progs == "auto":
             progs = nblk if INTERPRET or not x.is_cuda else max(1, per_sm * sm_count(x.device) // g)
         progs = nblk if progs <= 0 else min(progs, nblk)
-        x0, pids, pc, rs = residual if residual is not None else (x, ids, c, 0)
-        if rs and not (x.is_contiguous() and x.dtype == torch.bfloat16):
-            raise ValueError("assign(residual=...) writes the residual into x: x must be contiguous BF16")
-        _assign_min_kernel[(progs, g)](x0.contiguous(), c, csq, ids, dist, n, k, nblk, progs, pids, pc, x,
-                                       pc.shape[-2], g, D=d, BLOCK_N=block_n, RES_STAGES=rs,
+        _assign_min_kernel[(progs, g)](x.contiguous(), c, csq, ids, dist, n, k, nblk, progs, D=d, BLOCK_N=block_n,
                                        BLOCK_K=block_k, ONE_TILE=block_k >= k, WANT_DIST=want_dist,
-                                       MMA_IDS=mma_ids and TIE_COLS <= block_k <= 64 * TIE_COLS and block_k >= k,
                                        INTERP=INTERPRET, num_warps=num_warps, num_stages=num_stages)
         return ids, (dist if want_dist else None)
     _assign_kernel[(triton.cdiv(n, block_n), g)](x.contiguous(), c, csq, ids, dist, n, k, D=d, BLOCK_N=block_n,
@@ -356,24 +326,13 @@ def _update_sort(x, ids, c, block_n: int = 32, num_warps: int = 2):
 
 def kmeans(x: torch.Tensor, k: int, *, iters: int = 2, init: torch.Tensor | None = None, seed: int = 0,
            seeding: str = "k-means++", track: bool = False, assign_kw: dict | None = None,
-           update_kw: dict | None = None, reseed: str = "torch", amax: torch.Tensor | None = None,
-           residual: tuple | None = None) -> KMeansResult:
+           update_kw: dict | None = None, reseed: str = "torch", amax: torch.Tensor | None = None) -> KMeansResult:
     """`qvg.kmeans.kmeans` (same seeding, loop and result) with the Triton assignment and update steps.
     assign_kw / update_kw: options of `assign` / `update_with_counts` (variants, tiles); reseed: "torch"
     (`qvg.kmeans.reseed_empty`) or "fused" (the same in one launch, K <= 512: kernels/kmeans_reseed.py).
     amax: an int32 [G] tensor of zeros that receives each group's max|x| (FP32 bits): the first update reads x
-    anyway and takes it (with iters = 0 a torch reduction does).
-    residual: (x0, ids, centroids, stages) (`assign`'s; warm starts with iters >= 1 and assign mode "min" only): x is
-    an unfilled BF16 buffer that the first assignment fills with PRQ's stage input while it assigns it."""
+    anyway and takes it (with iters = 0 a torch reduction does)."""
     akw, ukw = dict(assign_kw or {}), dict(update_kw or {})
-    if residual is not None and (init is None or iters < 1 or akw.get("mode") != "min"):
-        raise ValueError('kmeans(residual=...) needs init, iters >= 1 and assign mode "min"')
-    res = [residual]
-
-    def assign_fn(x_, c):
-        r, res[0] = res[0], None  # the first assignment only
-        return assign(x_, c, True, residual=r, **akw)
-
     if amax is not None and iters == 0:
         amax.copy_(amax_bits(x))
     first = [amax]
@@ -388,5 +347,5 @@ def kmeans(x: torch.Tensor, k: int, *, iters: int = 2, init: torch.Tensor | None
     elif reseed not in ("torch", "fused"):
         raise ValueError(f"unknown reseed {reseed!r}; choose torch or fused")
     return ref_kmeans(x, k, iters=iters, init=init, seed=seed, seeding=seeding, track=track,
-                      assign_fn=assign_fn,
+                      assign_fn=lambda x_, c: assign(x_, c, True, **akw),
                       update_fn=update_fn, reseed_fn=reseed_fn)

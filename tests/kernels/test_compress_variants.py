@@ -64,18 +64,16 @@ def test_presets_compress_alike(method, n, warm, grid, device):
     o = prev.meta
     init = prev.tensors["centroids"].reshape(o["stages"], 2, 6, 64).to(device) if warm else None
     out = {}
-    same = ("fast-s2", "fast-span", "fast-nospan", "fast-bytes", "fast-recode", "fast-narrow-recode", "fast-mma",
-            "fast-w8", "fast-res", "fast-res-w8")
-    for name in ("auto", "fast-onehot", "fast-onehot-1024", "fast", "fast-sort") + same:
+    for name in ("auto", "fast-onehot", "fast-onehot-1024", "fast", "fast-sort", "fast-bytes", "fast-s2", "fast-span",
+                 "fast-nospan", "fast-recode", "fast-narrow-recode"):
         with poisoned():
             out[name] = kc.compress_prq(x.to(device), o, init, 2, variant=name)
     assert kc.pick_variant(2, n, 6) == "fast-onehot"
     for t in out["auto"]:
         assert torch.equal(out["auto"][t], out["fast-onehot"][t]), t
-    for t in out["fast"]:  # the assignment's 2-deep prefetch, its ids on tensor cores, on 8 warps, forming the
-        # stage inputs (warm starts); the packs: one group span per thread (or a group over threads, "narrow"), with or
-        # without recoding, and 8 columns per thread with a word- or byte-wise OR
-        for name in same:
+    for t in out["fast"]:  # the assignment's 2-deep prefetch; the packs: one group span per thread (or a group
+        # over threads, "narrow"), with or without recoding, and 8 columns per thread with a word- or byte-wise OR
+        for name in ("fast-s2", "fast-span", "fast-nospan", "fast-bytes", "fast-recode", "fast-narrow-recode"):
             assert torch.equal(out[name][t], out["fast"][t]), (name, t)  # all the same bits
     for name in ("fast-onehot-1024", "fast", "fast-sort"):
         assert torch.equal(out[name]["ids"], out["fast-onehot"]["ids"]), name
@@ -209,19 +207,3 @@ def test_bench_pipeline_compress_flag():
         with pytest.raises(ValueError, match=msg):
             bp.parse_method(bad)
     assert bp.main(["--methods", "bf16,qvg:bogus"]) == 2
-
-
-def test_presets_forming_stage_inputs_compress_alike(device):
-    """qvg-pro warm-started (the cache's commits): the presets whose later stages form their own input in the first
-    assignment ("fast-res", "fast-res-w8") store exactly "fast"'s bits; a cold start takes the residual pass."""
-    x = clustered(1, 2, 200, 64, clusters=6, seed=4)
-    prev = qvg.compress(clustered(1, 2, 200, 64, clusters=6, seed=5), "qvg-pro", centroids=6, iters=2)
-    o = prev.meta
-    init = prev.tensors["centroids"].reshape(o["stages"], 2, 6, 64).to(device)
-    for warm in (init, None):
-        want = kc.compress_prq(x.to(device), o, warm, 2, variant="fast")
-        for name in ("fast-res", "fast-res-w8"):
-            with poisoned():
-                got = kc.compress_prq(x.to(device), o, warm, 2, variant=name)
-            for t in want:
-                assert torch.equal(got[t], want[t]), (name, t)
