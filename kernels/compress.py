@@ -72,6 +72,9 @@ for _n in (2, 4, 8):
     COMPRESS_VARIANTS[f"fast-split{_n}"] = dict(COMPRESS_VARIANTS["fast"], split=_n)
     COMPRESS_VARIANTS[f"fast-split{_n}-1sm"] = dict(COMPRESS_VARIANTS["fast"], split=_n,
                                                     assign_kw=dict(_FAST["assign_kw"], per_sm=1))
+# "fast" with the one-hot update over all 256 clusters in one program (x read once), for timing
+COMPRESS_VARIANTS["fast-onehot256"] = dict(_FAST, update_kw=dict(method="onehot", block_k=256, block_n=32, num_warps=8,
+                                                                  num_stages=3, chunk=4096))
 # The default, "auto", picks one of them by shape (`pick_variant`); COMPRESS_VARIANT is the switch, and
 # `compress_prq(..., variant=)` overrides it per call.
 COMPRESS_VARIANT = "auto"
