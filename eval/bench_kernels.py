@@ -235,9 +235,10 @@ def _compress_row(x1, o, warm, name, pk, shape) -> dict:
     from qvg.kernels.compress import pick_variant
     picked = pick_variant(shape[0] * shape[1], shape[2], o["centroids"]) if name == "auto" else name
     bound = _pack_bound(xg, pk, o) if v.get("tscale", "bound") == "bound" else None
+    ukw = {key: val for key, val in v["update_kw"].items() if key != "incremental"}  # (the first update's form)
     parts = {"variant": name, "preset": picked, "config": v, "ms": ms, "cuda_graph_ms": graph_ms,
              "assign_ms": bench(lambda: assign(xg, c0, True, **v["assign_kw"])),
-             "update_ms": bench(lambda: update(xg, ids0, c0, **v["update_kw"])),
+             "update_ms": bench(lambda: update(xg, ids0, c0, **ukw)),
              "update_onehot_ms": bench(lambda: update(xg, ids0, c0, method="onehot")),
              "pack_ms": bench(lambda: quantize_packed(x1, token_spec(o), pk.get("ids"), pk.get("centroids"),
                                                       bound=bound, **v["pack_kw"])),

@@ -72,9 +72,16 @@ for _n in (2, 4, 8):
     COMPRESS_VARIANTS[f"fast-split{_n}"] = dict(COMPRESS_VARIANTS["fast"], split=_n)
     COMPRESS_VARIANTS[f"fast-split{_n}-1sm"] = dict(COMPRESS_VARIANTS["fast"], split=_n,
                                                     assign_kw=dict(_FAST["assign_kw"], per_sm=1))
-# "fast" with the one-hot update over all 256 clusters in one program (x read once), for timing
-COMPRESS_VARIANTS["fast-onehot256"] = dict(_FAST, update_kw=dict(method="onehot", block_k=256, block_n=32, num_warps=8,
-                                                                  num_stages=3, chunk=4096))
+# (The one-hot update over all 256 clusters per program, x read once, was 0.34-0.60 ms against the segmented sum's
+# 0.24 ms in eval/sweep_update.py's run, and qvg-pro's compress 4.86 against 3.30 ms: sweep-update-h100.d27eb1e.json,
+# kernels-h100.onehot256-d27eb1e.json.)
+# "fast" / "fast-sort" with the second update incremental: only the tokens the second assignment moved are read
+# (kernels/kmeans_delta.py)
+COMPRESS_VARIANTS["fast-delta"] = dict(COMPRESS_VARIANTS["fast"],
+                                       update_kw=dict(COMPRESS_VARIANTS["fast"]["update_kw"], incremental=True))
+COMPRESS_VARIANTS["fast-sort-delta"] = dict(COMPRESS_VARIANTS["fast-sort"],
+                                            update_kw=dict(COMPRESS_VARIANTS["fast-sort"]["update_kw"],
+                                                           incremental=True))
 # The default, "auto", picks one of them by shape (`pick_variant`); COMPRESS_VARIANT is the switch, and
 # `compress_prq(..., variant=)` overrides it per call.
 COMPRESS_VARIANT = "auto"

@@ -23,6 +23,7 @@ from qvg.kmeans import KMeansResult, id_dtype
 from qvg.kmeans import kmeans as ref_kmeans
 
 from .common import INTERPRET, dot_bf16, sm_count, to_bf16
+from .kmeans_delta import update_delta
 from .kmeans_reseed import RESEED_MAX_K, reseed_empty_fused
 from .kmeans_segsum import store_means, update_segsum
 
@@ -331,15 +332,29 @@ def kmeans(x: torch.Tensor, k: int, *, iters: int = 2, init: torch.Tensor | None
     assign_kw / update_kw: options of `assign` / `update_with_counts` (variants, tiles); reseed: "torch"
     (`qvg.kmeans.reseed_empty`) or "fused" (the same in one launch, K <= 512: kernels/kmeans_reseed.py).
     amax: an int32 [G] tensor of zeros that receives each group's max|x| (FP32 bits): the first update reads x
-    anyway and takes it (with iters = 0 a torch reduction does)."""
+    anyway and takes it (with iters = 0 a torch reduction does).
+    update_kw incremental=True (with method="segsum"): every update after the first reads only the tokens whose id
+    changed (kernels/kmeans_delta.py), from the previous update's cluster sums."""
     akw, ukw = dict(assign_kw or {}), dict(update_kw or {})
+    incremental = ukw.pop("incremental", False)
+    if incremental and ukw.get("method") != "segsum":
+        raise ValueError('kmeans: update_kw incremental=True needs method="segsum"')
     if amax is not None and iters == 0:
         amax.copy_(amax_bits(x))
     first = [amax]
+    last = {}  # incremental: the previous update's ids, cluster sums and sizes
 
     def update_fn(x_, i_, c_):
         a, first[0] = first[0], None  # the first update only: x is the same at every iteration
-        return update_with_counts(x_, i_, c_, amax=a, **ukw)
+        if not incremental:
+            return update_with_counts(x_, i_, c_, amax=a, **ukw)
+        if last:
+            c_new, counts, sums = update_delta(x_, last["ids"], i_, c_, last["sums"], last["counts"])
+        else:
+            sums = torch.empty(c_.shape, device=c_.device, dtype=torch.float32)
+            c_new, counts = update_with_counts(x_, i_, c_, amax=a, sums=sums, **ukw)
+        last.update(ids=i_, sums=sums, counts=counts)
+        return c_new, counts
 
     reseed_fn = None
     if reseed == "fused" and k <= RESEED_MAX_K:

@@ -179,9 +179,10 @@ def store_means(acc, cnt, c_old_ptr, c_new_ptr, g, ks, kmask, K, D: tl.constexpr
 
 
 @triton.jit
-def _segfinish_kernel(part_ptr, istart_ptr, counts_ptr, c_old_ptr, c_new_ptr, K, MAXI, D: tl.constexpr,
-                      BLOCK_K: tl.constexpr):
-    """Each cluster of the block adds its items' partial sums in item order, then `store_means`."""
+def _segfinish_kernel(part_ptr, istart_ptr, counts_ptr, c_old_ptr, c_new_ptr, sums_ptr, K, MAXI, D: tl.constexpr,
+                      BLOCK_K: tl.constexpr, SUMS: tl.constexpr):
+    """Each cluster of the block adds its items' partial sums in item order, then `store_means`; SUMS: the cluster
+    sums too, into sums_ptr [G, K, D] FP32."""
     g = tl.program_id(1).to(tl.int64)
     ks = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     kmask, dcols = ks < K, tl.arange(0, D)
@@ -192,6 +193,8 @@ def _segfinish_kernel(part_ptr, istart_ptr, counts_ptr, c_old_ptr, c_new_ptr, K,
         acc += tl.load(part_ptr + (g * MAXI + s + j)[:, None] * D + dcols[None, :], mask=(j < nit)[:, None],
                        other=0.0)
     store_means(acc, tl.load(counts_ptr + g * K + ks, mask=kmask, other=0), c_old_ptr, c_new_ptr, g, ks, kmask, K, D)
+    if SUMS:
+        tl.store(sums_ptr + (g * K + ks)[:, None] * D + dcols[None, :], acc, mask=kmask[:, None])
 
 
 def sort_by_cluster(ids: torch.Tensor, k: int, item: int = 256, sort_block: int = 1024, bitonic: bool | None = None,
@@ -239,12 +242,13 @@ def sort_by_cluster(ids: torch.Tensor, k: int, item: int = 256, sort_block: int 
 def update_segsum(x: torch.Tensor, ids: torch.Tensor, c: torch.Tensor, item: int = 256, rows: int = 32,
                   sort_block: int = 1024, num_warps: int = 4, num_stages: int = 2, finish_block: int = 16,
                   block: str = "sort", rank_rows: int = 32, rank_warps: int = 1,
-                  amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  amax: torch.Tensor | None = None, sums: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [G, N, D] (bf16 / fp32), ids [G, N] (any integer dtype, values < K), c [G, K, D] -> (centroids [G, K, D]
     fp32, cluster sizes [G, K] int32). item: most tokens one work item sums (a multiple of rows); rows: tokens
     summed per step; sort_block: tokens per counting-sort block (a power of two); block: how a block orders its
     tokens ("sort": tl.sort; "rank": counted ranks, no sort; rank_rows / rank_warps: its tiling; `sort_by_cluster`).
-    amax: an int32 [G] tensor of zeros to receive each group's max|x| as FP32 bits (read while summing)."""
+    amax: an int32 [G] tensor of zeros to receive each group's max|x| as FP32 bits (read while summing).
+    sums: an FP32 [G, K, D] tensor to receive the cluster sums (what kernels/kmeans_delta.py updates)."""
     g, n, d = x.shape
     k = c.shape[1]
     if d & (d - 1) or d < 16:
@@ -259,6 +263,7 @@ def update_segsum(x: torch.Tensor, ids: torch.Tensor, c: torch.Tensor, item: int
     _segsum_kernel[(maxi, g)](x.contiguous(), order, cstart, istart, part, part if amax is None else amax, n, k,
                               item, maxi, KP=triton.next_power_of_2(k), D=d, ROWS=rows, AMAX=amax is not None,
                               num_warps=num_warps, num_stages=num_stages)
-    _segfinish_kernel[(triton.cdiv(k, finish_block), g)](part, istart, counts, c.contiguous(), c_new, k, maxi, D=d,
-                                                         BLOCK_K=finish_block, num_warps=4)
+    _segfinish_kernel[(triton.cdiv(k, finish_block), g)](part, istart, counts, c.contiguous(), c_new,
+                                                         part if sums is None else sums, k, maxi, D=d,
+                                                         BLOCK_K=finish_block, SUMS=sums is not None, num_warps=4)
     return c_new, counts

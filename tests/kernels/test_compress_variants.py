@@ -65,7 +65,7 @@ def test_presets_compress_alike(method, n, warm, grid, device):
     init = prev.tensors["centroids"].reshape(o["stages"], 2, 6, 64).to(device) if warm else None
     out = {}
     for name in ("auto", "fast-onehot", "fast-onehot-1024", "fast", "fast-sort", "fast-bytes", "fast-s2", "fast-span",
-                 "fast-nospan", "fast-recode", "fast-narrow-recode"):
+                 "fast-nospan", "fast-recode", "fast-narrow-recode", "fast-delta", "fast-sort-delta"):
         with poisoned():
             out[name] = kc.compress_prq(x.to(device), o, init, 2, variant=name)
     assert kc.pick_variant(2, n, 6) == "fast-onehot"
@@ -75,7 +75,7 @@ def test_presets_compress_alike(method, n, warm, grid, device):
         # over threads, "narrow"), with or without recoding, and 8 columns per thread with a word- or byte-wise OR
         for name in ("fast-s2", "fast-span", "fast-nospan", "fast-bytes", "fast-recode", "fast-narrow-recode"):
             assert torch.equal(out[name][t], out["fast"][t]), (name, t)  # all the same bits
-    for name in ("fast-onehot-1024", "fast", "fast-sort"):
+    for name in ("fast-onehot-1024", "fast", "fast-sort", "fast-delta", "fast-sort-delta"):
         assert torch.equal(out[name]["ids"], out["fast-onehot"]["ids"]), name
         torch.testing.assert_close(out[name]["centroids"].float(), out["fast-onehot"]["centroids"].float(),
                                    rtol=1e-2, atol=1e-2)

@@ -1,0 +1,123 @@
+"""Incremental centroid update (Triton) for a k-means iteration after the first. Same contract as
+`qvg.kmeans.update_with_counts` (means of each cluster's tokens, IEEE division, an empty cluster keeps its old
+centroid), given the previous iteration's ids, FP32 cluster sums and sizes.
+
+Warm-started, the second assignment moves few tokens (1-7% per PRQ stage at the benchmark's LongCat span), so
+instead of summing every cluster again (kernels/kmeans_segsum.py reads all of x), only the moved tokens are read:
+1. `_changed_kernel` (one program per group): the indices of the tokens whose id changed, in token order (a
+   running prefix sum), and their number;
+2. `_delta_kernel` (P programs per group, tiles of moved tokens p, p + P, ...): the signed one-hot (+1 at the new
+   id, -1 at the old) times the tokens' rows on tensor cores (exact products, FP32 accumulation in an order fixed by
+   the count), per program a [K, D] partial and the size changes;
+3. `_delta_finish_kernel`: old sums plus the programs' partials in program order, divided (`store_means`).
+No float atomics, fixed launch shapes (CUDA-graph capturable, no host sync): deterministic. The sums differ from a
+fresh summation only by FP32 rounding (the old sums carry their own order).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import INTERPRET, dot_bf16, sm_count, to_bf16
+from .kmeans_segsum import store_means
+
+
+@triton.jit
+def _changed_kernel(prev_ptr, ids_ptr, idx_ptr, count_ptr, N, BLOCK: tl.constexpr):
+    g = tl.program_id(0).to(tl.int64)
+    base = tl.program_id(0) * 0
+    for n0 in range(0, N, BLOCK):
+        t = n0 + tl.arange(0, BLOCK)
+        m = t < N
+        moved = ((tl.load(prev_ptr + g * N + t, mask=m, other=0) != tl.load(ids_ptr + g * N + t, mask=m, other=0))
+                 & m).to(tl.int32)
+        pos = base + tl.cumsum(moved, 0) - moved
+        tl.store(idx_ptr + g * N + pos, t, mask=moved > 0)
+        base += tl.sum(moved, 0)
+    tl.store(count_ptr + g, base)
+
+
+@triton.jit
+def _delta_kernel(x_ptr, prev_ptr, ids_ptr, idx_ptr, count_ptr, part_ptr, dcnt_ptr, N, K, PROGS, D: tl.constexpr,
+                  BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, PARTS: tl.constexpr, INTERP: tl.constexpr):
+    p = tl.program_id(0)
+    g = tl.program_id(1).to(tl.int64)
+    moved = tl.load(count_ptr + g)
+    ks = tl.arange(0, BLOCK_K)
+    dcols = tl.arange(0, D)
+    acc = tl.zeros((BLOCK_K, D), tl.float32)
+    dn = tl.zeros((BLOCK_K,), tl.int32)
+    for j in range(p, tl.cdiv(moved, BLOCK_N), PROGS):
+        e = j * BLOCK_N + tl.arange(0, BLOCK_N)
+        m = e < moved
+        tok = tl.load(idx_ptr + g * N + e, mask=m, other=0)
+        old = tl.where(m, tl.load(prev_ptr + g * N + tok, mask=m, other=0).to(tl.int32), -1)
+        new = tl.where(m, tl.load(ids_ptr + g * N + tok, mask=m, other=0).to(tl.int32), -1)
+        sign = (ks[:, None] == new[None, :]).to(tl.int32) - (ks[:, None] == old[None, :]).to(tl.int32)
+        xr = tl.load(x_ptr + (g * N + tok)[:, None] * D + dcols[None, :], mask=m[:, None], other=0.0)
+        sb = sign.to(tl.float32).to(tl.bfloat16)  # -1, 0, 1: exact
+        if PARTS == 1:
+            acc = dot_bf16(sb, xr, acc, INTERP)
+        else:  # FP32 x as hi + mid + lo BF16 pieces (its 24 mantissa bits), as the one-hot update
+            xf = xr.to(tl.float32)
+            for _ in tl.static_range(PARTS):
+                piece = to_bf16(xf, INTERP)
+                acc = dot_bf16(sb, piece, acc, INTERP)
+                xf = xf - piece.to(tl.float32)
+        dn += tl.sum(sign, 1)
+    kmask = ks < K
+    base = (g * PROGS + p) * K + ks
+    tl.store(part_ptr + base[:, None] * D + dcols[None, :], acc, mask=kmask[:, None])
+    tl.store(dcnt_ptr + base, dn, mask=kmask)
+
+
+@triton.jit
+def _delta_finish_kernel(sums_ptr, counts_ptr, part_ptr, dcnt_ptr, c_old_ptr, c_new_ptr, sums_out_ptr,
+                         counts_out_ptr, K, PROGS, D: tl.constexpr, BLOCK_K: tl.constexpr):
+    g = tl.program_id(1).to(tl.int64)
+    ks = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
+    kmask, dcols = ks < K, tl.arange(0, D)
+    off = (g * K + ks)[:, None] * D + dcols[None, :]
+    acc = tl.load(sums_ptr + off, mask=kmask[:, None], other=0.0)
+    cnt = tl.load(counts_ptr + g * K + ks, mask=kmask, other=0)
+    for p in range(0, PROGS):  # in program order
+        base = (g * PROGS + p) * K + ks
+        acc += tl.load(part_ptr + base[:, None] * D + dcols[None, :], mask=kmask[:, None], other=0.0)
+        cnt += tl.load(dcnt_ptr + base, mask=kmask, other=0)
+    store_means(acc, cnt, c_old_ptr, c_new_ptr, g, ks, kmask, K, D)
+    tl.store(sums_out_ptr + off, acc, mask=kmask[:, None])
+    tl.store(counts_out_ptr + g * K + ks, cnt, mask=kmask)
+
+
+def update_delta(x: torch.Tensor, prev_ids: torch.Tensor, ids: torch.Tensor, c: torch.Tensor, sums: torch.Tensor,
+                 counts: torch.Tensor, progs: int = 0, block_n: int = 32, num_warps: int = 8, num_stages: int = 3,
+                 scan_block: int = 1024):
+    """x [G, N, D]; prev_ids, ids [G, N] (the previous and this assignment); c [G, K, D] (the centroids ids were
+    assigned to); sums [G, K, D] FP32 / counts [G, K] int32 of prev_ids -> (centroids [G, K, D] FP32, sizes [G, K]
+    int32, sums [G, K, D] FP32) of ids. progs: programs per group (0: about one per SM in all)."""
+    g, n, d = x.shape
+    k = c.shape[1]
+    if d & (d - 1) or d < 16:
+        raise ValueError(f"delta update needs D a power of two >= 16, got {d}")
+    dev = x.device
+    if progs <= 0:
+        progs = 1 if INTERPRET or not x.is_cuda else max(1, sm_count(dev) // g)
+    idx = torch.empty(g, n, device=dev, dtype=torch.int32)
+    moved = torch.empty(g, device=dev, dtype=torch.int32)
+    prev_ids, ids = prev_ids.contiguous(), ids.contiguous()
+    _changed_kernel[(g,)](prev_ids, ids, idx, moved, n, BLOCK=scan_block, num_warps=4)
+    block_k = max(16, triton.next_power_of_2(k))
+    part = torch.empty(g, progs, k, d, device=dev, dtype=torch.float32)
+    dcnt = torch.empty(g, progs, k, device=dev, dtype=torch.int32)
+    _delta_kernel[(progs, g)](x.contiguous(), prev_ids, ids, idx, moved, part, dcnt, n, k, progs, D=d,
+                              BLOCK_K=block_k, BLOCK_N=block_n, PARTS=1 if x.dtype == torch.bfloat16 else 3,
+                              INTERP=INTERPRET, num_warps=num_warps, num_stages=num_stages)
+    c_new = torch.empty(g, k, d, device=dev, dtype=torch.float32)
+    sums_new = torch.empty_like(c_new)
+    counts_new = torch.empty(g, k, device=dev, dtype=torch.int32)
+    fk = min(32, block_k)
+    _delta_finish_kernel[(triton.cdiv(k, fk), g)](sums.contiguous(), counts.contiguous(), part, dcnt, c.contiguous(),
+                                                  c_new, sums_new, counts_new, k, progs, D=d, BLOCK_K=fk,
+                                                  num_warps=4)
+    return c_new, counts_new, sums_new
