@@ -4,12 +4,11 @@ centroid), given the previous iteration's ids, FP32 cluster sums and sizes.
 
 Warm-started, the second assignment moves few tokens (1-7% per PRQ stage at the benchmark's LongCat span), so
 instead of summing every cluster again (kernels/kmeans_segsum.py reads all of x), only the moved tokens are read:
-1. `_changed_kernel` (one program per group): the indices of the tokens whose id changed, in token order (a
-   running prefix sum), and their number;
-2. `_delta_kernel` (P programs per group, tiles of moved tokens p, p + P, ...): the signed one-hot (+1 at the new
-   id, -1 at the old) times the tokens' rows on tensor cores (exact products, FP32 accumulation in an order fixed by
-   the count), per program a [K, D] partial and the size changes;
-3. `_delta_finish_kernel`: old sums plus the programs' partials in program order, divided (`store_means`).
+1. `_delta_kernel` (P programs per group, each on a contiguous 1/P of the tokens): the indices of its tokens whose
+   id changed, in token order (a running prefix sum), then those tokens in tiles: the signed one-hot (+1 at the new
+   id, -1 at the old) times their rows on tensor cores (exact products, FP32 accumulation in an order fixed by the
+   tokens), a [K, D] partial per program and the size changes;
+2. `_delta_finish_kernel`: old sums plus the programs' partials in program order, divided (`store_means`).
 No float atomics, fixed launch shapes (CUDA-graph capturable, no host sync): deterministic. The sums differ from a
 fresh summation only by FP32 rounding (the old sums carry their own order).
 """
@@ -24,34 +23,32 @@ from .kmeans_segsum import store_means
 
 
 @triton.jit
-def _changed_kernel(prev_ptr, ids_ptr, idx_ptr, count_ptr, N, BLOCK: tl.constexpr):
-    g = tl.program_id(0).to(tl.int64)
-    base = tl.program_id(0) * 0
-    for n0 in range(0, N, BLOCK):
-        t = n0 + tl.arange(0, BLOCK)
-        m = t < N
-        moved = ((tl.load(prev_ptr + g * N + t, mask=m, other=0) != tl.load(ids_ptr + g * N + t, mask=m, other=0))
-                 & m).to(tl.int32)
-        pos = base + tl.cumsum(moved, 0) - moved
-        tl.store(idx_ptr + g * N + pos, t, mask=moved > 0)
-        base += tl.sum(moved, 0)
-    tl.store(count_ptr + g, base)
-
-
-@triton.jit
-def _delta_kernel(x_ptr, prev_ptr, ids_ptr, idx_ptr, count_ptr, part_ptr, dcnt_ptr, N, K, PROGS, D: tl.constexpr,
-                  BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, PARTS: tl.constexpr, INTERP: tl.constexpr):
+def _delta_kernel(x_ptr, prev_ptr, ids_ptr, idx_ptr, part_ptr, dcnt_ptr, N, K, PROGS, CH, D: tl.constexpr,
+                  BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, SCAN: tl.constexpr, PARTS: tl.constexpr,
+                  INTERP: tl.constexpr):
+    """Program p of group g, tokens [p * CH, (p + 1) * CH): their moved tokens' indices in token order (a running
+    prefix sum) into its slice of idx, then those tokens in tiles: sum of sign x row per cluster, size changes."""
     p = tl.program_id(0)
     g = tl.program_id(1).to(tl.int64)
-    moved = tl.load(count_ptr + g)
+    lo = p * CH
+    hi = tl.minimum(lo + CH, N)
+    moved = tl.program_id(0) * 0
+    for n0 in range(lo, hi, SCAN):
+        t = n0 + tl.arange(0, SCAN)
+        m = t < hi
+        f = ((tl.load(prev_ptr + g * N + t, mask=m, other=0) != tl.load(ids_ptr + g * N + t, mask=m, other=0))
+             & m).to(tl.int32)
+        tl.store(idx_ptr + g * N + lo + moved + tl.cumsum(f, 0) - f, t, mask=f > 0)
+        moved += tl.sum(f, 0)
+    tl.debug_barrier()  # (the CTA's stores above are visible to all its threads below)
     ks = tl.arange(0, BLOCK_K)
     dcols = tl.arange(0, D)
     acc = tl.zeros((BLOCK_K, D), tl.float32)
     dn = tl.zeros((BLOCK_K,), tl.int32)
-    for j in range(p, tl.cdiv(moved, BLOCK_N), PROGS):
-        e = j * BLOCK_N + tl.arange(0, BLOCK_N)
+    for e0 in range(0, moved, BLOCK_N):
+        e = e0 + tl.arange(0, BLOCK_N)
         m = e < moved
-        tok = tl.load(idx_ptr + g * N + e, mask=m, other=0)
+        tok = tl.load(idx_ptr + g * N + lo + e, mask=m, other=0)
         old = tl.where(m, tl.load(prev_ptr + g * N + tok, mask=m, other=0).to(tl.int32), -1)
         new = tl.where(m, tl.load(ids_ptr + g * N + tok, mask=m, other=0).to(tl.int32), -1)
         sign = (ks[:, None] == new[None, :]).to(tl.int32) - (ks[:, None] == old[None, :]).to(tl.int32)
@@ -104,15 +101,13 @@ def update_delta(x: torch.Tensor, prev_ids: torch.Tensor, ids: torch.Tensor, c: 
     if progs <= 0:
         progs = 1 if INTERPRET or not x.is_cuda else max(1, sm_count(dev) // g)
     idx = torch.empty(g, n, device=dev, dtype=torch.int32)
-    moved = torch.empty(g, device=dev, dtype=torch.int32)
-    prev_ids, ids = prev_ids.contiguous(), ids.contiguous()
-    _changed_kernel[(g,)](prev_ids, ids, idx, moved, n, BLOCK=scan_block, num_warps=4)
     block_k = max(16, triton.next_power_of_2(k))
     part = torch.empty(g, progs, k, d, device=dev, dtype=torch.float32)
     dcnt = torch.empty(g, progs, k, device=dev, dtype=torch.int32)
-    _delta_kernel[(progs, g)](x.contiguous(), prev_ids, ids, idx, moved, part, dcnt, n, k, progs, D=d,
-                              BLOCK_K=block_k, BLOCK_N=block_n, PARTS=1 if x.dtype == torch.bfloat16 else 3,
-                              INTERP=INTERPRET, num_warps=num_warps, num_stages=num_stages)
+    _delta_kernel[(progs, g)](x.contiguous(), prev_ids.contiguous(), ids.contiguous(), idx, part, dcnt, n, k, progs,
+                              triton.cdiv(n, progs), D=d, BLOCK_K=block_k, BLOCK_N=block_n, SCAN=scan_block,
+                              PARTS=1 if x.dtype == torch.bfloat16 else 3, INTERP=INTERPRET, num_warps=num_warps,
+                              num_stages=num_stages)
     c_new = torch.empty(g, k, d, device=dev, dtype=torch.float32)
     sums_new = torch.empty_like(c_new)
     counts_new = torch.empty(g, k, device=dev, dtype=torch.int32)

@@ -15,15 +15,16 @@ def _moved(i1: torch.Tensor, k: int, frac: float, seed: int) -> torch.Tensor:
     return torch.where(flip, torch.randint(0, k, i1.shape, generator=gn), i1.long()).to(i1.dtype)
 
 
+@pytest.mark.parametrize("progs", [0, 3])
 @pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("k,frac", [(20, 0.1), (256, 0.03), (300, 1.0)])
-def test_update_delta_equals_fresh_means(k, frac, x_dtype, device):
+def test_update_delta_equals_fresh_means(k, frac, x_dtype, progs, device):
     """Moved tokens (a few, or all of them), a cluster emptied, a group where one token moved and one where none
     did: the new means, sizes and sums are the reference's (sums up to FP32 rounding order), the empty cluster keeps
     its centroid."""
     gn = gen(k)
     g, n, d = 4, 700, 32
-    x = (torch.randn(g, n, d, generator=gn) * 3).to(x_dtype)
+    x = (torch.randn(g, n, d, generator=gn) * 3).to(x_dtype)  # (700 tokens: 3 programs of 234, a ragged one)
     c = torch.randn(g, k, d, generator=gn)
     i1 = torch.randint(0, k, (g, n), generator=gn).to(kk.id_dtype(k))
     i2 = _moved(i1, k, frac, k + 1)
@@ -37,7 +38,7 @@ def test_update_delta_equals_fresh_means(k, frac, x_dtype, device):
     sums = torch.empty(g, k, d, device=device)
     _, n1 = kk.update_with_counts(dev[0], dev[1], dev[3], method="segsum", sums=sums)
     with poisoned():
-        c2, n2, s2 = update_delta(dev[0], dev[1], dev[2], dev[3], sums, n1)
+        c2, n2, s2 = update_delta(dev[0], dev[1], dev[2], dev[3], sums, n1, progs=progs)
     want_c, want_n = ref.update_with_counts(x.float(), i2.long(), c)
     assert torch.equal(n2.cpu(), want_n.int())
     want_s = torch.zeros(g, k, d).scatter_add_(1, i2.long()[..., None].expand(-1, -1, d), x.float())
@@ -45,7 +46,7 @@ def test_update_delta_equals_fresh_means(k, frac, x_dtype, device):
     torch.testing.assert_close(s2.cpu(), want_s, rtol=0, atol=4 * scale * 2.0 ** -24)
     torch.testing.assert_close(c2.cpu(), want_c, rtol=1e-5, atol=1e-5)
     assert torch.equal(c2.cpu()[2, 3], c[2, 3])  # emptied: the old centroid
-    again = update_delta(dev[0], dev[1], dev[2], dev[3], sums, n1)
+    again = update_delta(dev[0], dev[1], dev[2], dev[3], sums, n1, progs=progs)
     for a, b in zip(again, (c2, n2, s2)):
         assert_bitwise_equal(a, b, "deterministic")
 
