@@ -75,8 +75,10 @@ for _n in (2, 4, 8):
 # (The one-hot update over all 256 clusters per program, x read once, was 0.34-0.60 ms against the segmented sum's
 # 0.24 ms in eval/sweep_update.py's run, and qvg-pro's compress 4.86 against 3.30 ms: sweep-update-h100.d27eb1e.json,
 # kernels-h100.onehot256-d27eb1e.json.)
-# "fast" / "fast-sort" with the second update incremental: only the tokens the second assignment moved are read
-# (kernels/kmeans_delta.py)
+# "fast" / "fast-sort" with every update after a stage's first incremental: only the tokens the assignment moved are
+# read (kernels/kmeans_delta.py). At all six shapes where `pick_variant` used the segmented sum they were 11-27%
+# faster in whole-compress graph replays (compress-sweep-h100-*.delta-028db8b.json), and at the LongCat span qvg-pro
+# went from 3.26-3.29 to 2.84-2.87 ms (kernels-h100.delta-028db8b-r1/-r2.json): `pick_variant` takes them there.
 COMPRESS_VARIANTS["fast-delta"] = dict(COMPRESS_VARIANTS["fast"],
                                        update_kw=dict(COMPRESS_VARIANTS["fast"]["update_kw"], incremental=True))
 COMPRESS_VARIANTS["fast-sort-delta"] = dict(COMPRESS_VARIANTS["fast-sort"],
@@ -98,12 +100,14 @@ def pick_variant(groups: int, tokens: int, k: int) -> str:
       idle there (17% / 7% faster with batches of 4 / 8 chunks);
     - longer units with K <= 64: the one-hot update on 1024-token splits (3-11% faster);
     - else the counting sort + segmented sum: with the block sort while groups x tokens <= 480k (5-10% faster with 12
-      heads; a tie at 32 x 14,820), with counted ranks above (the LongCat span)."""
+      heads; a tie at 32 x 14,820), with counted ranks above (the LongCat span); in both, every update after a
+      stage's first reads only the tokens the assignment moved ("-delta": 11-27% faster than the same preset
+      without it at all six such shapes measured, compress-sweep-h100-*.delta-028db8b.json)."""
     if tokens <= 8192 and k <= 256:
         return "fast-onehot"
     if k <= 64:
         return "fast-onehot-1024"
-    return "fast-sort" if groups * tokens <= 480_000 else "fast"
+    return "fast-sort-delta" if groups * tokens <= 480_000 else "fast-delta"
 
 
 def resolve_variant(variant: str | dict | None, groups: int, tokens: int, k: int) -> dict:

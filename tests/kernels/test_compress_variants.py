@@ -14,16 +14,16 @@ from qvg.kernels import compress as kc
 @pytest.mark.parametrize("groups,tokens,k,want", [
     (12, 4680, 64, "fast-onehot"),  # a Self-Forcing chunk with the cache's K (the pipeline's commits)
     (12, 4680, 256, "fast-onehot"),
-    (12, 9360, 128, "fast-sort"),  # two chunks per unit
+    (12, 9360, 128, "fast-sort-delta"),  # two chunks per unit
     (96, 4680, 64, "fast-onehot"),  # a batch of 8 chunks
     (12, 37440, 64, "fast-onehot-1024"),
     (32, 29640, 64, "fast-onehot-1024"),
-    (12, 14040, 128, "fast-sort"),
-    (12, 37440, 256, "fast-sort"),
-    (32, 14820, 128, "fast-sort"),
-    (32, 29640, 256, "fast"),  # the LongCat span: unchanged
-    (32, 29640, 128, "fast"),
-    (1, 100, 1024, "fast-sort"),  # K above the measured one-hot range
+    (12, 14040, 128, "fast-sort-delta"),
+    (12, 37440, 256, "fast-sort-delta"),
+    (32, 14820, 128, "fast-sort-delta"),
+    (32, 29640, 256, "fast-delta"),  # the LongCat span
+    (32, 29640, 128, "fast-delta"),
+    (1, 100, 1024, "fast-sort-delta"),  # K above the measured one-hot range
 ])
 def test_pick_variant_follows_the_sweeps(groups, tokens, k, want):
     assert kc.pick_variant(groups, tokens, k) == want
@@ -31,7 +31,7 @@ def test_pick_variant_follows_the_sweeps(groups, tokens, k, want):
 
 def test_resolve_variant():
     assert kc.resolve_variant("auto", 12, 4680, 64) is kc.COMPRESS_VARIANTS["fast-onehot"]
-    assert kc.resolve_variant(None, 32, 29640, 256) is kc.COMPRESS_VARIANTS["fast"]  # the default is "auto"
+    assert kc.resolve_variant(None, 32, 29640, 256) is kc.COMPRESS_VARIANTS["fast-delta"]  # the default is "auto"
     assert kc.resolve_variant("fast-sort", 12, 4680, 64) is kc.COMPRESS_VARIANTS["fast-sort"]
     own = {"assign_kw": {}}
     assert kc.resolve_variant(own, 1, 1, 1) is own
