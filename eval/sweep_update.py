@@ -42,7 +42,8 @@ def main(argv=None) -> int:
         try:
             c, n = update_with_counts(xg, ids, c0, **kw)
             ms = min(bench(lambda: update_with_counts(xg, ids, c0, **kw)) for _ in range(3))  # noqa: B023
-            row = {**kw, "ms": ms, "max_abs_diff": float((c - ref_c).abs().max()), "counts_equal": bool(torch.equal(n, ref_n))}
+            row = {**kw, "ms": ms, "max_abs_diff": float((c - ref_c).abs().max()),
+                   "counts_equal": bool(torch.equal(n, ref_n))}
         except Exception as e:  # a tiling that does not compile or fit is reported, the rest still run
             row = {**kw, "error": f"{type(e).__name__}: {str(e)[:160]}"}
         rows.append(row)

@@ -33,7 +33,9 @@ from .quantize import _residual, quantize_packed, quantize_packed_outputs
 # "fast-sort" is "fast" with the block sort (tl.sort), as before 6b0c1ca; "fast-onehot" / "fast-onehot-1024" take
 # the one-hot tensor-core update instead, on 512- / 1024-token splits. "current" (tiled assignment, one-hot update,
 # torch reseeding, two-kernel pack: what kernels-h100.md measured before "fast") stays for those sweeps to time
-# against. All of them return the same ids, and centroids up to the order in which the FP32 cluster sums are added.
+# against. All of them return the same ids, and centroids up to the order in which the FP32 cluster sums are added
+# (the "-delta" presets below: up to the rounding of sums updated by subtraction, so from a third iteration or a
+# later stage on an id near a tie may differ).
 # The fused pack takes its FP8 tscale from a bound (no pass of its own before it) and, where the shape allows, runs
 # with each quantization group on one thread, or on two for a group wider than a code plane (kernels/pack_span.py,
 # span="narrow"): at the LongCat span on the H100 the pack went from 0.340 ms (stats pass + pack) to 0.149 ms
@@ -76,9 +78,10 @@ for _n in (2, 4, 8):
 # 0.24 ms in eval/sweep_update.py's run, and qvg-pro's compress 4.86 against 3.30 ms: sweep-update-h100.d27eb1e.json,
 # kernels-h100.onehot256-d27eb1e.json.)
 # "fast" / "fast-sort" with every update after a stage's first incremental: only the tokens the assignment moved are
-# read (kernels/kmeans_delta.py). At all six shapes where `pick_variant` used the segmented sum they were 11-27%
-# faster in whole-compress graph replays (compress-sweep-h100-*.delta-028db8b.json), and at the LongCat span qvg-pro
-# went from 3.26-3.29 to 2.84-2.87 ms (kernels-h100.delta-028db8b-r1/-r2.json): `pick_variant` takes them there.
+# read (kernels/kmeans_delta.py). At all six shapes where `pick_variant` used the segmented sum they were 12-20%
+# faster in whole-compress graph replays (warm starts, 2 iterations; compress-sweep-h100-*.delta-*.json), and at the
+# LongCat span qvg-pro went from 3.26-3.29 to 2.84-2.87 ms (kernels-h100.delta-028db8b-r1/-r2.json): `pick_variant`
+# takes them there. Cold starts and K > 512 run full updates (`kmeans`).
 COMPRESS_VARIANTS["fast-delta"] = dict(COMPRESS_VARIANTS["fast"],
                                        update_kw=dict(COMPRESS_VARIANTS["fast"]["update_kw"], incremental=True))
 COMPRESS_VARIANTS["fast-sort-delta"] = dict(COMPRESS_VARIANTS["fast-sort"],
@@ -100,9 +103,10 @@ def pick_variant(groups: int, tokens: int, k: int) -> str:
       idle there (17% / 7% faster with batches of 4 / 8 chunks);
     - longer units with K <= 64: the one-hot update on 1024-token splits (3-11% faster);
     - else the counting sort + segmented sum: with the block sort while groups x tokens <= 480k (5-10% faster with 12
-      heads; a tie at 32 x 14,820), with counted ranks above (the LongCat span); in both, every update after a
-      stage's first reads only the tokens the assignment moved ("-delta": 11-27% faster than the same preset
-      without it at all six such shapes measured, compress-sweep-h100-*.delta-028db8b.json)."""
+      heads; a tie at 32 x 14,820), with counted ranks above (the LongCat span); in both, on warm starts with
+      K <= 512, every update after a stage's first reads only the tokens the assignment moved ("-delta": 12-20%
+      faster (warm, 2 iterations) than the same preset
+      without it at all six such shapes measured, compress-sweep-h100-*.delta-*.json)."""
     if tokens <= 8192 and k <= 256:
         return "fast-onehot"
     if k <= 64:

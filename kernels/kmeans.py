@@ -9,7 +9,9 @@
   products, FP32 accumulation in an order fixed by the shapes: deterministic. No float atomics.
 - update (larger K): tokens stably sorted by id (torch), cluster boundaries found by searchsorted, and one
   program per (group, cluster) sums its tokens in a fixed order in FP32.
-- update method="segsum": counting sort + load-balanced segmented sum, memory-bound (kernels/kmeans_segsum.py).
+- update method="segsum": counting sort + load-balanced segmented sum, memory-bound (kernels/kmeans_segsum.py);
+  with incremental=True (`kmeans`, warm starts) every later update reads only the moved tokens
+  (kernels/kmeans_delta.py).
 - reseed="fused": the empty-cluster reseeding in one launch (kernels/kmeans_reseed.py).
 - kmeans: the reference's loop (and seeding) with these two steps, no host synchronisation inside.
 """
@@ -258,6 +260,7 @@ def _onehot_finish_kernel(sums_ptr, cnt_ptr, c_old_ptr, c_new_ptr, counts_ptr, K
     tl.store(counts_ptr + g * K + ks, cnt, mask=kmask)
 
 
+DELTA_MAX_K = 512  # the incremental update's [K, D] accumulator per program: above this, full updates
 ONEHOT_MAX_K = 512  # above this the one-hot product's K x N x D work outgrows the sort + segmented sum
 
 
@@ -333,12 +336,15 @@ def kmeans(x: torch.Tensor, k: int, *, iters: int = 2, init: torch.Tensor | None
     (`qvg.kmeans.reseed_empty`) or "fused" (the same in one launch, K <= 512: kernels/kmeans_reseed.py).
     amax: an int32 [G] tensor of zeros that receives each group's max|x| (FP32 bits): the first update reads x
     anyway and takes it (with iters = 0 a torch reduction does).
-    update_kw incremental=True (with method="segsum"): every update after the first reads only the tokens whose id
-    changed (kernels/kmeans_delta.py), from the previous update's cluster sums."""
+    update_kw incremental=True (with method="segsum"): on warm starts with K <= DELTA_MAX_K, every update after the
+    first reads only the tokens whose id changed (kernels/kmeans_delta.py), from the previous update's cluster sums
+    (a cold start's early iterations move many tokens, and the delta's one-hot product costs K x D per moved token);
+    otherwise every update is the segmented sum."""
     akw, ukw = dict(assign_kw or {}), dict(update_kw or {})
     incremental = ukw.pop("incremental", False)
     if incremental and ukw.get("method") != "segsum":
         raise ValueError('kmeans: update_kw incremental=True needs method="segsum"')
+    incremental = incremental and init is not None and k <= DELTA_MAX_K  # (measured there: warm starts, K <= 256)
     if amax is not None and iters == 0:
         amax.copy_(amax_bits(x))
     first = [amax]

@@ -2,15 +2,19 @@
 `qvg.kmeans.update_with_counts` (means of each cluster's tokens, IEEE division, an empty cluster keeps its old
 centroid), given the previous iteration's ids, FP32 cluster sums and sizes.
 
-Warm-started, the second assignment moves few tokens (1-7% per PRQ stage at the benchmark's LongCat span), so
-instead of summing every cluster again (kernels/kmeans_segsum.py reads all of x), only the moved tokens are read:
+Warm-started, the second assignment moves few tokens (1.3-6.8% per PRQ stage on the benchmark's stand-in at the
+LongCat span: eval/results/moved-tokens.json), so instead of summing every cluster again (kernels/kmeans_segsum.py
+reads all of x), only the moved tokens are read:
 1. `_delta_kernel` (P programs per group, each on a contiguous 1/P of the tokens): the indices of its tokens whose
    id changed, in token order (a running prefix sum), then those tokens in tiles: the signed one-hot (+1 at the new
    id, -1 at the old) times their rows on tensor cores (exact products, FP32 accumulation in an order fixed by the
    tokens), a [K, D] partial per program and the size changes;
 2. `_delta_finish_kernel`: old sums plus the programs' partials in program order, divided (`store_means`).
-No float atomics, fixed launch shapes (CUDA-graph capturable, no host sync): deterministic. The sums differ from a
-fresh summation only by FP32 rounding (the old sums carry their own order).
+No float atomics, fixed launch shapes (CUDA-graph capturable, no host sync): deterministic. The number of programs
+per group depends only on N (one per `chunk` tokens), so a group's bits do not depend on how many groups are
+batched or on the GPU. The sums are the fresh sums up to FP32 rounding of the old sums and of the moved rows (an
+error relative to the old sums, not the new ones: a cluster that loses most of its tokens keeps a little of it; an
+emptied cluster's sum is reset to 0).
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRET, dot_bf16, sm_count, to_bf16
+from .common import INTERPRET, dot_bf16, to_bf16
 from .kmeans_segsum import store_means
 
 
@@ -83,23 +87,24 @@ def _delta_finish_kernel(sums_ptr, counts_ptr, part_ptr, dcnt_ptr, c_old_ptr, c_
         acc += tl.load(part_ptr + base[:, None] * D + dcols[None, :], mask=kmask[:, None], other=0.0)
         cnt += tl.load(dcnt_ptr + base, mask=kmask, other=0)
     store_means(acc, cnt, c_old_ptr, c_new_ptr, g, ks, kmask, K, D)
-    tl.store(sums_out_ptr + off, acc, mask=kmask[:, None])
+    tl.store(sums_out_ptr + off, tl.where((cnt > 0)[:, None], acc, 0.0), mask=kmask[:, None])  # emptied: exactly 0
     tl.store(counts_out_ptr + g * K + ks, cnt, mask=kmask)
 
 
 def update_delta(x: torch.Tensor, prev_ids: torch.Tensor, ids: torch.Tensor, c: torch.Tensor, sums: torch.Tensor,
-                 counts: torch.Tensor, progs: int = 0, block_n: int = 32, num_warps: int = 8, num_stages: int = 3,
-                 scan_block: int = 1024):
-    """x [G, N, D]; prev_ids, ids [G, N] (the previous and this assignment); c [G, K, D] (the centroids ids were
-    assigned to); sums [G, K, D] FP32 / counts [G, K] int32 of prev_ids -> (centroids [G, K, D] FP32, sizes [G, K]
-    int32, sums [G, K, D] FP32) of ids. progs: programs per group (0: about one per SM in all)."""
+                 counts: torch.Tensor, progs: int = 0, chunk: int = 8192, block_n: int = 32, num_warps: int = 8,
+                 num_stages: int = 3, scan_block: int = 1024):
+    """x [G, N, D] (made contiguous: pass it so, or the whole of x is copied); prev_ids, ids [G, N] (the previous
+    and this assignment); c [G, K, D] (the centroids ids were assigned to); sums [G, K, D] FP32 / counts [G, K]
+    int32 of prev_ids -> (centroids [G, K, D] FP32, sizes [G, K] int32, sums [G, K, D] FP32) of ids.
+    progs: programs per group (0: one per `chunk` tokens; 4 at the LongCat span's 29,640)."""
     g, n, d = x.shape
     k = c.shape[1]
     if d & (d - 1) or d < 16:
         raise ValueError(f"delta update needs D a power of two >= 16, got {d}")
     dev = x.device
     if progs <= 0:
-        progs = 1 if INTERPRET or not x.is_cuda else max(1, sm_count(dev) // g)
+        progs = triton.cdiv(n, chunk)
     idx = torch.empty(g, n, device=dev, dtype=torch.int32)
     block_k = max(16, triton.next_power_of_2(k))
     part = torch.empty(g, progs, k, d, device=dev, dtype=torch.float32)

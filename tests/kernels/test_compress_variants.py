@@ -75,6 +75,9 @@ def test_presets_compress_alike(method, n, warm, grid, device):
         # over threads, "narrow"), with or without recoding, and 8 columns per thread with a word- or byte-wise OR
         for name in ("fast-s2", "fast-span", "fast-nospan", "fast-bytes", "fast-recode", "fast-narrow-recode"):
             assert torch.equal(out[name][t], out["fast"][t]), (name, t)  # all the same bits
+    for name in ("fast-delta", "fast-sort-delta"):  # incremental second updates: the same BF16 centroids up to an ulp
+        base = out[name.replace("-delta", "")]["centroids"].float()
+        assert ((out[name]["centroids"].float() - base).abs() <= base.abs() * 2.0 ** -7 + 1e-30).all(), name
     for name in ("fast-onehot-1024", "fast", "fast-sort", "fast-delta", "fast-sort-delta"):
         assert torch.equal(out[name]["ids"], out["fast-onehot"]["ids"]), name
         torch.testing.assert_close(out[name]["centroids"].float(), out["fast-onehot"]["centroids"].float(),

@@ -11,9 +11,17 @@ from qvg.compression.graphed import GraphedCompress
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 
 
-@pytest.mark.parametrize("method,opts", [("qvg", {"centroids": 16}), ("qvg-pro", {"centroids": 16}),
-                                         ("rtn", {"bits": 4})])
-def test_replay_equals_eager(method, opts):
+@pytest.mark.parametrize("method,opts,preset", [("qvg", {"centroids": 16}, "auto"),
+                                                ("qvg-pro", {"centroids": 16}, "auto"),
+                                                ("qvg-pro", {"centroids": 16}, "fast-delta"),
+                                                ("rtn", {"bits": 4}, "auto")])
+def test_replay_equals_eager(method, opts, preset):
+    from qvg.kernels.compress import use_variant
+    with use_variant(preset):
+        _replay_equals_eager(method, opts)
+
+
+def _replay_equals_eager(method, opts):
     g = GraphedCompress()
     warm = None
     for i in range(3):  # the same graph replayed on new inputs and warm starts
