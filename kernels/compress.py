@@ -81,7 +81,9 @@ for _n in (2, 4, 8):
 # read (kernels/kmeans_delta.py). At all six shapes where `pick_variant` used the segmented sum they were 12-20%
 # faster in whole-compress graph replays (warm starts, 2 iterations; compress-sweep-h100-*.delta-*.json), and at the
 # LongCat span qvg-pro went from 3.26-3.29 to 2.84-2.87 ms (kernels-h100.delta-028db8b-r1/-r2.json): `pick_variant`
-# takes them there. Cold starts and K > 512 run full updates (`kmeans`).
+# takes them there. Cold starts and K > 512 run full updates (`kmeans`). (Those sweeps ran the delta on sm_count // G
+# programs per group; since 488c462 it runs one per 8,192 tokens: the same 4 at the LongCat span, 2-5 at the 12-head
+# shapes, not re-timed.)
 COMPRESS_VARIANTS["fast-delta"] = dict(COMPRESS_VARIANTS["fast"],
                                        update_kw=dict(COMPRESS_VARIANTS["fast"]["update_kw"], incremental=True))
 COMPRESS_VARIANTS["fast-sort-delta"] = dict(COMPRESS_VARIANTS["fast-sort"],
