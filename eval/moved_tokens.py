@@ -1,6 +1,6 @@
 """How many tokens the second k-means assignment moves, per PRQ stage: `python -m qvg.eval.moved_tokens [--heads H]
-[--out DIR]` -> moved-tokens.json. The torch reference (qvg.kmeans, FP32) on the kernel benchmark's stand-in at
-the LongCat span length (29,640 tokens x 128, H heads), warm-started from the previous chunk's compress as the
+[--tokens N] [--out DIR]` -> moved-tokens.json. The torch reference (qvg.kmeans, FP32) on the kernel benchmark's
+stand-in (default: the LongCat span length, 29,640 tokens x 128, H heads), warm-started from the previous chunk's compress as the
 cache does: the fraction of tokens whose id differs between the first and the second assignment of each stage.
 The incremental update (kernels/kmeans_delta.py) reads only those tokens. Runs on the CPU (a few minutes at 4
 heads) or on CUDA."""
@@ -15,6 +15,7 @@ import torch
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=29640)
     ap.add_argument("--out", default="eval/results")
     args = ap.parse_args(argv)
     from qvg.compression.prq import _gather
@@ -23,7 +24,7 @@ def main(argv=None) -> int:
     from .provenance import command_line
     t0 = time.time()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    shape = (1, args.heads, 29640, 128)
+    shape = (1, args.heads, args.tokens, 128)
     x0 = clustered(shape, seed=1, device=dev)
     x1 = (x0.float() + 0.1 * torch.randn_like(x0.float())).bfloat16()  # the next chunk (as bench_kernels)
     rows = []
