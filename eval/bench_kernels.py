@@ -106,6 +106,18 @@ def warm_start(x0, method, shape):
     return prev, o, init_centroids(prev, o, shape)
 
 
+LONGCAT_SPAN = (1, 32, 29640, 128)
+
+
+def longcat_stage1(method: str = "qvg"):
+    """The LongCat span's first k-means input as the compress benchmark builds it: (x [32, 29640, 128] BF16 on the
+    GPU, the warm-start centroids [32, K, 128] of its first stage), for the piece sweeps."""
+    shape = LONGCAT_SPAN
+    x1 = clustered(shape, seed=1)
+    _, _, warm = warm_start(x1, method, shape)
+    return x1.view(-1, shape[2], shape[3]), warm[0]
+
+
 def ceilings(quick):
     n = (1 << 28) if not quick else (1 << 24)
     a = torch.empty(n, dtype=torch.float32, device="cuda").normal_()

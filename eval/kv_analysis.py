@@ -429,9 +429,10 @@ def _qvg_packed(x: torch.Tensor, res, k: int) -> Packed:
     b, h, n, d = x.shape
     o = resolve_options("qvg", tuple(x.shape), bits=2, centroids=k)
     c16 = res.centroids.to(torch.bfloat16)
-    r = x.float().reshape(b * h, n, d) - _gather(c16, res.ids)
+    xf = x.float().reshape(b * h, n, d)
+    r = xf - _gather(c16, res.ids)
     spec = token_spec(o)
-    tscale = residual_tscale(x.float().reshape(b * h, n, d).to(torch.bfloat16), c16, spec, (b, h))
+    tscale = residual_tscale(xf.to(torch.bfloat16), c16, spec, (b, h))
     tensors = quantize_packed(r.view(b, h, n, d), spec, tscale)
     tensors["ids"] = res.ids.reshape(1, b, h, n)
     tensors["centroids"] = c16.reshape(1, b, h, k, d)

@@ -24,12 +24,9 @@ def main(argv=None) -> int:
         return 2
     from qvg.kernels.common import sm_count
     from qvg.kernels.kmeans import assign
-    from .bench_kernels import bench, clustered, gpu_tag, result_header, warm_start, write_result
+    from .bench_kernels import LONGCAT_SPAN, bench, gpu_tag, longcat_stage1, result_header, write_result
     t0 = time.time()
-    shape = (1, 32, 29640, 128)
-    x1 = clustered(shape, seed=1)
-    _, _, warm = warm_start(x1, "qvg", shape)
-    xg, c0 = x1.view(-1, shape[2], shape[3]), warm[0]
+    xg, c0 = longcat_stage1()
     ref, _ = assign(xg, c0, True, mode="min", block_n=64, block_k=256, num_warps=4, progs="auto")
     sms = sm_count(torch.device("cuda"))
     rows = []
@@ -41,7 +38,7 @@ def main(argv=None) -> int:
             rows.append({**kw, "ms": ms, "ids_equal_default": float((ids == ref).float().mean())})
             print(f"  {bn} tokens x {nw} warps, {ns} stages, progs {progs}: {ms:.4f} ms, ids equal "
                   f"{rows[-1]['ids_equal_default']:.4f}", flush=True)
-    res = {**result_header("sweep_assign", argv), "shape": list(shape), "centroids": 256, "rows": rows}
+    res = {**result_header("sweep_assign", argv), "shape": list(LONGCAT_SPAN), "centroids": 256, "rows": rows}
     write_result(res, args.out, f"sweep-assign-{gpu_tag(res['device'])}.json", t0)
     return 0
 

@@ -28,12 +28,9 @@ def main(argv=None) -> int:
         return 2
     from qvg.kernels.compress import COMPRESS_VARIANTS
     from qvg.kernels.kmeans import assign, update_with_counts
-    from .bench_kernels import bench, clustered, gpu_tag, result_header, warm_start, write_result
+    from .bench_kernels import LONGCAT_SPAN, bench, gpu_tag, longcat_stage1, result_header, write_result
     t0 = time.time()
-    shape = (1, 32, 29640, 128)
-    x1 = clustered(shape, seed=1)
-    _, _, warm = warm_start(x1, "qvg", shape)
-    xg, c0 = x1.view(-1, shape[2], shape[3]), warm[0]
+    xg, c0 = longcat_stage1()
     ids, _ = assign(xg, c0, True, **COMPRESS_VARIANTS["fast"]["assign_kw"])
     seg_kw = COMPRESS_VARIANTS["fast"]["update_kw"]
     ref_c, ref_n = update_with_counts(xg, ids, c0, **seg_kw)
@@ -48,7 +45,7 @@ def main(argv=None) -> int:
             row = {**kw, "error": f"{type(e).__name__}: {str(e)[:160]}"}
         rows.append(row)
         print(f"  {row}", flush=True)
-    res = {**result_header("sweep_update", argv), "shape": list(shape), "centroids": 256, "rows": rows}
+    res = {**result_header("sweep_update", argv), "shape": list(LONGCAT_SPAN), "centroids": 256, "rows": rows}
     write_result(res, args.out, f"sweep-update-{gpu_tag(res['device'])}.json", t0)
     return 0
 

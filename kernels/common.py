@@ -111,3 +111,18 @@ def dot_bf16(a, b, acc, EMULATE: tl.constexpr):
                       to_bf16(b.to(tl.float32), True).to(tl.float32), acc)
     else:
         return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
+
+
+@triton.jit
+def dot_exact(a, x, acc, PARTS: tl.constexpr, EMULATE: tl.constexpr):
+    """acc + a @ x for a BF16-exact a (a one-hot, signs) and x BF16 (PARTS = 1) or FP32 split into PARTS BF16 pieces
+    (hi + mid + lo carry its 24 mantissa bits): exact products, FP32 accumulation."""
+    if PARTS == 1:
+        return dot_bf16(a, x, acc, EMULATE)
+    else:
+        xf = x.to(tl.float32)
+        for _ in tl.static_range(PARTS):
+            piece = to_bf16(xf, EMULATE)
+            acc = dot_bf16(a, piece, acc, EMULATE)
+            xf = xf - piece.to(tl.float32)
+        return acc

@@ -24,7 +24,7 @@ import triton.language as tl
 from qvg.kmeans import KMeansResult, id_dtype
 from qvg.kmeans import kmeans as ref_kmeans
 
-from .common import INTERPRET, dot_bf16, sm_count, to_bf16
+from .common import INTERPRET, dot_bf16, dot_exact, sm_count, to_bf16
 from .kmeans_delta import update_delta
 from .kmeans_reseed import RESEED_MAX_K, reseed_empty_fused
 from .kmeans_segsum import store_means, update_segsum
@@ -223,14 +223,7 @@ def _onehot_partial_kernel(x_ptr, ids_ptr, sums_ptr, cnt_ptr, amax_ptr, N, K, CH
         if AMAX:
             big = tl.maximum(big, tl.abs(x.to(tl.float32)))
         ohb = tl.where(oh, 1.0, 0.0).to(tl.bfloat16)
-        if PARTS == 1:
-            acc = dot_bf16(ohb, x, acc, INTERP)
-        else:
-            xf = x.to(tl.float32)
-            for _ in tl.static_range(PARTS):
-                part = to_bf16(xf, INTERP)
-                acc = dot_bf16(ohb, part, acc, INTERP)
-                xf = xf - part.to(tl.float32)
+        acc = dot_exact(ohb, x, acc, PARTS, INTERP)
         cnt += tl.sum(oh.to(tl.int32), 1)
     kmask = ks < K
     base = (g * SPLITS + sp) * K + ks

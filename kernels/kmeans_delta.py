@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRET, dot_bf16, to_bf16
+from .common import INTERPRET, dot_exact
 from .kmeans_segsum import store_means
 
 
@@ -58,14 +58,7 @@ def _delta_kernel(x_ptr, prev_ptr, ids_ptr, idx_ptr, part_ptr, dcnt_ptr, N, K, P
         sign = (ks[:, None] == new[None, :]).to(tl.int32) - (ks[:, None] == old[None, :]).to(tl.int32)
         xr = tl.load(x_ptr + (g * N + tok)[:, None] * D + dcols[None, :], mask=m[:, None], other=0.0)
         sb = sign.to(tl.float32).to(tl.bfloat16)  # -1, 0, 1: exact
-        if PARTS == 1:
-            acc = dot_bf16(sb, xr, acc, INTERP)
-        else:  # FP32 x as hi + mid + lo BF16 pieces (its 24 mantissa bits), as the one-hot update
-            xf = xr.to(tl.float32)
-            for _ in tl.static_range(PARTS):
-                piece = to_bf16(xf, INTERP)
-                acc = dot_bf16(sb, piece, acc, INTERP)
-                xf = xf - piece.to(tl.float32)
+        acc = dot_exact(sb, xr, acc, PARTS, INTERP)
         dn += tl.sum(sign, 1)
     kmask = ks < K
     base = (g * PROGS + p) * K + ks
