@@ -54,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--key-storage", default="auto", help="pack keys before RoPE (pre-rope: rotated again on read) or "
                    "after it (post-rope). auto: pre-rope for rtn / qvg / qvg-pro on the embedded model (1.8 dB better "
                    "on its revisits), post-rope otherwise (on Self-Forcing pre-rope costs 4-7%% more time per chunk)")
+    p.add_argument("--read", default="window", help="how the GPU reads the packed history for attention: window "
+                   "(decode + cuDNN SDPA, the fastest), staged (<= 32 MiB decoded at a time, Triton flash kernel) or "
+                   "fused (dequantized on chip, nothing decoded to memory; post-RoPE keys only). Default window")
     p.add_argument("--history", default="full", help="full, or window:N (keep N past latent frames)")
     p.add_argument("--sink", default="0", help="latent frames kept in BF16 at the start (a multiple of 3)")
     p.add_argument("--seed", default="0")
@@ -146,6 +149,13 @@ def parse(argv) -> dict:
         raise UsageError(f"--method bf16 stores BF16: {', '.join('--' + k.replace('_', '-') for k in s['options'])}"
                          " do not apply")
     s["key_storage"] = _key_storage(a.key_storage, a.method, a.pipeline)
+    from qvg.cache import READ_MODES
+    if a.read not in READ_MODES:
+        raise UsageError(f"--read must be one of {', '.join(READ_MODES)}, got {a.read!r}")
+    if a.read == "fused" and s["key_storage"] == "pre-rope":
+        raise UsageError("--read fused needs keys stored after RoPE: add --key-storage post-rope (or use --read "
+                         "staged)")
+    s["read"] = a.read
     if a.history == "full":
         s["window"] = None
     elif a.history.startswith("window:"):
@@ -360,7 +370,8 @@ def report(s, gen: Generation, frames: int, seconds: float, mem: dict) -> dict:
            else {"prompt": s["prompt"]}),
         "seed": s["seed"], "frames": frames, "fps": gen.fps, "latent_frames": gen.latent_frames,
         "history": "full" if s["window"] is None else f"window:{s['window']}", "sink": s["sink"],
-        "commit_every": s["commit_every"], "key_storage": s["key_storage"], "seconds": round(seconds, 3),
+        "commit_every": s["commit_every"], "key_storage": s["key_storage"], "read": s["read"],
+        "seconds": round(seconds, 3),
         "kv_bytes": {k: mem[k] for k in (*MEMORY_COMPONENTS, "total")},
         "bf16_zones": {k[5:]: mem[k] for k in ("bf16_sink", "bf16_pending", "bf16_current", "bf16_residual")
                        if k in mem},
@@ -402,7 +413,7 @@ def _cache(s, transformer, latent_hw):
     s["options"] = opts
     return KVCache(len(transformer.blocks), s["method"], chunk_frames=cf, tokens_per_frame=tpf,
                    sink_frames=s["sink"], window_frames=s["window"], commit_every=s["commit_every"],
-                   key_storage=s["key_storage"], **opts)
+                   key_storage=s["key_storage"], read=s["read"], **opts)
 
 
 def run(s) -> dict:

@@ -42,14 +42,15 @@ def wan_model(**config):
 def new_cache(model, method: str, window: int, options: dict):
     """A 30-layer cache of 3-frame chunks with a rolling window (options apply to the compressed methods).
     method "NAME[:pre-rope][:sync][:eager-commit][:noprefetch|:prefetch-after][:plain-writes][:high-priority]
-    [:compress=PRESET]" (`parse_method`): keys packed before RoPE (KVCache key_storage); commits in line with the
+    [:staged-read|:fused-read][:compress=PRESET]" (`parse_method`): keys packed before RoPE (KVCache key_storage); commits in line with the
     forward instead of on the cache's side stream (KVCache async_commit=False); side-stream commits queued by each
     layer's commit_layer (KVCache defer_commits=False); every history decoded in line before its attention (KVCache
     prefetch_bytes=0), or its prefetch queued after each SDPA call instead of just before it (prefetch_at="after", the
     default before 525b5c6); plain-writes: the chunk's denoising steps write as the re-run does, not transient;
     high-priority: the chunk runs on a high-priority CUDA stream, so the cache's side streams (prefetched decodes,
     queued commits) get only the SMs its kernels leave idle (these two flags are read by `method_runner`; the cache
-    ignores them); compress=PRESET: the cache compresses with
+    ignores them); staged-read / fused-read: the history read through the packed-cache attention kernels (KVCache
+    read="staged" / "fused") instead of decode + cuDNN; compress=PRESET: the cache compresses with
     kernels/compress.py's preset PRESET instead of the default "auto" (KVCache compress_preset)."""
     from qvg.cache import KVCache
     name, flags, preset = parse_method(method)
@@ -57,11 +58,13 @@ def new_cache(model, method: str, window: int, options: dict):
                    window_frames=window, key_storage="pre-rope" if "pre-rope" in flags else "post-rope",
                    async_commit="sync" not in flags, defer_commits="eager-commit" not in flags,
                    prefetch_at="after" if "prefetch-after" in flags else "before",
+                   read="staged" if "staged-read" in flags else "fused" if "fused-read" in flags else "window",
                    **({"prefetch_bytes": 0} if "noprefetch" in flags else {}),
                    **({} if name == "bf16" else dict(options, compress_preset=preset)))
 
 
-FLAGS = ("pre-rope", "sync", "eager-commit", "noprefetch", "prefetch-after", "plain-writes", "high-priority")
+FLAGS = ("pre-rope", "sync", "eager-commit", "noprefetch", "prefetch-after", "plain-writes", "high-priority",
+         "staged-read", "fused-read")
 
 
 def parse_method(method: str) -> tuple[str, list[str], str | None]:
@@ -78,6 +81,8 @@ def parse_method(method: str) -> tuple[str, list[str], str | None]:
     if unknown:
         raise ValueError(f"unknown method flag(s) {', '.join(sorted(unknown))} in {method!r} "
                          f"({', '.join(FLAGS)}, compress=PRESET)")
+    if "staged-read" in flags and "fused-read" in flags:
+        raise ValueError(f"{method!r}: staged-read or fused-read, not both")
     if len(presets) > 1 or (presets and name == "bf16"):
         raise ValueError(f"{method!r}: one compress=PRESET at most, and not for bf16 (it compresses nothing)")
     for p in presets:

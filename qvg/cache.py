@@ -38,7 +38,11 @@ Per layer, three zones, for keys and values alike ([B, H, tokens, D], H = kv hea
   qvg-pro is decoded window by window (<= 1 GiB of one layer's BF16 K + V, plus the next layer's prefetched window;
   never the whole history) and attended by torch's SDPA (cuDNN), windows merged by log-sum-exp
   (kernels/windowed_sdpa.py); kivi / quarot and CPU decode the history first (the reference path). The BF16 zones
-  are one contiguous buffer, read as a view.
+  are one contiguous buffer, read as a view. `read` picks the GPU read: "window" (that, the default: the fastest
+  on the H100), "staged" (the history decoded in windows of <= 32 MiB, each attended by a Triton flash kernel that
+  carries the online-softmax state: a smaller transient, slower attention) or "fused" (the packed-cache attention
+  kernel: codes, scales and centroids are dequantized on chip, nothing is decoded to memory; the slowest). Each
+  read is measured in the Self-Forcing chunk in eval/results/pipeline-h100.md.
 - Decode prefetch (`prefetch_bytes`, `prefetch_at`; CUDA only): just before a layer's SDPA call is queued, the
   next layer's history is decoded into its staging window on a second side stream. It then runs during the
   attention, most likely on the SMs the attention's last wave leaves idle. In one traced 21-frame Self-Forcing
@@ -89,6 +93,9 @@ KEY_STORAGE = ("post-rope", "pre-rope")
 MEMORY_COMPONENTS = ("codes", "scales", "ids", "centroids", "positions", "bf16", "workspace")
 PREFETCH_BYTES = 1 << 30  # the largest staging window (BF16 K + V) decoded ahead: = WINDOW_BYTES, any single window
 PREFETCH_AT = ("before", "after")  # where the next layer's decode is queued: just before / after a layer's SDPA
+# how the GPU path reads a packed history for attention (see the module docstring): the default decodes it into
+# staging windows for cuDNN's SDPA (fastest on Hopper); the others run this project's packed-cache attention kernels
+READ_MODES = ("window", "staged", "fused")
 
 
 class _Layer:
@@ -137,6 +144,11 @@ class KVCache:
     staging window (BF16 K + V of history and tail) takes at most this many bytes (see the module docstring); 0: no
     prefetch. prefetch_at: "before" (the next layer's decode queued just before a layer's SDPA call, so it runs
     during the attention) or "after" (once the SDPA call is queued).
+    read: on CUDA, how a packed history (rtn / qvg / qvg-pro) is read for attention: "window" (decoded into staging
+    windows of <= 1 GiB BF16 K + V, then cuDNN SDPA, with the decode prefetch), "staged" (kernels/attention.py's
+    `staged_attention`: windows of <= 32 MiB, each attended by a Triton flash kernel that carries the softmax state)
+    or "fused" (`packed_attention`: codes, scales and centroids dequantized on chip, nothing decoded to memory;
+    post-RoPE keys and the sym / midrise grids only). See the module docstring for what each costs.
     compress_preset: on CUDA, the compress kernels' preset (a kernels/compress.py COMPRESS_VARIANTS name); None: the
     method's entry in COMMIT_PRESETS, else the kernels' default "auto" (picked by shape). Same compression either way
     (ids equal, centroids up to the order of the FP32 sums).
@@ -146,7 +158,7 @@ class KVCache:
                  sink_frames: int = 0, window_frames: int | None = None, commit_every: int = 1,
                  cuda_graphs: bool = True, key_storage: str = "post-rope", async_commit: bool = True,
                  prefetch_bytes: int = PREFETCH_BYTES, defer_commits: bool = True, compress_preset: str | None = None,
-                 prefetch_at: str = "before", **options):
+                 prefetch_at: str = "before", read: str = "window", **options):
         if method not in CACHE_METHODS:
             raise ValueError(f"unknown cache method {method!r}; choose one of: {', '.join(CACHE_METHODS)}")
         if key_storage not in KEY_STORAGE:
@@ -168,6 +180,13 @@ class KVCache:
             raise ValueError(f"prefetch_bytes must be a non-negative integer (0: no prefetch), got {prefetch_bytes!r}")
         if prefetch_at not in PREFETCH_AT:
             raise ValueError(f"prefetch_at must be one of {', '.join(PREFETCH_AT)}, got {prefetch_at!r}")
+        if read not in READ_MODES:
+            raise ValueError(f"read must be one of {', '.join(READ_MODES)}, got {read!r}")
+        if read == "fused" and key_storage == "pre-rope":
+            raise ValueError("read='fused' dequantizes keys on chip without rotating them: with pre-rope key storage "
+                             "use read='staged' or 'window'")
+        if read == "fused" and options.get("grid") == "asym":
+            raise ValueError("read='fused' reads the sym / midrise grids, not 'asym': use read='staged' or 'window'")
         if method == "bf16" and (options or compress_preset is not None):
             raise ValueError(f"method 'bf16' takes no options, got {', '.join(sorted(options)) or 'compress_preset'}")
         if compress_preset is not None:
@@ -189,6 +208,7 @@ class KVCache:
         self.async_commit, self.defer_commits = async_commit, defer_commits
         self._side: dict = {}  # device -> the CUDA side stream of the async commits
         self.prefetch_bytes, self.prefetch_at = prefetch_bytes, prefetch_at
+        self.read_mode = read
         self._ahead: dict = {}  # device -> the CUDA side stream of the prefetched decodes
         self._clear_prefetch_state()
 
@@ -516,7 +536,9 @@ class KVCache:
                         self._store_loose(L, "attend")  # (refuses a spent chunk)
                     kt, vt = L.loose or (L.tail(0), L.tail(1))  # (a transient write goes straight into the window)
                     L.loose = None
-                    return self._attend_windowed(layer, q, kt, vt, scale, tables)
+                    if self.read_mode == "window":
+                        return self._attend_windowed(layer, q, kt, vt, scale, tables)
+                    return self._attend_packed(L, q, kt, vt, scale, tables)
         self._store_loose(L, "attend")
         kt, vt = L.tail(0), L.tail(1)
         if kh is None:
@@ -545,6 +567,15 @@ class KVCache:
         if not early:
             self._prefetch(ahead, kt.shape[2])
         return out
+
+    def _attend_packed(self, L: _Layer, q: torch.Tensor, kt, vt, scale, rope) -> torch.Tensor:
+        """The GPU path with read="staged" / "fused": this project's packed-cache attention kernels (no prefetch:
+        nothing is decoded ahead)."""
+        from .kernels.attention import packed_attention, staged_attention
+        kh, vh = L.hist
+        if self.read_mode == "staged":
+            return staged_attention(q, kh, vh, kt, vt, scale=scale, rope=rope)
+        return packed_attention(q, kh, vh, kt, vt, scale=scale)
 
     def _prefetch(self, L: _Layer, tail: int) -> None:
         """Queue the decode of L's history (and room for a tail of `tail` tokens) on a side stream, behind the

@@ -25,6 +25,7 @@ def test_writes_mp4_and_report(tmp_path, method, capsys):
     frames = iio.imread(out)
     assert frames.shape == (13, 64, 64, 3)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v.json", "v.mp4"]
+    assert rep["read"] == "window"
     if method == "bf16":
         assert rep["compression_ratio"] == 1.0 and rep["options"] == {}
         assert rep["key_storage"] == "post-rope" and rep["kv_bytes"]["positions"] == 0
@@ -42,6 +43,8 @@ def test_bf16_with_a_window_is_still_1x(tmp_path):
 
 BAD = [
     (["--bits", "3"], "--bits must be 2, 4 or 8"),
+    (["--read", "flash"], "--read must be one of window, staged, fused"),
+    (["--read", "fused"], "--read fused needs keys stored after RoPE"),
     (["--key-storage", "pre"], "--key-storage must be auto, post-rope or pre-rope"),
     (["--method", "kivi", "--key-storage", "pre-rope"], "--key-storage pre-rope is for rtn, qvg, qvg-pro"),
     (["--frames", "0"], "--frames must be in"),
@@ -227,3 +230,5 @@ def test_key_storage_auto_is_pre_rope_on_the_embedded_model_only(tmp_path):
     sf = ["--pipeline", "self-forcing", "--checkpoint", str(tmp_path)] + out
     assert parse(sf)["key_storage"] == "post-rope"
     assert parse(sf + ["--key-storage", "pre-rope"])["key_storage"] == "pre-rope"
+    assert parse(out)["read"] == "window" and parse(out + ["--read", "staged"])["read"] == "staged"
+    assert parse(out + ["--read", "fused", "--key-storage", "post-rope"])["read"] == "fused"

@@ -204,9 +204,13 @@ def test_bench_pipeline_compress_flag():
     assert bp.new_cache(model, "qvg:noprefetch", 6, {}).compress_preset == "fast"  # (qvg's commit preset)
     assert bp.new_cache(model, "qvg-pro", 6, {}).compress_preset is None
     assert bp.parse_method("qvg-pro:sync:compress=fast") == ("qvg-pro", ["sync"], "fast")
+    assert bp.new_cache(model, "qvg:staged-read", 6, {}).read_mode == "staged"
+    assert bp.new_cache(model, "qvg-pro:fused-read", 6, {}).read_mode == "fused"
+    assert bp.new_cache(model, "qvg", 6, {}).read_mode == "window"
     for bad, msg in (("qvg:compress=nope", "unknown compress variant 'nope'"), ("qvg:bogus", "unknown method flag"),
                      ("bf16:compress=fast", "not for bf16"), ("qvg:compress=fast:compress=fast-sort", "at most"),
-                     ("nope", "unknown cache method")):
+                     ("nope", "unknown cache method"),
+                     ("qvg:staged-read:fused-read", "not both")):
         with pytest.raises(ValueError, match=msg):
             bp.parse_method(bad)
     assert bp.main(["--methods", "bf16,qvg:bogus"]) == 2

@@ -1,0 +1,91 @@
+"""Pool the per-run overheads of several bench_pipeline runs of one code and test them against a target.
+
+    python -m qvg.eval.overhead_stats eval/results/pipeline-h100.r*.json --method qvg-pro --history 21 \
+        --target 0.015 [--out FILE.json]
+
+Each run's overhead is its own `overhead_vs_bf16` (the method's median chunk over the same run's bf16 median, less
+one): runs on different machines differ by up to ~0.5 points, so the run, not the round, is the unit. The criterion
+(fixed before the runs it judges, eval/results/pipeline-h100.md): the target is met when the one-sided 95% upper
+confidence bound of the mean, mean + t(0.95, n - 1) * sd / sqrt(n), is at most the target. The median, the range
+and how many runs are over the target are printed beside it. Exit 0 either way; 2 on bad input (one line).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+# one-sided 95% quantiles of Student's t by degrees of freedom (1..30); beyond: the Cornish-Fisher expansion
+_T95 = [6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812, 1.796, 1.782, 1.771, 1.761, 1.753,
+        1.746, 1.740, 1.734, 1.729, 1.725, 1.721, 1.717, 1.714, 1.711, 1.708, 1.706, 1.703, 1.701, 1.699, 1.697]
+
+
+def t95(df: int) -> float:
+    """One-sided 95% quantile of Student's t with df degrees of freedom."""
+    if df < 1:
+        raise ValueError("needs at least two runs")
+    if df <= len(_T95):
+        return _T95[df - 1]
+    z = 1.6448536269514722
+    return z + (z ** 3 + z) / (4 * df) + (5 * z ** 5 + 16 * z ** 3 + 3 * z) / (96 * df ** 2)
+
+
+def run_overheads(paths: list[str], method: str, history: int) -> list[dict]:
+    """One entry per file: its commit, date and the method's overhead at that history."""
+    out = []
+    for p in paths:
+        try:
+            d = json.loads(Path(p).read_text())
+            rows = [r for r in d["rows"] if r.get("method") == method and r.get("history_frames") == history]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{p}: not a bench_pipeline results file ({e})") from None
+        if len(rows) != 1 or "overhead_vs_bf16" not in rows[0]:
+            raise ValueError(f"{p}: no single {method!r} row at history {history} with an overhead")
+        out.append({"file": Path(p).name, "commit": d.get("commit"), "date": d.get("date"),
+                    "overhead": rows[0]["overhead_vs_bf16"]})
+    return out
+
+
+def summarize(overheads: list[float], target: float) -> dict:
+    n = len(overheads)
+    if n < 2:
+        raise ValueError("needs at least two runs")
+    mean, sd = statistics.fmean(overheads), statistics.stdev(overheads)
+    upper = mean + t95(n - 1) * sd / math.sqrt(n)
+    return {"n": n, "mean": mean, "sd": sd, "median": statistics.median(overheads), "min": min(overheads),
+            "max": max(overheads), "runs_over_target": sum(o > target for o in overheads),
+            "upper95_of_mean": upper, "target": target, "met": upper <= target}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m qvg.eval.overhead_stats", description=__doc__.split("\n\n")[0])
+    ap.add_argument("files", nargs="+", help="bench_pipeline JSON files, one per run")
+    ap.add_argument("--method", default="qvg-pro")
+    ap.add_argument("--history", type=int, default=21)
+    ap.add_argument("--target", type=float, default=0.015, help="as a fraction (default 0.015: 1.5%%)")
+    ap.add_argument("--out", default=None, help="write the summary and the runs as JSON here")
+    a = ap.parse_args(argv)
+    try:
+        runs = run_overheads(a.files, a.method, a.history)
+        s = summarize([r["overhead"] for r in runs], a.target)
+    except ValueError as e:
+        print(f"overhead_stats: {e}", file=sys.stderr)
+        return 2
+    for r in runs:
+        print(f"  {r['file']:45s} {r['commit'] or '?':>10s} {r['overhead']:+.2%}")
+    print(f"{a.method} at {a.history} frames over {s['n']} runs: mean {s['mean']:+.3%} (sd {s['sd']:.3%}), median "
+          f"{s['median']:+.3%}, range {s['min']:+.2%} to {s['max']:+.2%}, {s['runs_over_target']} over "
+          f"{a.target:.2%}; one-sided 95% upper bound of the mean {s['upper95_of_mean']:+.3%}: "
+          f"{'met' if s['met'] else 'not met'}")
+    if a.out:
+        Path(a.out).write_text(json.dumps({"method": a.method, "history_frames": a.history, **s, "runs": runs,
+                                           "command": "python -m qvg.eval.overhead_stats " + " ".join(
+                                               argv if argv is not None else sys.argv[1:])}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

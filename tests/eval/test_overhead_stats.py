@@ -1,0 +1,46 @@
+"""eval/overhead_stats.py: per-run overheads pooled from bench_pipeline JSONs, the one-sided 95% bound of their mean
+against the target, and one clear line (exit 2) for a file that is not a results file."""
+import json
+import math
+
+from qvg.eval import overhead_stats as st
+
+
+def _run(path, overhead, commit="abc1234"):
+    rows = [{"history_frames": 21, "method": "bf16", "overhead_vs_bf16": 0.0},
+            {"history_frames": 21, "method": "qvg-pro", "overhead_vs_bf16": overhead},
+            {"history_frames": 60, "method": "qvg-pro", "overhead_vs_bf16": 0.5}]
+    path.write_text(json.dumps({"commit": commit, "date": "2026-11-27", "rows": rows}))
+    return str(path)
+
+
+def test_t_quantiles():
+    assert st.t95(1) == 6.314 and st.t95(19) == 1.729 and st.t95(30) == 1.697
+    assert abs(st.t95(31) - 1.6955) < 1e-3 and abs(st.t95(120) - 1.6577) < 1e-3
+    assert abs(st.t95(10 ** 6) - 1.6449) < 1e-4
+
+
+def test_summary_and_cli(tmp_path, capsys):
+    vals = [0.012, 0.014, 0.013, 0.016]
+    files = [_run(tmp_path / f"r{i}.json", v) for i, v in enumerate(vals)]
+    s = st.summarize(vals, 0.015)
+    mean, sd = sum(vals) / 4, math.sqrt(sum((v - 0.01375) ** 2 for v in vals) / 3)
+    assert math.isclose(s["mean"], mean) and math.isclose(s["sd"], sd)
+    assert math.isclose(s["upper95_of_mean"], mean + 2.353 * sd / 2)
+    assert s["runs_over_target"] == 1 and s["median"] == 0.0135 and s["met"] is False
+    assert st.summarize([0.010, 0.011, 0.012], 0.015)["met"] is True
+    out = tmp_path / "s.json"
+    assert st.main(files + ["--out", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert d["n"] == 4 and [r["overhead"] for r in d["runs"]] == vals and d["command"].startswith("python -m")
+    assert "not met" in capsys.readouterr().out
+
+
+def test_bad_input_is_one_line(tmp_path, capsys):
+    bad = tmp_path / "x.json"
+    bad.write_text("{nope")
+    assert st.main([str(bad), _run(tmp_path / "ok.json", 0.01)]) == 2
+    assert st.main([_run(tmp_path / "one.json", 0.01)]) == 2
+    assert st.main([_run(tmp_path / "a.json", 0.01), "--method", "kivi"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and all(e.startswith("overhead_stats: ") for e in err)

@@ -1,0 +1,87 @@
+"""KVCache(read=...): the GPU read of a packed history through the packed-cache attention kernels ("staged":
+Triton flash over small decoded windows; "fused": dequantized on chip) against the default "window" read (decode
++ SDPA). On the CPU the kernels run under the Triton interpreter. In the Self-Forcing pattern (transient denoising
+writes, the clean re-run committing each layer) through the rolling window's wrap, with GQA: attention outputs
+agree within BF16 attention's error, and the committed histories are bitwise the same (the read changes no
+commit). Bad combinations are refused when the cache is made."""
+import pytest
+import torch
+
+import qvg.backend
+from kernel_helpers import clustered, rel_err
+from qvg.cache import READ_MODES, KVCache
+from qvg.rope import apply_rope, frame_angles
+
+TPF, CF, LAYERS, D = 16, 2, 2, 32
+TOL = 2e-2  # relative Frobenius error between two BF16 attentions of the same history
+
+
+@pytest.fixture(autouse=True)
+def _kernel_path(device, monkeypatch):
+    """The cache's GPU read path on the CPU too (the Triton interpreter runs the kernels on CPU tensors)."""
+    if device == "cpu":
+        monkeypatch.setattr(qvg.backend, "use_kernels", lambda t: True)
+
+
+def _chunk(c, x, q, denoise: int = 1, positions=None):
+    outs = []
+    for step in range(denoise + 1):
+        if positions is not None:
+            c.set_positions(positions, 4, 4)
+        for layer in range(LAYERS):
+            k, v = x[2 * layer:2 * layer + 1] + step, x[2 * layer + 1:2 * layer + 2] - step
+            if positions is not None:  # keys as the model writes them: after RoPE
+                k = apply_rope(k.float(), frame_angles(positions, 4, 4, D)[:, None]).bfloat16()
+            c.write(layer, k.transpose(2, 3).contiguous().transpose(2, 3), v, transient=step < denoise)
+            outs.append(c.attend(layer, q))
+            if step == denoise:
+                c.commit_layer(layer)
+    c.commit()
+    return outs
+
+
+def _positions(chunk: int) -> torch.Tensor:
+    pos = torch.zeros(1, CF, 3, dtype=torch.int32)
+    pos[..., 0] = torch.arange(chunk * CF, chunk * CF + CF)
+    return pos
+
+
+@pytest.mark.parametrize("method", ["qvg", "qvg-pro"])
+@pytest.mark.parametrize("read", ["staged", "fused"])
+def test_packed_reads_match_the_window_read(device, method, read):
+    kw = dict(chunk_frames=CF, tokens_per_frame=TPF, window_frames=2 * CF, centroids=4, block_size=16,
+              grid="midrise")
+    caches = [KVCache(LAYERS, method, read=r, **kw) for r in ("window", read)]
+    q = torch.randn(1, 4, CF * TPF, D, generator=torch.Generator().manual_seed(3)).bfloat16().to(device)
+    for i in range(4):  # the history grows, then the ring fills and wraps
+        x = clustered(2 * LAYERS, 2, CF * TPF, D, spread=1.0, noise=0.5, seed=60 + i).bfloat16().to(device)
+        outs = [_chunk(c, x, q) for c in caches]
+        for j, (a, b) in enumerate(zip(*outs)):
+            assert torch.isfinite(b).all() and rel_err(b, a) < TOL, (i, j, rel_err(b, a))
+    for layer in range(LAYERS):
+        for a, b in zip(caches[0].read(layer), caches[1].read(layer)):
+            assert torch.equal(a, b)
+    assert caches[1].prefetch_stats["used"] == 0  # (nothing is decoded ahead for the kernels' reads)
+
+
+def test_staged_read_with_keys_stored_before_rope(device):
+    kw = dict(chunk_frames=CF, tokens_per_frame=TPF, window_frames=2 * CF, centroids=4, block_size=16,
+              key_storage="pre-rope")
+    caches = [KVCache(LAYERS, "qvg", read=r, **kw) for r in ("window", "staged")]
+    q = torch.randn(1, 2, CF * TPF, D, generator=torch.Generator().manual_seed(4)).bfloat16().to(device)
+    for i in range(3):
+        x = clustered(2 * LAYERS, 2, CF * TPF, D, spread=1.0, noise=0.5, seed=70 + i).bfloat16().to(device)
+        outs = [_chunk(c, x, q, positions=_positions(i)) for c in caches]
+        for j, (a, b) in enumerate(zip(*outs)):
+            assert rel_err(b, a) < TOL, (i, j, rel_err(b, a))
+
+
+def test_read_mode_errors():
+    kw = dict(chunk_frames=CF, tokens_per_frame=TPF)
+    assert READ_MODES[0] == "window" and KVCache(1, "qvg", **kw).read_mode == "window"
+    with pytest.raises(ValueError, match="read must be one of window, staged, fused"):
+        KVCache(1, "qvg", read="flash", **kw)
+    with pytest.raises(ValueError, match="pre-rope key storage"):
+        KVCache(1, "qvg", read="fused", key_storage="pre-rope", **kw)
+    with pytest.raises(ValueError, match="not 'asym'"):
+        KVCache(1, "rtn", read="fused", grid="asym", **kw)
