@@ -31,7 +31,7 @@ def _chunk(c, x, q, denoise: int = 1, positions=None):
         for layer in range(LAYERS):
             k, v = x[2 * layer:2 * layer + 1] + step, x[2 * layer + 1:2 * layer + 2] - step
             if positions is not None:  # keys as the model writes them: after RoPE
-                k = apply_rope(k.float(), frame_angles(positions, 4, 4, D)[:, None]).bfloat16()
+                k = apply_rope(k.float(), frame_angles(positions, 4, 4, D)[:, None].to(k.device)).bfloat16()
             c.write(layer, k.transpose(2, 3).contiguous().transpose(2, 3), v, transient=step < denoise)
             outs.append(c.attend(layer, q))
             if step == denoise:
