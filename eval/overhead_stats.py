@@ -12,6 +12,7 @@ and how many runs are over the target are printed beside it. Exit 0 either way; 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import statistics
@@ -45,7 +46,7 @@ def run_overheads(paths: list[str], method: str, history: int) -> list[dict]:
         if len(rows) != 1 or "overhead_vs_bf16" not in rows[0]:
             raise ValueError(f"{p}: no single {method!r} row at history {history} with an overhead")
         out.append({"file": Path(p).name, "commit": d.get("commit"), "date": d.get("date"),
-                    "overhead": rows[0]["overhead_vs_bf16"]})
+                    "device": d.get("device"), "overhead": rows[0]["overhead_vs_bf16"]})
     return out
 
 
@@ -81,7 +82,10 @@ def main(argv=None) -> int:
           f"{a.target:.2%}; one-sided 95% upper bound of the mean {s['upper95_of_mean']:+.3%}: "
           f"{'met' if s['met'] else 'not met'}")
     if a.out:
-        Path(a.out).write_text(json.dumps({"method": a.method, "history_frames": a.history, **s, "runs": runs,
+        from .provenance import git_commit
+        meta = {"devices": sorted({str(r["device"]) for r in runs}), "commit": git_commit()[0],
+                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        Path(a.out).write_text(json.dumps({**meta, "method": a.method, "history_frames": a.history, **s, "runs": runs,
                                            "command": "python -m qvg.eval.overhead_stats " + " ".join(
                                                argv if argv is not None else sys.argv[1:])}, indent=1) + "\n")
     return 0

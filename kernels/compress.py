@@ -83,7 +83,8 @@ for _n in (2, 4, 8):
 # LongCat span qvg-pro went from 3.26-3.29 to 2.84-2.87 ms (kernels-h100.delta-028db8b-r1/-r2.json): `pick_variant`
 # takes them there. Cold starts and K > 512 run full updates (`kmeans`). (Those sweeps ran the delta on sm_count // G
 # programs per group; since 488c462 it runs one per 8,192 tokens: the same 4 at the LongCat span, 2-5 at the 12-head
-# shapes, not re-timed.)
+# shapes, where qvg-pro re-timed 2-5% slower than with sm_count // G and still 10-17% faster than without the delta:
+# compress-sweep-h100-1x12x*.progs-ee1f79c.json.)
 COMPRESS_VARIANTS["fast-delta"] = dict(COMPRESS_VARIANTS["fast"],
                                        update_kw=dict(COMPRESS_VARIANTS["fast"]["update_kw"], incremental=True))
 COMPRESS_VARIANTS["fast-sort-delta"] = dict(COMPRESS_VARIANTS["fast-sort"],

@@ -10,7 +10,7 @@ def _run(path, overhead, commit="abc1234"):
     rows = [{"history_frames": 21, "method": "bf16", "overhead_vs_bf16": 0.0},
             {"history_frames": 21, "method": "qvg-pro", "overhead_vs_bf16": overhead},
             {"history_frames": 60, "method": "qvg-pro", "overhead_vs_bf16": 0.5}]
-    path.write_text(json.dumps({"commit": commit, "date": "2026-11-27", "rows": rows}))
+    path.write_text(json.dumps({"commit": commit, "date": "2026-11-27", "device": "GPU X", "rows": rows}))
     return str(path)
 
 
@@ -33,6 +33,7 @@ def test_summary_and_cli(tmp_path, capsys):
     assert st.main(files + ["--out", str(out)]) == 0
     d = json.loads(out.read_text())
     assert d["n"] == 4 and [r["overhead"] for r in d["runs"]] == vals and d["command"].startswith("python -m")
+    assert d["devices"] == ["GPU X"] and d["commit"] and d["date"].startswith("20")
     assert "not met" in capsys.readouterr().out
 
 
