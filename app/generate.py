@@ -54,9 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--key-storage", default="auto", help="pack keys before RoPE (pre-rope: rotated again on read) or "
                    "after it (post-rope). auto: pre-rope for rtn / qvg / qvg-pro on the embedded model (1.8 dB better "
                    "on its revisits), post-rope otherwise (on Self-Forcing pre-rope costs 4-7%% more time per chunk)")
-    p.add_argument("--read", default="window", help="how the GPU reads the packed history for attention: window "
-                   "(decode + cuDNN SDPA, the fastest), staged (<= 32 MiB decoded at a time, Triton flash kernel) or "
-                   "fused (dequantized on chip, nothing decoded to memory; post-RoPE keys only). Default window")
+    p.add_argument("--read", default="window", help="how the GPU reads a packed rtn / qvg / qvg-pro history for "
+                   "attention: window (decode + cuDNN SDPA, the fastest), staged (<= 32 MiB decoded at a time, Triton "
+                   "flash kernel) or fused (dequantized on chip, nothing decoded to memory; post-RoPE keys only). "
+                   "Default window; on CPU the torch reference runs whatever this says")
     p.add_argument("--history", default="full", help="full, or window:N (keep N past latent frames)")
     p.add_argument("--sink", default="0", help="latent frames kept in BF16 at the start (a multiple of 3)")
     p.add_argument("--seed", default="0")
@@ -152,6 +153,10 @@ def parse(argv) -> dict:
     from qvg.cache import READ_MODES
     if a.read not in READ_MODES:
         raise UsageError(f"--read must be one of {', '.join(READ_MODES)}, got {a.read!r}")
+    from qvg.sequence import PER_TOKEN_METHODS
+    if a.read != "window" and a.method not in PER_TOKEN_METHODS:
+        raise UsageError(f"--read {a.read} reads a packed {', '.join(PER_TOKEN_METHODS)} history; --method "
+                         f"{a.method} has none (leave --read at window)")
     if a.read == "fused" and s["key_storage"] == "pre-rope":
         raise UsageError("--read fused needs keys stored after RoPE: add --key-storage post-rope (or use --read "
                          "staged)")
@@ -370,7 +375,8 @@ def report(s, gen: Generation, frames: int, seconds: float, mem: dict) -> dict:
            else {"prompt": s["prompt"]}),
         "seed": s["seed"], "frames": frames, "fps": gen.fps, "latent_frames": gen.latent_frames,
         "history": "full" if s["window"] is None else f"window:{s['window']}", "sink": s["sink"],
-        "commit_every": s["commit_every"], "key_storage": s["key_storage"], "read": s["read"],
+        "commit_every": s["commit_every"], "key_storage": s["key_storage"],
+        "read": s["read"] if dev.type == "cuda" else "reference",  # (the CPU decodes and runs SDPA in torch)
         "seconds": round(seconds, 3),
         "kv_bytes": {k: mem[k] for k in (*MEMORY_COMPONENTS, "total")},
         "bf16_zones": {k[5:]: mem[k] for k in ("bf16_sink", "bf16_pending", "bf16_current", "bf16_residual")

@@ -148,7 +148,7 @@ class KVCache:
     windows of <= 1 GiB BF16 K + V, then cuDNN SDPA, with the decode prefetch), "staged" (kernels/attention.py's
     `staged_attention`: windows of <= 32 MiB, each attended by a Triton flash kernel that carries the softmax state)
     or "fused" (`packed_attention`: codes, scales and centroids dequantized on chip, nothing decoded to memory;
-    post-RoPE keys and the sym / midrise grids only). See the module docstring for what each costs.
+    post-RoPE keys, any grid but asym). See the module docstring for what each costs.
     compress_preset: on CUDA, the compress kernels' preset (a kernels/compress.py COMPRESS_VARIANTS name); None: the
     method's entry in COMMIT_PRESETS, else the kernels' default "auto" (picked by shape). Same compression either way
     (ids equal, centroids up to the order of the FP32 sums).

@@ -33,7 +33,7 @@ def test_summary_and_cli(tmp_path, capsys):
     assert st.main(files + ["--out", str(out)]) == 0
     d = json.loads(out.read_text())
     assert d["n"] == 4 and [r["overhead"] for r in d["runs"]] == vals and d["command"].startswith("python -m")
-    assert d["devices"] == ["GPU X"] and d["commit"] and d["date"].startswith("20")
+    assert d["devices"] == ["GPU X"] and d["commit"] and d["date"].startswith("20") and "git_dirty" in d
     assert "not met" in capsys.readouterr().out
 
 
@@ -43,5 +43,13 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     assert st.main([str(bad), _run(tmp_path / "ok.json", 0.01)]) == 2
     assert st.main([_run(tmp_path / "one.json", 0.01)]) == 2
     assert st.main([_run(tmp_path / "a.json", 0.01), "--method", "kivi"]) == 2
+    twice = _run(tmp_path / "t.json", 0.01)
+    assert st.main([twice, twice]) == 2
+    odd = tmp_path / "odd.json"
+    odd.write_text(json.dumps({"rows": [{"history_frames": 21, "method": "qvg-pro", "overhead_vs_bf16": None}]}))
+    assert st.main([str(odd), _run(tmp_path / "b.json", 0.01)]) == 2
+    odd.write_text(json.dumps({"rows": [1, 2]}))
+    assert st.main([str(odd), _run(tmp_path / "c.json", 0.01)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 3 and all(e.startswith("overhead_stats: ") for e in err)
+    assert len(err) == 6 and all(e.startswith("overhead_stats: ") for e in err)
+    assert "given twice" in err[3] and "numeric overhead" in err[4]

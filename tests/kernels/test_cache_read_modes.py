@@ -49,6 +49,8 @@ def _positions(chunk: int) -> torch.Tensor:
 @pytest.mark.parametrize("method", ["qvg", "qvg-pro"])
 @pytest.mark.parametrize("read", ["staged", "fused"])
 def test_packed_reads_match_the_window_read(device, method, read):
+    """Midrise grid, no sink or pending zone: the transient denoising writes are held by reference and read
+    straight from the model's K / V."""
     kw = dict(chunk_frames=CF, tokens_per_frame=TPF, window_frames=2 * CF, centroids=4, block_size=16,
               grid="midrise")
     caches = [KVCache(LAYERS, method, read=r, **kw) for r in ("window", read)]
@@ -64,12 +66,33 @@ def test_packed_reads_match_the_window_read(device, method, read):
     assert caches[1].prefetch_stats["used"] == 0  # (nothing is decoded ahead for the kernels' reads)
 
 
-def test_staged_read_with_keys_stored_before_rope(device):
-    kw = dict(chunk_frames=CF, tokens_per_frame=TPF, window_frames=2 * CF, centroids=4, block_size=16,
+@pytest.mark.parametrize("read", ["staged", "fused"])
+def test_packed_reads_with_sink_pending_and_the_default_grid(device, read):
+    """qvg-pro at its default grid ("auto": sym or midrise per group), a BF16 sink and a pending chunk (units of two
+    chunks): the tail the kernels read is sink + pending + current."""
+    kw = dict(chunk_frames=CF, tokens_per_frame=TPF, window_frames=4 * CF, sink_frames=CF, commit_every=2,
+              centroids=4, block_size=16)
+    caches = [KVCache(LAYERS, "qvg-pro", read=r, **kw) for r in ("window", read)]
+    q = torch.randn(1, 4, CF * TPF, D, generator=torch.Generator().manual_seed(5)).bfloat16().to(device)
+    for i in range(6):
+        x = clustered(2 * LAYERS, 2, CF * TPF, D, spread=1.0, noise=0.5, seed=80 + i).bfloat16().to(device)
+        outs = [_chunk(c, x, q) for c in caches]
+        for j, (a, b) in enumerate(zip(*outs)):
+            assert torch.isfinite(b).all() and rel_err(b, a) < TOL, (i, j, rel_err(b, a))
+    L = caches[1].layers[0]
+    assert L.n_sink > 0 and L.hist[0] is not None  # (the sink and a packed history both took part)
+
+
+def test_staged_read_with_keys_stored_before_rope(device, monkeypatch):
+    """Pre-RoPE keys rotated as the staged read decodes them, over several staging windows (each window's rows
+    start at an offset into the history), with GQA."""
+    import qvg.kernels.attention as ka
+    monkeypatch.setattr(ka, "STAGING_BYTES", 1)  # the smallest window: one 64-token tile of history at a time
+    kw = dict(chunk_frames=CF, tokens_per_frame=TPF, window_frames=4 * CF, centroids=4, block_size=16,
               key_storage="pre-rope")
     caches = [KVCache(LAYERS, "qvg", read=r, **kw) for r in ("window", "staged")]
-    q = torch.randn(1, 2, CF * TPF, D, generator=torch.Generator().manual_seed(4)).bfloat16().to(device)
-    for i in range(3):
+    q = torch.randn(1, 4, CF * TPF, D, generator=torch.Generator().manual_seed(4)).bfloat16().to(device)
+    for i in range(4):
         x = clustered(2 * LAYERS, 2, CF * TPF, D, spread=1.0, noise=0.5, seed=70 + i).bfloat16().to(device)
         outs = [_chunk(c, x, q, positions=_positions(i)) for c in caches]
         for j, (a, b) in enumerate(zip(*outs)):
