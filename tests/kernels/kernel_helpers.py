@@ -86,3 +86,28 @@ def clustered(b: int, h: int, n: int, d: int, *, clusters: int = 8, spread: floa
     which = torch.randint(0, clusters, (b, h, n), generator=g)
     return torch.gather(centres, 2, which[..., None].expand(-1, -1, -1, d)) + noise * torch.randn(b, h, n, d,
                                                                                                     generator=g)
+
+
+def self_forcing_chunk(cache, x: torch.Tensor, q: torch.Tensor, layers: int, denoise: int = 2,
+                       transient: bool = True, positions: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """One chunk of the Self-Forcing pattern on `cache`: `denoise` denoising steps (their writes transient when
+    `transient`), then the clean re-run, each layer committed right after its re-run attention, then commit().
+    Layer l writes K = x[2l] + step (strided, as the model's) and V = x[2l + 1] - step; with `positions` [1, F, 3]
+    (a 4 x 4 token grid) the keys are rotated by RoPE first, as the model writes them. -> every attention output."""
+    from qvg.rope import apply_rope, frame_angles
+    outs = []
+    for step in range(denoise + 1):
+        if positions is not None:
+            cache.set_positions(positions, 4, 4)
+        for layer in range(layers):
+            k, v = x[2 * layer:2 * layer + 1] + step, x[2 * layer + 1:2 * layer + 2] - step
+            if positions is not None:
+                ang = frame_angles(positions, 4, 4, k.shape[-1])[:, None].to(k.device)
+                k = apply_rope(k.float(), ang).bfloat16()
+            cache.write(layer, k.transpose(2, 3).contiguous().transpose(2, 3), v,
+                        transient=transient and step < denoise)
+            outs.append(cache.attend(layer, q))
+            if step == denoise:
+                cache.commit_layer(layer)
+    cache.commit()
+    return outs

@@ -8,9 +8,8 @@ import pytest
 import torch
 
 import qvg.backend
-from kernel_helpers import clustered, rel_err
+from kernel_helpers import clustered, rel_err, self_forcing_chunk
 from qvg.cache import READ_MODES, KVCache
-from qvg.rope import apply_rope, frame_angles
 
 TPF, CF, LAYERS, D = 16, 2, 2, 32
 TOL = 2e-2  # relative Frobenius error between two BF16 attentions of the same history
@@ -23,21 +22,8 @@ def _kernel_path(device, monkeypatch):
         monkeypatch.setattr(qvg.backend, "use_kernels", lambda t: True)
 
 
-def _chunk(c, x, q, denoise: int = 1, positions=None):
-    outs = []
-    for step in range(denoise + 1):
-        if positions is not None:
-            c.set_positions(positions, 4, 4)
-        for layer in range(LAYERS):
-            k, v = x[2 * layer:2 * layer + 1] + step, x[2 * layer + 1:2 * layer + 2] - step
-            if positions is not None:  # keys as the model writes them: after RoPE
-                k = apply_rope(k.float(), frame_angles(positions, 4, 4, D)[:, None].to(k.device)).bfloat16()
-            c.write(layer, k.transpose(2, 3).contiguous().transpose(2, 3), v, transient=step < denoise)
-            outs.append(c.attend(layer, q))
-            if step == denoise:
-                c.commit_layer(layer)
-    c.commit()
-    return outs
+def _chunk(c, x, q, positions=None):
+    return self_forcing_chunk(c, x, q, LAYERS, denoise=1, positions=positions)
 
 
 def _positions(chunk: int) -> torch.Tensor:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import qvg.backend
-from kernel_helpers import clustered
+from kernel_helpers import clustered, self_forcing_chunk
 from qvg.cache import KVCache
 
 TPF, CF, LAYERS = 16, 2, 2
@@ -27,18 +27,8 @@ def _cache(**kw):
                    block_size=32, **kw)
 
 
-def _chunk(c, x, q, transient: bool, denoise: int = 2):
-    outs = []
-    for step in range(denoise + 1):
-        for layer in range(LAYERS):
-            k, v = x[2 * layer:2 * layer + 1] + step, x[2 * layer + 1:2 * layer + 2] - step
-            c.write(layer, k.transpose(2, 3).contiguous().transpose(2, 3), v,  # (a strided k, as the model's)
-                    transient=transient and step < denoise)
-            outs.append(c.attend(layer, q))
-            if step == denoise:
-                c.commit_layer(layer)
-    c.commit()
-    return outs
+def _chunk(c, x, q, transient: bool):
+    return self_forcing_chunk(c, x, q, LAYERS, transient=transient)
 
 
 def _data(device, seed):
