@@ -6,7 +6,8 @@ bf16. For each history length and method: the cache is filled with synthetic com
 compressed by the method as the pipeline would), then one chunk runs (4 denoising steps + the clean re-run at
 t = 0 + commit) with a rolling window of that history, timed with CUDA events right behind an untimed chunk
 (`steady_ms`: the steady state of generation, where a chunk's queued commits run into the next one; text encoder and VAE
-excluded: the cache does not change them). KV bytes: `torch.cuda.memory_allocated` delta across the fill, plus the free
+excluded: the cache does not change them). The methods' chunks are timed in rounds, one chunk of each per round, after
+one untimed round, in an order rotated from round to round (each method in each place of a round equally often). KV bytes: `torch.cuda.memory_allocated` delta across the fill, plus the free
 blocks of the compression graphs' private pools (held for the replays; memory_allocated omits them), vs the cache's own
 accounting. Writes pipeline-<gpu>.json.
 """
@@ -174,6 +175,12 @@ def method_runner(model, cache, method: str, commit_layers: bool = True):
     return on_stream(chunk, high), on_stream(forwards, high)
 
 
+def rotated(items: list, i: int) -> list:
+    """Round i's order: items rotated left by i (so over len(items) rounds each item runs in each place once)."""
+    k = i % len(items) if items else 0
+    return items[k:] + items[:k]
+
+
 def run(histories, methods, options, repeat: int = 7, split: bool = False) -> list[dict]:
     """split: also time the chunk's forwards without any commit (`forwards_ms`: the reads' cost alone; the chunk
     time less it is what the commits add)."""
@@ -211,8 +218,10 @@ def run(histories, methods, options, repeat: int = 7, split: bool = False) -> li
             cache = chunk = None  # (the closure holds the cache)
         mine = [r for r in rows if r["history_frames"] == hist]
         with torch.no_grad():  # rounds: each method's chunk once per round, so clock drift hits all alike
-            for _ in range(repeat):
-                for r in mine:
+            for r in mine:  # one untimed round first: the GPU's first chunks ran ~1.5% faster than its later ones
+                steady_ms(runs[r["method"]])
+            for i in range(repeat):
+                for r in rotated(mine, i):  # each method takes each place in the round equally often
                     r["chunk_ms_all"].append(steady_ms(runs[r["method"]]))
                     if split:  # (its own untimed call first; the chunk after it overwrites its writes)
                         r.setdefault("forwards_ms_all", []).append(steady_ms(runs[r["method"], "forwards"]))

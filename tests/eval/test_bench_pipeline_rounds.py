@@ -1,0 +1,16 @@
+"""bench_pipeline's round order (CPU: the order only; the timing needs a GPU)."""
+from qvg.eval.bench_pipeline import rotated
+
+
+def test_rotated_places_each_method_in_each_place_equally():
+    methods = ["bf16", "qvg", "qvg-pro"]
+    rounds = [rotated(methods, i) for i in range(9)]
+    assert rounds[0] == methods and rounds[1] == ["qvg", "qvg-pro", "bf16"] and rounds[3] == methods
+    for place in range(3):
+        assert sorted(r[place] for r in rounds) == sorted(methods * 3)
+    assert all(sorted(r) == sorted(methods) for r in rounds)
+
+
+def test_rotated_edge_cases():
+    assert rotated([], 4) == []
+    assert rotated(["a"], 7) == ["a"]
