@@ -384,7 +384,8 @@ def main(argv=None) -> int:
     res = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec="seconds"), "commit": os.environ.get("QVG_COMMIT", "unknown"), "torch": torch.__version__,
         "command": "python -m qvg.eval.bench_pipeline " + " ".join(sys.argv[1:] if argv is None else argv),
-        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
+        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+        "gpu_uuid": str(getattr(torch.cuda.get_device_properties(0), "uuid", ""))}  # (runs on one machine share it)
     opts = json.loads(args.options)
     if args.max_history:
         res["max_history"] = run_max_history([(m, {} if m == "bf16" else opts) for m in args.max_history.split(",")])

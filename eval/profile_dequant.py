@@ -32,13 +32,6 @@ VARIANTS = {
     "persist-s4": dict(per_sm=4),
     "persist-s6": dict(per_sm=6),
     "persist-s8": dict(per_sm=8),
-    # planes held in registers before their stores (default 4: all of a 2-bit row; 1: each plane stored at once)
-    "hold1": dict(hold=1),
-    "hold2": dict(hold=2),
-    "hold2-b16w2": dict(hold=2, block_n=16, num_warps=2),
-    "hold2-b64w4": dict(hold=2, block_n=64, num_warps=4),
-    "hold2-b64w8": dict(hold=2, block_n=64, num_warps=8),
-    "hold2-persist-s9": dict(hold=2, per_sm=9),
 }
 
 

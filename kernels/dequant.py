@@ -66,7 +66,7 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
                     D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr,
                     OFFSET: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr, BLOCK_N: tl.constexpr,
                     ROPE: tl.constexpr, SPLIT_H: tl.constexpr, SPLIT_W: tl.constexpr, INTERP: tl.constexpr,
-                    NBLK, PROGS, PLANE_SPLIT: tl.constexpr, HOLD: tl.constexpr):
+                    NBLK, PROGS, PLANE_SPLIT: tl.constexpr):
     """Program (i, gh, q) decodes token blocks i, i + PROGS, ... (< NBLK) of group gh: every code plane, or only
     plane q with PLANE_SPLIT (then a program gathers 1/P of each centroid row: its centroid tables stay small)."""
     pid = tl.program_id(0)
@@ -107,7 +107,7 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
         # them keeps the next plane's loads behind it (out may alias the inputs for all the compiler knows), so the
         # per-plane form waited out one gather latency per plane (-10 to -18% at S4/B16 on the H100,
         # eval/results/profile-dequant-h100.md)
-        DEFER: tl.constexpr = NP <= 4 and HOLD > 1
+        DEFER: tl.constexpr = NP <= 4
         if DEFER:
             v0 = tl.zeros([BLOCK_N, W], tl.float32)
             v1 = v0
@@ -142,17 +142,17 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
                     v2 = v
                 else:
                     v3 = v
-                if (pi + 1) % HOLD == 0 or pi == NP - 1:  # HOLD planes held, then stored
-                    orow = out_ptr + otok[:, None] * D + (p0 * W + cols)[None, :]
-                    for pj in tl.static_range(pi - (pi % HOLD), pi + 1):
-                        tl.store(orow + pj * W, to_out(_pick4(pj, v0, v1, v2, v3), out_ptr, INTERP), mask=m2)
             else:
                 tl.store(out_ptr + otok[:, None] * D + col[None, :], to_out(v, out_ptr, INTERP), mask=m2)
+        if DEFER:
+            orow = out_ptr + otok[:, None] * D + (p0 * W + cols)[None, :]
+            for pi in tl.static_range(NP):
+                tl.store(orow + pi * W, to_out(_pick4(pi, v0, v1, v2, v3), out_ptr, INTERP), mask=m2)
 
 
 def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None, block_n: int = 32,
                rows: tuple[int, int] | None = None, num_warps: int = 4, rope: RopeTables | None = None,
-               progs: int = 0, plane_split: bool = False, hold: int = 4) -> torch.Tensor:
+               progs: int = 0, plane_split: bool = False) -> torch.Tensor:
     """Triton version of `qvg.decompress` (rtn / qvg / qvg-pro, per-token groups) and of
     `PackedSequence.decompress` (with `rope`: keys stored before RoPE, rotated as they are decoded).
     progs > 0: that many programs per group (and plane) loop over the token blocks; plane_split: one program per
@@ -189,7 +189,7 @@ def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None,
         t["centroids"] if stages else dummy, out, n, chunk_len, n // chunk_len, k, b * h, r0, r1, out.shape[2],
         *_rope_args(rope, dummy), D=d, STAGES=stages, BLOCK_N=block_n, ROPE=rope is not None,
         SPLIT_H=rope.split[0] if rope else 0, SPLIT_W=rope.split[1] if rope else 0, INTERP=INTERPRET,
-        NBLK=nblk, PROGS=progs, PLANE_SPLIT=plane_split, HOLD=hold, num_warps=num_warps, enable_fp_fusion=False,
+        NBLK=nblk, PROGS=progs, PLANE_SPLIT=plane_split, num_warps=num_warps, enable_fp_fusion=False,
         **grid_constants(spec))
     return out
 

@@ -53,3 +53,41 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 6 and all(e.startswith("overhead_stats: ") for e in err)
     assert "given twice" in err[3] and "numeric overhead" in err[4]
+
+
+def _run_on(path, overhead, uuid):
+    _run(path, overhead)
+    d = json.loads(path.read_text())
+    path.write_text(json.dumps({**d, "gpu_uuid": uuid}))
+    return str(path)
+
+
+def test_machines_are_the_unit_when_known(tmp_path, capsys):
+    vals = [0.010, 0.020, 0.012, 0.014, 0.013]
+    files = [_run(tmp_path / f"r{i}.json", v) for i, v in enumerate(vals)]
+    out = tmp_path / "m.json"
+    assert st.main(files + ["--machine-sizes", "2,1,2", "--out", str(out)]) == 0
+    d = json.loads(out.read_text())
+    means = [0.015, 0.012, 0.0135]
+    assert d["verdict_over"] == "machines" and d["machines"]["runs_per_machine"] == [2, 1, 2]
+    assert all(math.isclose(a, b) for a, b in zip(d["machines"]["machine_means"], means))
+    assert d["machines"]["n"] == 3 and d["met"] == d["machines"]["met"] and d["n"] == 5
+    assert [r["machine"] for r in d["runs"]] == [0, 0, 1, 2, 2]
+    assert "(the verdict: machines are the unit)" in capsys.readouterr().out
+    # by the GPU's UUID when every file has one (in order of first appearance)
+    u = [_run_on(tmp_path / f"u{i}.json", v, g) for i, (v, g) in enumerate(zip(vals, "ABBCA"))]
+    assert st.main(u + ["--out", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert d["machines"]["runs_per_machine"] == [2, 2, 1] and [r["machine"] for r in d["runs"]] == [0, 1, 1, 2, 0]
+    # without either: runs are the unit, as before
+    assert st.main(files + ["--out", str(out)]) == 0
+    assert "machines" not in json.loads(out.read_text())
+
+
+def test_bad_machine_sizes_are_one_line(tmp_path, capsys):
+    files = [_run(tmp_path / f"r{i}.json", 0.01 + i / 1000) for i in range(3)]
+    assert st.main(files + ["--machine-sizes", "2,2"]) == 2
+    assert st.main(files + ["--machine-sizes", "a,b"]) == 2
+    assert st.main(files + ["--machine-sizes", "3,0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and all(e.startswith("overhead_stats: --machine-sizes") for e in err)

@@ -171,17 +171,6 @@ def test_dequantize_plane_split_matches_decompress(method, opts, dtype, block_n,
     assert_bitwise_equal(got, ref, f"{method} {opts} plane_split")
 
 
-@pytest.mark.parametrize("hold", [1, 2, 3])
-@pytest.mark.parametrize("method,opts,dtype,block_n", [CASES[i] for i in (0, 1, 7, 8, 10, 13)])
-def test_dequantize_hold_matches_decompress(method, opts, dtype, block_n, hold, device):
-    """Planes stored every `hold` planes (1: each at once; the default 4: all of a 2-bit row together) write the
-    same bits, at 1, 2, 4 and 8 bits, 4 and 6 stages, the asym grid."""
-    p = _pack(method, opts, dtype)
-    ref = qvg.decompress(p)
-    got = dequantize(p.to(device), out=_nan_like(ref, device), block_n=block_n, hold=hold)
-    assert_bitwise_equal(got, ref, f"{method} {opts} hold={hold}")
-
-
 # --- every stored scale value ---------------------------------------------------------------------------------------
 
 def test_all_fp8_scale_bytes_through_dequant(device):
