@@ -72,6 +72,7 @@ def test_machines_are_the_unit_when_known(tmp_path, capsys):
     assert d["verdict_over"] == "machines" and d["machines"]["runs_per_machine"] == [2, 1, 2]
     assert all(math.isclose(a, b) for a, b in zip(d["machines"]["machine_means"], means))
     assert d["machines"]["n"] == 3 and d["met"] == d["machines"]["met"] and d["n"] == 5
+    assert d["met_over_runs"] == st.summarize(vals, 0.015)["met"]
     assert [r["machine"] for r in d["runs"]] == [0, 0, 1, 2, 2]
     assert "(the verdict: machines are the unit)" in capsys.readouterr().out
     # by the GPU's UUID when every file has one (in order of first appearance)
