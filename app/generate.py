@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--read", default="window", help="how the GPU reads a packed rtn / qvg / qvg-pro history for "
                    "attention: window (decode + cuDNN SDPA, the fastest), staged (<= 32 MiB decoded at a time, Triton "
                    "flash kernel) or fused (dequantized on chip, nothing decoded to memory; post-RoPE keys only). "
-                   "Default window; on CPU the torch reference runs whatever this says")
+                   "Default window; on CPU the torch reference runs whatever this says (the report's `read`)")
     p.add_argument("--history", default="full", help="full, or window:N (keep N past latent frames)")
     p.add_argument("--sink", default="0", help="latent frames kept in BF16 at the start (a multiple of 3)")
     p.add_argument("--seed", default="0")
@@ -368,6 +368,7 @@ def report(s, gen: Generation, frames: int, seconds: float, mem: dict) -> dict:
     """The JSON report of a run (README: qvg-generate); mem: cache.memory() at the cache's largest."""
     import torch
     from qvg.cache import MEMORY_COMPONENTS
+    from qvg.sequence import PER_TOKEN_METHODS
     dev = s["device"]
     rep = {
         "method": s["method"], "options": s.get("resolved_options", {}), "pipeline": s["pipeline"],
@@ -376,7 +377,9 @@ def report(s, gen: Generation, frames: int, seconds: float, mem: dict) -> dict:
         "seed": s["seed"], "frames": frames, "fps": gen.fps, "latent_frames": gen.latent_frames,
         "history": "full" if s["window"] is None else f"window:{s['window']}", "sink": s["sink"],
         "commit_every": s["commit_every"], "key_storage": s["key_storage"],
-        "read": s["read"] if dev.type == "cuda" else "reference",  # (the CPU decodes and runs SDPA in torch)
+        # the packed read that ran: on CPU, and for methods without a packed read (bf16, kivi, quarot) on any device,
+        # the torch path (decode, if any, then SDPA)
+        "read": s["read"] if dev.type == "cuda" and s["method"] in PER_TOKEN_METHODS else "reference",
         "seconds": round(seconds, 3),
         "kv_bytes": {k: mem[k] for k in (*MEMORY_COMPONENTS, "total")},
         "bf16_zones": {k[5:]: mem[k] for k in ("bf16_sink", "bf16_pending", "bf16_current", "bf16_residual")
