@@ -7,7 +7,8 @@ compressed by the method as the pipeline would), then one chunk runs (4 denoisin
 t = 0 + commit) with a rolling window of that history, timed with CUDA events right behind an untimed chunk
 (`steady_ms`: the steady state of generation, where a chunk's queued commits run into the next one; text encoder and VAE
 excluded: the cache does not change them). The methods' chunks are timed in rounds, one chunk of each per round, after
-one untimed round, in an order rotated from round to round (each method in each place of a round equally often). KV bytes: `torch.cuda.memory_allocated` delta across the fill, plus the free
+one untimed round, in an order rotated from round to round (with --repeat a multiple of the number of methods, each
+method runs in each place of a round equally often). KV bytes: `torch.cuda.memory_allocated` delta across the fill, plus the free
 blocks of the compression graphs' private pools (held for the replays; memory_allocated omits them), vs the cache's own
 accounting. Writes pipeline-<gpu>.json.
 """

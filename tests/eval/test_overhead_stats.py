@@ -69,20 +69,26 @@ def test_machines_are_the_unit_when_known(tmp_path, capsys):
     assert st.main(files + ["--machine-sizes", "2,1,2", "--out", str(out)]) == 0
     d = json.loads(out.read_text())
     means = [0.015, 0.012, 0.0135]
-    assert d["verdict_over"] == "machines" and d["machines"]["runs_per_machine"] == [2, 1, 2]
-    assert all(math.isclose(a, b) for a, b in zip(d["machines"]["machine_means"], means))
-    assert d["machines"]["n"] == 3 and d["met"] == d["machines"]["met"] and d["n"] == 5
-    assert d["met_over_runs"] == st.summarize(vals, 0.015)["met"]
+    assert d["verdict_over"] == "machines" and d["runs_per_machine"] == [2, 1, 2]
+    assert all(math.isclose(a, b) for a, b in zip(d["machine_means"], means))
+    want = st.summarize(means, 0.015)  # the top level is the verdict's summary: over the machines
+    assert d["n"] == 3 and d["upper95_of_mean"] == want["upper95_of_mean"] and d["met"] == want["met"]
+    assert d["over_runs"] == st.summarize(vals, 0.015)
     assert [r["machine"] for r in d["runs"]] == [0, 0, 1, 2, 2]
     assert "(the verdict: machines are the unit)" in capsys.readouterr().out
     # by the GPU's UUID when every file has one (in order of first appearance)
     u = [_run_on(tmp_path / f"u{i}.json", v, g) for i, (v, g) in enumerate(zip(vals, "ABBCA"))]
     assert st.main(u + ["--out", str(out)]) == 0
     d = json.loads(out.read_text())
-    assert d["machines"]["runs_per_machine"] == [2, 2, 1] and [r["machine"] for r in d["runs"]] == [0, 1, 1, 2, 0]
+    assert d["runs_per_machine"] == [2, 2, 1] and [r["machine"] for r in d["runs"]] == [0, 1, 1, 2, 0]
     # without either: runs are the unit, as before
     assert st.main(files + ["--out", str(out)]) == 0
-    assert "machines" not in json.loads(out.read_text())
+    d = json.loads(out.read_text())
+    assert d["verdict_over"] == "runs" and d["n"] == 5 and "over_runs" not in d
+    # UUIDs on some files only: runs are the unit, and it says so
+    capsys.readouterr()
+    assert st.main(files[:2] + u[:1] + ["--out", str(out)]) == 0
+    assert json.loads(out.read_text())["verdict_over"] == "runs" and "runs are the unit" in capsys.readouterr().out
 
 
 def test_bad_machine_sizes_are_one_line(tmp_path, capsys):
@@ -92,3 +98,9 @@ def test_bad_machine_sizes_are_one_line(tmp_path, capsys):
     assert st.main(files + ["--machine-sizes", "3,0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 3 and all(e.startswith("overhead_stats: --machine-sizes") for e in err)
+    assert st.main(files + ["--machine-sizes", "3"]) == 2  # one machine: no spread to bound
+    assert "at least two machines" in capsys.readouterr().err
+    u = [_run_on(tmp_path / f"u{i}.json", 0.01 + i / 1000, g) for i, g in enumerate("AAB")]
+    assert st.main(u + ["--machine-sizes", "1,2"]) == 2  # A's runs split, B's with A's
+    assert st.main(u + ["--machine-sizes", "2,1"]) == 0
+    assert "holds runs of 2 GPUs" in capsys.readouterr().err
