@@ -219,7 +219,7 @@ def run(histories, methods, options, repeat: int = 7, split: bool = False) -> li
             cache = chunk = None  # (the closure holds the cache)
         mine = [r for r in rows if r["history_frames"] == hist]
         with torch.no_grad():  # rounds: each method's chunk once per round, so clock drift hits all alike
-            for r in mine:  # one untimed round first: the GPU's first chunks ran ~1.5% faster than its later ones
+            for r in mine:  # one untimed round first: a run's first chunks ran up to ~2% faster than its later ones
                 steady_ms(runs[r["method"]])
             for i in range(repeat):
                 for r in rotated(mine, i):  # each method takes each place in the round equally often

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import math
 import statistics
@@ -62,8 +63,9 @@ def run_overheads(paths: list[str], method: str, history: int) -> list[dict]:
 
 
 def machines(runs: list[dict], sizes: str | None) -> list[list[int]] | None:
-    """Indexes of the runs of each machine: from `sizes` ("3,1,2": consecutive runs), else from every run's gpu_uuid
-    (in order of first appearance); None when neither is known."""
+    """Indexes of the runs of each machine: from `sizes` ("3,1,2": consecutive runs; it must not contradict the GPU
+    UUIDs the files record), else from every run's gpu_uuid (in order of first appearance); None when neither is
+    known. Fewer than two machines is an error (no spread to bound)."""
     if sizes:
         try:
             counts = [int(c) for c in sizes.split(",")]
@@ -71,26 +73,27 @@ def machines(runs: list[dict], sizes: str | None) -> list[list[int]] | None:
             raise ValueError(f"--machine-sizes {sizes!r}: not a comma-separated list of run counts") from None
         if any(c < 1 for c in counts) or sum(counts) != len(runs):
             raise ValueError(f"--machine-sizes {sizes!r}: counts >= 1 adding up to the {len(runs)} runs")
-        starts = [sum(counts[:i]) for i in range(len(counts))]
-        return [list(range(a, a + c)) for a, c in zip(starts, counts)]
-    if runs and all(r["gpu_uuid"] for r in runs):
-        groups: dict[str, list[int]] = {}
+        ends = list(itertools.accumulate(counts))
+        groups = [list(range(e - c, e)) for e, c in zip(ends, counts)]
+        owner: dict[str, int] = {}
+        for m, g in enumerate(groups):
+            ids = {runs[i]["gpu_uuid"] for i in g if runs[i]["gpu_uuid"]}
+            if len(ids) > 1:
+                raise ValueError(f"--machine-sizes: machine {m} holds runs of {len(ids)} GPUs (by their recorded "
+                                 "UUIDs)")
+            for u in ids:
+                if owner.setdefault(u, m) != m:
+                    raise ValueError(f"--machine-sizes: GPU {u} is split over machines {owner[u]} and {m}")
+    elif runs and all(r["gpu_uuid"] for r in runs):
+        by_uuid: dict[str, list[int]] = {}
         for i, r in enumerate(runs):
-            groups.setdefault(r["gpu_uuid"], []).append(i)
-        return list(groups.values())
-    return None
-
-
-def check_sizes_against_uuids(runs: list[dict], groups: list[list[int]]) -> None:
-    """--machine-sizes must not put runs of two recorded GPUs on one machine, or one GPU's runs on two."""
-    seen: dict[str, int] = {}
-    for m, g in enumerate(groups):
-        ids = {runs[i]["gpu_uuid"] for i in g if runs[i]["gpu_uuid"]}
-        if len(ids) > 1:
-            raise ValueError(f"--machine-sizes: machine {m} holds runs of {len(ids)} GPUs (by their recorded UUIDs)")
-        for u in ids:
-            if seen.setdefault(u, m) != m:
-                raise ValueError(f"--machine-sizes: GPU {u} is split over machines {seen[u]} and {m}")
+            by_uuid.setdefault(r["gpu_uuid"], []).append(i)
+        groups = list(by_uuid.values())
+    else:
+        return None
+    if len(groups) < 2:
+        raise ValueError(f"all {len(runs)} runs are on one machine: the verdict needs at least two machines")
+    return groups
 
 
 def summarize(overheads: list[float], target: float) -> dict:
@@ -119,9 +122,6 @@ def main(argv=None) -> int:
         groups = machines(runs, a.machine_sizes)
         sm = None
         if groups is not None:
-            check_sizes_against_uuids(runs, groups)
-            if len(groups) < 2:
-                raise ValueError(f"all {len(runs)} runs are on one machine: the verdict needs at least two machines")
             means = [statistics.fmean(runs[i]["overhead"] for i in g) for g in groups]
             sm = {**summarize(means, a.target), "runs_per_machine": [len(g) for g in groups], "machine_means": means}
             for m, g in enumerate(groups):
