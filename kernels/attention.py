@@ -1,10 +1,13 @@
-"""Flash attention that reads a packed QVG / RTN history directly (Triton). Reference: qvg.attention.
+"""Attention over a packed QVG / RTN history plus a BF16 tail (Triton). Reference: qvg.attention.
 
-Per program: BLOCK_M queries of one query head. Loop 1 walks the packed history in tiles of BLOCK_N tokens:
-codes, FP8 scales and centroid ids are loaded and dequantized on chip (codes -> levels x scale + the assigned
-centroid of every stage), then QK^T, online softmax and PV as in flash attention. Loop 2 walks the BF16 tail (the
-current chunk and any BF16 zone). The BF16 history is never allocated: the only tensors are the packed history,
-the tail, q and the output. GQA: query head h reads kv head h // (Hq / Hkv).
+`packed_attention`: the on-chip kernel (kernels/attention_planes.py): per program BLOCK_M queries of one query
+head and one share of the keys; K / V tiles of BLOCK_N tokens are decoded on chip from codes, FP8 scales and
+centroid ids (levels x scale + the assigned centroid of every stage), then QK^T, online softmax and PV as in flash
+attention; the tail's tiles follow the history's. The BF16 history is never allocated: the only tensors are the
+packed history, the tail, q, the output and, with key splits, their partial outputs. GQA: query head h reads kv
+head h // (Hq / Hkv).
+`staged_attention`: the history decoded window by window (<= 32 MiB) by the dequant kernel and attended by a flash
+kernel that carries the softmax state.
 """
 from __future__ import annotations
 
@@ -15,43 +18,10 @@ import triton.language as tl
 from qvg.rope import RopeTables
 from qvg.sequence import PackedSequence
 
-from .common import INTERPRET, decode_scale, dequant_codes, dot_bf16, grid_constants, raw_view, to_bf16
+from .attention_planes import _attn_planes_kernel, _merge_splits
+from .common import INTERPRET, dot_bf16, grid_constants, raw_view, sm_count
 
 LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _packed_tile(codes_ptr, scale_ptr, tscale_ptr, ids_ptr, cent_ptr, n0, N, L, K, ids_stage_stride,
-                 cent_stage_stride, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-                 GRID: tl.constexpr, OFFSET: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr,
-                 BLOCK_N: tl.constexpr, INTERP: tl.constexpr):
-    """Dequantize tokens [n0, n0 + BLOCK_N) of one kv head (pointers already offset to it) -> bf16 [BLOCK_N, D].
-    Codes and scales are loaded as contiguous rows and expanded in registers (planar layout: plane p of a byte
-    row holds columns [p*W, (p+1)*W)); rows past N come out as 0."""
-    P: tl.constexpr = 8 // BITS
-    W: tl.constexpr = D // P
-    NG: tl.constexpr = D // GROUP
-    rows = n0 + tl.arange(0, BLOCK_N)
-    rmask = rows < N
-    m2 = rmask[:, None]
-    byte = tl.load(codes_ptr + rows[:, None] * W + tl.arange(0, W)[None, :], mask=m2, other=0)
-    shifts = (tl.arange(0, P) * BITS).to(tl.uint8)
-    c = tl.reshape((byte[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1), (BLOCK_N, D))
-    chunk = rows // L
-    ts = 1.0
-    if FP8:
-        ts = tl.load(tscale_ptr + chunk, mask=rmask, other=1.0)[:, None]
-    s = decode_scale(tl.load(scale_ptr + rows[:, None] * NG + tl.arange(0, NG)[None, :], mask=m2, other=0), ts,
-                     FP8)
-    s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, NG, GROUP)), (BLOCK_N, D))
-    v = dequant_codes(c, s, 0.0, OFFSET, GRID)
-    d = tl.arange(0, D)
-    for st in tl.static_range(STAGES):
-        cid = tl.load(ids_ptr + st * ids_stage_stride + rows, mask=rmask, other=0).to(tl.int32)
-        crow = chunk * K + cid
-        v += tl.load(cent_ptr + st * cent_stage_stride + crow[:, None] * D + d[None, :], mask=m2,
-                     other=0.0).to(tl.float32)
-    return to_bf16(v, INTERP)
 
 
 @triton.jit
@@ -65,58 +35,6 @@ def _softmax_step(q, k, v, m_i, l_i, acc, valid, qk_scale, INTERP: tl.constexpr)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = dot_bf16(p, v, acc * alpha[:, None], INTERP)
     return m_new, l_i, acc
-
-
-@triton.jit
-def _attn_kernel(q_ptr, out_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, vcen, tk_ptr, tv_ptr,
-                 qk_scale, M, N, T, L, C, K, HQ, HKV,
-                 D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr,
-                 OFFSET: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_HIST: tl.constexpr, INTERP: tl.constexpr):
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // HQ
-    h = bh % HQ
-    gh = (b * HKV + h // (HQ // HKV)).to(tl.int64)
-    GH = tl.num_programs(1) // HQ * HKV
-    W: tl.constexpr = D * BITS // 8
-    NG: tl.constexpr = D // GROUP
-    # per-program base pointers (int64 once; in-tile offsets stay int32)
-    kc += gh * N * W
-    vc += gh * N * W
-    ks += gh * N * NG
-    vs += gh * N * NG
-    kt += gh * C
-    vt += gh * C
-    kid += gh * N
-    vid += gh * N
-    kcen += gh * C * K * D
-    vcen += gh * C * K * D
-    qrows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    qmask = qrows < M
-    d = tl.arange(0, D)
-    qoff = (bh.to(tl.int64) * M + qrows)[:, None] * D + d[None, :]
-    q = tl.load(q_ptr + qoff, mask=qmask[:, None], other=0.0)
-    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-    l_i = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, D), tl.float32)
-    if HAS_HIST:
-        for n0 in range(0, N, BLOCK_N):
-            valid = (n0 + tl.arange(0, BLOCK_N)) < N
-            k = _packed_tile(kc, ks, kt, kid, kcen, n0, N, L, K, GH * N, GH * C * K * D, D, BITS, GROUP, GRID,
-                             OFFSET, FP8, STAGES, BLOCK_N, INTERP)
-            v = _packed_tile(vc, vs, vt, vid, vcen, n0, N, L, K, GH * N, GH * C * K * D, D, BITS, GROUP, GRID,
-                             OFFSET, FP8, STAGES, BLOCK_N, INTERP)
-            m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, valid, qk_scale, INTERP)
-    for n0 in range(0, T, BLOCK_N):
-        rows = n0 + tl.arange(0, BLOCK_N)
-        valid = rows < T
-        toff = (gh.to(tl.int64) * T + rows)[:, None] * D + d[None, :]
-        k = tl.load(tk_ptr + toff, mask=valid[:, None], other=0.0)
-        v = tl.load(tv_ptr + toff, mask=valid[:, None], other=0.0)
-        m_i, l_i, acc = _softmax_step(q, k, v, m_i, l_i, acc, valid, qk_scale, INTERP)
-    out = acc / l_i[:, None]
-    tl.store(out_ptr + qoff, out.to(out_ptr.dtype.element_ty), mask=qmask[:, None])
 
 
 @triton.jit
@@ -231,12 +149,29 @@ def staged_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
     return out
 
 
+def wave_splits(programs: int, slots: int, tiles: int, most: int = 8) -> int:
+    """Key splits (1..most, at most one per tile) that fill the GPU's waves best: the fewest waves per unit of
+    work, ceil(programs * s / slots) / s (slots: programs resident at once), the smallest s on ties. At 4,680 queries x 12 heads in 256-query blocks (228 programs) on 132 SMs: 1 split takes 2
+    waves for 1.73 waves of work, 4 splits 7 for 6.91."""
+    best, best_cost = 1, None
+    for s in range(1, max(1, min(most, tiles)) + 1):
+        cost = -(-programs * s // slots) / s
+        if best_cost is None or cost < best_cost - 1e-9:
+            best, best_cost = s, cost
+    return best
+
+
 def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: PackedSequence | None,
                      k_tail: torch.Tensor | None = None, v_tail: torch.Tensor | None = None,
-                     scale: float | None = None, block_m: int = 128, block_n: int = 64, num_warps: int = 8,
-                     num_stages: int = 2) -> torch.Tensor:
+                     scale: float | None = None, block_m: int = 256, block_n: int = 64, num_warps: int = 8,
+                     num_stages: int = 2, splits: int | None = None) -> torch.Tensor:
     """softmax(q [history; tail]^T * scale) [history; tail] without materializing the history.
-    q [B, Hq, M, D] bf16; histories from `PackedSequence.from_chunks`; tails [B, Hkv, T, D] bf16."""
+    q [B, Hq, M, D] bf16; histories from `PackedSequence.from_chunks`; tails [B, Hkv, T, D] bf16.
+    The kernel (kernels/attention_planes.py) decodes K / V tiles on chip one code plane at a time. The defaults
+    (256-query blocks on 8 warps, 64-key tiles) were the fastest on the H100 for qvg and qvg-pro
+    (eval/results/kernels-h100.md). splits: the keys (history tiles, then tail tiles) split into that many shares,
+    attended by separate programs and merged by log-sum-exp (a transient of splits x the output in fp32); None:
+    the count whose programs fill the GPU's waves best (`wave_splits`; 1 under the interpreter)."""
     bsz, hq, m, d = q.shape
     if k_hist is None and k_tail is None:
         raise ValueError("attention needs a history or a tail")
@@ -271,8 +206,21 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
     tk = k_tail.contiguous() if t else dummy
     tv = v_tail.contiguous() if t else dummy
     scale = d ** -0.5 if scale is None else scale
-    grid = (triton.cdiv(m, block_m), bsz * hq)
-    _attn_kernel[grid](q, out, *kargs, *vargs, tk, tv, scale * LOG2E, m, n, t, L, max(1, n // L), kk, hq, hkv,
-                       D=d, STAGES=stages, BLOCK_M=block_m, BLOCK_N=block_n, HAS_HIST=k_hist is not None, INTERP=INTERPRET,
-                       num_warps=num_warps, num_stages=num_stages, **consts)
+    tiles = triton.cdiv(n, block_n) + triton.cdiv(t, block_n)
+    if splits is None and INTERPRET:
+        splits = 1
+    elif splits is None:
+        slots = sm_count(q.device) * max(1, 8 // num_warps)  # (~255 registers a thread: 8 warps fill an SM)
+        splits = wave_splits(triton.cdiv(m, block_m) * bsz * hq, slots, tiles)
+    splits = max(1, min(int(splits), tiles))
+    part = lse = dummy
+    if splits > 1:
+        part = torch.empty(splits, bsz * hq, m, d, device=q.device, dtype=torch.float32)
+        lse = torch.empty(splits, bsz * hq, m, device=q.device, dtype=torch.float32)
+    _attn_planes_kernel[(triton.cdiv(m, block_m), splits, bsz * hq)](
+        q, out, *kargs, *vargs, tk, tv, part, lse, scale * LOG2E, m, n, t, L, max(1, n // L), kk, hq, hkv, splits,
+        D=d, STAGES=stages, BLOCK_M=block_m, BLOCK_N=block_n, HAS_HIST=k_hist is not None, INTERP=INTERPRET,
+        JOIN=stages <= 1, SPLIT=splits > 1, num_warps=num_warps, num_stages=num_stages, **consts)
+    if splits > 1:
+        _merge_splits[(triton.cdiv(m, 64), bsz * hq)](part, lse, out, m, splits, D=d, BLOCK_M=64, num_warps=4)
     return out

@@ -14,6 +14,7 @@ TOL = 2e-2  # relative Frobenius error: BF16 operands in QK^T and PV
 METHODS = {  # grids explicit: the method presets may change
     "qvg": ("qvg", {"centroids": 8, "grid": "midrise"}),
     "qvg-pro": ("qvg-pro", {"centroids": 8, "grid": "midrise"}),
+    "qvg-s6": ("qvg", {"centroids": 4, "stages": 6, "bits": 4, "grid": "midrise"}),  # stages past the 4th
     "rtn-int4": ("rtn", {"bits": 4, "grid": "midrise"}),
     "rtn-sym-bf16": ("rtn", {"bits": 2, "grid": "sym", "scale_dtype": "bf16"}),
 }
@@ -87,6 +88,26 @@ def test_tail_only(kind, device):
     ref = attend_reference(q, None, None, kt, vt)
     err = rel_err(_run(kind, device, q, None, None, kt, vt), ref)
     assert err < TOL, err
+
+
+@pytest.mark.parametrize("name,splits", [("qvg", 2), ("qvg", 3), ("qvg", 50), ("qvg-pro", 3)])
+def test_planes_key_splits(splits, name, device):
+    """The planes kernel with the keys split into shares merged by log-sum-exp: 4 history + 2 tail tiles of 32,
+    so 3 shares of 2 tiles, one of them across the history's end; 7 and 50 (capped at the 6 tiles) leave shares
+    with no tile, and the ragged query block and the batch of 2 go through the merge too."""
+    kh, vh = _history(name, b=2, seed=8)
+    q, kt, vt = _qkv(b=2, m=40, t=40, seed=9)
+    ref = attend_reference(q, kh, vh, kt, vt)
+    err = rel_err(_run("packed", device, q, kh, vh, kt, vt, splits=splits), ref)
+    assert err < TOL, f"{splits} splits: {err:.4f}"
+
+
+def test_wave_splits():
+    from qvg.kernels.attention import wave_splits
+    assert wave_splits(228, 132, 512) == 4  # 4,680 queries x 12 heads in 256-query blocks on an H100
+    assert wave_splits(264, 132, 512) == 1  # whole waves already
+    assert wave_splits(228, 132, 3) == 1  # never more shares than tiles (and 2 or 3 fill no better)
+    assert wave_splits(1, 132, 512, most=8) == 8
 
 
 @pytest.mark.parametrize("window", [8, 24, 56, 120])

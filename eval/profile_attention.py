@@ -1,0 +1,121 @@
+"""The on-chip packed-cache attention kernels timed side by side on the GPU: `python -m qvg.eval.profile_attention
+[--out DIR] [--rounds R] [--keys N[,N...]] [--formats ...] [--only BM,BN,W,S[,SPLITS];...]` ->
+profile-attention-<gpu>.json.
+
+The issue-3 shape: 12 heads x 128, 4,680 queries (one 3-frame Self-Forcing chunk) over a packed history of N keys
+(7 chunks of 4,680 tokens at N = 32,760, made as eval/bench_kernels.py makes it: `qvg.compress` defaults, K = 256).
+Each tile config (and key split count; default: the kernel's pick) of `kernels/attention.py` `packed_attention`
+is timed with triton's do_bench, the
+configs interleaved over R rounds (median of the rounds' medians), against torch's SDPA flash backend on the
+materialized BF16 cache in the same run; each output's relative error against SDPA on the dequantized cache is
+recorded. Formats: qvg (INT2 S1/B64), qvg-pro (INT2 S4/B16), bf16 (no history: the whole sequence as the BF16 tail,
+the kernels' flash part alone)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+DEFAULT = "256,64,8,2;256,64,8,2,1;128,64,8,2;128,64,8,3;256,32,8,2"
+
+
+def parse_only(text: str) -> list[dict]:
+    out = []
+    for item in filter(None, text.split(";")):
+        bm, bn, w, s, *sp = (int(x) for x in item.split(","))
+        out.append(dict(block_m=bm, block_n=bn, num_warps=w, num_stages=s, **({"splits": sp[0]} if sp else {})))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="eval/results")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--keys", default="32760")
+    ap.add_argument("--formats", default="qvg,qvg-pro,bf16")
+    ap.add_argument("--only", default=DEFAULT, help="BLOCK_M,BLOCK_N,WARPS,STAGES[,SPLITS] items, ';'-separated")
+    ap.add_argument("--tag", default="", help="file name tag: profile-attention-<gpu>[.<tag>].json")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("profile_attention: needs a CUDA GPU")
+    import triton.testing
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from qvg.kernels.attention import packed_attention
+    from qvg.kernels.dequant import dequantize
+    from qvg.sequence import PackedSequence
+    from .bench_kernels import _history
+    from .provenance import command_line, meta
+
+    t0 = time.time()
+    items = parse_only(args.only)
+    h, m, chunk = 12, 4680, 4680
+    q = torch.randn(1, h, m, 128, device="cuda", dtype=torch.bfloat16)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    res = {"meta": meta(command_line("python -m qvg.eval.profile_attention", argv), "cuda",
+                        triton=__import__("triton").__version__), "rows": []}
+
+    def bench(fn):
+        return float(triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median"))
+
+    for n_keys in (int(x) for x in args.keys.split(",")):
+        flops = 4 * m * n_keys * 128 * h
+        for fmt in args.formats.split(","):
+            if fmt == "bf16":
+                kd = torch.randn(1, h, n_keys, 128, device="cuda", dtype=torch.bfloat16)
+                vd = torch.randn_like(kd)
+                call = lambda cfg: packed_attention(q, None, None, kd, vd, **cfg)  # noqa: E731
+            else:
+                kch, vch = _history(h, n_keys, chunk, fmt)
+                K, V = PackedSequence.from_chunks(kch), PackedSequence.from_chunks(vch)
+                kd, vd = dequantize(K), dequantize(V)
+                call = lambda cfg: packed_attention(q, K, V, **cfg)  # noqa: E731
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                ref = sdpa(q, kd, vd)
+                t_sdpa = [bench(lambda: sdpa(q, kd, vd))]
+            runs = {}
+            for cfg in items:
+                key = f"{cfg['block_m']},{cfg['block_n']},{cfg['num_warps']},{cfg['num_stages']}" + (
+                    f",{cfg['splits']}" if "splits" in cfg else "")
+                try:
+                    out = call(cfg)
+                    torch.cuda.synchronize()
+                    err = float((out.float() - ref.float()).norm() / ref.float().norm())
+                    runs[key] = {"config": cfg, "rel_err_vs_sdpa": err, "ms_rounds": []}
+                except Exception as e:  # a config that does not compile (e.g. out of shared memory)
+                    print(f"  {fmt} {key}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+            for _ in range(args.rounds):
+                for key, r in runs.items():
+                    r["ms_rounds"].append(bench(lambda: call(r["config"])))
+                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                    t_sdpa.append(bench(lambda: sdpa(q, kd, vd)))
+            sdpa_ms = statistics.median(t_sdpa)
+            for key, r in runs.items():
+                r["ms"] = statistics.median(r["ms_rounds"])
+                r["TFLOPs"] = flops / r["ms"] / 1e9
+                r["vs_sdpa_flash_throughput"] = sdpa_ms / r["ms"]
+            best = min(runs, key=lambda k: runs[k]["ms"]) if runs else None
+            row = {"keys": n_keys, "queries": m, "heads": h, "format": fmt, "flops": flops,
+                   "sdpa_flash_ms": sdpa_ms, "sdpa_flash_TFLOPs": flops / sdpa_ms / 1e9, "runs": runs, "best": best}
+            res["rows"].append(row)
+            print(f"{fmt} {n_keys} keys: SDPA-flash {sdpa_ms:.3f} ms", flush=True)
+            for key, r in sorted(runs.items(), key=lambda kv: kv[1]["ms"]):
+                print(f"  {key:28s} {r['ms']:.3f} ms  {r['TFLOPs']:.0f} TFLOP/s  {r['vs_sdpa_flash_throughput']:.0%} of "
+                      f"SDPA  err {r['rel_err_vs_sdpa']:.1e}", flush=True)
+            del kd, vd
+            torch.cuda.empty_cache()
+    res["wall_s"] = time.time() - t0
+    gpu = torch.cuda.get_device_name().split()[1].lower() if len(torch.cuda.get_device_name().split()) > 1 else "gpu"
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"profile-attention-{gpu}{'.' + args.tag if args.tag else ''}.json")
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"wrote {path} ({res['wall_s']:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,362 @@
+"""The on-chip packed-cache attention kernel, column plane by column plane (Triton). Reference: qvg.attention.
+
+The packed codes are planar (kernels/../qvg/bitpack.py): plane p of a token's code bytes holds its columns
+[p * W, (p + 1) * W), W = D * BITS / 8. So a K or V tile is decoded one plane at a time, [BLOCK_N, W], and never
+assembled into [BLOCK_N, D]: the scores are the sum over planes of q[:, plane] @ k_plane^T, and the output is kept
+as P accumulators [BLOCK_M, W], acc_p += p @ v_plane. Each plane's decode is a small tile (a quarter of the row at
+INT2), so no reshape of the unpacked codes goes through shared memory and the decode's registers stay few beside
+the accumulators. Same arithmetic per element as `kernels/attention.py`'s `_packed_tile` (codes x scale + the
+centroid of every stage in FP32, rounded to BF16 once), so the same attention up to the order of the FP32 sums.
+Loop 2 walks the BF16 tail (current chunk, BF16 zones) by the same planes.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .common import decode_scale, dequant_codes, dot_bf16, to_bf16
+from .dequant import _pick4, _widen
+
+
+@triton.jit
+def _stage_row(ids_ptr, st: tl.constexpr, stage_stride, rows, rmask, chunk, K):
+    """Row of stage st's centroid table (of this head) each token was assigned."""
+    cid = tl.load(ids_ptr + st * stage_stride + rows, mask=rmask, other=0).to(tl.int32)
+    return chunk * K + cid
+
+
+@triton.jit
+def _plane_scale(sraw, ts, p: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr, FP8: tl.constexpr,
+                 BLOCK_N: tl.constexpr, W: tl.constexpr):
+    """fp32 scales of plane p from a tile's raw scales [BLOCK_N, D / GROUP]: [BLOCK_N, 1] when the plane lies in
+    one group, else [BLOCK_N, W] (each of its W / GROUP groups widened)."""
+    NG: tl.constexpr = D // GROUP
+    P: tl.constexpr = D // W
+    s = decode_scale(sraw, ts, FP8)
+    if GROUP >= W:
+        if NG == 1:
+            return s
+        else:
+            return tl.sum(tl.where((tl.arange(0, NG) == (p * W) // GROUP)[None, :], s, 0.0), 1)[:, None]
+    else:
+        G2: tl.constexpr = W // GROUP
+        s3 = tl.reshape(s, (BLOCK_N, P, G2))
+        return _widen(tl.sum(tl.where((tl.arange(0, P) == p)[None, :, None], s3, 0.0), 1), BLOCK_N, G2, W)
+
+
+@triton.jit
+def _plane(byte, sraw, ts, p: tl.constexpr, rows, rmask, chunk, crow0, crow1, crow2, crow3, ids_ptr, ids_stage_stride,
+           K, cent_ptr, cent_stage_stride, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+           GRID: tl.constexpr, OFFSET: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr,
+           BLOCK_N: tl.constexpr, W: tl.constexpr, INTERP: tl.constexpr):
+    """Plane p of a packed tile -> bf16 [BLOCK_N, W]: columns [p * W, (p + 1) * W). Stages 0-3 use the centroid
+    rows `_tile_raw` found; later ones (up to 16) load their ids here."""
+    c = (byte >> (p * BITS)) & ((1 << BITS) - 1)
+    v = dequant_codes(c, _plane_scale(sraw, ts, p, D, GROUP, FP8, BLOCK_N, W), 0.0, OFFSET, GRID)
+    col = p * W + tl.arange(0, W)
+    for st in tl.static_range(STAGES):
+        if st < 4:
+            crow = _pick4(st, crow0, crow1, crow2, crow3)
+        else:
+            crow = _stage_row(ids_ptr, st, ids_stage_stride, rows, rmask, chunk, K)
+        v += tl.load(cent_ptr + st * cent_stage_stride + crow[:, None] * D + col[None, :], mask=rmask[:, None],
+                     other=0.0).to(tl.float32)
+    return to_bf16(v, INTERP)
+
+
+@triton.jit
+def _tile_raw(codes_ptr, scale_ptr, tscale_ptr, ids_ptr, n0, N, L, K, ids_stage_stride, D: tl.constexpr,
+              BITS: tl.constexpr, GROUP: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr,
+              BLOCK_N: tl.constexpr):
+    """What tokens [n0, n0 + BLOCK_N) load from memory before their centroid gathers: code bytes, raw scales, the
+    per-token tscale and each stage's centroid row (tokens past N load zeros)."""
+    W: tl.constexpr = D * BITS // 8
+    NG: tl.constexpr = D // GROUP
+    rows = n0 + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    m2 = rmask[:, None]
+    byte = tl.load(codes_ptr + rows[:, None] * W + tl.arange(0, W)[None, :], mask=m2, other=0)
+    sraw = tl.load(scale_ptr + rows[:, None] * NG + tl.arange(0, NG)[None, :], mask=m2, other=0)
+    chunk = rows // L
+    ts = tl.full((BLOCK_N, 1), 1.0, tl.float32)
+    if FP8:
+        ts = tl.load(tscale_ptr + chunk, mask=rmask, other=1.0)[:, None]
+    crow0 = chunk
+    crow1 = chunk
+    crow2 = chunk
+    crow3 = chunk
+    if STAGES > 0:
+        crow0 = _stage_row(ids_ptr, 0, ids_stage_stride, rows, rmask, chunk, K)
+    if STAGES > 1:
+        crow1 = _stage_row(ids_ptr, 1, ids_stage_stride, rows, rmask, chunk, K)
+    if STAGES > 2:
+        crow2 = _stage_row(ids_ptr, 2, ids_stage_stride, rows, rmask, chunk, K)
+    if STAGES > 3:
+        crow3 = _stage_row(ids_ptr, 3, ids_stage_stride, rows, rmask, chunk, K)
+    return byte, sraw, ts, crow0, crow1, crow2, crow3
+
+
+@triton.jit
+def _tile_planes(byte, sraw, ts, crow0, crow1, crow2, crow3, n0, N, L, K, ids_ptr, ids_stage_stride, cent_ptr,
+                 cent_stage_stride, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr,
+                 OFFSET: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr, BLOCK_N: tl.constexpr,
+                 JOIN: tl.constexpr, INTERP: tl.constexpr):
+    """The up to 4 planes of a tile from its `_tile_raw` loads (unused planes are plane 0); JOIN: the planes
+    interleaved into one [BLOCK_N, D] tile (`_join4`), returned first."""
+    P: tl.constexpr = 8 // BITS
+    W: tl.constexpr = D // P
+    rows = n0 + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    chunk = rows // L
+    x0 = _plane(byte, sraw, ts, 0, rows, rmask, chunk, crow0, crow1, crow2, crow3, ids_ptr, ids_stage_stride, K,
+                cent_ptr, cent_stage_stride, D, BITS, GROUP, GRID, OFFSET, FP8, STAGES, BLOCK_N, W, INTERP)
+    x1 = x0
+    x2 = x0
+    x3 = x0
+    if P > 1:
+        x1 = _plane(byte, sraw, ts, 1, rows, rmask, chunk, crow0, crow1, crow2, crow3, ids_ptr, ids_stage_stride,
+                    K, cent_ptr, cent_stage_stride, D, BITS, GROUP, GRID, OFFSET, FP8, STAGES, BLOCK_N, W, INTERP)
+    if P > 2:
+        x2 = _plane(byte, sraw, ts, 2, rows, rmask, chunk, crow0, crow1, crow2, crow3, ids_ptr, ids_stage_stride,
+                    K, cent_ptr, cent_stage_stride, D, BITS, GROUP, GRID, OFFSET, FP8, STAGES, BLOCK_N, W, INTERP)
+        x3 = _plane(byte, sraw, ts, 3, rows, rmask, chunk, crow0, crow1, crow2, crow3, ids_ptr, ids_stage_stride,
+                    K, cent_ptr, cent_stage_stride, D, BITS, GROUP, GRID, OFFSET, FP8, STAGES, BLOCK_N, W, INTERP)
+    if JOIN:
+        x0 = _join4(x0, x1, x2, x3, P)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _join4(x0, x1, x2, x3, P: tl.constexpr):
+    """P planes [R, W] -> one [R, P * W] tile with its columns interleaved: column 4j + a + 2b (P = 4) holds
+    column j of plane a + 2b; 2j + a (P = 2) column j of plane a. q, K and V interleaved alike give the same
+    scores, and the output comes back by `_split4` (a join adds the fastest-varying axis: no data movement)."""
+    if P == 1:
+        return x0
+    elif P == 2:
+        return tl.reshape(tl.join(x0, x1), (x0.shape[0], 2 * x0.shape[1]))
+    else:
+        return tl.reshape(tl.join(tl.join(x0, x1), tl.join(x2, x3)), (x0.shape[0], 4 * x0.shape[1]))
+
+
+@triton.jit
+def _joined_cols(D: tl.constexpr, P: tl.constexpr):
+    """The source column of each column of a `_join4`-interleaved row: c -> plane(c) * W + c // P."""
+    c = tl.arange(0, D)
+    if P == 4:
+        plane = (c // 2) % 2 + 2 * (c % 2)
+    elif P == 2:
+        plane = c % 2
+    else:
+        plane = c * 0
+    return plane * (D // P) + c // P
+
+
+@triton.jit
+def _split4(x, P: tl.constexpr):
+    """The inverse of `_join4`: [R, P * W] -> its P planes (unused ones are plane 0)."""
+    if P == 1:
+        return x, x, x, x
+    elif P == 2:
+        a, b = tl.split(tl.reshape(x, (x.shape[0], x.shape[1] // 2, 2)))
+        return a, b, a, a
+    else:
+        lo, hi = tl.split(tl.reshape(x, (x.shape[0], x.shape[1] // 4, 2, 2)))
+        a0, a1 = tl.split(lo)
+        a2, a3 = tl.split(hi)
+        return a0, a1, a2, a3
+
+
+@triton.jit
+def _scores(q0, q1, q2, q3, k0, k1, k2, k3, BLOCK_N: tl.constexpr, P: tl.constexpr, JOIN: tl.constexpr,
+            INTERP: tl.constexpr):
+    """q @ k^T summed over the P planes, or of the joined q0 and k0 (fp32 [BLOCK_M, BLOCK_N])."""
+    s = dot_bf16(q0, tl.trans(k0), tl.zeros((q0.shape[0], BLOCK_N), tl.float32), INTERP)
+    if JOIN:
+        return s
+    if P > 1:
+        s = dot_bf16(q1, tl.trans(k1), s, INTERP)
+    if P > 2:
+        s = dot_bf16(q2, tl.trans(k2), s, INTERP)
+        s = dot_bf16(q3, tl.trans(k3), s, INTERP)
+    return s
+
+
+@triton.jit
+def _accumulate(p, alpha, v0, v1, v2, v3, a0, a1, a2, a3, P: tl.constexpr, JOIN: tl.constexpr,
+                INTERP: tl.constexpr):
+    """acc * alpha + p @ v, plane by plane (or on the joined a0 and v0)."""
+    a0 = dot_bf16(p, v0, a0 * alpha[:, None], INTERP)
+    if not JOIN:
+        if P > 1:
+            a1 = dot_bf16(p, v1, a1 * alpha[:, None], INTERP)
+        if P > 2:
+            a2 = dot_bf16(p, v2, a2 * alpha[:, None], INTERP)
+            a3 = dot_bf16(p, v3, a3 * alpha[:, None], INTERP)
+    return a0, a1, a2, a3
+
+
+@triton.jit
+def _tail_planes(ptrs, valid, W: tl.constexpr, P: tl.constexpr, JOIN: tl.constexpr):
+    """The P column planes of BF16 tail rows (`ptrs`: their first W columns), joined with JOIN."""
+    m2 = valid[:, None]
+    x0 = tl.load(ptrs, mask=m2, other=0.0)
+    x1 = x0
+    x2 = x0
+    x3 = x0
+    if P > 1:
+        x1 = tl.load(ptrs + W, mask=m2, other=0.0)
+    if P > 2:
+        x2 = tl.load(ptrs + 2 * W, mask=m2, other=0.0)
+        x3 = tl.load(ptrs + 3 * W, mask=m2, other=0.0)
+    if JOIN:
+        x0 = _join4(x0, x1, x2, x3, P)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def _online_softmax(s, valid, m_i, l_i, qk_scale):
+    """Scores (already q k^T) -> (p fp32, alpha, m_new, l_new) of one online-softmax step."""
+    s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _attn_planes_kernel(q_ptr, out_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, vcen, tk_ptr, tv_ptr, part_ptr,
+                        lse_ptr, qk_scale, M, N, T, L, C, K, HQ, HKV, SPLITS,
+                        D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr,
+                        OFFSET: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_HIST: tl.constexpr,
+                        INTERP: tl.constexpr, JOIN: tl.constexpr = True, SPLIT: tl.constexpr = False):
+    """Program (query block, split, batch x head). The history tiles and then the tail tiles form one sequence of
+    tiles; split s of SPLITS attends its s-th contiguous share. With SPLIT, each program writes its normalized
+    output (fp32) and log2-sum-exp to part / lse for `_merge_splits`; else the output itself."""
+    pid_m = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    bh = tl.program_id(2)
+    b = bh // HQ
+    h = bh % HQ
+    gh = (b * HKV + h // (HQ // HKV)).to(tl.int64)
+    GH = tl.num_programs(2) // HQ * HKV
+    P: tl.constexpr = 8 // BITS
+    W: tl.constexpr = D // P
+    NG: tl.constexpr = D // GROUP
+    kc += gh * N * W
+    vc += gh * N * W
+    ks += gh * N * NG
+    vs += gh * N * NG
+    kt += gh * C
+    vt += gh * C
+    kid += gh * N
+    vid += gh * N
+    kcen += gh * C * K * D
+    vcen += gh * C * K * D
+    qrows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    qmask = qrows < M
+    cols = tl.arange(0, W)
+    qrow = (bh.to(tl.int64) * M + qrows)[:, None] * D + cols[None, :]
+    q0 = tl.load(q_ptr + qrow, mask=qmask[:, None], other=0.0)
+    q1 = q0
+    q2 = q0
+    q3 = q0
+    if P > 1 and not JOIN:
+        q1 = tl.load(q_ptr + qrow + W, mask=qmask[:, None], other=0.0)
+    if P > 2 and not JOIN:
+        q2 = tl.load(q_ptr + qrow + 2 * W, mask=qmask[:, None], other=0.0)
+        q3 = tl.load(q_ptr + qrow + 3 * W, mask=qmask[:, None], other=0.0)
+    if JOIN:  # one interleaved [BLOCK_M, D] q, tiles and accumulator: one dot each for the scores and p @ v
+        # (q loaded straight in `_join4`'s column order, so it stays a shared-memory operand, not 64 registers)
+        q0 = tl.load(q_ptr + (bh.to(tl.int64) * M + qrows)[:, None] * D + _joined_cols(D, P)[None, :],
+                     mask=qmask[:, None], other=0.0)
+        a0 = tl.zeros((BLOCK_M, D), tl.float32)
+    else:
+        a0 = tl.zeros((BLOCK_M, W), tl.float32)
+    a1 = a0
+    a2 = a0
+    a3 = a0
+    m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_M,), tl.float32)
+    nh = 0
+    if HAS_HIST:
+        nh = tl.cdiv(N, BLOCK_N)
+    per = tl.cdiv(nh + tl.cdiv(T, BLOCK_N), SPLITS)
+    j0 = pid_s * per
+    j1 = j0 + per
+    if HAS_HIST:
+        # each tile's own loads (codes, scales, tscale, centroid ids) are issued one iteration ahead, so an
+        # iteration waits only for its centroid gathers, not for the id loads they depend on (on the H100 a quarter
+        # faster than loading them in the iteration; eval/results/kernels-h100.md)
+        kb, ksr, kts, kr0, kr1, kr2, kr3 = _tile_raw(kc, ks, kt, kid, j0 * BLOCK_N, N, L, K, GH * N, D, BITS, GROUP,
+                                                     FP8, STAGES, BLOCK_N)
+        vb, vsr, vts, vr0, vr1, vr2, vr3 = _tile_raw(vc, vs, vt, vid, j0 * BLOCK_N, N, L, K, GH * N, D, BITS, GROUP,
+                                                     FP8, STAGES, BLOCK_N)
+        for jj in range(j0, tl.minimum(j1, nh)):
+            n0 = jj * BLOCK_N
+            valid = (n0 + tl.arange(0, BLOCK_N)) < N
+            nkb, nksr, nkts, nkr0, nkr1, nkr2, nkr3 = _tile_raw(kc, ks, kt, kid, n0 + BLOCK_N, N, L, K, GH * N, D,
+                                                                BITS, GROUP, FP8, STAGES, BLOCK_N)
+            nvb, nvsr, nvts, nvr0, nvr1, nvr2, nvr3 = _tile_raw(vc, vs, vt, vid, n0 + BLOCK_N, N, L, K, GH * N, D,
+                                                                BITS, GROUP, FP8, STAGES, BLOCK_N)
+            k0, k1, k2, k3 = _tile_planes(kb, ksr, kts, kr0, kr1, kr2, kr3, n0, N, L, K, kid, GH * N, kcen,
+                                          GH * C * K * D, D, BITS, GROUP, GRID, OFFSET, FP8, STAGES, BLOCK_N, JOIN,
+                                          INTERP)
+            p, alpha, m_i, l_i = _online_softmax(_scores(q0, q1, q2, q3, k0, k1, k2, k3, BLOCK_N, P, JOIN, INTERP),
+                                                 valid, m_i, l_i, qk_scale)
+            v0, v1, v2, v3 = _tile_planes(vb, vsr, vts, vr0, vr1, vr2, vr3, n0, N, L, K, vid, GH * N, vcen,
+                                          GH * C * K * D, D, BITS, GROUP, GRID, OFFSET, FP8, STAGES, BLOCK_N, JOIN,
+                                          INTERP)
+            a0, a1, a2, a3 = _accumulate(p, alpha, v0, v1, v2, v3, a0, a1, a2, a3, P, JOIN, INTERP)
+            kb, ksr, kts, kr0, kr1, kr2, kr3 = nkb, nksr, nkts, nkr0, nkr1, nkr2, nkr3
+            vb, vsr, vts, vr0, vr1, vr2, vr3 = nvb, nvsr, nvts, nvr0, nvr1, nvr2, nvr3
+    for jj in range(tl.maximum(j0, nh) - nh, tl.minimum(j1, nh + tl.cdiv(T, BLOCK_N)) - nh):
+        rows = jj * BLOCK_N + tl.arange(0, BLOCK_N)
+        valid = rows < T
+        k0, k1, k2, k3 = _tail_planes(tk_ptr + (gh * T + rows)[:, None] * D + cols[None, :], valid, W, P, JOIN)
+        p, alpha, m_i, l_i = _online_softmax(_scores(q0, q1, q2, q3, k0, k1, k2, k3, BLOCK_N, P, JOIN, INTERP),
+                                             valid, m_i, l_i, qk_scale)
+        v0, v1, v2, v3 = _tail_planes(tv_ptr + (gh * T + rows)[:, None] * D + cols[None, :], valid, W, P, JOIN)
+        a0, a1, a2, a3 = _accumulate(p, alpha, v0, v1, v2, v3, a0, a1, a2, a3, P, JOIN, INTERP)
+    om = qmask[:, None]
+    if SPLIT:  # (a split with no tile: l = 0, its weight in the merge 0)
+        l1 = tl.where(l_i > 0, l_i, 1.0)
+        lsafe = l1[:, None]
+        tl.store(lse_ptr + (pid_s * tl.num_programs(2) + bh).to(tl.int64) * M + qrows,
+                 tl.where(l_i > 0, m_i + tl.math.log2(l1), float("-inf")), mask=qmask)
+        orow = part_ptr + (pid_s * tl.num_programs(2) * M).to(tl.int64) * D + qrow
+    else:
+        lsafe = l_i[:, None]
+        orow = out_ptr + qrow
+    if JOIN:
+        a0, a1, a2, a3 = _split4(a0, P)
+    tl.store(orow, (a0 / lsafe).to(orow.dtype.element_ty), mask=om)
+    if P > 1:
+        tl.store(orow + W, (a1 / lsafe).to(orow.dtype.element_ty), mask=om)
+    if P > 2:
+        tl.store(orow + 2 * W, (a2 / lsafe).to(orow.dtype.element_ty), mask=om)
+        tl.store(orow + 3 * W, (a3 / lsafe).to(orow.dtype.element_ty), mask=om)
+
+
+@triton.jit
+def _merge_splits(part_ptr, lse_ptr, out_ptr, M, SPLITS, D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """out = sum_s w_s part_s, w_s = 2^(lse_s - max) / sum: attention over the union of the splits' keys."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    BH = tl.num_programs(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < M
+    mx = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    for sp in range(SPLITS):
+        mx = tl.maximum(mx, tl.load(lse_ptr + (sp * BH + bh).to(tl.int64) * M + rows, mask=rmask, other=0.0))
+    den = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, D), tl.float32)
+    off = rows[:, None] * D + tl.arange(0, D)[None, :]
+    for sp in range(SPLITS):
+        w = tl.math.exp2(tl.load(lse_ptr + (sp * BH + bh).to(tl.int64) * M + rows, mask=rmask, other=0.0) - mx)
+        acc += w[:, None] * tl.load(part_ptr + ((sp * BH + bh) * M).to(tl.int64) * D + off, mask=rmask[:, None],
+                                    other=0.0)
+        den += w
+    tl.store(out_ptr + bh.to(tl.int64) * M * D + off, (acc / den[:, None]).to(out_ptr.dtype.element_ty),
+             mask=rmask[:, None])
