@@ -220,7 +220,7 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
     _attn_planes_kernel[(triton.cdiv(m, block_m), splits, bsz * hq)](
         q, out, *kargs, *vargs, tk, tv, part, lse, scale * LOG2E, m, n, t, L, max(1, n // L), kk, hq, hkv, splits,
         D=d, STAGES=stages, BLOCK_M=block_m, BLOCK_N=block_n, HAS_HIST=k_hist is not None, INTERP=INTERPRET,
-        JOIN=stages <= 1, SPLIT=splits > 1, num_warps=num_warps, num_stages=num_stages, **consts)
+        JOIN=stages <= 1 or d * consts["BITS"] // 8 < 16, SPLIT=splits > 1, num_warps=num_warps, num_stages=num_stages, **consts)
     if splits > 1:
         _merge_splits[(triton.cdiv(m, 64), bsz * hq)](part, lse, out, m, splits, D=d, BLOCK_M=64, num_warps=4)
     return out
