@@ -174,13 +174,12 @@ def _scores(q0, q1, q2, q3, k0, k1, k2, k3, BLOCK_N: tl.constexpr, P: tl.constex
             INTERP: tl.constexpr):
     """q @ k^T summed over the P planes, or of the joined q0 and k0 (fp32 [BLOCK_M, BLOCK_N])."""
     s = dot_bf16(q0, tl.trans(k0), tl.zeros((q0.shape[0], BLOCK_N), tl.float32), INTERP)
-    if JOIN:
-        return s
-    if P > 1:
-        s = dot_bf16(q1, tl.trans(k1), s, INTERP)
-    if P > 2:
-        s = dot_bf16(q2, tl.trans(k2), s, INTERP)
-        s = dot_bf16(q3, tl.trans(k3), s, INTERP)
+    if not JOIN:  # (no early return: Triton would still compile the dots after it)
+        if P > 1:
+            s = dot_bf16(q1, tl.trans(k1), s, INTERP)
+        if P > 2:
+            s = dot_bf16(q2, tl.trans(k2), s, INTERP)
+            s = dot_bf16(q3, tl.trans(k3), s, INTERP)
     return s
 
 
