@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 
 import torch
@@ -23,12 +24,41 @@ import torch
 DEFAULT = "256,64,8,2;256,64,8,2,1;128,64,8,2;128,64,8,3;256,32,8,2"
 
 
+FORMATS = ("qvg", "qvg-pro", "bf16")
+
+
 def parse_only(text: str) -> list[dict]:
+    """'BM,BN,W,S[,SPLITS];...' -> packed_attention keyword dicts (ValueError names a bad item)."""
     out = []
     for item in filter(None, text.split(";")):
-        bm, bn, w, s, *sp = (int(x) for x in item.split(","))
+        try:
+            vals = [int(x) for x in item.split(",")]
+        except ValueError:
+            vals = []
+        if len(vals) not in (4, 5) or min(vals) < 1:
+            raise ValueError(f"--only item {item!r} is not BLOCK_M,BLOCK_N,WARPS,STAGES[,SPLITS] of positive integers")
+        bm, bn, w, s, *sp = vals
         out.append(dict(block_m=bm, block_n=bn, num_warps=w, num_stages=s, **({"splits": sp[0]} if sp else {})))
+    if not out:
+        raise ValueError("--only names no tile config")
     return out
+
+
+def check_args(args) -> str | None:
+    """The first problem with the command line, or None (all checked before any GPU work)."""
+    try:
+        parse_only(args.only)
+    except ValueError as e:
+        return str(e)
+    if args.rounds < 1:
+        return "--rounds must be >= 1"
+    bad = [f for f in args.formats.split(",") if f not in FORMATS]
+    if bad or not args.formats:
+        return f"unknown format {bad[0] if bad else ''!r} (known: {', '.join(FORMATS)})"
+    keys = args.keys.split(",")
+    if not all(k.isdigit() and int(k) >= 4680 and int(k) % 4680 == 0 for k in keys):
+        return f"--keys must be multiples of the 4,680-token chunk, got {args.keys!r}"
+    return None
 
 
 def main(argv=None) -> int:
@@ -40,8 +70,12 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default=DEFAULT, help="BLOCK_M,BLOCK_N,WARPS,STAGES[,SPLITS] items, ';'-separated")
     ap.add_argument("--tag", default="", help="file name tag: profile-attention-<gpu>[.<tag>].json")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("profile_attention: needs a CUDA GPU")
+    problem = check_args(args)
+    if problem is None and not torch.cuda.is_available():
+        problem = "profile_attention needs a CUDA GPU"
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     import triton.testing
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from qvg.kernels.attention import packed_attention
@@ -103,8 +137,8 @@ def main(argv=None) -> int:
             res["rows"].append(row)
             print(f"{fmt} {n_keys} keys: SDPA-flash {sdpa_ms:.3f} ms", flush=True)
             for key, r in sorted(runs.items(), key=lambda kv: kv[1]["ms"]):
-                print(f"  {key:28s} {r['ms']:.3f} ms  {r['TFLOPs']:.0f} TFLOP/s  {r['vs_sdpa_flash_throughput']:.0%} of "
-                      f"SDPA  err {r['rel_err_vs_sdpa']:.1e}", flush=True)
+                print(f"  {key:16s} {r['ms']:.3f} ms  {r['TFLOPs']:.0f} TFLOP/s  {r['vs_sdpa_flash_throughput']:.0%} "
+                      f"of SDPA  err {r['rel_err_vs_sdpa']:.1e}", flush=True)
             del kd, vd
             torch.cuda.empty_cache()
     res["wall_s"] = time.time() - t0

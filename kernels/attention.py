@@ -151,8 +151,9 @@ def staged_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
 
 def wave_splits(programs: int, slots: int, tiles: int, most: int = 8) -> int:
     """Key splits (1..most, at most one per tile) that fill the GPU's waves best: the fewest waves per unit of
-    work, ceil(programs * s / slots) / s (slots: programs resident at once), the smallest s on ties. At 4,680 queries x 12 heads in 256-query blocks (228 programs) on 132 SMs: 1 split takes 2
-    waves for 1.73 waves of work, 4 splits 7 for 6.91."""
+    work, ceil(programs * s / slots) / s (slots: programs resident at once), the smallest s on ties. At 4,680
+    queries x 12 heads in 256-query blocks (228 programs) on 132 SMs: 1 split takes 2 waves for 1.73 waves of work,
+    4 splits 7 for 6.91 (on the H100 4.23 against 5.08 ms at 32,760 keys, eval/results/kernels-h100.md)."""
     best, best_cost = 1, None
     for s in range(1, max(1, min(most, tiles)) + 1):
         cost = -(-programs * s // slots) / s
@@ -220,7 +221,8 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
     _attn_planes_kernel[(triton.cdiv(m, block_m), splits, bsz * hq)](
         q, out, *kargs, *vargs, tk, tv, part, lse, scale * LOG2E, m, n, t, L, max(1, n // L), kk, hq, hkv, splits,
         D=d, STAGES=stages, BLOCK_M=block_m, BLOCK_N=block_n, HAS_HIST=k_hist is not None, INTERP=INTERPRET,
-        JOIN=stages <= 1 or d * consts["BITS"] // 8 < 16, SPLIT=splits > 1, num_warps=num_warps, num_stages=num_stages, **consts)
+        JOIN=stages <= 1 or d * consts["BITS"] // 8 < 16, SPLIT=splits > 1, num_warps=num_warps,
+        num_stages=num_stages, **consts)
     if splits > 1:
         _merge_splits[(triton.cdiv(m, 64), bsz * hq)](part, lse, out, m, splits, D=d, BLOCK_M=64, num_warps=4)
     return out

@@ -1,0 +1,26 @@
+"""qvg.eval.profile_attention's command line: bad input is refused with one line and exit 2 before any GPU work."""
+import pytest
+
+from qvg.eval import profile_attention
+
+
+@pytest.mark.parametrize("argv,says", [(["--only", "256,64,8"], "is not BLOCK_M,BLOCK_N,WARPS,STAGES"),
+                                       (["--only", "256,64,x,2"], "is not BLOCK_M"),
+                                       (["--only", ";"], "names no tile config"),
+                                       (["--rounds", "0"], "--rounds must be >= 1"),
+                                       (["--formats", "qvg,fp8"], "unknown format 'fp8'"),
+                                       (["--keys", "1000"], "multiples of the 4,680-token chunk")])
+def test_bad_input_one_line(argv, says, capsys):
+    assert profile_attention.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0]
+
+
+def test_configs_are_packed_attention_keywords():
+    import inspect
+    from qvg.kernels.attention import packed_attention
+    params = set(inspect.signature(packed_attention).parameters)
+    for cfg in profile_attention.parse_only(profile_attention.DEFAULT):
+        assert set(cfg) <= params
+    assert profile_attention.parse_only("256,64,8,2,3") == [dict(block_m=256, block_n=64, num_warps=8, num_stages=2,
+                                                                 splits=3)]
