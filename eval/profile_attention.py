@@ -1,4 +1,4 @@
-"""The on-chip packed-cache attention kernels timed side by side on the GPU: `python -m qvg.eval.profile_attention
+"""The on-chip packed-cache attention kernel's tile configs timed side by side on the GPU: `python -m qvg.eval.profile_attention
 [--out DIR] [--rounds R] [--keys N[,N...]] [--formats ...] [--only BM,BN,W,S[,SPLITS];...]` ->
 profile-attention-<gpu>.json.
 

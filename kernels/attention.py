@@ -149,17 +149,22 @@ def staged_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
     return out
 
 
+SPLIT_BYTES = 256 << 20  # the most the key splits' fp32 partial outputs may take
+SPLIT_GAIN = 0.05  # the least modelled saving (fraction of the waves) worth a split
+
+
 def wave_splits(programs: int, slots: int, tiles: int, most: int = 8) -> int:
     """Key splits (1..most, at most one per tile) that fill the GPU's waves best: the fewest waves per unit of
-    work, ceil(programs * s / slots) / s (slots: programs resident at once), the smallest s on ties. At 4,680
-    queries x 12 heads in 256-query blocks (228 programs) on 132 SMs: 1 split takes 2 waves for 1.73 waves of work,
-    4 splits 7 for 6.91 (on the H100 4.23 against 5.08 ms at 32,760 keys, eval/results/kernels-h100.md)."""
-    best, best_cost = 1, None
-    for s in range(1, max(1, min(most, tiles)) + 1):
+    work, ceil(programs * s / slots) / s (slots: programs resident at once), the smallest s on ties; 1 unless that
+    saves at least SPLIT_GAIN of the waves (the merge is not free). At 4,680 queries x 12 heads in 256-query
+    blocks (228 programs) on 132 SMs: 1 split takes 2 waves for 1.73 waves of work, 4 splits 7 for 6.91 (on the
+    H100 4.23 against 5.08 ms at 32,760 keys, eval/results/kernels-h100.md)."""
+    best, best_cost = 1, -(-programs // slots)
+    for s in range(2, max(1, min(most, tiles)) + 1):
         cost = -(-programs * s // slots) / s
-        if best_cost is None or cost < best_cost - 1e-9:
+        if cost < best_cost - 1e-9:
             best, best_cost = s, cost
-    return best
+    return best if best_cost <= (1 - SPLIT_GAIN) * -(-programs // slots) else 1
 
 
 def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: PackedSequence | None,
@@ -171,8 +176,9 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
     The kernel (kernels/attention_planes.py) decodes K / V tiles on chip one code plane at a time. The defaults
     (256-query blocks on 8 warps, 64-key tiles) were the fastest on the H100 for qvg and qvg-pro
     (eval/results/kernels-h100.md). splits: the keys (history tiles, then tail tiles) split into that many shares,
-    attended by separate programs and merged by log-sum-exp (a transient of splits x the output in fp32); None:
-    the count whose programs fill the GPU's waves best (`wave_splits`; 1 under the interpreter)."""
+    attended by separate programs and merged by log-sum-exp (a transient of splits fp32 copies of the output, 2 x
+    splits x its bytes); None: the count whose programs fill the GPU's waves best (`wave_splits`), with the
+    partials under SPLIT_BYTES (1 under the interpreter)."""
     bsz, hq, m, d = q.shape
     if k_hist is None and k_tail is None:
         raise ValueError("attention needs a history or a tail")
@@ -181,12 +187,16 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
             raise ValueError("packed K and V must share options and shape")
         if k_hist.spec.grid == "asym":
             raise ValueError("packed attention reads the sym / midrise grids")
+        if k_hist.spec.bits not in (2, 4, 8):
+            raise ValueError(f"packed attention reads 2-, 4- and 8-bit codes, not {k_hist.spec.bits}-bit")
         _, hkv, n, _ = k_hist.shape
     else:
         hkv, n = k_tail.shape[1], 0
     if hq % hkv:
         raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv})")
     t = 0 if k_tail is None else k_tail.shape[2]
+    if n + t == 0:
+        raise ValueError("attention needs at least one key (history and tail are empty)")
     q = q.contiguous()
     out = torch.empty_like(q)
     dummy = q
@@ -212,7 +222,8 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
         splits = 1
     elif splits is None:
         slots = sm_count(q.device) * max(1, 8 // num_warps)  # (~255 registers a thread: 8 warps fill an SM)
-        splits = wave_splits(triton.cdiv(m, block_m) * bsz * hq, slots, tiles)
+        splits = wave_splits(triton.cdiv(m, block_m) * bsz * hq, slots, tiles,
+                             most=max(1, min(8, SPLIT_BYTES // (4 * bsz * hq * m * d))))
     splits = max(1, min(int(splits), tiles))
     part = lse = dummy
     if splits > 1:

@@ -1,13 +1,14 @@
 """The on-chip packed-cache attention kernel, column plane by column plane (Triton). Reference: qvg.attention.
 
-The packed codes are planar (kernels/../qvg/bitpack.py): plane p of a token's code bytes holds its columns
-[p * W, (p + 1) * W), W = D * BITS / 8. So a K or V tile is decoded one plane at a time, [BLOCK_N, W], and never
-assembled into [BLOCK_N, D]: the scores are the sum over planes of q[:, plane] @ k_plane^T, and the output is kept
-as P accumulators [BLOCK_M, W], acc_p += p @ v_plane. Each plane's decode is a small tile (a quarter of the row at
-INT2), so no reshape of the unpacked codes goes through shared memory and the decode's registers stay few beside
-the accumulators. Same arithmetic per element as `kernels/attention.py`'s `_packed_tile` (codes x scale + the
-centroid of every stage in FP32, rounded to BF16 once), so the same attention up to the order of the FP32 sums.
-Loop 2 walks the BF16 tail (current chunk, BF16 zones) by the same planes.
+The packed codes are planar (qvg/bitpack.py): plane p of a token's code bytes holds its columns [p * W, (p + 1) *
+W), W = D * BITS / 8 (2, 4 or 8 bits: at most 4 planes). So a K or V tile is decoded one plane at a time,
+[BLOCK_N, W], with no reshape of the unpacked codes. Then either (JOIN, one-stage formats) the planes are
+interleaved into one [BLOCK_N, D] tile by `_join4` (q loaded in the same column order, the output split back by
+`_split4`), so the scores and p @ v are one dot each; or the scores are the sum over planes of q[:, plane] @
+k_plane^T and the output is P accumulators [BLOCK_M, W] (qvg-pro ran faster so on the H100). Per element the
+decode is `qvg.decompress`'s arithmetic (codes x scale + the centroid of every stage in FP32, rounded to BF16
+once). The tiles of the BF16 tail (current chunk, BF16 zones) follow the history's. Program (query block, key
+share, batch x head); with several shares, `_merge_splits` combines them by log-sum-exp.
 """
 from __future__ import annotations
 
@@ -130,7 +131,7 @@ def _tile_planes(byte, sraw, ts, crow0, crow1, crow2, crow3, n0, N, L, K, ids_pt
 
 @triton.jit
 def _join4(x0, x1, x2, x3, P: tl.constexpr):
-    """P planes [R, W] -> one [R, P * W] tile with its columns interleaved: column 4j + a + 2b (P = 4) holds
+    """P planes [R, W] -> one [R, P * W] tile with its columns interleaved: column 4j + 2a + b (P = 4) holds
     column j of plane a + 2b; 2j + a (P = 2) column j of plane a. q, K and V interleaved alike give the same
     scores, and the output comes back by `_split4` (a join adds the fastest-varying axis: no data movement)."""
     if P == 1:
@@ -280,6 +281,8 @@ def _attn_planes_kernel(q_ptr, out_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, 
     a3 = a0
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
+    cstride = GH.to(tl.int64) * C * K * D  # one stage's centroid tables, and its ids (int64: large batches of long
+    istride = GH.to(tl.int64) * N  # histories)
     nh = 0
     if HAS_HIST:
         nh = tl.cdiv(N, BLOCK_N)
@@ -288,26 +291,26 @@ def _attn_planes_kernel(q_ptr, out_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, 
     j1 = j0 + per
     if HAS_HIST:
         # each tile's own loads (codes, scales, tscale, centroid ids) are issued one iteration ahead, so an
-        # iteration waits only for its centroid gathers, not for the id loads they depend on (on the H100 a quarter
+        # iteration waits only for its centroid gathers, not for the id loads they depend on (on the H100 7-26%
         # faster than loading them in the iteration; eval/results/kernels-h100.md)
-        kb, ksr, kts, kr0, kr1, kr2, kr3 = _tile_raw(kc, ks, kt, kid, j0 * BLOCK_N, N, L, K, GH * N, D, BITS, GROUP,
+        kb, ksr, kts, kr0, kr1, kr2, kr3 = _tile_raw(kc, ks, kt, kid, j0 * BLOCK_N, N, L, K, istride, D, BITS, GROUP,
                                                      FP8, STAGES, BLOCK_N)
-        vb, vsr, vts, vr0, vr1, vr2, vr3 = _tile_raw(vc, vs, vt, vid, j0 * BLOCK_N, N, L, K, GH * N, D, BITS, GROUP,
+        vb, vsr, vts, vr0, vr1, vr2, vr3 = _tile_raw(vc, vs, vt, vid, j0 * BLOCK_N, N, L, K, istride, D, BITS, GROUP,
                                                      FP8, STAGES, BLOCK_N)
         for jj in range(j0, tl.minimum(j1, nh)):
             n0 = jj * BLOCK_N
             valid = (n0 + tl.arange(0, BLOCK_N)) < N
-            nkb, nksr, nkts, nkr0, nkr1, nkr2, nkr3 = _tile_raw(kc, ks, kt, kid, n0 + BLOCK_N, N, L, K, GH * N, D,
+            nkb, nksr, nkts, nkr0, nkr1, nkr2, nkr3 = _tile_raw(kc, ks, kt, kid, n0 + BLOCK_N, N, L, K, istride, D,
                                                                 BITS, GROUP, FP8, STAGES, BLOCK_N)
-            nvb, nvsr, nvts, nvr0, nvr1, nvr2, nvr3 = _tile_raw(vc, vs, vt, vid, n0 + BLOCK_N, N, L, K, GH * N, D,
+            nvb, nvsr, nvts, nvr0, nvr1, nvr2, nvr3 = _tile_raw(vc, vs, vt, vid, n0 + BLOCK_N, N, L, K, istride, D,
                                                                 BITS, GROUP, FP8, STAGES, BLOCK_N)
-            k0, k1, k2, k3 = _tile_planes(kb, ksr, kts, kr0, kr1, kr2, kr3, n0, N, L, K, kid, GH * N, kcen,
-                                          GH * C * K * D, D, BITS, GROUP, GRID, OFFSET, FP8, STAGES, BLOCK_N, JOIN,
+            k0, k1, k2, k3 = _tile_planes(kb, ksr, kts, kr0, kr1, kr2, kr3, n0, N, L, K, kid, istride, kcen,
+                                          cstride, D, BITS, GROUP, GRID, OFFSET, FP8, STAGES, BLOCK_N, JOIN,
                                           INTERP)
             p, alpha, m_i, l_i = _online_softmax(_scores(q0, q1, q2, q3, k0, k1, k2, k3, BLOCK_N, P, JOIN, INTERP),
                                                  valid, m_i, l_i, qk_scale)
-            v0, v1, v2, v3 = _tile_planes(vb, vsr, vts, vr0, vr1, vr2, vr3, n0, N, L, K, vid, GH * N, vcen,
-                                          GH * C * K * D, D, BITS, GROUP, GRID, OFFSET, FP8, STAGES, BLOCK_N, JOIN,
+            v0, v1, v2, v3 = _tile_planes(vb, vsr, vts, vr0, vr1, vr2, vr3, n0, N, L, K, vid, istride, vcen,
+                                          cstride, D, BITS, GROUP, GRID, OFFSET, FP8, STAGES, BLOCK_N, JOIN,
                                           INTERP)
             a0, a1, a2, a3 = _accumulate(p, alpha, v0, v1, v2, v3, a0, a1, a2, a3, P, JOIN, INTERP)
             kb, ksr, kts, kr0, kr1, kr2, kr3 = nkb, nksr, nkts, nkr0, nkr1, nkr2, nkr3

@@ -187,6 +187,8 @@ class KVCache:
                              "use read='staged' or 'window'")
         if read == "fused" and options.get("grid") == "asym":
             raise ValueError("read='fused' reads the sym / midrise grids, not 'asym': use read='staged' or 'window'")
+        if read == "fused" and options.get("bits") == 1:
+            raise ValueError("read='fused' reads 2-, 4- and 8-bit codes, not 1-bit: use read='staged' or 'window'")
         if method == "bf16" and (options or compress_preset is not None):
             raise ValueError(f"method 'bf16' takes no options, got {', '.join(sorted(options)) or 'compress_preset'}")
         if compress_preset is not None:

@@ -90,16 +90,49 @@ def test_tail_only(kind, device):
     assert err < TOL, err
 
 
-@pytest.mark.parametrize("name,splits", [("qvg", 2), ("qvg", 3), ("qvg", 50), ("qvg-pro", 3)])
+@pytest.mark.parametrize("name,splits", [("qvg", 2), ("qvg", 4), ("qvg", 50), ("qvg-pro", 3), ("qvg-s6", 4)])
 def test_planes_key_splits(splits, name, device):
-    """The planes kernel with the keys split into shares merged by log-sum-exp: 4 history + 2 tail tiles of 32,
-    so 3 shares of 2 tiles, one of them across the history's end; 7 and 50 (capped at the 6 tiles) leave shares
-    with no tile, and the ragged query block and the batch of 2 go through the merge too."""
+    """The keys split into shares merged by log-sum-exp: 4 history + 2 tail tiles of 32 (the last history tile
+    ragged: 120 tokens). 2 shares of 3 tiles (the first ends inside the history, the second crosses its end); 3
+    shares of 2; 4 shares of 2, the last with no tile; 50, capped at 6 single-tile shares. The ragged query block
+    and the batch of 2 go through the merge too."""
     kh, vh = _history(name, b=2, seed=8)
     q, kt, vt = _qkv(b=2, m=40, t=40, seed=9)
     ref = attend_reference(q, kh, vh, kt, vt)
     err = rel_err(_run("packed", device, q, kh, vh, kt, vt, splits=splits), ref)
     assert err < TOL, f"{splits} splits: {err:.4f}"
+
+
+@pytest.mark.parametrize("name,d,scale_dtype", [("rtn-int8", 64, "fp8"), ("qvg-pro", 128, "fp8"),
+                                                 ("qvg-pro", 64, "bf16"), ("qvg", 64, "bf16")])
+def test_formats_and_head_dims(name, d, scale_dtype, device):
+    """INT8 codes (one plane, joined or not), qvg-pro at head dim 128 (a plane wider than its 16-column scale
+    groups: two groups per plane), BF16 scales with centroids."""
+    method, opts = {"rtn-int8": ("rtn", {"bits": 8, "grid": "midrise"}),
+                    "qvg-pro": ("qvg-pro", {"centroids": 8, "grid": "midrise"}),
+                    "qvg": ("qvg", {"centroids": 8, "grid": "midrise"})}[name]
+    out = []
+    for role in range(2):
+        packs = [qvg.compress(clustered(1, HKV, L, d, spread=1.0, noise=0.5, seed=30 + 10 * role + i).bfloat16(),
+                              method, seed=i, scale_dtype=scale_dtype, **opts) for i in range(2)]
+        out.append(PackedSequence.from_chunks(packs))
+    kh, vh = out
+    g = gen(11)
+    q = torch.randn(1, HQ, 24, d, generator=g).bfloat16()
+    kt, vt = (torch.randn(1, HKV, 8, d, generator=g).bfloat16() for _ in range(2))
+    ref = attend_reference(q, kh, vh, kt, vt)
+    err = rel_err(_run("packed", device, q, kh, vh, kt, vt, splits=2), ref)
+    assert err < TOL, f"{name} d={d} {scale_dtype}: {err:.4f}"
+
+
+def test_packed_attention_refuses_1bit_and_no_keys(device):
+    kh, vh = (PackedSequence.from_chunks([qvg.compress(clustered(1, HKV, L, D, seed=s).bfloat16(), "qvg", bits=1,
+                                                       centroids=4, grid="midrise", seed=s)]) for s in (1, 2))
+    q, kt, vt = _qkv(m=8, t=4)
+    with pytest.raises(ValueError, match="not 1-bit"):
+        packed_attention(q.to(device), _to(kh, device), _to(vh, device), kt.to(device), vt.to(device))
+    with pytest.raises(ValueError, match="at least one key"):
+        packed_attention(q.to(device), None, None, kt[:, :, :0].to(device), vt[:, :, :0].to(device))
 
 
 def test_wave_splits():
@@ -108,6 +141,7 @@ def test_wave_splits():
     assert wave_splits(264, 132, 512) == 1  # whole waves already
     assert wave_splits(228, 132, 3) == 1  # never more shares than tiles (and 2 or 3 fill no better)
     assert wave_splits(1, 132, 512, most=8) == 8
+    assert wave_splits(1020, 132, 512) == 1  # 4 shares: 31 waves for 4 x 7.73, 3% under 1 share's 8: not worth it
 
 
 @pytest.mark.parametrize("window", [8, 24, 56, 120])
@@ -159,7 +193,8 @@ def test_staged_attention_asym_history(device):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="peak-memory accounting needs CUDA")
 def test_history_is_never_materialized():
     """Peak extra memory of one call over a long packed history (32 chunks x 1024 tokens x 8 heads x 128, i.e.
-    128 MiB of BF16 K + V): the fused kernel allocates only its output, the staged one one <= 32 MiB window."""
+    128 MiB of BF16 K + V): the fused kernel allocates its output (and its key splits' partials, here a few MiB),
+    the staged one one <= 32 MiB window."""
     chunks, n_chunk, hkv, d = 32, 1024, 8, 128
     g = gen(0)
     hist = []

@@ -94,3 +94,5 @@ def test_read_mode_errors():
         KVCache(1, "qvg", read="fused", key_storage="pre-rope", **kw)
     with pytest.raises(ValueError, match="not 'asym'"):
         KVCache(1, "rtn", read="fused", grid="asym", **kw)
+    with pytest.raises(ValueError, match="not 1-bit"):
+        KVCache(1, "qvg", read="fused", bits=1, **kw)
