@@ -20,15 +20,20 @@ METHODS = {  # grids explicit: the method presets may change
 }
 
 
-def _history(name: str, b: int = 1, chunks: int = CHUNKS, seed: int = 0):
-    """(K, V) PackedSequences of `chunks` chunks made on the CPU (torch path), each chunk its own data / seed."""
-    method, opts = METHODS[name]
+INT8 = {"rtn-int8": ("rtn", {"bits": 8, "grid": "midrise"})}  # (one code plane; not in METHODS' parametrization)
+
+
+def _history(name: str, b: int = 1, chunks: int = CHUNKS, seed: int = 0, d: int = D, **extra):
+    """(K, V) PackedSequences of `chunks` chunks made on the CPU (torch path), each chunk its own data / seed;
+    `extra` overrides the method's options."""
+    method, opts = {**METHODS, **INT8}[name]
+    opts = {**opts, **extra}
     out = []
     for role in range(2):
         packs = []
         for i in range(chunks):
             s = seed + 10 * role + i
-            x = clustered(b, HKV, L, D, spread=1.0, noise=0.5, seed=s)
+            x = clustered(b, HKV, L, d, spread=1.0, noise=0.5, seed=s)
             packs.append(qvg.compress(x.bfloat16(), method, seed=s, **opts))
         out.append(PackedSequence.from_chunks(packs))
     return out
@@ -108,15 +113,7 @@ def test_planes_key_splits(splits, name, device):
 def test_formats_and_head_dims(name, d, scale_dtype, device):
     """INT8 codes (one plane, joined or not), qvg-pro at head dim 128 (a plane wider than its 16-column scale
     groups: two groups per plane), BF16 scales with centroids."""
-    method, opts = {"rtn-int8": ("rtn", {"bits": 8, "grid": "midrise"}),
-                    "qvg-pro": ("qvg-pro", {"centroids": 8, "grid": "midrise"}),
-                    "qvg": ("qvg", {"centroids": 8, "grid": "midrise"})}[name]
-    out = []
-    for role in range(2):
-        packs = [qvg.compress(clustered(1, HKV, L, d, spread=1.0, noise=0.5, seed=30 + 10 * role + i).bfloat16(),
-                              method, seed=i, scale_dtype=scale_dtype, **opts) for i in range(2)]
-        out.append(PackedSequence.from_chunks(packs))
-    kh, vh = out
+    kh, vh = _history(name, chunks=2, seed=30, d=d, scale_dtype=scale_dtype)
     g = gen(11)
     q = torch.randn(1, HQ, 24, d, generator=g).bfloat16()
     kt, vt = (torch.randn(1, HKV, 8, d, generator=g).bfloat16() for _ in range(2))
@@ -126,8 +123,7 @@ def test_formats_and_head_dims(name, d, scale_dtype, device):
 
 
 def test_packed_attention_refuses_1bit_and_no_keys(device):
-    kh, vh = (PackedSequence.from_chunks([qvg.compress(clustered(1, HKV, L, D, seed=s).bfloat16(), "qvg", bits=1,
-                                                       centroids=4, grid="midrise", seed=s)]) for s in (1, 2))
+    kh, vh = _history("qvg", chunks=1, seed=1, bits=1, centroids=4)
     q, kt, vt = _qkv(m=8, t=4)
     with pytest.raises(ValueError, match="not 1-bit"):
         packed_attention(q.to(device), _to(kh, device), _to(vh, device), kt.to(device), vt.to(device))
