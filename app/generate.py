@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "attention: window (decode + cuDNN SDPA, the fastest), staged (<= 32 MiB decoded at a time, Triton "
                    "flash kernel) or fused (dequantized on chip, nothing decoded to memory; post-RoPE keys only). "
                    "Default window; on CPU the torch reference runs whatever this says, and the report's `read` says "
-                   "reference there (and for bf16 / kivi / quarot, which have no packed read)")
+                   "reference there (and for bf16 / kivi / quarot, which have no packed read: window only)")
     p.add_argument("--history", default="full", help="full, or window:N (keep N past latent frames)")
     p.add_argument("--sink", default="0", help="latent frames kept in BF16 at the start (a multiple of 3)")
     p.add_argument("--seed", default="0")
@@ -151,16 +151,10 @@ def parse(argv) -> dict:
         raise UsageError(f"--method bf16 stores BF16: {', '.join('--' + k.replace('_', '-') for k in s['options'])}"
                          " do not apply")
     s["key_storage"] = _key_storage(a.key_storage, a.method, a.pipeline)
-    from qvg.cache import READ_MODES
-    if a.read not in READ_MODES:
-        raise UsageError(f"--read must be one of {', '.join(READ_MODES)}, got {a.read!r}")
-    from qvg.sequence import PER_TOKEN_METHODS
-    if a.read != "window" and a.method not in PER_TOKEN_METHODS:
-        raise UsageError(f"--read {a.read} reads a packed {', '.join(PER_TOKEN_METHODS)} history; --method "
-                         f"{a.method} has none (leave --read at window)")
-    if a.read == "fused" and s["key_storage"] == "pre-rope":
-        raise UsageError("--read fused needs keys stored after RoPE: add --key-storage post-rope (or use --read "
-                         "staged)")
+    from qvg.cache import read_error
+    bad_read = read_error(a.method, a.read, s["key_storage"], s["options"])  # (KVCache's own check and message)
+    if bad_read:
+        raise UsageError(f"--read {a.read}: {bad_read}")
     s["read"] = a.read
     if a.history == "full":
         s["window"] = None

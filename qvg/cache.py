@@ -98,6 +98,34 @@ PREFETCH_AT = ("before", "after")  # where the next layer's decode is queued: ju
 READ_MODES = ("window", "staged", "fused")
 
 
+def read_modes(method: str) -> tuple[str, ...]:
+    """The read modes of a cache `method`: all of READ_MODES for a packed rtn / qvg / qvg-pro history (the packed
+    reads are kernels over a PackedSequence); the default "window" only for bf16, kivi and quarot, which have no
+    packed read (their history is BF16, or decoded by the reference path)."""
+    return READ_MODES if method in PER_TOKEN_METHODS else READ_MODES[:1]
+
+
+def read_error(method: str, read: str, key_storage: str = "post-rope", options: dict | None = None) -> str | None:
+    """Why KVCache(method, read=read, key_storage=key_storage, **options) can't read its history that way, or None
+    when it can: the one check of the read mode, made by KVCache and by qvg-generate before anything runs."""
+    options = options or {}
+    if read not in READ_MODES:
+        return f"read must be one of {', '.join(READ_MODES)}, got {read!r}"
+    supported = read_modes(method)
+    if read not in supported:
+        return (f"method {method!r} supports read={' / '.join(map(repr, supported))} only, not {read!r}: the "
+                f"{' and '.join(m for m in READ_MODES if m not in supported)} reads are for a packed "
+                f"{', '.join(PER_TOKEN_METHODS)} history")
+    if read == "fused" and key_storage == "pre-rope":
+        return ("read='fused' needs keys stored after RoPE (post-rope key storage): it dequantizes them on chip "
+                "without rotating them; with pre-rope key storage use read='staged' or 'window'")
+    if read == "fused" and options.get("grid") == "asym":
+        return "read='fused' reads the sym / midrise grids, not 'asym': use read='staged' or 'window'"
+    if read == "fused" and options.get("bits") == 1:
+        return "read='fused' reads 2-, 4- and 8-bit codes, not 1-bit: use read='staged' or 'window'"
+    return None
+
+
 class _Layer:
     """One layer's K and V zones."""
 
@@ -148,7 +176,8 @@ class KVCache:
     windows of <= 1 GiB BF16 K + V, then cuDNN SDPA, with the decode prefetch), "staged" (kernels/attention.py's
     `staged_attention`: windows of <= 32 MiB, each attended by a Triton flash kernel that carries the softmax state)
     or "fused" (`packed_attention`: codes, scales and centroids dequantized on chip, nothing decoded to memory;
-    post-RoPE keys, any grid but asym). See the module docstring for what each costs.
+    post-RoPE keys, any grid but asym, 2- 4- or 8-bit codes). bf16 / kivi / quarot have no packed read: "window" only
+    (`read_modes`; any other read is refused, see `read_error`). See the module docstring for what each costs.
     compress_preset: on CUDA, the compress kernels' preset (a kernels/compress.py COMPRESS_VARIANTS name); None: the
     method's entry in COMMIT_PRESETS, else the kernels' default "auto" (picked by shape). Same compression either way
     (ids equal, centroids up to the order of the FP32 sums).
@@ -180,15 +209,9 @@ class KVCache:
             raise ValueError(f"prefetch_bytes must be a non-negative integer (0: no prefetch), got {prefetch_bytes!r}")
         if prefetch_at not in PREFETCH_AT:
             raise ValueError(f"prefetch_at must be one of {', '.join(PREFETCH_AT)}, got {prefetch_at!r}")
-        if read not in READ_MODES:
-            raise ValueError(f"read must be one of {', '.join(READ_MODES)}, got {read!r}")
-        if read == "fused" and key_storage == "pre-rope":
-            raise ValueError("read='fused' dequantizes keys on chip without rotating them: with pre-rope key storage "
-                             "use read='staged' or 'window'")
-        if read == "fused" and options.get("grid") == "asym":
-            raise ValueError("read='fused' reads the sym / midrise grids, not 'asym': use read='staged' or 'window'")
-        if read == "fused" and options.get("bits") == 1:
-            raise ValueError("read='fused' reads 2-, 4- and 8-bit codes, not 1-bit: use read='staged' or 'window'")
+        bad_read = read_error(method, read, key_storage, options)
+        if bad_read:
+            raise ValueError(bad_read)
         if method == "bf16" and (options or compress_preset is not None):
             raise ValueError(f"method 'bf16' takes no options, got {', '.join(sorted(options)) or 'compress_preset'}")
         if compress_preset is not None:

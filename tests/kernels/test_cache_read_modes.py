@@ -9,7 +9,7 @@ import torch
 
 import qvg.backend
 from kernel_helpers import clustered, rel_err, self_forcing_chunk
-from qvg.cache import READ_MODES, KVCache
+from qvg.cache import CACHE_METHODS, READ_MODES, KVCache, read_error, read_modes
 
 TPF, CF, LAYERS, D = 16, 2, 2, 32
 TOL = 2e-2  # relative Frobenius error between two BF16 attentions of the same history
@@ -90,9 +90,46 @@ def test_read_mode_errors():
     assert READ_MODES[0] == "window" and KVCache(1, "qvg", **kw).read_mode == "window"
     with pytest.raises(ValueError, match="read must be one of window, staged, fused"):
         KVCache(1, "qvg", read="flash", **kw)
-    with pytest.raises(ValueError, match="pre-rope key storage"):
+    with pytest.raises(ValueError, match="needs keys stored after RoPE .* with pre-rope key storage"):
         KVCache(1, "qvg", read="fused", key_storage="pre-rope", **kw)
     with pytest.raises(ValueError, match="not 'asym'"):
         KVCache(1, "rtn", read="fused", grid="asym", **kw)
     with pytest.raises(ValueError, match="not 1-bit"):
         KVCache(1, "qvg", read="fused", bits=1, **kw)
+
+
+PACKED_READ = ("rtn", "qvg", "qvg-pro")  # the methods whose history is a PackedSequence, read by the kernels
+
+
+@pytest.mark.parametrize("method", CACHE_METHODS)
+def test_read_modes_by_method(method):
+    """The packed reads ("staged", "fused") are taken by rtn / qvg / qvg-pro only; bf16 / kivi / quarot have no
+    packed read and refuse them (instead of ignoring them). The default read is taken by every method."""
+    kw = dict(chunk_frames=CF, tokens_per_frame=TPF)
+    assert KVCache(1, method, **kw).read_mode == "window" == KVCache(1, method, read="window", **kw).read_mode
+    assert read_modes(method) == (READ_MODES if method in PACKED_READ else ("window",))
+    for read in ("staged", "fused"):
+        if method in PACKED_READ:
+            assert read_error(method, read) is None and KVCache(1, method, read=read, **kw).read_mode == read
+        else:
+            with pytest.raises(ValueError) as e:
+                KVCache(1, method, read=read, **kw)
+            assert str(e.value) == read_error(method, read) == (
+                f"method {method!r} supports read='window' only, not {read!r}: the staged and fused reads are for "
+                "a packed rtn, qvg, qvg-pro history")
+
+
+def test_read_error_is_the_caches_message():
+    """read_error (qvg-generate's pre-flight check) says exactly what KVCache raises, for each refusal."""
+    kw = dict(chunk_frames=CF, tokens_per_frame=TPF)
+    for method, read, storage, options in [("qvg", "flash", "post-rope", {}), ("kivi", "fused", "post-rope", {}),
+                                           ("bf16", "staged", "pre-rope", {}), ("qvg", "fused", "pre-rope", {}),
+                                           ("rtn", "fused", "post-rope", {"grid": "asym"}),
+                                           ("qvg", "fused", "post-rope", {"bits": 1})]:
+        msg = read_error(method, read, storage, options)
+        assert msg
+        with pytest.raises(ValueError) as e:
+            KVCache(1, method, read=read, key_storage=storage, **options, **kw)
+        assert str(e.value) == msg
+    assert read_error("qvg", "staged", "pre-rope", {"grid": "asym", "bits": 1}) is None
+    assert read_error("bf16", "window", "pre-rope") is None
