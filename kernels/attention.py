@@ -149,7 +149,7 @@ def staged_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
     return out
 
 
-SPLIT_BYTES = 256 << 20  # the most the key splits' fp32 partial outputs may take
+SPLIT_BYTES = 256 << 20  # the most the key splits' BF16 partial outputs may take
 SPLIT_GAIN = 0.05  # the least modelled saving (fraction of the waves) worth a split
 
 
@@ -176,8 +176,8 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
     The kernel (kernels/attention_planes.py) decodes K / V tiles on chip one code plane at a time. The defaults
     (256-query blocks on 8 warps, 64-key tiles) were the fastest on the H100 for qvg and qvg-pro
     (eval/results/kernels-h100.md). splits: the keys (history tiles, then tail tiles) split into that many shares,
-    attended by separate programs and merged by log-sum-exp (a transient of splits fp32 copies of the output, 2 x
-    splits x its bytes); None: the count whose programs fill the GPU's waves best (`wave_splits`), with the
+    attended by separate programs and merged by log-sum-exp (a transient of splits BF16 copies of the output plus
+    an fp32 log-sum-exp per query row); None: the count whose programs fill the GPU's waves best (`wave_splits`), with the
     partials under SPLIT_BYTES (1 under the interpreter)."""
     bsz, hq, m, d = q.shape
     if k_hist is None and k_tail is None:
@@ -223,11 +223,11 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
     elif splits is None:
         slots = sm_count(q.device) * max(1, 8 // num_warps)  # (~255 registers a thread: 8 warps fill an SM)
         splits = wave_splits(triton.cdiv(m, block_m) * bsz * hq, slots, tiles,
-                             most=max(1, min(8, SPLIT_BYTES // (4 * bsz * hq * m * d))))
+                             most=max(1, min(8, SPLIT_BYTES // (2 * bsz * hq * m * d))))
     splits = max(1, min(int(splits), tiles))
     part = lse = dummy
     if splits > 1:
-        part = torch.empty(splits, bsz * hq, m, d, device=q.device, dtype=torch.float32)
+        part = torch.empty(splits, bsz * hq, m, d, device=q.device, dtype=torch.bfloat16)
         lse = torch.empty(splits, bsz * hq, m, device=q.device, dtype=torch.float32)
     _attn_planes_kernel[(triton.cdiv(m, block_m), splits, bsz * hq)](
         q, out, *kargs, *vargs, tk, tv, part, lse, scale * LOG2E, m, n, t, L, max(1, n // L), kk, hq, hkv, splits,
@@ -235,5 +235,6 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
         JOIN=stages <= 1 or d * consts["BITS"] // 8 < 16, SPLIT=splits > 1, num_warps=num_warps,
         num_stages=num_stages, **consts)
     if splits > 1:
-        _merge_splits[(triton.cdiv(m, 64), bsz * hq)](part, lse, out, m, splits, D=d, BLOCK_M=64, num_warps=4)
+        _merge_splits[(triton.cdiv(m, 64), bsz * hq)](part, lse, out, m, splits, D=d, BLOCK_M=64, INTERP=INTERPRET,
+                                                    num_warps=4)
     return out

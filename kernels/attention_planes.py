@@ -235,7 +235,9 @@ def _attn_planes_kernel(q_ptr, out_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, 
                         INTERP: tl.constexpr, JOIN: tl.constexpr = True, SPLIT: tl.constexpr = False):
     """Program (query block, split, batch x head). The history tiles and then the tail tiles form one sequence of
     tiles; split s of SPLITS attends its s-th contiguous share. With SPLIT, each program writes its normalized
-    output (fp32) and log2-sum-exp to part / lse for `_merge_splits`; else the output itself."""
+    output (BF16: half the transient of fp32; a convex merge of BF16 shares adds at most one BF16 rounding) and
+    log2-sum-exp (fp32) to part / lse for `_merge_splits`; else the output itself. Stores round to nearest even
+    (by hand under the interpreter)."""
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
     bh = tl.program_id(2)
@@ -335,16 +337,17 @@ def _attn_planes_kernel(q_ptr, out_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, 
         orow = out_ptr + qrow
     if JOIN:
         a0, a1, a2, a3 = _split4(a0, P)
-    tl.store(orow, (a0 / lsafe).to(orow.dtype.element_ty), mask=om)
+    tl.store(orow, to_bf16(a0 / lsafe, INTERP), mask=om)
     if P > 1:
-        tl.store(orow + W, (a1 / lsafe).to(orow.dtype.element_ty), mask=om)
+        tl.store(orow + W, to_bf16(a1 / lsafe, INTERP), mask=om)
     if P > 2:
-        tl.store(orow + 2 * W, (a2 / lsafe).to(orow.dtype.element_ty), mask=om)
-        tl.store(orow + 3 * W, (a3 / lsafe).to(orow.dtype.element_ty), mask=om)
+        tl.store(orow + 2 * W, to_bf16(a2 / lsafe, INTERP), mask=om)
+        tl.store(orow + 3 * W, to_bf16(a3 / lsafe, INTERP), mask=om)
 
 
 @triton.jit
-def _merge_splits(part_ptr, lse_ptr, out_ptr, M, SPLITS, D: tl.constexpr, BLOCK_M: tl.constexpr):
+def _merge_splits(part_ptr, lse_ptr, out_ptr, M, SPLITS, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                  INTERP: tl.constexpr):
     """out = sum_s w_s part_s, w_s = 2^(lse_s - max) / sum: attention over the union of the splits' keys."""
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -360,7 +363,6 @@ def _merge_splits(part_ptr, lse_ptr, out_ptr, M, SPLITS, D: tl.constexpr, BLOCK_
     for sp in range(SPLITS):
         w = tl.math.exp2(tl.load(lse_ptr + (sp * BH + bh).to(tl.int64) * M + rows, mask=rmask, other=0.0) - mx)
         acc += w[:, None] * tl.load(part_ptr + ((sp * BH + bh) * M).to(tl.int64) * D + off, mask=rmask[:, None],
-                                    other=0.0)
+                                    other=0.0).to(tl.float32)
         den += w
-    tl.store(out_ptr + bh.to(tl.int64) * M * D + off, (acc / den[:, None]).to(out_ptr.dtype.element_ty),
-             mask=rmask[:, None])
+    tl.store(out_ptr + bh.to(tl.int64) * M * D + off, to_bf16(acc / den[:, None], INTERP), mask=rmask[:, None])
