@@ -52,7 +52,7 @@ def new_cache(model, method: str, window: int, options: dict):
     high-priority: the chunk runs on a high-priority CUDA stream, so the cache's side streams (prefetched decodes,
     queued commits) get only the SMs its kernels leave idle (these two flags are read by `method_runner`; the cache
     ignores them); staged-read / fused-read: the history read through the packed-cache attention kernels (KVCache
-    read="staged" / "fused") instead of decode + cuDNN; compress=PRESET: the cache compresses with
+    read="staged" / "fused", rtn / qvg / qvg-pro only; fused-read not with pre-rope) instead of decode + cuDNN; compress=PRESET: the cache compresses with
     kernels/compress.py's preset PRESET instead of the default "auto" (KVCache compress_preset)."""
     from qvg.cache import KVCache
     name, flags, preset = parse_method(method)
@@ -89,6 +89,11 @@ def parse_method(method: str) -> tuple[str, list[str], str | None]:
         raise ValueError(f"{method!r}: one compress=PRESET at most, and not for bf16 (it compresses nothing)")
     for p in presets:
         check_variant(p)
+    from qvg.cache import read_error
+    read = "staged" if "staged-read" in flags else "fused" if "fused-read" in flags else "window"
+    bad_read = read_error(name, read, "pre-rope" if "pre-rope" in flags else "post-rope")
+    if bad_read:
+        raise ValueError(f"{method!r}: {bad_read}")
     return name, flags, (presets[0] if presets else None)
 
 

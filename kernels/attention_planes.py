@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import decode_scale, dequant_codes, dot_bf16, to_bf16
+from .common import decode_scale, dequant_codes, dot_bf16, to_bf16, to_out
 from .dequant import _pick4, _widen
 
 
@@ -235,9 +235,10 @@ def _attn_planes_kernel(q_ptr, out_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, 
                         INTERP: tl.constexpr, JOIN: tl.constexpr = True, SPLIT: tl.constexpr = False):
     """Program (query block, split, batch x head). The history tiles and then the tail tiles form one sequence of
     tiles; split s of SPLITS attends its s-th contiguous share. With SPLIT, each program writes its normalized
-    output (BF16: half the transient of fp32; a convex merge of BF16 shares adds at most one BF16 rounding) and
-    log2-sum-exp (fp32) to part / lse for `_merge_splits`; else the output itself. Stores round to nearest even
-    (by hand under the interpreter)."""
+    output (BF16, half the bytes of fp32: each share is rounded to BF16 before the fp32 merge, an error of up to
+    2^-9 of the shares' weighted magnitudes on top of the output's own rounding) and log2-sum-exp (fp32) to part /
+    lse for `_merge_splits`; else the output itself (q's dtype). Stores round to nearest even (by hand under the
+    interpreter)."""
     pid_m = tl.program_id(0)
     pid_s = tl.program_id(1)
     bh = tl.program_id(2)
@@ -337,12 +338,12 @@ def _attn_planes_kernel(q_ptr, out_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, 
         orow = out_ptr + qrow
     if JOIN:
         a0, a1, a2, a3 = _split4(a0, P)
-    tl.store(orow, to_bf16(a0 / lsafe, INTERP), mask=om)
+    tl.store(orow, to_out(a0 / lsafe, orow, INTERP), mask=om)
     if P > 1:
-        tl.store(orow + W, to_bf16(a1 / lsafe, INTERP), mask=om)
+        tl.store(orow + W, to_out(a1 / lsafe, orow, INTERP), mask=om)
     if P > 2:
-        tl.store(orow + 2 * W, to_bf16(a2 / lsafe, INTERP), mask=om)
-        tl.store(orow + 3 * W, to_bf16(a3 / lsafe, INTERP), mask=om)
+        tl.store(orow + 2 * W, to_out(a2 / lsafe, orow, INTERP), mask=om)
+        tl.store(orow + 3 * W, to_out(a3 / lsafe, orow, INTERP), mask=om)
 
 
 @triton.jit
@@ -365,4 +366,5 @@ def _merge_splits(part_ptr, lse_ptr, out_ptr, M, SPLITS, D: tl.constexpr, BLOCK_
         acc += w[:, None] * tl.load(part_ptr + ((sp * BH + bh) * M).to(tl.int64) * D + off, mask=rmask[:, None],
                                     other=0.0).to(tl.float32)
         den += w
-    tl.store(out_ptr + bh.to(tl.int64) * M * D + off, to_bf16(acc / den[:, None], INTERP), mask=rmask[:, None])
+    tl.store(out_ptr + bh.to(tl.int64) * M * D + off, to_out(acc / den[:, None], out_ptr, INTERP),
+             mask=rmask[:, None])

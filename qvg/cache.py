@@ -41,8 +41,9 @@ Per layer, three zones, for keys and values alike ([B, H, tokens, D], H = kv hea
   are one contiguous buffer, read as a view. `read` picks the GPU read: "window" (that, the default: the fastest
   on the H100), "staged" (the history decoded in windows of <= 32 MiB, each attended by a Triton flash kernel that
   carries the online-softmax state: a smaller transient, slower attention) or "fused" (the packed-cache attention
-  kernel: codes, scales and centroids are dequantized on chip, nothing is decoded to memory; the slowest). Each
-  read is measured in the Self-Forcing chunk in eval/results/pipeline-h100.md.
+  kernel: codes, scales and centroids are dequantized on chip, nothing is decoded to memory; the slowest). Only rtn
+  / qvg / qvg-pro have a packed history: bf16 / kivi / quarot take "window" alone and refuse the others
+  (`read_error`). Each read is measured in the Self-Forcing chunk in eval/results/pipeline-h100.md.
 - Decode prefetch (`prefetch_bytes`, `prefetch_at`; CUDA only): just before a layer's SDPA call is queued, the
   next layer's history is decoded into its staging window on a second side stream. It then runs during the
   attention, most likely on the SMs the attention's last wave leaves idle. In one traced 21-frame Self-Forcing
@@ -117,8 +118,9 @@ def read_error(method: str, read: str, key_storage: str = "post-rope", options: 
                 f"{' and '.join(m for m in READ_MODES if m not in supported)} reads are for a packed "
                 f"{', '.join(PER_TOKEN_METHODS)} history")
     if read == "fused" and key_storage == "pre-rope":
-        return ("read='fused' needs keys stored after RoPE (post-rope key storage): it dequantizes them on chip "
-                "without rotating them; with pre-rope key storage use read='staged' or 'window'")
+        return ("read='fused' needs keys stored after RoPE: it dequantizes them on chip without rotating them; "
+                "store them post-RoPE (key_storage='post-rope', qvg-generate --key-storage post-rope) or use "
+                "read='staged' or 'window'")
     if read == "fused" and options.get("grid") == "asym":
         return "read='fused' reads the sym / midrise grids, not 'asym': use read='staged' or 'window'"
     if read == "fused" and options.get("bits") == 1:

@@ -90,7 +90,7 @@ def test_read_mode_errors():
     assert READ_MODES[0] == "window" and KVCache(1, "qvg", **kw).read_mode == "window"
     with pytest.raises(ValueError, match="read must be one of window, staged, fused"):
         KVCache(1, "qvg", read="flash", **kw)
-    with pytest.raises(ValueError, match="needs keys stored after RoPE .* with pre-rope key storage"):
+    with pytest.raises(ValueError, match="needs keys stored after RoPE.*--key-storage post-rope"):
         KVCache(1, "qvg", read="fused", key_storage="pre-rope", **kw)
     with pytest.raises(ValueError, match="not 'asym'"):
         KVCache(1, "rtn", read="fused", grid="asym", **kw)
