@@ -52,17 +52,26 @@ def new_cache(model, method: str, window: int, options: dict):
     high-priority: the chunk runs on a high-priority CUDA stream, so the cache's side streams (prefetched decodes,
     queued commits) get only the SMs its kernels leave idle (these two flags are read by `method_runner`; the cache
     ignores them); staged-read / fused-read: the history read through the packed-cache attention kernels (KVCache
-    read="staged" / "fused", rtn / qvg / qvg-pro only; fused-read not with pre-rope) instead of decode + cuDNN; compress=PRESET: the cache compresses with
-    kernels/compress.py's preset PRESET instead of the default "auto" (KVCache compress_preset)."""
+    read="staged" / "fused", rtn / qvg / qvg-pro only; fused-read not with pre-rope) instead of decode + cuDNN;
+    compress=PRESET: the cache compresses with kernels/compress.py's preset PRESET instead of the default "auto"
+    (KVCache compress_preset)."""
     from qvg.cache import KVCache
     name, flags, preset = parse_method(method)
     return KVCache(30, name, chunk_frames=3, tokens_per_frame=model.tokens_per_latent_frame(*LATENT_HW),
-                   window_frames=window, key_storage="pre-rope" if "pre-rope" in flags else "post-rope",
+                   window_frames=window, key_storage=_key_storage(flags),
                    async_commit="sync" not in flags, defer_commits="eager-commit" not in flags,
                    prefetch_at="after" if "prefetch-after" in flags else "before",
-                   read="staged" if "staged-read" in flags else "fused" if "fused-read" in flags else "window",
+                   read=_read(flags),
                    **({"prefetch_bytes": 0} if "noprefetch" in flags else {}),
                    **({} if name == "bf16" else dict(options, compress_preset=preset)))
+
+
+def _key_storage(flags: list[str]) -> str:
+    return "pre-rope" if "pre-rope" in flags else "post-rope"
+
+
+def _read(flags: list[str]) -> str:
+    return "staged" if "staged-read" in flags else "fused" if "fused-read" in flags else "window"
 
 
 FLAGS = ("pre-rope", "sync", "eager-commit", "noprefetch", "prefetch-after", "plain-writes", "high-priority",
@@ -90,8 +99,7 @@ def parse_method(method: str) -> tuple[str, list[str], str | None]:
     for p in presets:
         check_variant(p)
     from qvg.cache import read_error
-    read = "staged" if "staged-read" in flags else "fused" if "fused-read" in flags else "window"
-    bad_read = read_error(name, read, "pre-rope" if "pre-rope" in flags else "post-rope")
+    bad_read = read_error(name, _read(flags), _key_storage(flags))
     if bad_read:
         raise ValueError(f"{method!r}: {bad_read}")
     return name, flags, (presets[0] if presets else None)

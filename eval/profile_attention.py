@@ -1,6 +1,6 @@
-"""The on-chip packed-cache attention kernel's tile configs timed side by side on the GPU: `python -m qvg.eval.profile_attention
-[--out DIR] [--rounds R] [--keys N[,N...]] [--formats ...] [--only BM,BN,W,S[,SPLITS];...]` ->
-profile-attention-<gpu>.json.
+"""The on-chip packed-cache attention kernel's tile configs timed side by side on the GPU:
+`python -m qvg.eval.profile_attention [--out DIR] [--rounds R] [--keys N[,N...]] [--formats ...]
+[--only BM,BN,W,S[,SPLITS];...]` -> profile-attention-<gpu>.json.
 
 The issue-3 shape: 12 heads x 128, 4,680 queries (one 3-frame Self-Forcing chunk) over a packed history of N keys
 (7 chunks of 4,680 tokens at N = 32,760, made as eval/bench_kernels.py makes it: `qvg.compress` defaults, K = 256).

@@ -177,8 +177,9 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
     (256-query blocks on 8 warps, 64-key tiles) were the fastest on the H100 for qvg and qvg-pro
     (eval/results/kernels-h100.md). splits: the keys (history tiles, then tail tiles) split into that many shares,
     attended by separate programs and merged by log-sum-exp (a transient of splits BF16 copies of the output plus
-    an fp32 log-sum-exp per query row; each share is rounded to BF16 before the merge); None: the count whose programs fill the GPU's waves best (`wave_splits`), with the
-    partials under SPLIT_BYTES (1 under the interpreter)."""
+    an fp32 log-sum-exp per query row; each share is rounded to BF16 before the merge); None: the count whose
+    programs fill the GPU's waves best (`wave_splits`), with the partials under SPLIT_BYTES (1 under the
+    interpreter)."""
     bsz, hq, m, d = q.shape
     if k_hist is None and k_tail is None:
         raise ValueError("attention needs a history or a tail")
