@@ -1,6 +1,6 @@
 """The on-chip packed-cache attention kernel's tile configs timed side by side on the GPU:
 `python -m qvg.eval.profile_attention [--out DIR] [--rounds R] [--keys N[,N...]] [--formats ...]
-[--only BM,BN,W,S[,SPLITS];...]` -> profile-attention-<gpu>.json.
+[--only BM,BN,W,S[,SPLITS];...] [--baseline FILE]` -> profile-attention-<gpu>.json.
 
 The issue-3 shape: 12 heads x 128, 4,680 queries (one 3-frame Self-Forcing chunk) over a packed history of N keys
 (7 chunks of 4,680 tokens at N = 32,760, made as eval/bench_kernels.py makes it: `qvg.compress` defaults, K = 256).
@@ -9,7 +9,9 @@ is timed with triton's do_bench, the
 configs interleaved over R rounds (median of the rounds' medians), against torch's SDPA flash backend on the
 materialized BF16 cache in the same run; each output's relative error against SDPA on the dequantized cache is
 recorded. Formats: qvg (INT2 S1/B64), qvg-pro (INT2 S4/B16), bf16 (no history: the whole sequence as the BF16 tail,
-the kernels' flash part alone)."""
+the kernels' flash part alone). --baseline: another version of kernels/attention_planes.py (e.g. from `git show
+COMMIT:kernels/attention_planes.py`), whose kernel is timed through the same `packed_attention` beside each config
+(runs named "base:<config>"), interleaved with it."""
 from __future__ import annotations
 
 import argparse
@@ -69,8 +71,11 @@ def main(argv=None) -> int:
     ap.add_argument("--formats", default="qvg,qvg-pro,bf16")
     ap.add_argument("--only", default=DEFAULT, help="BLOCK_M,BLOCK_N,WARPS,STAGES[,SPLITS] items, ';'-separated")
     ap.add_argument("--tag", default="", help="file name tag: profile-attention-<gpu>[.<tag>].json")
+    ap.add_argument("--baseline", default="", help="another version of kernels/attention_planes.py, timed beside")
     args = ap.parse_args(argv)
     problem = check_args(args)
+    if problem is None and args.baseline and not os.path.isfile(args.baseline):
+        problem = f"--baseline {args.baseline!r} is not a file"
     if problem is None and not torch.cuda.is_available():
         problem = "profile_attention needs a CUDA GPU"
     if problem:
@@ -81,16 +86,27 @@ def main(argv=None) -> int:
     from qvg.kernels.attention import packed_attention
     from qvg.kernels.dequant import dequantize
     from qvg.sequence import PackedSequence
+    import qvg.kernels.attention as attention_module
     from .bench_kernels import _history
+    from .profile_dequant import _load_baseline, baseline_info
     from .provenance import command_line, meta
 
+    try:
+        base_kernel = _load_baseline(args.baseline, "_attn_planes_kernel") if args.baseline else None
+    except Exception as e:  # (a file that does not import, or has no kernel)
+        print(f"error: --baseline {args.baseline!r} gives no _attn_planes_kernel: {type(e).__name__}: {e}",
+              file=sys.stderr)
+        return 2
     t0 = time.time()
     items = parse_only(args.only)
+    if base_kernel is not None:
+        items = [x for cfg in items for x in (cfg, {**cfg, "base": True})]
     h, m, chunk = 12, 4680, 4680
     q = torch.randn(1, h, m, 128, device="cuda", dtype=torch.bfloat16)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     res = {"meta": meta(command_line("python -m qvg.eval.profile_attention", argv), "cuda",
-                        triton=__import__("triton").__version__), "rows": []}
+                        triton=__import__("triton").__version__), "baseline_file": baseline_info(args.baseline),
+           "rows": []}
 
     def bench(fn):
         return float(triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median"))
@@ -101,18 +117,29 @@ def main(argv=None) -> int:
             if fmt == "bf16":
                 kd = torch.randn(1, h, n_keys, 128, device="cuda", dtype=torch.bfloat16)
                 vd = torch.randn_like(kd)
-                call = lambda cfg: packed_attention(q, None, None, kd, vd, **cfg)  # noqa: E731
+                run = lambda cfg: packed_attention(q, None, None, kd, vd, **cfg)  # noqa: E731
             else:
                 kch, vch = _history(h, n_keys, chunk, fmt)
                 K, V = PackedSequence.from_chunks(kch), PackedSequence.from_chunks(vch)
                 kd, vd = dequantize(K), dequantize(V)
-                call = lambda cfg: packed_attention(q, K, V, **cfg)  # noqa: E731
+                run = lambda cfg: packed_attention(q, K, V, **cfg)  # noqa: E731
+
+            def call(cfg, run=run):  # (a "base" config runs the --baseline file's kernel)
+                cfg = dict(cfg)
+                if not cfg.pop("base", False):
+                    return run(cfg)
+                own, attention_module._attn_planes_kernel = attention_module._attn_planes_kernel, base_kernel
+                try:
+                    return run(cfg)
+                finally:
+                    attention_module._attn_planes_kernel = own
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                 ref = sdpa(q, kd, vd)
                 t_sdpa = [bench(lambda: sdpa(q, kd, vd))]
             runs = {}
             for cfg in items:
-                key = f"{cfg['block_m']},{cfg['block_n']},{cfg['num_warps']},{cfg['num_stages']}" + (
+                key = ("base:" if cfg.get("base") else "") + \
+                    f"{cfg['block_m']},{cfg['block_n']},{cfg['num_warps']},{cfg['num_stages']}" + (
                     f",{cfg['splits']}" if "splits" in cfg else "")
                 try:
                     out = call(cfg)

@@ -66,14 +66,14 @@ def baseline_info(path: str) -> dict | None:
         return {"path": path, "sha256": hashlib.sha256(f.read()).hexdigest()}
 
 
-def _load_baseline(path: str):
-    """`dequantize` of another version of kernels/dequant.py, imported as a module of qvg.kernels (its relative
-    imports resolve there)."""
+def _load_baseline(path: str, name: str = "dequantize"):
+    """`name` (default `dequantize`) of another version of a kernels/ file, imported as a module of qvg.kernels (its
+    relative imports resolve there)."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location("qvg.kernels._baseline_dequant", path)
+    spec = importlib.util.spec_from_file_location(f"qvg.kernels._baseline_{name.strip('_')}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return mod.dequantize
+    return getattr(mod, name)
 
 
 def shapes():

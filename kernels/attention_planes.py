@@ -15,7 +15,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import decode_scale, dequant_codes, dot_bf16, to_bf16, to_out
+from .common import add_bf16, codes_fma_bf16, decode_scale, dequant_codes, dot_bf16, to_bf16, to_out
 from .dequant import _pick4, _widen
 
 
@@ -52,9 +52,24 @@ def _plane(byte, sraw, ts, p: tl.constexpr, rows, rmask, chunk, crow0, crow1, cr
            BLOCK_N: tl.constexpr, W: tl.constexpr, INTERP: tl.constexpr):
     """Plane p of a packed tile -> bf16 [BLOCK_N, W]: columns [p * W, (p + 1) * W). Stages 0-3 use the centroid
     rows `_tile_raw` found; later ones (up to 16) load their ids here."""
-    c = (byte >> (p * BITS)) & ((1 << BITS) - 1)
-    v = dequant_codes(c, _plane_scale(sraw, ts, p, D, GROUP, FP8, BLOCK_N, W), 0.0, OFFSET, GRID)
     col = p * W + tl.arange(0, W)
+    s = _plane_scale(sraw, ts, p, D, GROUP, FP8, BLOCK_N, W)
+    if BITS <= 4:  # 2- and 4-bit codes: decoded in BF16x2 arithmetic (`codes_fma_bf16`)
+        neg_base = -128.0 - 2.0 * OFFSET
+        if GRID == 3:  # auto: a negative scale marks a midrise group (offset + 1/2)
+            neg_base = tl.where(s < 0, neg_base - 1.0, neg_base)
+        cent = tl.zeros((BLOCK_N, W), tl.bfloat16)
+        for i in tl.static_range(STAGES):  # the stages' centroids summed last stage first (smallest first)
+            if STAGES - 1 - i < 4:
+                crow = _pick4(STAGES - 1 - i, crow0, crow1, crow2, crow3)
+            else:
+                crow = _stage_row(ids_ptr, STAGES - 1 - i, ids_stage_stride, rows, rmask, chunk, K)
+            c = tl.load(cent_ptr + (STAGES - 1 - i) * cent_stage_stride + crow[:, None] * D + col[None, :], mask=rmask[:, None],
+                        other=0.0)
+            cent = c if i == 0 else add_bf16(cent, c, INTERP)
+        return codes_fma_bf16(byte, p * BITS, BITS, tl.abs(s) * 0.5, neg_base + tl.zeros_like(s), cent, INTERP)
+    c = (byte >> (p * BITS)) & ((1 << BITS) - 1)
+    v = dequant_codes(c, s, 0.0, OFFSET, GRID)
     for st in tl.static_range(STAGES):
         if st < 4:
             crow = _pick4(st, crow0, crow1, crow2, crow3)
@@ -217,12 +232,15 @@ def _tail_planes(ptrs, valid, W: tl.constexpr, P: tl.constexpr, JOIN: tl.constex
 
 
 @triton.jit
-def _online_softmax(s, valid, m_i, l_i, qk_scale):
-    """Scores (already q k^T) -> (p fp32, alpha, m_new, l_new) of one online-softmax step."""
-    s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+def _online_softmax(s, valid, ragged, m_i, l_i, qk_scale):
+    """Scores (q k^T, unscaled) -> (p fp32, alpha, m_new, l_new) of one online-softmax step (m in log2 units of the
+    scaled scores). Keys past the end are masked only in a `ragged` tile, and the scale is applied inside the
+    exponent's argument (one FMA), as flash attention does: ~2 fewer instructions per score."""
+    if ragged:
+        s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     alpha = tl.math.exp2(m_i - m_new)
-    p = tl.math.exp2(s - m_new[:, None])
+    p = tl.math.exp2(s * qk_scale - m_new[:, None])
     return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
 
 
@@ -311,7 +329,7 @@ def _attn_planes_kernel(q_ptr, out_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, 
                                           cstride, D, BITS, GROUP, GRID, OFFSET, FP8, STAGES, BLOCK_N, JOIN,
                                           INTERP)
             p, alpha, m_i, l_i = _online_softmax(_scores(q0, q1, q2, q3, k0, k1, k2, k3, BLOCK_N, P, JOIN, INTERP),
-                                                 valid, m_i, l_i, qk_scale)
+                                                 valid, n0 + BLOCK_N > N, m_i, l_i, qk_scale)
             v0, v1, v2, v3 = _tile_planes(vb, vsr, vts, vr0, vr1, vr2, vr3, n0, N, L, K, vid, istride, vcen,
                                           cstride, D, BITS, GROUP, GRID, OFFSET, FP8, STAGES, BLOCK_N, JOIN,
                                           INTERP)
@@ -323,7 +341,7 @@ def _attn_planes_kernel(q_ptr, out_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, 
         valid = rows < T
         k0, k1, k2, k3 = _tail_planes(tk_ptr + (gh * T + rows)[:, None] * D + cols[None, :], valid, W, P, JOIN)
         p, alpha, m_i, l_i = _online_softmax(_scores(q0, q1, q2, q3, k0, k1, k2, k3, BLOCK_N, P, JOIN, INTERP),
-                                             valid, m_i, l_i, qk_scale)
+                                             valid, jj * BLOCK_N + BLOCK_N > T, m_i, l_i, qk_scale)
         v0, v1, v2, v3 = _tail_planes(tv_ptr + (gh * T + rows)[:, None] * D + cols[None, :], valid, W, P, JOIN)
         a0, a1, a2, a3 = _accumulate(p, alpha, v0, v1, v2, v3, a0, a1, a2, a3, P, JOIN, INTERP)
     om = qmask[:, None]

@@ -126,3 +126,54 @@ def dot_exact(a, x, acc, PARTS: tl.constexpr, EMULATE: tl.constexpr):
             acc = dot_bf16(a, piece, acc, EMULATE)
             xf = xf - piece.to(tl.float32)
         return acc
+
+
+# One inline-PTX step per 4 codes (their 4 bytes in one register): each code c (bits SHIFT.. of its byte, moved to
+# bits 1.. by a funnel rotate) becomes the BF16 128 + 2c by a byte permute with 0x43 (BF16 128 has ulp 1 up to 256),
+# then d = (128 + 2c) - (128 + 2 off) = 2 (c - off) exactly, then d * (s / 2) + centroid in one rounding: all in
+# BF16x2 (HFMA2) arithmetic, ~2 instructions an element against ~7 for the FP32 decode.
+_CODES_FMA_BF16 = tl.constexpr("""{
+.reg .b32 t, a, b, one;
+mov.b32 one, 0x3F803F80;
+shf.r.wrap.b32 t, $2, $2, $3;
+and.b32 t, t, $7;
+prmt.b32 a, t, 0x43434343, 0x4140;
+prmt.b32 b, t, 0x43434343, 0x4342;
+fma.rn.bf16x2 a, a, one, $13;
+fma.rn.bf16x2 b, b, one, $14;
+fma.rn.bf16x2 $0, a, $11, $15;
+fma.rn.bf16x2 $1, b, $12, $16;
+}""")
+
+
+@triton.jit
+def codes_fma_bf16(byte, SHIFT: tl.constexpr, BITS: tl.constexpr, half_scale, neg_base, cent, EMULATE: tl.constexpr):
+    """bf16((c - off) * s + cent) for the BITS-bit codes c = (byte >> SHIFT) & (2^BITS - 1) (BITS <= 4), with
+    half_scale = bf16(|s| / 2) and neg_base = -(128 + 2 off) (bf16-exact: off a multiple of 1/2 below 64): the
+    product is exact and the sum rounded once, by HFMA2. The scale is thus rounded to BF16 (2^-9 of the residual
+    term) where `dequant_codes` keeps it in FP32. EMULATE (the interpreter, which runs no PTX): the same arithmetic
+    in FP32, rounded to nearest even."""
+    hs = half_scale.to(tl.bfloat16)
+    nb = neg_base.to(tl.bfloat16)
+    if EMULATE:
+        c = (byte.to(tl.int32) >> SHIFT) & ((1 << BITS) - 1)
+        d = (128 + 2 * c).to(tl.float32) + nb.to(tl.float32)
+        return to_bf16(d * hs.to(tl.float32) + cent.to(tl.float32), True)
+    else:
+        rot = tl.full(byte.shape, (SHIFT + 31) % 32, tl.int32)
+        mask = tl.full(byte.shape, (((1 << BITS) - 1) << 1) * 0x01010101, tl.int32)
+        hs, nb = tl.broadcast(hs, nb)
+        return tl.inline_asm_elementwise(_CODES_FMA_BF16, "=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+                                         [byte, rot, mask, tl.broadcast_to(hs, byte.shape),
+                                          tl.broadcast_to(nb, byte.shape), cent.to(tl.bfloat16)],
+                                         dtype=tl.bfloat16, is_pure=True, pack=4)
+
+
+@triton.jit
+def add_bf16(a, b, EMULATE: tl.constexpr):
+    """a + b for BF16 tensors in BF16x2 arithmetic (one HADD2 per two elements, rounded to nearest even)."""
+    if EMULATE:
+        return to_bf16(a.to(tl.float32) + b.to(tl.float32), True)
+    else:
+        return tl.inline_asm_elementwise("{ .reg .b32 one; mov.b32 one, 0x3F803F80; fma.rn.bf16x2 $0, $1, one, $2; }",
+                                         "=r,r,r", [a, b], dtype=tl.bfloat16, is_pure=True, pack=2)

@@ -9,7 +9,8 @@ from qvg.eval import profile_attention
                                        (["--only", ";"], "names no tile config"),
                                        (["--rounds", "0"], "--rounds must be >= 1"),
                                        (["--formats", "qvg,fp8"], "unknown format 'fp8'"),
-                                       (["--keys", "1000"], "multiples of the 4,680-token chunk")])
+                                       (["--keys", "1000"], "multiples of the 4,680-token chunk"),
+                                       (["--baseline", "/no/such/file.py"], "is not a file")])
 def test_bad_input_one_line(argv, says, capsys):
     assert profile_attention.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -24,3 +25,11 @@ def test_configs_are_packed_attention_keywords():
         assert set(cfg) <= params
     assert profile_attention.parse_only("256,64,8,2,3") == [dict(block_m=256, block_n=64, num_warps=8, num_stages=2,
                                                                  splits=3)]
+
+
+def test_baseline_loads_another_planes_kernel():
+    import pathlib
+    import qvg.kernels.attention_planes as current
+    from qvg.eval.profile_dequant import _load_baseline
+    kernel = _load_baseline(str(pathlib.Path(current.__file__)), "_attn_planes_kernel")
+    assert kernel is not current._attn_planes_kernel and kernel.fn.__name__ == "_attn_planes_kernel"
