@@ -6,16 +6,18 @@ W), W = D * BITS / 8 (2, 4 or 8 bits: at most 4 planes). So a K or V tile is dec
 interleaved into one [BLOCK_N, D] tile by `_join4` (q loaded in the same column order, the output split back by
 `_split4`), so the scores and p @ v are one dot each; or the scores are the sum over planes of q[:, plane] @
 k_plane^T and the output is P accumulators [BLOCK_M, W] (qvg-pro ran faster so on the H100). Per element the
-decode is `qvg.decompress`'s arithmetic (codes x scale + the centroid of every stage in FP32, rounded to BF16
-once). The tiles of the BF16 tail (current chunk, BF16 zones) follow the history's. Program (query block, key
-share, batch x head); with several shares, `_merge_splits` combines them by log-sum-exp.
+decode is `qvg.decompress`'s value: for 2- and 4-bit codes with at most one stage (qvg, RTN) in BF16x2 arithmetic
+(`codes_fma_bf16`: ~2 instructions an element, exact with the power-of-two tscale), else codes x scale + the
+centroid of every stage in FP32, rounded to BF16 once. The tiles of the BF16 tail (current chunk, BF16 zones)
+follow the history's. Program (query block, key share, batch x head); with several shares, `_merge_splits` combines
+them by log-sum-exp.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from .common import add_bf16, codes_fma_bf16, decode_scale, dequant_codes, dot_bf16, to_bf16, to_out
+from .common import codes_fma_bf16, decode_scale, dequant_codes, dot_bf16, to_bf16, to_out
 from .dequant import _pick4, _widen
 
 
@@ -54,19 +56,13 @@ def _plane(byte, sraw, ts, p: tl.constexpr, rows, rmask, chunk, crow0, crow1, cr
     rows `_tile_raw` found; later ones (up to 16) load their ids here."""
     col = p * W + tl.arange(0, W)
     s = _plane_scale(sraw, ts, p, D, GROUP, FP8, BLOCK_N, W)
-    if BITS <= 4:  # 2- and 4-bit codes: decoded in BF16x2 arithmetic (`codes_fma_bf16`)
+    if BITS <= 4 and STAGES <= 1:  # codes x scale (+ the one centroid) in BF16x2 arithmetic: `codes_fma_bf16`
         neg_base = -128.0 - 2.0 * OFFSET
         if GRID == 3:  # auto: a negative scale marks a midrise group (offset + 1/2)
             neg_base = tl.where(s < 0, neg_base - 1.0, neg_base)
         cent = tl.zeros((BLOCK_N, W), tl.bfloat16)
-        for i in tl.static_range(STAGES):  # the stages' centroids summed last stage first (smallest first)
-            if STAGES - 1 - i < 4:
-                crow = _pick4(STAGES - 1 - i, crow0, crow1, crow2, crow3)
-            else:
-                crow = _stage_row(ids_ptr, STAGES - 1 - i, ids_stage_stride, rows, rmask, chunk, K)
-            c = tl.load(cent_ptr + (STAGES - 1 - i) * cent_stage_stride + crow[:, None] * D + col[None, :], mask=rmask[:, None],
-                        other=0.0)
-            cent = c if i == 0 else add_bf16(cent, c, INTERP)
+        if STAGES == 1:
+            cent = tl.load(cent_ptr + crow0[:, None] * D + col[None, :], mask=rmask[:, None], other=0.0)
         return codes_fma_bf16(byte, p * BITS, BITS, tl.abs(s) * 0.5, neg_base + tl.zeros_like(s), cent, INTERP)
     c = (byte >> (p * BITS)) & ((1 << BITS) - 1)
     v = dequant_codes(c, s, 0.0, OFFSET, GRID)

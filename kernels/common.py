@@ -149,10 +149,12 @@ fma.rn.bf16x2 $1, b, $12, $16;
 @triton.jit
 def codes_fma_bf16(byte, SHIFT: tl.constexpr, BITS: tl.constexpr, half_scale, neg_base, cent, EMULATE: tl.constexpr):
     """bf16((c - off) * s + cent) for the BITS-bit codes c = (byte >> SHIFT) & (2^BITS - 1) (BITS <= 4), with
-    half_scale = bf16(|s| / 2) and neg_base = -(128 + 2 off) (bf16-exact: off a multiple of 1/2 below 64): the
-    product is exact and the sum rounded once, by HFMA2. The scale is thus rounded to BF16 (2^-9 of the residual
-    term) where `dequant_codes` keeps it in FP32. EMULATE (the interpreter, which runs no PTX): the same arithmetic
-    in FP32, rounded to nearest even."""
+    half_scale = |s| / 2 and neg_base = -(128 + 2 off) (off a multiple of 1/2 below 64), rounded to BF16 here: the
+    product is exact and the sum rounded once, by HFMA2. With a power-of-two tscale (`qvg.quant.tensor_scale`),
+    |s| / 2 is exact in BF16 and the result is the reference's (`dequant_codes` in FP32, then rounded), except where
+    the reference's FP32 sum itself rounds first; with another tscale (data packed before it was a power of two) the
+    scale carries its BF16 rounding, 2^-9 of the codes' term. EMULATE (the interpreter, which runs no PTX): the same
+    arithmetic in FP32, rounded to nearest even."""
     hs = half_scale.to(tl.bfloat16)
     nb = neg_base.to(tl.bfloat16)
     if EMULATE:
@@ -168,12 +170,3 @@ def codes_fma_bf16(byte, SHIFT: tl.constexpr, BITS: tl.constexpr, half_scale, ne
                                           tl.broadcast_to(nb, byte.shape), cent.to(tl.bfloat16)],
                                          dtype=tl.bfloat16, is_pure=True, pack=4)
 
-
-@triton.jit
-def add_bf16(a, b, EMULATE: tl.constexpr):
-    """a + b for BF16 tensors in BF16x2 arithmetic (one HADD2 per two elements, rounded to nearest even)."""
-    if EMULATE:
-        return to_bf16(a.to(tl.float32) + b.to(tl.float32), True)
-    else:
-        return tl.inline_asm_elementwise("{ .reg .b32 one; mov.b32 one, 0x3F803F80; fma.rn.bf16x2 $0, $1, one, $2; }",
-                                         "=r,r,r", [a, b], dtype=tl.bfloat16, is_pure=True, pack=2)

@@ -59,15 +59,16 @@ def _rne(v, RINT: tl.constexpr):
 @triton.jit
 def head_tscale(hmax_ptr, mc_ptr, tscale_ptr, gh, first, TS_BOUND: tl.constexpr, TS_DIV: tl.constexpr,
                 FP8_MAX: tl.constexpr, TSCALE_MIN: tl.constexpr):
-    """Head gh's FP8 tscale as `qvg.quant.tensor_scale` / `bound_tscale` form it: from the head's largest raw scale
-    (hmax_ptr[gh], FP32 bits) or, TS_BOUND, from `scale_bound(hmax_ptr[gh], mc_ptr[gh])`; divided by TS_DIV unless
-    1. Stored by the head's `first` program."""
+    """Head gh's FP8 tscale as `qvg.quant.tensor_scale` / `bound_tscale` form it (a power of two): from the head's
+    largest raw scale (hmax_ptr[gh], FP32 bits) or, TS_BOUND, from `scale_bound(hmax_ptr[gh], mc_ptr[gh])`; divided
+    by TS_DIV unless 1. Stored by the head's `first` program."""
     smax = tl.load(hmax_ptr + gh).to(tl.float32, bitcast=True)
     if TS_BOUND:
         smax = smax * (1 + 2.0 ** -7) + tl.load(mc_ptr + gh)
     if TS_DIV != 1.0:
         smax = tl.math.div_rn(smax, TS_DIV)
     ts = tl.maximum(tl.math.div_rn(smax, FP8_MAX) * (1 + 2.0 ** -20), TSCALE_MIN)
+    ts = ((ts.to(tl.int32, bitcast=True) + 0x007FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)  # `pow2_ceil`
     if first:
         tl.store(tscale_ptr + gh, ts)
     return ts

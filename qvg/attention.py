@@ -14,12 +14,15 @@ from .sequence import PackedSequence
 
 def attend_reference(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: PackedSequence | None,
                      k_tail: torch.Tensor | None = None, v_tail: torch.Tensor | None = None,
-                     scale: float | None = None, rope=None) -> torch.Tensor:
-    """`rope` (qvg.rope.RopeTables): the history keys were stored before RoPE and are rotated on read."""
+                     scale: float | None = None, rope=None, exact: bool = False) -> torch.Tensor:
+    """`rope` (qvg.rope.RopeTables): the history keys were stored before RoPE and are rotated on read. exact: the
+    history decoded in FP32 without its BF16 rounding (the values the packed data stands for), else as the
+    reference decode rounds it (bit-equal to the kernels' dequant); FP32 attention either way."""
     ks, vs = [], []
     if k_hist is not None:
-        ks.append(k_hist.decompress(rope).float())
-        vs.append(v_hist.decompress().float())
+        dt = torch.float32 if exact else None
+        ks.append(k_hist.decompress(rope, dt).float())
+        vs.append(v_hist.decompress(dtype=dt).float())
     if k_tail is not None:
         ks.append(k_tail.float())
         vs.append(v_tail.float())

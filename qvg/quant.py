@@ -21,10 +21,12 @@ may pick the neighbouring level, off the bound by float rounding only).
 
 Scale storage (`QuantSpec.scale_dtype`):
   "fp8"   FP8 E4M3 (1 byte). To use E4M3's range fully and never under- or overflow, group scales are stored
-          relative to one FP32 scale per (batch, head), `tscale` = (largest group scale of that head) / 448:
-          stored = roundup_fp8(clamp(s / tscale, 2^-9, 448)). 448 is E4M3's largest finite value and 2^-9 its
-          smallest positive (subnormal) one, so no scale becomes 0 or inf. Rounding *up* to the next E4M3 value
-          (not to nearest) keeps every group's range covered, so the s/2 bound holds for the stored scale.
+          relative to one FP32 scale per (batch, head), `tscale` = (largest group scale of that head) / 448,
+          rounded up to a power of two (so the largest stored scale is in (224, 448] and every decoded scale is
+          exact in BF16): stored = roundup_fp8(clamp(s / tscale, 2^-9, 448)). 448 is E4M3's largest finite value
+          and 2^-9 its smallest positive (subnormal) one, so no scale becomes 0 or inf. Rounding *up* to the next
+          E4M3 value (not to nearest) keeps every group's range covered, so the s/2 bound holds for the stored
+          scale.
           Cost: 32 bits per (batch, head), i.e. 32 / (N * D) bits per element.
           A caller that knows an upper bound on the head's largest |x| may pass the tscale of that bound instead
           (`bound_tscale`): the scales then sit a little lower in E4M3's range and the quantizer needs no pass over
@@ -132,12 +134,20 @@ def _div(a: torch.Tensor, value: float) -> torch.Tensor:
     return a / torch.full((), value, dtype=a.dtype, device=a.device)
 
 
+def pow2_ceil(x: torch.Tensor) -> torch.Tensor:
+    """The smallest power of two >= x, for positive normal FP32 x, exactly (the mantissa's bits carried into the
+    exponent: integer ops, the same bits on every device and in the kernels' `head_tscale`)."""
+    return ((x.float().view(torch.int32) + 0x007FFFFF) & 0x7F800000).view(torch.float32)
+
+
 def tensor_scale(s: torch.Tensor) -> torch.Tensor:
-    """Per-(batch, head) FP32 scale of the FP8 group scales: the largest raw group scale maps to 448 (nudged up by
-    2^-20 so fp32 rounding never pushes it past 448). Floored at 2^-117 so that every decoded scale (>= 2^-9 x
-    tscale) is a normal float with a finite reciprocal (heads whose largest value is below ~1e-33)."""
+    """Per-(batch, head) FP32 scale of the FP8 group scales: the power of two that maps the largest raw group scale
+    into (224, 448] (from smax / 448 nudged up by 2^-20, so fp32 rounding never pushes it past 448). A power of two,
+    so every decoded scale (E4M3 x tscale) is exact in BF16 and BF16 arithmetic decodes the codes exactly
+    (kernels/common.py `codes_fma_bf16`). Floored at 2^-117 so that every decoded scale (>= 2^-9 x tscale) is a
+    normal float with a finite reciprocal (heads whose largest value is below ~1e-33)."""
     smax = s.flatten(2).amax(-1)  # [B, H]
-    return (_div(smax, FP8_MAX) * (1 + 2.0 ** -20)).clamp(min=TSCALE_MIN)
+    return pow2_ceil((_div(smax, FP8_MAX) * (1 + 2.0 ** -20)).clamp(min=TSCALE_MIN))
 
 
 def scale_divisor(spec: QuantSpec) -> float:
@@ -163,7 +173,7 @@ def bound_tscale(bound: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     group scale that bound allows (bound / `scale_divisor`), so no stored scale can clamp at 448."""
     div = scale_divisor(spec)
     smax = bound.float() if div == 1.0 else _div(bound.float(), div)
-    return (_div(smax, FP8_MAX) * (1 + 2.0 ** -20)).clamp(min=TSCALE_MIN)
+    return pow2_ceil((_div(smax, FP8_MAX) * (1 + 2.0 ** -20)).clamp(min=TSCALE_MIN))
 
 
 def encode_scale(s: torch.Tensor, spec: QuantSpec, tscale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:

@@ -199,9 +199,10 @@ class PackedSequence:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
-    def decompress(self, rope=None) -> torch.Tensor:
+    def decompress(self, rope=None, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Reference decode of the whole sequence, oldest chunk first (materializes it: tests and the CPU fallback
-        only). `rope` (qvg.rope.RopeTables): the keys were stored before RoPE; rotate them as they are read."""
+        only). `rope` (qvg.rope.RopeTables): the keys were stored before RoPE; rotate them as they are read.
+        dtype: of the result (default the stored dtype; torch.float32 gives the exact decode, unrounded)."""
         b, h, n, d = self.shape
         c = n // self.chunk_len
         t = self.tensors
@@ -223,4 +224,4 @@ class PackedSequence:
             y = apply_rope(y, rope.angles(self.chunk_len).to(y.device))
         if self.head:  # a wrapped ring: the oldest chunk first
             y = torch.cat([y[:, :, self.head * self.chunk_len:], y[:, :, :self.head * self.chunk_len]], 2)
-        return y.to(self.dtype)
+        return y.to(self.dtype if dtype is None else dtype)

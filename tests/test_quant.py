@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import assert_within_half_step, gen, randn, with_outliers
-from qvg.quant import (FP8_MAX, FP8_MIN, BF16_MIN, QuantSpec, decode_scale, dequantize, dequantize_packed,
+from qvg.quant import (FP8_MAX, FP8_MIN, BF16_MIN, QuantSpec, decode_scale, dequantize, dequantize_packed, pow2_ceil,
                        quantize, quantize_packed, step_size)
 
 GRID_BITS = [(g, b) for g in ("auto", "sym", "midrise", "asym") for b in (1, 2, 4, 8) if not (g == "sym" and b < 2)]
@@ -143,13 +143,14 @@ def test_decoded_scale_rounds_up_and_is_tight(spec, shape):
         normal = raw / stored["tscale"][:, :, None, None] >= 2.0 ** -6
         assert normal.float().mean() > 0.5
         assert (dec[normal] <= raw[normal] * 1.125 * (1 + 1e-6)).all()
-        # the largest group of every head is stored as E4M3's top value, 448 (auto: the tscale follows the sym
-        # candidate, so a head whose largest group went midrise tops out lower)
+        # the tscale is a power of two and the largest group of every head is stored in (224, 448] (auto: the
+        # tscale follows the sym candidate, so a head whose largest group went midrise may top out lower)
+        ts = stored["tscale"]
+        assert torch.equal(ts, pow2_ceil(ts))
         top = stored["scale"].float().abs().flatten(2).amax(-1)
-        if spec.grid == "auto" and spec.bits > 1:
-            assert (top <= FP8_MAX).all()
-        else:
-            assert torch.equal(top, torch.full(shape[:2], FP8_MAX))
+        assert (top <= FP8_MAX).all()
+        if not (spec.grid == "auto" and spec.bits > 1):
+            assert (top > FP8_MAX / 2).all()
     else:
         normal = raw >= BF16_MIN
         assert (dec[normal] <= raw[normal] * (1 + 2.0 ** -7) * (1 + 1e-6)).all()
@@ -295,3 +296,9 @@ def test_auto_grid_never_worse_than_sym_or_midrise_per_group(bits, scale_dtype):
         assert bool((errs["auto"] <= torch.minimum(errs["sym"], errs["midrise"]) * (1 + 1e-6) + 1e-12).all())
     assert 0 < flags.float().mean() < 1  # both grids get used on this mix
     assert errs["auto"].sum() < min(errs["sym"].sum(), errs["midrise"].sum())
+
+
+def test_pow2_ceil_is_the_next_power_of_two():
+    x = torch.tensor([1.0, 1.5, 2.0 ** -117, 3 * 2.0 ** -20, 448.0, 2.0 ** 100 * 1.0000001, 0.75])
+    want = torch.tensor([1.0, 2.0, 2.0 ** -117, 2.0 ** -18, 512.0, 2.0 ** 101, 1.0])
+    assert torch.equal(pow2_ceil(x), want)

@@ -247,3 +247,17 @@ def test_staged_reads_a_tail_view_in_place(b, device):
     got = _run("staged", device, q, kh, vh, view_k, view_v)
     want = _run("staged", device, q, kh, vh, kt, vt)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("name", ["qvg", "qvg-pro", "rtn-int4"])
+def test_fused_decode_as_accurate_as_the_exact_rounding(name, device):
+    """Against FP32 attention over the history decoded exactly (unrounded): the fused kernel, whose qvg decode runs
+    in BF16x2 arithmetic with the scale rounded to BF16, is within 1.25x (+1e-4) of the staged kernel's error, whose
+    decode is the reference's (exact, then rounded once). A peaked softmax (q x 4), where K's rounding shows."""
+    kh, vh = _history(name, seed=3)
+    q, kt, vt = _qkv(seed=4)
+    q = (q.float() * 4).bfloat16()
+    exact = attend_reference(q.float(), kh, vh, kt.float(), vt.float(), exact=True)
+    fused = rel_err(_run("packed", device, q, kh, vh, kt, vt), exact)
+    staged = rel_err(_run("staged", device, q, kh, vh, kt, vt, window=48), exact)
+    assert fused <= 1.25 * staged + 1e-4, f"{name}: fused {fused:.5f} vs staged {staged:.5f}"
