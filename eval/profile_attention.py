@@ -83,6 +83,7 @@ def main(argv=None) -> int:
         return 2
     import triton.testing
     from torch.nn.attention import SDPBackend, sdpa_kernel
+    from qvg.attention import attend_reference
     from qvg.kernels.attention import packed_attention
     from qvg.kernels.dequant import dequantize
     from qvg.sequence import PackedSequence

@@ -3,10 +3,15 @@
 import pytest
 import torch
 
+import triton
+import triton.language as tl
+
 import qvg
 from kernel_helpers import clustered, gen, poisoned, rel_err
 from qvg.attention import attend_reference
 from qvg.kernels.attention import packed_attention, staged_attention
+from qvg.kernels.attention_planes import _tile_planes, _tile_raw
+from qvg.kernels.common import INTERPRET, grid_constants, raw_view
 from qvg.sequence import PackedSequence
 
 L, CHUNKS, HKV, HQ, D = 40, 3, 2, 4, 64  # 3 chunks of 40 tokens: N = 120, not a multiple of the 32-token tiles
@@ -249,15 +254,48 @@ def test_staged_reads_a_tail_view_in_place(b, device):
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("name", ["qvg", "qvg-pro", "rtn-int4"])
-def test_fused_decode_as_accurate_as_the_exact_rounding(name, device):
-    """Against FP32 attention over the history decoded exactly (unrounded): the fused kernel, whose qvg decode runs
-    in BF16x2 arithmetic with the scale rounded to BF16, is within 1.25x (+1e-4) of the staged kernel's error, whose
-    decode is the reference's (exact, then rounded once). A peaked softmax (q x 4), where K's rounding shows."""
-    kh, vh = _history(name, seed=3)
-    q, kt, vt = _qkv(seed=4)
-    q = (q.float() * 4).bfloat16()
-    exact = attend_reference(q.float(), kh, vh, kt.float(), vt.float(), exact=True)
-    fused = rel_err(_run("packed", device, q, kh, vh, kt, vt), exact)
-    staged = rel_err(_run("staged", device, q, kh, vh, kt, vt, window=48), exact)
-    assert fused <= 1.25 * staged + 1e-4, f"{name}: fused {fused:.5f} vs staged {staged:.5f}"
+
+@triton.jit
+def _decode_tiles(kc, ks, kt, kid, kcen, out, N, L, K, istride, cstride, D: tl.constexpr, BITS: tl.constexpr,
+                  GROUP: tl.constexpr, GRID: tl.constexpr, OFFSET: tl.constexpr, FP8: tl.constexpr,
+                  STAGES: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr):
+    """The fused kernel's decode stage alone (`_tile_raw` + `_tile_planes`, planes stored side by side)."""
+    n0 = tl.program_id(0) * BLOCK_N
+    raw = _tile_raw(kc, ks, kt, kid, n0, N, L, K, istride, D, BITS, GROUP, FP8, STAGES, BLOCK_N)
+    x0, x1, x2, x3 = _tile_planes(*raw, n0, N, L, K, kid, istride, kcen, cstride, D, BITS, GROUP, GRID, OFFSET, FP8,
+                                  STAGES, BLOCK_N, False, INTERP)
+    W: tl.constexpr = D * BITS // 8
+    rows = n0 + tl.arange(0, BLOCK_N)
+    o = out + rows[:, None] * D + tl.arange(0, W)[None, :]
+    m = (rows < N)[:, None]
+    tl.store(o, x0, mask=m)
+    if BITS < 8:
+        tl.store(o + W, x1, mask=m)
+    if BITS < 4:
+        tl.store(o + 2 * W, x2, mask=m)
+        tl.store(o + 3 * W, x3, mask=m)
+
+
+@pytest.mark.parametrize("name", list(METHODS) + ["rtn-int8"])
+def test_fused_decode_gives_the_reference_bits(name, device):
+    """The fused kernel decodes each K / V tile to the reference decode's BF16 bits (`PackedSequence.decompress`):
+    for qvg and RTN at 2 and 4 bits in BF16x2 arithmetic, exact because the FP8 tscale is a power of two; the rest
+    in FP32. (Where the reference's FP32 sum rounds before its final rounding the two may differ by an ulp: at most
+    1 element in 1,000 is allowed. With the scale rounded to BF16 instead, 38% of qvg's elements differed here and
+    55% of RTN INT4's.)"""
+    kh, _ = _history(name, seed=2)
+    kh = _to(kh, device)
+    b, h, n, d = kh.shape
+    t = kh.tensors
+    stages = kh.stages
+    dummy = t["codes"]
+    with poisoned():
+        out = torch.empty(n, d, dtype=torch.bfloat16, device=device)
+    want = kh.decompress()[0, 0].cpu()  # head 0 of batch 0
+    _decode_tiles[(triton.cdiv(n, 32),)](
+        t["codes"], raw_view(t["scale"]), t.get("tscale", dummy), t["ids"] if stages else dummy,
+        t["centroids"] if stages else dummy, out, n, kh.chunk_len, t["centroids"].shape[-2] if stages else 1,
+        b * h * n, t["centroids"][0].numel() if stages else 0, D=d, STAGES=stages, BLOCK_N=32, INTERP=INTERPRET,
+        **grid_constants(kh.spec))
+    differ = (out.cpu().view(torch.int16) != want.view(torch.int16)).float().mean().item()
+    assert differ <= 1e-3, f"{name}: {differ:.2%} of the decoded elements differ from the reference's bits"
