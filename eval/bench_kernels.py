@@ -312,7 +312,8 @@ def _best(fn, configs, flops):
             "all": {str(dict(k)): v for k, v in times.items()}}
 
 
-FUSED_CONFIGS = [dict(block_m=256, block_n=64, num_warps=8, num_stages=2),  # (key splits: packed_attention's pick)
+FUSED_CONFIGS = [dict(block_m=256, block_n=64, num_warps=8, num_stages=3),  # (key splits: packed_attention's pick;
+                 dict(block_m=256, block_n=64, num_warps=8, num_stages=2),  # 3 stages: one-stage formats only)
                  dict(block_m=128, block_n=64, num_warps=8, num_stages=2)]
 STAGED_CONFIGS = [dict(block_m=128, block_n=64, num_warps=4, num_stages=2),
                   dict(block_m=128, block_n=64, num_warps=4, num_stages=3),

@@ -196,15 +196,16 @@ def _scores(q0, q1, q2, q3, k0, k1, k2, k3, BLOCK_N: tl.constexpr, P: tl.constex
 
 
 @triton.jit
-def _accumulate(p, v0, v1, v2, v3, a0, a1, a2, a3, P: tl.constexpr, JOIN: tl.constexpr, INTERP: tl.constexpr):
-    """acc + p @ v, plane by plane (or on the joined a0 and v0)."""
-    a0 = dot_bf16(p, v0, a0, INTERP)
+def _accumulate(p, alpha, v0, v1, v2, v3, a0, a1, a2, a3, P: tl.constexpr, JOIN: tl.constexpr,
+                INTERP: tl.constexpr):
+    """acc * alpha + p @ v, plane by plane (or on the joined a0 and v0)."""
+    a0 = dot_bf16(p, v0, a0 * alpha[:, None], INTERP)
     if not JOIN:
         if P > 1:
-            a1 = dot_bf16(p, v1, a1, INTERP)
+            a1 = dot_bf16(p, v1, a1 * alpha[:, None], INTERP)
         if P > 2:
-            a2 = dot_bf16(p, v2, a2, INTERP)
-            a3 = dot_bf16(p, v3, a3, INTERP)
+            a2 = dot_bf16(p, v2, a2 * alpha[:, None], INTERP)
+            a3 = dot_bf16(p, v3, a3 * alpha[:, None], INTERP)
     return a0, a1, a2, a3
 
 
@@ -227,29 +228,16 @@ def _tail_planes(ptrs, valid, W: tl.constexpr, P: tl.constexpr, JOIN: tl.constex
 
 
 @triton.jit
-def _online_softmax(s, valid, ragged, m_i, l_i, a0, a1, a2, a3, qk_scale, P: tl.constexpr, JOIN: tl.constexpr):
-    """Scores (q k^T, unscaled) -> (p fp32, m, l, accumulators) of one online-softmax step (m in log2 units of the
-    scaled scores). Keys past the end are masked only in a `ragged` tile; the scale is applied inside the exponent's
-    argument (one FMA), as flash attention does. Lazy rescaling: the running max m (and with it l and the
-    accumulators) moves only when some row's max grows by more than 8 (log2 units), so p <= 2^8; otherwise the
-    tile skips the accumulators' rescale (a multiply per accumulator element). One block-wide max decides, so the
-    branch is uniform. out = acc / l is the same whichever m they share."""
+def _online_softmax(s, valid, ragged, m_i, l_i, qk_scale):
+    """Scores (q k^T, unscaled) -> (p fp32, alpha, m_new, l_new) of one online-softmax step (m in log2 units of the
+    scaled scores). Keys past the end are masked only in a `ragged` tile, and the scale is applied inside the
+    exponent's argument (one FMA), as flash attention does: ~2 fewer instructions per score."""
     if ragged:
         s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-    if tl.max(tl.where(m_new > m_i, m_new - m_i, 0.0), 0) > 8.0:
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha
-        a0 = a0 * alpha[:, None]
-        if not JOIN:
-            if P > 1:
-                a1 = a1 * alpha[:, None]
-            if P > 2:
-                a2 = a2 * alpha[:, None]
-                a3 = a3 * alpha[:, None]
-        m_i = m_new
-    p = tl.math.exp2(s * qk_scale - m_i[:, None])
-    return p, m_i, l_i + tl.sum(p, 1), a0, a1, a2, a3
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(s * qk_scale - m_new[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
 
 
 @triton.jit
@@ -336,24 +324,22 @@ def _attn_planes_kernel(q_ptr, out_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, 
             k0, k1, k2, k3 = _tile_planes(kb, ksr, kts, kr0, kr1, kr2, kr3, n0, N, L, K, kid, istride, kcen,
                                           cstride, D, BITS, GROUP, GRID, OFFSET, FP8, STAGES, BLOCK_N, JOIN,
                                           INTERP)
-            p, m_i, l_i, a0, a1, a2, a3 = _online_softmax(
-                _scores(q0, q1, q2, q3, k0, k1, k2, k3, BLOCK_N, P, JOIN, INTERP), valid, n0 + BLOCK_N > N, m_i, l_i,
-                a0, a1, a2, a3, qk_scale, P, JOIN)
+            p, alpha, m_i, l_i = _online_softmax(_scores(q0, q1, q2, q3, k0, k1, k2, k3, BLOCK_N, P, JOIN, INTERP),
+                                                 valid, n0 + BLOCK_N > N, m_i, l_i, qk_scale)
             v0, v1, v2, v3 = _tile_planes(vb, vsr, vts, vr0, vr1, vr2, vr3, n0, N, L, K, vid, istride, vcen,
                                           cstride, D, BITS, GROUP, GRID, OFFSET, FP8, STAGES, BLOCK_N, JOIN,
                                           INTERP)
-            a0, a1, a2, a3 = _accumulate(p, v0, v1, v2, v3, a0, a1, a2, a3, P, JOIN, INTERP)
+            a0, a1, a2, a3 = _accumulate(p, alpha, v0, v1, v2, v3, a0, a1, a2, a3, P, JOIN, INTERP)
             kb, ksr, kts, kr0, kr1, kr2, kr3 = nkb, nksr, nkts, nkr0, nkr1, nkr2, nkr3
             vb, vsr, vts, vr0, vr1, vr2, vr3 = nvb, nvsr, nvts, nvr0, nvr1, nvr2, nvr3
     for jj in range(tl.maximum(j0, nh) - nh, tl.minimum(j1, nh + tl.cdiv(T, BLOCK_N)) - nh):
         rows = jj * BLOCK_N + tl.arange(0, BLOCK_N)
         valid = rows < T
         k0, k1, k2, k3 = _tail_planes(tk_ptr + (gh * T + rows)[:, None] * D + cols[None, :], valid, W, P, JOIN)
-        p, m_i, l_i, a0, a1, a2, a3 = _online_softmax(
-            _scores(q0, q1, q2, q3, k0, k1, k2, k3, BLOCK_N, P, JOIN, INTERP), valid, jj * BLOCK_N + BLOCK_N > T,
-            m_i, l_i, a0, a1, a2, a3, qk_scale, P, JOIN)
+        p, alpha, m_i, l_i = _online_softmax(_scores(q0, q1, q2, q3, k0, k1, k2, k3, BLOCK_N, P, JOIN, INTERP),
+                                             valid, jj * BLOCK_N + BLOCK_N > T, m_i, l_i, qk_scale)
         v0, v1, v2, v3 = _tail_planes(tv_ptr + (gh * T + rows)[:, None] * D + cols[None, :], valid, W, P, JOIN)
-        a0, a1, a2, a3 = _accumulate(p, v0, v1, v2, v3, a0, a1, a2, a3, P, JOIN, INTERP)
+        a0, a1, a2, a3 = _accumulate(p, alpha, v0, v1, v2, v3, a0, a1, a2, a3, P, JOIN, INTERP)
     om = qmask[:, None]
     if SPLIT:  # (a split with no tile: l = 0, its weight in the merge 0)
         l1 = tl.where(l_i > 0, l_i, 1.0)
