@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from qvg.rope import RopeTables
 from qvg.sequence import PackedSequence
@@ -175,7 +176,9 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
     q [B, Hq, M, D] bf16; histories from `PackedSequence.from_chunks`; tails [B, Hkv, T, D] bf16.
     The kernel (kernels/attention_planes.py) decodes K / V tiles on chip one code plane at a time. The defaults
     (256-query blocks on 8 warps, 64-key tiles) were the fastest on the H100 for qvg and qvg-pro
-    (eval/results/kernels-h100.md). splits: the keys (history tiles, then tail tiles) split into that many shares,
+    (eval/results/kernels-h100.md); num_stages None: 3 software-pipeline stages for one-stage formats and the BF16
+    tail (2% faster than 2 on the H200), falling back to 2 where 3 do not fit in shared memory, and 2 for
+    multi-stage formats. scale: positive (default D^-1/2). splits: the keys (history tiles, then tail tiles) split into that many shares,
     attended by separate programs and merged by log-sum-exp (a transient of splits BF16 copies of the output plus
     an fp32 log-sum-exp per query row; each share is rounded to BF16 before the merge); None: the count whose
     programs fill the GPU's waves best (`wave_splits`), with the partials under SPLIT_BYTES (1 under the
@@ -183,6 +186,8 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
     bsz, hq, m, d = q.shape
     if k_hist is None and k_tail is None:
         raise ValueError("attention needs a history or a tail")
+    if scale is not None and not scale > 0:
+        raise ValueError(f"packed attention needs a positive scale, got {scale}")
     if k_hist is not None:
         if k_hist.spec != v_hist.spec or k_hist.stages != v_hist.stages or k_hist.shape != v_hist.shape:
             raise ValueError("packed K and V must share options and shape")
@@ -231,12 +236,21 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
         part = torch.empty(splits, bsz * hq, m, d, device=q.device, dtype=torch.bfloat16)
         lse = torch.empty(splits, bsz * hq, m, device=q.device, dtype=torch.float32)
     join = stages <= 1 or d * consts["BITS"] // 8 < 16
-    if num_stages is None:  # 3 for the joined form (qvg and the BF16 tail: 2% faster on the H200); qvg-pro's
-        num_stages = 3 if join else 2  # plane-by-plane form needs more shared memory than 3 stages leave at 256 x 64
-    _attn_planes_kernel[(triton.cdiv(m, block_m), splits, bsz * hq)](
-        q, out, *kargs, *vargs, tk, tv, part, lse, scale * LOG2E, m, n, t, L, max(1, n // L), kk, hq, hkv, splits,
-        D=d, STAGES=stages, BLOCK_M=block_m, BLOCK_N=block_n, HAS_HIST=k_hist is not None, INTERP=INTERPRET,
-        JOIN=join, SPLIT=splits > 1, num_warps=num_warps, num_stages=num_stages, **consts)
+
+    def launch(n_stages):
+        _attn_planes_kernel[(triton.cdiv(m, block_m), splits, bsz * hq)](
+            q, out, *kargs, *vargs, tk, tv, part, lse, scale * LOG2E, m, n, t, L, max(1, n // L), kk, hq, hkv,
+            splits, D=d, STAGES=stages, BLOCK_M=block_m, BLOCK_N=block_n, HAS_HIST=k_hist is not None,
+            INTERP=INTERPRET, JOIN=join, SPLIT=splits > 1, num_warps=num_warps, num_stages=n_stages, **consts)
+    if num_stages is not None:
+        launch(num_stages)
+    elif not join:  # qvg-pro's plane-by-plane form: 3 stages need more shared memory than a GPU has at 256 x 64
+        launch(2)
+    else:  # the joined form (qvg, RTN, the BF16 tail): 3 stages, 2% faster on the H200; 2 where 3 do not fit
+        try:
+            launch(3)
+        except OutOfResources:
+            launch(2)
     if splits > 1:
         _merge_splits[(triton.cdiv(m, 64), bsz * hq)](part, lse, out, m, splits, D=d, BLOCK_M=64, INTERP=INTERPRET,
                                                     num_warps=4)

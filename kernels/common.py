@@ -155,8 +155,9 @@ def codes_fma_bf16(byte, SHIFT: tl.constexpr, BITS: tl.constexpr, half_scale, ne
     the reference's FP32 sum itself rounds first; with another tscale (data packed before it was a power of two) the
     scale carries its BF16 rounding, 2^-9 of the codes' term. EMULATE (the interpreter, which runs no PTX): the same
     arithmetic in FP32, rounded to nearest even."""
-    hs = half_scale.to(tl.bfloat16)
-    nb = neg_base.to(tl.bfloat16)
+    tl.static_assert(byte.dtype == tl.uint8, "codes_fma_bf16 reads uint8 code bytes (4 to a register)")
+    hs = to_bf16(half_scale.to(tl.float32), EMULATE)  # (the interpreter's own cast truncates)
+    nb = neg_base.to(tl.bfloat16)  # (exact: an integer below 256)
     if EMULATE:
         c = (byte.to(tl.int32) >> SHIFT) & ((1 << BITS) - 1)
         d = (128 + 2 * c).to(tl.float32) + nb.to(tl.float32)

@@ -68,7 +68,8 @@ def head_tscale(hmax_ptr, mc_ptr, tscale_ptr, gh, first, TS_BOUND: tl.constexpr,
     if TS_DIV != 1.0:
         smax = tl.math.div_rn(smax, TS_DIV)
     ts = tl.maximum(tl.math.div_rn(smax, FP8_MAX) * (1 + 2.0 ** -20), TSCALE_MIN)
-    ts = ((ts.to(tl.int32, bitcast=True) + 0x007FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)  # `pow2_ceil`
+    up = ((ts.to(tl.int32, bitcast=True) + 0x007FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
+    ts = tl.where(ts != ts, ts, up)  # `qvg.quant.pow2_ceil`: the next power of two (NaN stays NaN)
     if first:
         tl.store(tscale_ptr + gh, ts)
     return ts

@@ -136,8 +136,9 @@ def _div(a: torch.Tensor, value: float) -> torch.Tensor:
 
 def pow2_ceil(x: torch.Tensor) -> torch.Tensor:
     """The smallest power of two >= x, for positive normal FP32 x, exactly (the mantissa's bits carried into the
-    exponent: integer ops, the same bits on every device and in the kernels' `head_tscale`)."""
-    return ((x.float().view(torch.int32) + 0x007FFFFF) & 0x7F800000).view(torch.float32)
+    exponent: integer ops, the same bits on every device and in the kernels' `head_tscale`); NaN stays NaN."""
+    x = x.float()
+    return torch.where(torch.isnan(x), x, ((x.view(torch.int32) + 0x007FFFFF) & 0x7F800000).view(torch.float32))
 
 
 def tensor_scale(s: torch.Tensor) -> torch.Tensor:

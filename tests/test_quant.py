@@ -302,3 +302,4 @@ def test_pow2_ceil_is_the_next_power_of_two():
     x = torch.tensor([1.0, 1.5, 2.0 ** -117, 3 * 2.0 ** -20, 448.0, 2.0 ** 100 * 1.0000001, 0.75])
     want = torch.tensor([1.0, 2.0, 2.0 ** -117, 2.0 ** -18, 512.0, 2.0 ** 101, 1.0])
     assert torch.equal(pow2_ceil(x), want)
+    assert pow2_ceil(torch.tensor([float("nan")])).isnan().all()  # (a NaN head stays NaN, not a zero scale)
