@@ -168,6 +168,9 @@ def wave_splits(programs: int, slots: int, tiles: int, most: int = 8) -> int:
     return best if best_cost <= (1 - SPLIT_GAIN) * -(-programs // slots) else 1
 
 
+_NO_THIRD_STAGE: set = set()  # packed_attention launch shapes whose 3-stage kernel ran out of shared memory
+
+
 def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: PackedSequence | None,
                      k_tail: torch.Tensor | None = None, v_tail: torch.Tensor | None = None,
                      scale: float | None = None, block_m: int = 256, block_n: int = 64, num_warps: int = 8,
@@ -247,10 +250,16 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
     elif not join:  # qvg-pro's plane-by-plane form: 3 stages need more shared memory than a GPU has at 256 x 64
         launch(2)
     else:  # the joined form (qvg, RTN, the BF16 tail): 3 stages, 2% faster on the H200; 2 where 3 do not fit
-        try:
-            launch(3)
-        except OutOfResources:
+        key = (q.device, q.dtype, d, block_m, block_n, num_warps, stages, splits > 1, k_hist is not None,
+               tuple(sorted(consts.items())))
+        if key in _NO_THIRD_STAGE:
             launch(2)
+        else:
+            try:
+                launch(3)
+            except OutOfResources:  # (remembered: a failed compile is not cached, it would be retried every call)
+                _NO_THIRD_STAGE.add(key)
+                launch(2)
     if splits > 1:
         _merge_splits[(triton.cdiv(m, 64), bsz * hq)](part, lse, out, m, splits, D=d, BLOCK_M=64, INTERP=INTERPRET,
                                                     num_warps=4)

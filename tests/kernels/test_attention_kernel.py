@@ -308,3 +308,29 @@ def test_packed_attention_refuses_a_non_positive_scale(device):
     for bad in (0.0, -0.1):
         with pytest.raises(ValueError, match="positive scale"):
             packed_attention(q.to(device), _to(kh, device), _to(vh, device), scale=bad)
+
+
+def test_three_stages_fall_back_to_two_once(monkeypatch, device):
+    """num_stages=None: the joined form tries 3 pipeline stages; where they do not fit in shared memory (the compile
+    raises OutOfResources) it runs 2, and remembers the shape, so later calls do not compile the 3-stage kernel
+    again (triton does not cache a failed compile)."""
+    import qvg.kernels.attention as attention
+    from triton.runtime.errors import OutOfResources
+    real, tried = attention._attn_planes_kernel, []
+
+    class Launcher:
+        def __getitem__(self, grid):
+            def run(*args, num_stages, **kw):
+                tried.append(num_stages)
+                if num_stages == 3:
+                    raise OutOfResources(300000, 232448, "shared memory")
+                return real[grid](*args, num_stages=num_stages, **kw)
+            return run
+    monkeypatch.setattr(attention, "_attn_planes_kernel", Launcher())
+    monkeypatch.setattr(attention, "_NO_THIRD_STAGE", set())
+    kh, vh = _history("qvg", chunks=1)
+    q, _, _ = _qkv(t=0)
+    args = (q.to(device), _to(kh, device), _to(vh, device))
+    first = attention.packed_attention(*args, block_m=32, block_n=32)
+    second = attention.packed_attention(*args, block_m=32, block_n=32)
+    assert tried == [3, 2, 2] and torch.equal(first, second)
