@@ -83,11 +83,10 @@ def main(argv=None) -> int:
         return 2
     import triton.testing
     from torch.nn.attention import SDPBackend, sdpa_kernel
+    import qvg.kernels.attention as attention_module
     from qvg.attention import attend_reference
-    from qvg.kernels.attention import packed_attention
     from qvg.kernels.dequant import dequantize
     from qvg.sequence import PackedSequence
-    import qvg.kernels.attention as attention_module
     from .bench_kernels import _history
     from .profile_dequant import _load_baseline, baseline_info
     from .provenance import command_line, meta
@@ -118,12 +117,12 @@ def main(argv=None) -> int:
             if fmt == "bf16":
                 kd = torch.randn(1, h, n_keys, 128, device="cuda", dtype=torch.bfloat16)
                 vd = torch.randn_like(kd)
-                run = lambda cfg: packed_attention(q, None, None, kd, vd, **cfg)  # noqa: E731
+                run = lambda cfg: attention_module.packed_attention(q, None, None, kd, vd, **cfg)  # noqa: E731
             else:
                 kch, vch = _history(h, n_keys, chunk, fmt)
                 K, V = PackedSequence.from_chunks(kch), PackedSequence.from_chunks(vch)
                 kd, vd = dequantize(K), dequantize(V)
-                run = lambda cfg: packed_attention(q, K, V, **cfg)  # noqa: E731
+                run = lambda cfg: attention_module.packed_attention(q, K, V, **cfg)  # noqa: E731
 
             def call(cfg, run=run):  # (a "base" config runs the --baseline file's kernel)
                 cfg = dict(cfg)

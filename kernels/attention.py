@@ -181,11 +181,11 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
     (256-query blocks on 8 warps, 64-key tiles) were the fastest on the H100 for qvg and qvg-pro
     (eval/results/kernels-h100.md); num_stages None: 3 software-pipeline stages for one-stage formats and the BF16
     tail (2% faster than 2 on the H200), falling back to 2 where 3 do not fit in shared memory, and 2 for
-    multi-stage formats. scale: positive (default D^-1/2). splits: the keys (history tiles, then tail tiles) split into that many shares,
-    attended by separate programs and merged by log-sum-exp (a transient of splits BF16 copies of the output plus
-    an fp32 log-sum-exp per query row; each share is rounded to BF16 before the merge); None: the count whose
-    programs fill the GPU's waves best (`wave_splits`), with the partials under SPLIT_BYTES (1 under the
-    interpreter)."""
+    multi-stage formats. scale: positive (default D^-1/2). splits: the keys (history tiles, then tail tiles) split
+    into that many shares, attended by separate programs and merged by log-sum-exp (a transient of splits BF16
+    copies of the output plus an fp32 log-sum-exp per query row; each share is rounded to BF16 before the merge);
+    None: the count whose programs fill the GPU's waves best (`wave_splits`), with the partials under SPLIT_BYTES (1
+    under the interpreter)."""
     bsz, hq, m, d = q.shape
     if k_hist is None and k_tail is None:
         raise ValueError("attention needs a history or a tail")
@@ -245,21 +245,20 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
             q, out, *kargs, *vargs, tk, tv, part, lse, scale * LOG2E, m, n, t, L, max(1, n // L), kk, hq, hkv,
             splits, D=d, STAGES=stages, BLOCK_M=block_m, BLOCK_N=block_n, HAS_HIST=k_hist is not None,
             INTERP=INTERPRET, JOIN=join, SPLIT=splits > 1, num_warps=num_warps, num_stages=n_stages, **consts)
+    # num_stages None: 3 for the joined form (qvg, RTN, the BF16 tail; 2% faster on the H200), 2 for qvg-pro's
+    # plane-by-plane form (3 need more shared memory than a GPU has at 256 x 64) and where 3 did not fit before
+    key = (q.device, q.dtype, d, block_m, block_n, num_warps, stages, splits > 1, k_hist is not None,
+           tuple(sorted(consts.items())))
     if num_stages is not None:
         launch(num_stages)
-    elif not join:  # qvg-pro's plane-by-plane form: 3 stages need more shared memory than a GPU has at 256 x 64
+    elif not join or key in _NO_THIRD_STAGE:
         launch(2)
-    else:  # the joined form (qvg, RTN, the BF16 tail): 3 stages, 2% faster on the H200; 2 where 3 do not fit
-        key = (q.device, q.dtype, d, block_m, block_n, num_warps, stages, splits > 1, k_hist is not None,
-               tuple(sorted(consts.items())))
-        if key in _NO_THIRD_STAGE:
+    else:
+        try:
+            launch(3)
+        except OutOfResources:  # (remembered: a failed compile is not cached, it would be retried every call)
+            _NO_THIRD_STAGE.add(key)
             launch(2)
-        else:
-            try:
-                launch(3)
-            except OutOfResources:  # (remembered: a failed compile is not cached, it would be retried every call)
-                _NO_THIRD_STAGE.add(key)
-                launch(2)
     if splits > 1:
         _merge_splits[(triton.cdiv(m, 64), bsz * hq)](part, lse, out, m, splits, D=d, BLOCK_M=64, INTERP=INTERPRET,
                                                     num_warps=4)

@@ -165,7 +165,6 @@ def codes_fma_bf16(byte, SHIFT: tl.constexpr, BITS: tl.constexpr, half_scale, ne
     else:
         rot = tl.full(byte.shape, (SHIFT + 31) % 32, tl.int32)
         mask = tl.full(byte.shape, (((1 << BITS) - 1) << 1) * 0x01010101, tl.int32)
-        hs, nb = tl.broadcast(hs, nb)
         return tl.inline_asm_elementwise(_CODES_FMA_BF16, "=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
                                          [byte, rot, mask, tl.broadcast_to(hs, byte.shape),
                                           tl.broadcast_to(nb, byte.shape), cent.to(tl.bfloat16)],

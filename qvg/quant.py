@@ -147,7 +147,11 @@ def tensor_scale(s: torch.Tensor) -> torch.Tensor:
     so every decoded scale (E4M3 x tscale) is exact in BF16 and BF16 arithmetic decodes the codes exactly
     (kernels/common.py `codes_fma_bf16`). Floored at 2^-117 so that every decoded scale (>= 2^-9 x tscale) is a
     normal float with a finite reciprocal (heads whose largest value is below ~1e-33)."""
-    smax = s.flatten(2).amax(-1)  # [B, H]
+    return _tscale_of(s.flatten(2).amax(-1))  # [B, H]
+
+
+def _tscale_of(smax: torch.Tensor) -> torch.Tensor:
+    """The tscale of heads whose largest raw group scale is smax (see `tensor_scale`)."""
     return pow2_ceil((_div(smax, FP8_MAX) * (1 + 2.0 ** -20)).clamp(min=TSCALE_MIN))
 
 
@@ -173,8 +177,7 @@ def bound_tscale(bound: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     """The FP8 tscale [B, H] of heads whose max|x| is at most `bound` [B, H]: `tensor_scale` of the largest raw
     group scale that bound allows (bound / `scale_divisor`), so no stored scale can clamp at 448."""
     div = scale_divisor(spec)
-    smax = bound.float() if div == 1.0 else _div(bound.float(), div)
-    return pow2_ceil((_div(smax, FP8_MAX) * (1 + 2.0 ** -20)).clamp(min=TSCALE_MIN))
+    return _tscale_of(bound.float() if div == 1.0 else _div(bound.float(), div))
 
 
 def encode_scale(s: torch.Tensor, spec: QuantSpec, tscale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
