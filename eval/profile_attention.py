@@ -1,9 +1,10 @@
 """The on-chip packed-cache attention kernel's tile configs timed side by side on the GPU:
 `python -m qvg.eval.profile_attention [--out DIR] [--rounds R] [--keys N[,N...]] [--formats ...]
-[--only BM,BN,W,S[,SPLITS];...] [--baseline FILE]` -> profile-attention-<gpu>.json.
+[--only BM,BN,W,S[,SPLITS];...] [--centroids K] [--baseline FILE]` -> profile-attention-<gpu>.json.
 
 The issue-3 shape: 12 heads x 128, 4,680 queries (one 3-frame Self-Forcing chunk) over a packed history of N keys (7
-chunks of 4,680 tokens at N = 32,760, made as eval/bench_kernels.py makes it: `qvg.compress` defaults, K = 256). Each
+chunks of 4,680 tokens at N = 32,760, made as eval/bench_kernels.py makes it: `qvg.compress` defaults, K = 256, or
+--centroids K: the KV cache picks K = 64 for a 4,680-token chunk, `qvg.cache.default_centroids`). Each
 tile config (and key split count; default: the kernel's pick) of `kernels/attention.py` `packed_attention` is timed
 with triton's do_bench, the configs interleaved over R rounds (median of the rounds' medians), against torch's SDPA
 flash backend on the materialized BF16 cache in the same run; each output's relative error against SDPA on the
@@ -54,6 +55,8 @@ def check_args(args) -> str | None:
         return str(e)
     if args.rounds < 1:
         return "--rounds must be >= 1"
+    if args.centroids is not None and not 1 <= args.centroids <= 4680:
+        return f"--centroids must be in 1..4680 (tokens per chunk), got {args.centroids}"
     bad = [f for f in args.formats.split(",") if f not in FORMATS]
     if bad or not args.formats:
         return f"unknown format {bad[0] if bad else ''!r} (known: {', '.join(FORMATS)})"
@@ -70,6 +73,7 @@ def main(argv=None) -> int:
     ap.add_argument("--keys", default="32760")
     ap.add_argument("--formats", default="qvg,qvg-pro,bf16")
     ap.add_argument("--only", default=DEFAULT, help="BLOCK_M,BLOCK_N,WARPS,STAGES[,SPLITS] items, ';'-separated")
+    ap.add_argument("--centroids", type=int, default=None, help="k-means centroids per chunk (default: 256)")
     ap.add_argument("--tag", default="", help="file name tag: profile-attention-<gpu>[.<tag>].json")
     ap.add_argument("--baseline", default="", help="another version of kernels/attention_planes.py, timed beside")
     args = ap.parse_args(argv)
@@ -119,7 +123,7 @@ def main(argv=None) -> int:
                 vd = torch.randn_like(kd)
                 run = lambda cfg: attention_module.packed_attention(q, None, None, kd, vd, **cfg)  # noqa: E731
             else:
-                kch, vch = _history(h, n_keys, chunk, fmt)
+                kch, vch = _history(h, n_keys, chunk, fmt, args.centroids)
                 K, V = PackedSequence.from_chunks(kch), PackedSequence.from_chunks(vch)
                 kd, vd = dequantize(K), dequantize(V)
                 run = lambda cfg: attention_module.packed_attention(q, K, V, **cfg)  # noqa: E731
@@ -166,6 +170,7 @@ def main(argv=None) -> int:
                 r["vs_sdpa_flash_throughput"] = sdpa_ms / r["ms"]
             best = min(runs, key=lambda k: runs[k]["ms"]) if runs else None
             row = {"keys": n_keys, "queries": m, "heads": h, "format": fmt, "flops": flops,
+                   "centroids": None if fmt == "bf16" else kch[0].tensors["centroids"].shape[-2],
                    "sdpa_flash_ms": sdpa_ms, "sdpa_flash_TFLOPs": flops / sdpa_ms / 1e9, "runs": runs, "best": best}
             res["rows"].append(row)
             print(f"{fmt} {n_keys} keys: SDPA-flash {sdpa_ms:.3f} ms", flush=True)

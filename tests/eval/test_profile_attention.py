@@ -10,6 +10,7 @@ from qvg.eval import profile_attention
                                        (["--rounds", "0"], "--rounds must be >= 1"),
                                        (["--formats", "qvg,fp8"], "unknown format 'fp8'"),
                                        (["--keys", "1000"], "multiples of the 4,680-token chunk"),
+                                       (["--centroids", "0"], "--centroids must be in 1..4680"),
                                        (["--baseline", "/no/such/file.py"], "is not a file")])
 def test_bad_input_one_line(argv, says, capsys):
     assert profile_attention.main(argv) == 2
