@@ -77,17 +77,16 @@ def _plane(byte, sraw, ts, p: tl.constexpr, rows, rmask, chunk, crow0, crow1, cr
 
 
 @triton.jit
-def _tile_raw(codes_ptr, scale_ptr, tscale_ptr, ids_ptr, n0, N, L, K, ids_stage_stride, D: tl.constexpr,
+def _tile_raw(scale_ptr, tscale_ptr, ids_ptr, n0, N, L, K, ids_stage_stride, D: tl.constexpr,
               BITS: tl.constexpr, GROUP: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr,
               BLOCK_N: tl.constexpr):
-    """What tokens [n0, n0 + BLOCK_N) load from memory before their centroid gathers: code bytes, raw scales, the
-    per-token tscale and each stage's centroid row (tokens past N load zeros)."""
-    W: tl.constexpr = D * BITS // 8
+    """What tokens [n0, n0 + BLOCK_N) load from memory before their centroid gathers: raw scales, the per-token
+    tscale and each stage's centroid row (tokens past N load zeros). (The code bytes are loaded in the iteration
+    that decodes them: carried over an iteration, LLVM kept them one register a byte and packed them again.)"""
     NG: tl.constexpr = D // GROUP
     rows = n0 + tl.arange(0, BLOCK_N)
     rmask = rows < N
     m2 = rmask[:, None]
-    byte = tl.load(codes_ptr + rows[:, None] * W + tl.arange(0, W)[None, :], mask=m2, other=0)
     sraw = tl.load(scale_ptr + rows[:, None] * NG + tl.arange(0, NG)[None, :], mask=m2, other=0)
     chunk = rows // L
     ts = tl.full((BLOCK_N, 1), 1.0, tl.float32)
@@ -105,7 +104,7 @@ def _tile_raw(codes_ptr, scale_ptr, tscale_ptr, ids_ptr, n0, N, L, K, ids_stage_
         crow2 = _stage_row(ids_ptr, 2, ids_stage_stride, rows, rmask, chunk, K)
     if STAGES > 3:
         crow3 = _stage_row(ids_ptr, 3, ids_stage_stride, rows, rmask, chunk, K)
-    return byte, sraw, ts, crow0, crow1, crow2, crow3
+    return sraw, ts, crow0, crow1, crow2, crow3
 
 
 @triton.jit
@@ -307,20 +306,25 @@ def _attn_planes_kernel(q_ptr, out_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, 
     j0 = pid_s * per
     j1 = j0 + per
     if HAS_HIST:
-        # each tile's own loads (codes, scales, tscale, centroid ids) are issued one iteration ahead, so an
-        # iteration waits only for its centroid gathers, not for the id loads they depend on (on the H100 7-26%
-        # faster than loading them in the iteration; eval/results/kernels-h100.md)
-        kb, ksr, kts, kr0, kr1, kr2, kr3 = _tile_raw(kc, ks, kt, kid, j0 * BLOCK_N, N, L, K, istride, D, BITS, GROUP,
-                                                     FP8, STAGES, BLOCK_N)
-        vb, vsr, vts, vr0, vr1, vr2, vr3 = _tile_raw(vc, vs, vt, vid, j0 * BLOCK_N, N, L, K, istride, D, BITS, GROUP,
-                                                     FP8, STAGES, BLOCK_N)
+        # a tile's scales, tscale and centroid ids are loaded one iteration ahead, so an iteration waits only for
+        # its centroid gathers, not for the id loads they depend on (on the H100 7-26% faster than loading them in
+        # the iteration; eval/results/kernels-h100.md). Its code bytes are loaded in the iteration that decodes them:
+        # carried over an iteration, LLVM kept them one register a byte (on the H200 8.7% slower, 3.787 against
+        # 3.459 ms at 32,760 keys: profile-attention-h200.ab-inloop-1869649.json)
+        ksr, kts, kr0, kr1, kr2, kr3 = _tile_raw(ks, kt, kid, j0 * BLOCK_N, N, L, K, istride, D, BITS, GROUP, FP8,
+                                                 STAGES, BLOCK_N)
+        vsr, vts, vr0, vr1, vr2, vr3 = _tile_raw(vs, vt, vid, j0 * BLOCK_N, N, L, K, istride, D, BITS, GROUP, FP8,
+                                                 STAGES, BLOCK_N)
         for jj in range(j0, tl.minimum(j1, nh)):
             n0 = jj * BLOCK_N
             valid = (n0 + tl.arange(0, BLOCK_N)) < N
-            nkb, nksr, nkts, nkr0, nkr1, nkr2, nkr3 = _tile_raw(kc, ks, kt, kid, n0 + BLOCK_N, N, L, K, istride, D,
-                                                                BITS, GROUP, FP8, STAGES, BLOCK_N)
-            nvb, nvsr, nvts, nvr0, nvr1, nvr2, nvr3 = _tile_raw(vc, vs, vt, vid, n0 + BLOCK_N, N, L, K, istride, D,
-                                                                BITS, GROUP, FP8, STAGES, BLOCK_N)
+            nksr, nkts, nkr0, nkr1, nkr2, nkr3 = _tile_raw(ks, kt, kid, n0 + BLOCK_N, N, L, K, istride, D, BITS,
+                                                           GROUP, FP8, STAGES, BLOCK_N)
+            nvsr, nvts, nvr0, nvr1, nvr2, nvr3 = _tile_raw(vs, vt, vid, n0 + BLOCK_N, N, L, K, istride, D, BITS,
+                                                           GROUP, FP8, STAGES, BLOCK_N)
+            cb = (n0 + tl.arange(0, BLOCK_N))[:, None] * W + cols[None, :]
+            kb = tl.load(kc + cb, mask=valid[:, None], other=0)
+            vb = tl.load(vc + cb, mask=valid[:, None], other=0)
             k0, k1, k2, k3 = _tile_planes(kb, ksr, kts, kr0, kr1, kr2, kr3, n0, N, L, K, kid, istride, kcen,
                                           cstride, D, BITS, GROUP, GRID, OFFSET, FP8, STAGES, BLOCK_N, JOIN,
                                           INTERP)
@@ -330,8 +334,8 @@ def _attn_planes_kernel(q_ptr, out_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, 
                                           cstride, D, BITS, GROUP, GRID, OFFSET, FP8, STAGES, BLOCK_N, JOIN,
                                           INTERP)
             a0, a1, a2, a3 = _accumulate(p, alpha, v0, v1, v2, v3, a0, a1, a2, a3, P, JOIN, INTERP)
-            kb, ksr, kts, kr0, kr1, kr2, kr3 = nkb, nksr, nkts, nkr0, nkr1, nkr2, nkr3
-            vb, vsr, vts, vr0, vr1, vr2, vr3 = nvb, nvsr, nvts, nvr0, nvr1, nvr2, nvr3
+            ksr, kts, kr0, kr1, kr2, kr3 = nksr, nkts, nkr0, nkr1, nkr2, nkr3
+            vsr, vts, vr0, vr1, vr2, vr3 = nvsr, nvts, nvr0, nvr1, nvr2, nvr3
     for jj in range(tl.maximum(j0, nh) - nh, tl.minimum(j1, nh + tl.cdiv(T, BLOCK_N)) - nh):
         rows = jj * BLOCK_N + tl.arange(0, BLOCK_N)
         valid = rows < T

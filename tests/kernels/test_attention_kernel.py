@@ -262,11 +262,12 @@ def _decode_tiles(kc, ks, kt, kid, kcen, out, N, L, K, istride, cstride, D: tl.c
                   STAGES: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr):
     """The fused kernel's decode stage alone (`_tile_raw` + `_tile_planes`, planes stored side by side)."""
     n0 = tl.program_id(0) * BLOCK_N
-    raw = _tile_raw(kc, ks, kt, kid, n0, N, L, K, istride, D, BITS, GROUP, FP8, STAGES, BLOCK_N)
-    x0, x1, x2, x3 = _tile_planes(*raw, n0, N, L, K, kid, istride, kcen, cstride, D, BITS, GROUP, GRID, OFFSET, FP8,
-                                  STAGES, BLOCK_N, False, INTERP)
     W: tl.constexpr = D * BITS // 8
     rows = n0 + tl.arange(0, BLOCK_N)
+    byte = tl.load(kc + rows[:, None] * W + tl.arange(0, W)[None, :], mask=(rows < N)[:, None], other=0)
+    raw = _tile_raw(ks, kt, kid, n0, N, L, K, istride, D, BITS, GROUP, FP8, STAGES, BLOCK_N)
+    x0, x1, x2, x3 = _tile_planes(byte, *raw, n0, N, L, K, kid, istride, kcen, cstride, D, BITS, GROUP, GRID, OFFSET, FP8,
+                                  STAGES, BLOCK_N, False, INTERP)
     o = out + rows[:, None] * D + tl.arange(0, W)[None, :]
     m = (rows < N)[:, None]
     tl.store(o, x0, mask=m)
