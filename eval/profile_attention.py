@@ -5,7 +5,8 @@
 The issue-3 shape: 12 heads x 128, 4,680 queries (one 3-frame Self-Forcing chunk) over a packed history of N keys (7
 chunks of 4,680 tokens at N = 32,760, made as eval/bench_kernels.py makes it: `qvg.compress` defaults, K = 256, or
 --centroids K: the KV cache picks K = 64 for a 4,680-token chunk, `qvg.cache.default_centroids`). Each
-tile config (and key split count; default: the kernel's pick) of `kernels/attention.py` `packed_attention` is timed
+tile config (with a 5th value SPLITS: the grid schedule with that many key splits; without: packed_attention's default,
+the stream-K schedule) of `kernels/attention.py` `packed_attention` is timed
 with triton's do_bench, the configs interleaved over R rounds (median of the rounds' medians), against torch's SDPA
 flash backend on the materialized BF16 cache in the same run; each output's relative error against SDPA on the
 dequantized cache is recorded, and on 512 queries against FP32 attention over the exactly (unrounded) decoded history.

@@ -1,11 +1,12 @@
 """Attention over a packed QVG / RTN history plus a BF16 tail (Triton). Reference: qvg.attention.
 
-`packed_attention`: the on-chip kernel (kernels/attention_planes.py): per program BLOCK_M queries of one query
-head and one share of the keys; K / V tiles of BLOCK_N tokens are decoded on chip from codes, FP8 scales and
-centroid ids (levels x scale + the assigned centroid of every stage), then QK^T, online softmax and PV as in flash
-attention; the tail's tiles follow the history's. The BF16 history is never allocated: the only tensors are the
-packed history, the tail, q, the output and, with key splits, their partial outputs. GQA: query head h reads kv
-head h // (Hq / Hkv).
+`packed_attention`: the on-chip kernel (kernels/attention_planes.py): BLOCK_M queries of one query head at a time;
+K / V tiles of BLOCK_N tokens are decoded on chip from codes, FP8 scales and centroid ids (levels x scale + the
+assigned centroid of every stage), then QK^T, online softmax and PV as in flash attention; the tail's tiles follow
+the history's. By default one persistent program per SM takes an equal share of all (query block, key tile) pairs
+(stream-K), and the query blocks split between programs are merged from one partial block per program. The BF16
+history is never allocated: the only tensors are the packed history, the tail, q, the output and those partial
+blocks. GQA: query head h reads kv head h // (Hq / Hkv).
 `staged_attention`: the history decoded window by window (<= 32 MiB) by the dequant kernel and attended by a flash
 kernel that carries the softmax state.
 """
@@ -19,7 +20,7 @@ from triton.runtime.errors import OutOfResources
 from qvg.rope import RopeTables
 from qvg.sequence import PackedSequence
 
-from .attention_planes import _attn_planes_kernel, _merge_splits
+from .attention_planes import _attn_planes_kernel, _attn_stream_kernel, _merge_splits, _merge_stream
 from .common import INTERPRET, dot_bf16, grid_constants, raw_view, sm_count
 
 LOG2E = 1.4426950408889634
@@ -174,18 +175,23 @@ _NO_THIRD_STAGE: set = set()  # packed_attention launch shapes whose 3-stage ker
 def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: PackedSequence | None,
                      k_tail: torch.Tensor | None = None, v_tail: torch.Tensor | None = None,
                      scale: float | None = None, block_m: int = 256, block_n: int = 64, num_warps: int = 8,
-                     num_stages: int | None = None, splits: int | None = None) -> torch.Tensor:
+                     num_stages: int | None = None, splits: int | None = None,
+                     programs: int | None = None) -> torch.Tensor:
     """softmax(q [history; tail]^T * scale) [history; tail] without materializing the history.
     q [B, Hq, M, D] bf16; histories from `PackedSequence.from_chunks`; tails [B, Hkv, T, D] bf16.
     The kernel (kernels/attention_planes.py) decodes K / V tiles on chip one code plane at a time. The defaults
     (256-query blocks on 8 warps, 64-key tiles) were the fastest on the H100 for qvg and qvg-pro
     (eval/results/kernels-h100.md); num_stages None: 3 software-pipeline stages for one-stage formats and the BF16
     tail (2% faster than 2 on the H200), falling back to 2 where 3 do not fit in shared memory, and 2 for
-    multi-stage formats. scale: positive (default D^-1/2). splits: the keys (history tiles, then tail tiles) split
-    into that many shares, attended by separate programs and merged by log-sum-exp (a transient of splits BF16
-    copies of the output plus an fp32 log-sum-exp per query row; each share is rounded to BF16 before the merge);
-    None: the count whose programs fill the GPU's waves best (`wave_splits`), with the partials under SPLIT_BYTES (1
-    under the interpreter)."""
+    multi-stage formats. scale: positive (default D^-1/2).
+    Schedules. Default on a GPU (or `programs` given): stream-K (`_attn_stream_kernel`): `programs` persistent
+    programs (default: one per SM) share the query blocks x key tiles equally; a query block split between programs
+    is merged by log-sum-exp (`_merge_stream`) from one BLOCK_M x D BF16 piece per program, so the transient is the
+    output plus ~programs x BLOCK_M x D x 2 bytes (8.7 MB on 132 SMs), whatever the history's length. `splits`
+    given (or under the interpreter, 1): the grid of (query block, key share, head) programs, each share attended
+    by its own program and merged by log-sum-exp (a transient of splits BF16 copies of the output plus an fp32
+    log-sum-exp per query row; each share is rounded to BF16 before the merge); 0: the count whose programs fill
+    the GPU's waves best (`wave_splits`), with the partials under SPLIT_BYTES."""
     bsz, hq, m, d = q.shape
     if k_hist is None and k_tail is None:
         raise ValueError("attention needs a history or a tail")
@@ -227,28 +233,43 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
     tv = v_tail.contiguous() if t else dummy
     scale = d ** -0.5 if scale is None else scale
     tiles = triton.cdiv(n, block_n) + triton.cdiv(t, block_n)
-    if splits is None and INTERPRET:
+    if splits is not None and programs is not None:
+        raise ValueError("give splits (the grid schedule) or programs (stream-K), not both")
+    if programs is not None and int(programs) < 1:
+        raise ValueError(f"programs must be >= 1, got {programs}")
+    if splits is None and programs is None and INTERPRET:
         splits = 1
-    elif splits is None:
-        slots = sm_count(q.device) * max(1, 8 // num_warps)  # (~255 registers a thread: 8 warps fill an SM)
-        splits = wave_splits(triton.cdiv(m, block_m) * bsz * hq, slots, tiles,
-                             most=max(1, min(8, SPLIT_BYTES // (2 * bsz * hq * m * d))))
-    splits = max(1, min(int(splits), tiles))
-    part = lse = dummy
-    if splits > 1:
-        part = torch.empty(splits, bsz * hq, m, d, device=q.device, dtype=torch.bfloat16)
-        lse = torch.empty(splits, bsz * hq, m, device=q.device, dtype=torch.float32)
+    items = triton.cdiv(m, block_m) * bsz * hq
+    if splits is None:  # stream-K
+        programs = int(programs or sm_count(q.device) * max(1, 8 // num_warps))  # (~255 registers a thread)
+        per = triton.cdiv(items * tiles, programs)
+        programs = triton.cdiv(items * tiles, per)  # (the ones with work)
+        lse = torch.empty(2, programs, block_m, device=q.device, dtype=torch.float32)
+        part = torch.empty(programs, block_m, d, device=q.device, dtype=torch.bfloat16) if programs > 1 else dummy
+        kernel, grid = _attn_stream_kernel, (programs,)
+        extra = dict(args=(bsz * hkv, items, per), consts={})
+    else:
+        if splits == 0:
+            slots = sm_count(q.device) * max(1, 8 // num_warps)
+            splits = wave_splits(items, slots, tiles, most=max(1, min(8, SPLIT_BYTES // (2 * bsz * hq * m * d))))
+        splits = max(1, min(int(splits), tiles))
+        part = lse = dummy
+        if splits > 1:
+            part = torch.empty(splits, bsz * hq, m, d, device=q.device, dtype=torch.bfloat16)
+            lse = torch.empty(splits, bsz * hq, m, device=q.device, dtype=torch.float32)
+        kernel, grid = _attn_planes_kernel, (triton.cdiv(m, block_m), splits, bsz * hq)
+        extra = dict(args=(splits,), consts=dict(SPLIT=splits > 1))
     join = stages <= 1 or d * consts["BITS"] // 8 < 16
 
     def launch(n_stages):
-        _attn_planes_kernel[(triton.cdiv(m, block_m), splits, bsz * hq)](
-            q, out, *kargs, *vargs, tk, tv, part, lse, scale * LOG2E, m, n, t, L, max(1, n // L), kk, hq, hkv,
-            splits, D=d, STAGES=stages, BLOCK_M=block_m, BLOCK_N=block_n, HAS_HIST=k_hist is not None,
-            INTERP=INTERPRET, JOIN=join, SPLIT=splits > 1, num_warps=num_warps, num_stages=n_stages, **consts)
+        kernel[grid](q, out, *kargs, *vargs, tk, tv, part, lse, scale * LOG2E, m, n, t, L, max(1, n // L), kk, hq,
+                     hkv, *extra["args"], D=d, STAGES=stages, BLOCK_M=block_m, BLOCK_N=block_n,
+                     HAS_HIST=k_hist is not None, INTERP=INTERPRET, JOIN=join, num_warps=num_warps,
+                     num_stages=n_stages, **extra["consts"], **consts)
     # num_stages None: 3 for the joined form (qvg, RTN, the BF16 tail; 2% faster on the H200), 2 for qvg-pro's
     # plane-by-plane form (3 need more shared memory than a GPU has at 256 x 64) and where 3 did not fit before
-    key = (q.device, q.dtype, d, block_m, block_n, num_warps, stages, splits > 1, k_hist is not None,
-           tuple(sorted(consts.items())))
+    key = (q.device, q.dtype, d, block_m, block_n, num_warps, stages, splits is None, k_hist is not None,
+           tuple(sorted({**extra["consts"], **consts}.items())))
     if num_stages is not None:
         launch(num_stages)
     elif not join or key in _NO_THIRD_STAGE:
@@ -259,7 +280,11 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
         except OutOfResources:  # (remembered: a failed compile is not cached, it would be retried every call)
             _NO_THIRD_STAGE.add(key)
             launch(2)
-    if splits > 1:
+    if kernel is _attn_stream_kernel and programs > 1:
+        _merge_stream[(programs - 1, triton.cdiv(block_m, 64))](part, lse, out, m, tiles, items, per, programs, D=d,
+                                                                BLOCK_M=block_m, ROWS=64, INTERP=INTERPRET,
+                                                                num_warps=4)
+    elif kernel is _attn_planes_kernel and splits > 1:
         _merge_splits[(triton.cdiv(m, 64), bsz * hq)](part, lse, out, m, splits, D=d, BLOCK_M=64, INTERP=INTERPRET,
                                                     num_warps=4)
     return out

@@ -9,8 +9,10 @@ k_plane^T and the output is P accumulators [BLOCK_M, W] (qvg-pro ran faster so o
 decode is `qvg.decompress`'s value: for 2- and 4-bit codes with at most one stage (qvg, RTN) in BF16x2 arithmetic
 (`codes_fma_bf16`: ~2 instructions an element, exact with the power-of-two tscale), else codes x scale + the
 centroid of every stage in FP32, rounded to BF16 once. The tiles of the BF16 tail (current chunk, BF16 zones)
-follow the history's. Program (query block, key share, batch x head); with several shares, `_merge_splits` combines
-them by log-sum-exp.
+follow the history's. Two schedules of the same work (`_attend_item`): `_attn_stream_kernel`, persistent programs
+that share all (query block, key tile) pairs equally (stream-K; `_merge_stream` combines the query blocks split
+between programs), and `_attn_planes_kernel`, a grid of (query block, key share, batch x head) programs
+(`_merge_splits` combines the shares), both by log-sum-exp.
 """
 from __future__ import annotations
 
@@ -240,25 +242,23 @@ def _online_softmax(s, valid, ragged, m_i, l_i, qk_scale):
 
 
 @triton.jit
-def _attn_planes_kernel(q_ptr, out_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, vcen, tk_ptr, tv_ptr, part_ptr,
-                        lse_ptr, qk_scale, M, N, T, L, C, K, HQ, HKV, SPLITS,
-                        D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr,
-                        OFFSET: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_HIST: tl.constexpr,
-                        INTERP: tl.constexpr, JOIN: tl.constexpr = True, SPLIT: tl.constexpr = False):
-    """Program (query block, split, batch x head). The history tiles and then the tail tiles form one sequence of
-    tiles; split s of SPLITS attends its s-th contiguous share. With SPLIT, each program writes its normalized
-    output (BF16, half the bytes of fp32: each share is rounded to BF16 before the fp32 merge, an error of up to
-    2^-9 of the shares' weighted magnitudes on top of the output's own rounding) and log2-sum-exp (fp32) to part /
-    lse for `_merge_splits`; else the output itself (q's dtype). Stores round to nearest even (by hand under the
-    interpreter)."""
-    pid_m = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    bh = tl.program_id(2)
+def _codes(codes_ptr, n0, N, W: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The code bytes of tokens [n0, n0 + BLOCK_N) (tokens past N load zeros)."""
+    rows = n0 + tl.arange(0, BLOCK_N)
+    return tl.load(codes_ptr + rows[:, None] * W + tl.arange(0, W)[None, :], mask=(rows < N)[:, None], other=0)
+
+
+@triton.jit
+def _attend_item(q_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, vcen, tk_ptr, tv_ptr, qk_scale, pid_m, bh, j0, j1,
+                 M, N, T, L, C, K, HQ, HKV, GH, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+                 GRID: tl.constexpr, OFFSET: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_HIST: tl.constexpr, INTERP: tl.constexpr,
+                 JOIN: tl.constexpr):
+    """Query block pid_m of batch x head bh over tiles [j0, j1) of its key sequence (the history tiles, then the tail
+    tiles) -> the unnormalized accumulators a0..a3 (joined: a0 alone), the running max m_i (log2 units) and sum l_i."""
     b = bh // HQ
     h = bh % HQ
     gh = (b * HKV + h // (HQ // HKV)).to(tl.int64)
-    GH = tl.num_programs(2) // HQ * HKV
     P: tl.constexpr = 8 // BITS
     W: tl.constexpr = D // P
     NG: tl.constexpr = D // GROUP
@@ -302,19 +302,20 @@ def _attn_planes_kernel(q_ptr, out_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, 
     nh = 0
     if HAS_HIST:
         nh = tl.cdiv(N, BLOCK_N)
-    per = tl.cdiv(nh + tl.cdiv(T, BLOCK_N), SPLITS)
-    j0 = pid_s * per
-    j1 = j0 + per
     if HAS_HIST:
         # a tile's scales, tscale and centroid ids are loaded one iteration ahead, so an iteration waits only for
         # its centroid gathers, not for the id loads they depend on (on the H100 7-26% faster than loading them in
-        # the iteration; eval/results/kernels-h100.md). Its code bytes are loaded in the iteration that decodes them:
-        # carried over an iteration, LLVM kept them one register a byte (on the H200 8.7% slower, 3.787 against
-        # 3.459 ms at 32,760 keys: profile-attention-h200.ab-inloop-1869649.json)
+        # the iteration; eval/results/kernels-h100.md). Joined (one-stage) formats load a tile's code bytes in the
+        # iteration that decodes them: carried, LLVM kept them one register a byte (on the H200 8.7% slower, 3.787
+        # against 3.459 ms at 32,760 keys: profile-attention-h200.ab-inloop-1869649.json); qvg-pro's plane-by-plane
+        # form carries them (7.2 against 7.7 ms: ...inloop-vs-main-0db2d4d.json)
         ksr, kts, kr0, kr1, kr2, kr3 = _tile_raw(ks, kt, kid, j0 * BLOCK_N, N, L, K, istride, D, BITS, GROUP, FP8,
                                                  STAGES, BLOCK_N)
         vsr, vts, vr0, vr1, vr2, vr3 = _tile_raw(vs, vt, vid, j0 * BLOCK_N, N, L, K, istride, D, BITS, GROUP, FP8,
                                                  STAGES, BLOCK_N)
+        if not JOIN:
+            kb = _codes(kc, j0 * BLOCK_N, N, W, BLOCK_N)
+            vb = _codes(vc, j0 * BLOCK_N, N, W, BLOCK_N)
         for jj in range(j0, tl.minimum(j1, nh)):
             n0 = jj * BLOCK_N
             valid = (n0 + tl.arange(0, BLOCK_N)) < N
@@ -322,15 +323,20 @@ def _attn_planes_kernel(q_ptr, out_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, 
                                                            GROUP, FP8, STAGES, BLOCK_N)
             nvsr, nvts, nvr0, nvr1, nvr2, nvr3 = _tile_raw(vs, vt, vid, n0 + BLOCK_N, N, L, K, istride, D, BITS,
                                                            GROUP, FP8, STAGES, BLOCK_N)
-            cb = (n0 + tl.arange(0, BLOCK_N))[:, None] * W + cols[None, :]
-            kb = tl.load(kc + cb, mask=valid[:, None], other=0)
-            vb = tl.load(vc + cb, mask=valid[:, None], other=0)
-            k0, k1, k2, k3 = _tile_planes(kb, ksr, kts, kr0, kr1, kr2, kr3, n0, N, L, K, kid, istride, kcen,
+            if JOIN:
+                kbt = _codes(kc, n0, N, W, BLOCK_N)
+                vbt = _codes(vc, n0, N, W, BLOCK_N)
+            else:
+                kbt = kb
+                vbt = vb
+                kb = _codes(kc, n0 + BLOCK_N, N, W, BLOCK_N)
+                vb = _codes(vc, n0 + BLOCK_N, N, W, BLOCK_N)
+            k0, k1, k2, k3 = _tile_planes(kbt, ksr, kts, kr0, kr1, kr2, kr3, n0, N, L, K, kid, istride, kcen,
                                           cstride, D, BITS, GROUP, GRID, OFFSET, FP8, STAGES, BLOCK_N, JOIN,
                                           INTERP)
             p, alpha, m_i, l_i = _online_softmax(_scores(q0, q1, q2, q3, k0, k1, k2, k3, BLOCK_N, P, JOIN, INTERP),
                                                  valid, n0 + BLOCK_N > N, m_i, l_i, qk_scale)
-            v0, v1, v2, v3 = _tile_planes(vb, vsr, vts, vr0, vr1, vr2, vr3, n0, N, L, K, vid, istride, vcen,
+            v0, v1, v2, v3 = _tile_planes(vbt, vsr, vts, vr0, vr1, vr2, vr3, n0, N, L, K, vid, istride, vcen,
                                           cstride, D, BITS, GROUP, GRID, OFFSET, FP8, STAGES, BLOCK_N, JOIN,
                                           INTERP)
             a0, a1, a2, a3 = _accumulate(p, alpha, v0, v1, v2, v3, a0, a1, a2, a3, P, JOIN, INTERP)
@@ -344,16 +350,20 @@ def _attn_planes_kernel(q_ptr, out_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, 
                                              valid, jj * BLOCK_N + BLOCK_N > T, m_i, l_i, qk_scale)
         v0, v1, v2, v3 = _tail_planes(tv_ptr + (gh * T + rows)[:, None] * D + cols[None, :], valid, W, P, JOIN)
         a0, a1, a2, a3 = _accumulate(p, alpha, v0, v1, v2, v3, a0, a1, a2, a3, P, JOIN, INTERP)
-    om = qmask[:, None]
-    if SPLIT:  # (a split with no tile: l = 0, its weight in the merge 0)
-        l1 = tl.where(l_i > 0, l_i, 1.0)
-        lsafe = l1[:, None]
-        tl.store(lse_ptr + (pid_s * tl.num_programs(2) + bh).to(tl.int64) * M + qrows,
-                 tl.where(l_i > 0, m_i + tl.math.log2(l1), float("-inf")), mask=qmask)
-        orow = part_ptr + (pid_s * tl.num_programs(2) * M).to(tl.int64) * D + qrow
-    else:
-        lsafe = l_i[:, None]
-        orow = out_ptr + qrow
+    return a0, a1, a2, a3, m_i, l_i
+
+
+@triton.jit
+def _store_rows(dst, row0, nrows, a0, a1, a2, a3, l_i, D: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr,
+                JOIN: tl.constexpr, INTERP: tl.constexpr):
+    """Rows row0 .. row0 + BLOCK_M of dst [*, D] (the first nrows of them) <- the accumulators / l_i, in dst's dtype
+    (rounded to nearest even, by hand under the interpreter)."""
+    P: tl.constexpr = 8 // BITS
+    W: tl.constexpr = D // P
+    r = tl.arange(0, BLOCK_M)
+    om = (r < nrows)[:, None]
+    orow = dst + (row0 + r).to(tl.int64)[:, None] * D + tl.arange(0, W)[None, :]
+    lsafe = l_i[:, None]
     if JOIN:
         a0, a1, a2, a3 = _split4(a0, P)
     tl.store(orow, to_out(a0 / lsafe, orow, INTERP), mask=om)
@@ -362,6 +372,121 @@ def _attn_planes_kernel(q_ptr, out_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, 
     if P > 2:
         tl.store(orow + 2 * W, to_out(a2 / lsafe, orow, INTERP), mask=om)
         tl.store(orow + 3 * W, to_out(a3 / lsafe, orow, INTERP), mask=om)
+
+
+@triton.jit
+def _attn_planes_kernel(q_ptr, out_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, vcen, tk_ptr, tv_ptr, part_ptr,
+                        lse_ptr, qk_scale, M, N, T, L, C, K, HQ, HKV, SPLITS,
+                        D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr,
+                        OFFSET: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_HIST: tl.constexpr,
+                        INTERP: tl.constexpr, JOIN: tl.constexpr = True, SPLIT: tl.constexpr = False):
+    """Program (query block, split, batch x head). The history tiles and then the tail tiles form one sequence of
+    tiles; split s of SPLITS attends its s-th contiguous share. With SPLIT, each program writes its normalized
+    output (BF16, half the bytes of fp32: each share is rounded to BF16 before the fp32 merge, an error of up to
+    2^-9 of the shares' weighted magnitudes on top of the output's own rounding) and log2-sum-exp (fp32) to part /
+    lse for `_merge_splits`; else the output itself (q's dtype)."""
+    pid_m = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    bh = tl.program_id(2)
+    GH = tl.num_programs(2) // HQ * HKV
+    nh = 0
+    if HAS_HIST:
+        nh = tl.cdiv(N, BLOCK_N)
+    per = tl.cdiv(nh + tl.cdiv(T, BLOCK_N), SPLITS)
+    j0 = pid_s * per
+    a0, a1, a2, a3, m_i, l_i = _attend_item(q_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, vcen, tk_ptr, tv_ptr,
+                                            qk_scale, pid_m, bh, j0, j0 + per, M, N, T, L, C, K, HQ, HKV, GH, D,
+                                            BITS, GROUP, GRID, OFFSET, FP8, STAGES, BLOCK_M, BLOCK_N, HAS_HIST,
+                                            INTERP, JOIN)
+    qrows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if SPLIT:  # (a split with no tile: l = 0, its weight in the merge 0)
+        l1 = tl.where(l_i > 0, l_i, 1.0)
+        tl.store(lse_ptr + (pid_s * tl.num_programs(2) + bh).to(tl.int64) * M + qrows,
+                 tl.where(l_i > 0, m_i + tl.math.log2(l1), float("-inf")), mask=qrows < M)
+        _store_rows(part_ptr, (pid_s * tl.num_programs(2) + bh).to(tl.int64) * M + pid_m * BLOCK_M,
+                    M - pid_m * BLOCK_M, a0, a1, a2, a3, l1, D, BITS, BLOCK_M, JOIN, INTERP)
+    else:
+        _store_rows(out_ptr, bh.to(tl.int64) * M + pid_m * BLOCK_M, M - pid_m * BLOCK_M, a0, a1, a2, a3, l_i, D,
+                    BITS, BLOCK_M, JOIN, INTERP)
+
+
+@triton.jit
+def _attn_stream_kernel(q_ptr, out_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, vcen, tk_ptr, tv_ptr, part_ptr,
+                        lse_ptr, qk_scale, M, N, T, L, C, K, HQ, HKV, GH, ITEMS, PER,
+                        D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr,
+                        OFFSET: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_HIST: tl.constexpr,
+                        INTERP: tl.constexpr, JOIN: tl.constexpr = True):
+    """Stream-K schedule: persistent program p attends tiles [p * PER, (p + 1) * PER) of the ITEMS x TI tiles of
+    every item (query block pid_m of batch x head bh, item bh * cdiv(M, BLOCK_M) + pid_m) in turn. An item it attends
+    whole goes to out; the piece that starts an item goes to out too, with its log2-sum-exp in lse[0, p]; the piece
+    that continues an item begun by an earlier program (at most one a program: its first) to part[p] (BF16) and
+    lse[1, p]. `_merge_stream` then combines the pieces of the items split between programs, so the transient is
+    one BLOCK_M x D piece a program, not a share of the whole output."""
+    p = tl.program_id(0)
+    NP = tl.num_programs(0)
+    nh = 0
+    if HAS_HIST:
+        nh = tl.cdiv(N, BLOCK_N)
+    TI = nh + tl.cdiv(T, BLOCK_N)
+    NMB = tl.cdiv(M, BLOCK_M)
+    g0 = p * PER
+    g1 = tl.minimum(g0 + PER, ITEMS * TI)
+    for i in range(g0 // TI, tl.cdiv(g1, TI)):
+        j0 = tl.maximum(g0 - i * TI, 0)
+        j1 = tl.minimum(g1 - i * TI, TI)
+        pid_m = i % NMB
+        bh = i // NMB
+        a0, a1, a2, a3, m_i, l_i = _attend_item(q_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, vcen, tk_ptr,
+                                                tv_ptr, qk_scale, pid_m, bh, j0, j1, M, N, T, L, C, K, HQ, HKV, GH,
+                                                D, BITS, GROUP, GRID, OFFSET, FP8, STAGES, BLOCK_M, BLOCK_N,
+                                                HAS_HIST, INTERP, JOIN)
+        nrows = M - pid_m * BLOCK_M
+        if j0 == 0:
+            _store_rows(out_ptr, bh.to(tl.int64) * M + pid_m * BLOCK_M, nrows, a0, a1, a2, a3, l_i, D, BITS,
+                        BLOCK_M, JOIN, INTERP)
+            if j1 < TI:
+                r = tl.arange(0, BLOCK_M)
+                tl.store(lse_ptr + p.to(tl.int64) * BLOCK_M + r, m_i + tl.math.log2(l_i), mask=r < nrows)
+        else:
+            _store_rows(part_ptr, p.to(tl.int64) * BLOCK_M, nrows, a0, a1, a2, a3, l_i, D, BITS, BLOCK_M, JOIN,
+                        INTERP)
+            r = tl.arange(0, BLOCK_M)
+            tl.store(lse_ptr + (NP + p).to(tl.int64) * BLOCK_M + r, m_i + tl.math.log2(l_i), mask=r < nrows)
+
+
+@triton.jit
+def _merge_stream(part_ptr, lse_ptr, out_ptr, M, TI, ITEMS, PER, NP, D: tl.constexpr, BLOCK_M: tl.constexpr,
+                  ROWS: tl.constexpr, INTERP: tl.constexpr):
+    """Program (boundary k, row block): where program k's share begins inside an item (and no earlier boundary
+    does), that item's pieces are merged by log-sum-exp: the first (program k - 1's, in out, lse[0, k - 1]) and
+    the continuations of programs k .. (part[p], lse[1, p]); the result overwrites out. ROWS rows at a time of the
+    item's BLOCK_M."""
+    k = tl.program_id(0) + 1
+    g = k * PER
+    i = g // TI
+    if (g < ITEMS * TI) & (g % TI != 0) & ((k - 1) * PER <= i * TI):
+        nmb = tl.cdiv(M, BLOCK_M)
+        pid_m = i % nmb
+        bh = i // nmb
+        r = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+        rmask = (r < BLOCK_M) & (pid_m * BLOCK_M + r < M)
+        pb = tl.minimum(((i + 1) * TI - 1) // PER, NP - 1)
+        off = r[:, None] * D + tl.arange(0, D)[None, :]
+        orow = out_ptr + (bh.to(tl.int64) * M + pid_m * BLOCK_M) * D + off
+        mx = tl.load(lse_ptr + (k - 1).to(tl.int64) * BLOCK_M + r, mask=rmask, other=0.0)
+        for pp in range(k, pb + 1):
+            mx = tl.maximum(mx, tl.load(lse_ptr + (NP + pp).to(tl.int64) * BLOCK_M + r, mask=rmask, other=0.0))
+        w = tl.math.exp2(tl.load(lse_ptr + (k - 1).to(tl.int64) * BLOCK_M + r, mask=rmask, other=0.0) - mx)
+        den = w
+        acc = w[:, None] * tl.load(orow, mask=rmask[:, None], other=0.0).to(tl.float32)
+        for pp in range(k, pb + 1):
+            w = tl.math.exp2(tl.load(lse_ptr + (NP + pp).to(tl.int64) * BLOCK_M + r, mask=rmask, other=0.0) - mx)
+            acc += w[:, None] * tl.load(part_ptr + tl.cast(pp, tl.int64) * BLOCK_M * D + off, mask=rmask[:, None],
+                                        other=0.0).to(tl.float32)
+            den += w
+        tl.store(orow, to_out(acc / den[:, None], orow, INTERP), mask=rmask[:, None])
 
 
 @triton.jit

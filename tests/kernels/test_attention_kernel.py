@@ -118,6 +118,32 @@ def test_planes_key_splits(splits, name, device):
     assert drift < 4e-3, f"{splits} splits vs 1: {drift:.5f}"
 
 
+@pytest.mark.parametrize("name,programs", [("qvg", 1), ("qvg", 5), ("qvg", 40), ("qvg", 64), ("qvg", 200),
+                                           ("qvg-pro", 7), ("rtn-int4", 64)])
+def test_stream_schedule(programs, name, device):
+    """Stream-K: 16 items (2 query blocks of 32, the second ragged, x 2 batches x 4 heads) of 6 tiles (4 history, the
+    last ragged, + 2 tail), 96 tiles shared by `programs` persistent programs: 1 (every item whole); 5 (20 tiles
+    each: items split at a program's start and end); 40 (3 each: every other item in 2 pieces); 64 (2 each: items in
+    3 pieces, a program's share inside one item); 200 (capped at 96 one-tile programs: 6 pieces an item)."""
+    kh, vh = _history(name, b=2, seed=8)
+    q, kt, vt = _qkv(b=2, m=40, t=40, seed=9)
+    ref = attend_reference(q, kh, vh, kt, vt)
+    out = _run("packed", device, q, kh, vh, kt, vt, programs=programs)
+    err = rel_err(out, ref)
+    assert err < TOL, f"{programs} programs: {err:.4f}"
+    drift = rel_err(out, _run("packed", device, q, kh, vh, kt, vt, splits=1).float())
+    assert drift < 4e-3, f"{programs} programs vs one share: {drift:.5f}"
+
+
+def test_stream_and_splits_exclusive(device):
+    kh, vh = _history("qvg", chunks=1)
+    q, kt, vt = _qkv(m=8, t=4)
+    with pytest.raises(ValueError, match="not both"):
+        _run("packed", device, q, kh, vh, kt, vt, splits=2, programs=3)
+    with pytest.raises(ValueError, match="programs must be >= 1"):
+        _run("packed", device, q, kh, vh, kt, vt, programs=0)
+
+
 @pytest.mark.parametrize("splits", [1, 3])
 def test_fp32_queries_keep_their_dtype(splits, device):
     """The output has q's dtype, rounded once to it: fp32 queries get an fp32 output, not BF16 values."""
