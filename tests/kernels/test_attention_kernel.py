@@ -343,17 +343,21 @@ def test_three_stages_fall_back_to_two_once(monkeypatch, device):
     again (triton does not cache a failed compile)."""
     import qvg.kernels.attention as attention
     from triton.runtime.errors import OutOfResources
-    real, tried = attention._attn_planes_kernel, []
+    tried = []
 
     class Launcher:
+        def __init__(self, real):
+            self.real = real
+
         def __getitem__(self, grid):
             def run(*args, num_stages, **kw):
                 tried.append(num_stages)
                 if num_stages == 3:
                     raise OutOfResources(300000, 232448, "shared memory")
-                return real[grid](*args, num_stages=num_stages, **kw)
+                return self.real[grid](*args, num_stages=num_stages, **kw)
             return run
-    monkeypatch.setattr(attention, "_attn_planes_kernel", Launcher())
+    for name in ("_attn_planes_kernel", "_attn_stream_kernel"):  # (the grid under the interpreter, stream-K on a GPU)
+        monkeypatch.setattr(attention, name, Launcher(getattr(attention, name)))
     monkeypatch.setattr(attention, "_NO_THIRD_STAGE", set())
     kh, vh = _history("qvg", chunks=1)
     q, _, _ = _qkv(t=0)
