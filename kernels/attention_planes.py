@@ -354,16 +354,11 @@ def _attend_item(q_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, vcen, tk_ptr, tv
 
 
 @triton.jit
-def _store_rows(dst, row0, nrows, a0, a1, a2, a3, l_i, D: tl.constexpr, BITS: tl.constexpr, BLOCK_M: tl.constexpr,
-                JOIN: tl.constexpr, INTERP: tl.constexpr):
-    """Rows row0 .. row0 + BLOCK_M of dst [*, D] (the first nrows of them) <- the accumulators / l_i, in dst's dtype
-    (rounded to nearest even, by hand under the interpreter)."""
-    P: tl.constexpr = 8 // BITS
-    W: tl.constexpr = D // P
-    r = tl.arange(0, BLOCK_M)
-    om = (r < nrows)[:, None]
-    orow = dst + (row0 + r).to(tl.int64)[:, None] * D + tl.arange(0, W)[None, :]
-    lsafe = l_i[:, None]
+def _store_rows(orow, om, a0, a1, a2, a3, lsafe, W: tl.constexpr, P: tl.constexpr, JOIN: tl.constexpr,
+                INTERP: tl.constexpr):
+    """orow [BLOCK_M, W] (pointers to the first W columns of each output row; om its mask) <- the accumulators /
+    lsafe [BLOCK_M, 1], plane by plane, in the pointers' dtype (rounded to nearest even, by hand under the
+    interpreter)."""
     if JOIN:
         a0, a1, a2, a3 = _split4(a0, P)
     tl.store(orow, to_out(a0 / lsafe, orow, INTERP), mask=om)
@@ -399,16 +394,19 @@ def _attn_planes_kernel(q_ptr, out_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, 
                                             qk_scale, pid_m, bh, j0, j0 + per, M, N, T, L, C, K, HQ, HKV, GH, D,
                                             BITS, GROUP, GRID, OFFSET, FP8, STAGES, BLOCK_M, BLOCK_N, HAS_HIST,
                                             INTERP, JOIN)
+    P: tl.constexpr = 8 // BITS
+    W: tl.constexpr = D // P
     qrows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    qmask = qrows < M
+    qrow = (bh.to(tl.int64) * M + qrows)[:, None] * D + tl.arange(0, W)[None, :]
     if SPLIT:  # (a split with no tile: l = 0, its weight in the merge 0)
         l1 = tl.where(l_i > 0, l_i, 1.0)
         tl.store(lse_ptr + (pid_s * tl.num_programs(2) + bh).to(tl.int64) * M + qrows,
-                 tl.where(l_i > 0, m_i + tl.math.log2(l1), float("-inf")), mask=qrows < M)
-        _store_rows(part_ptr, (pid_s * tl.num_programs(2) + bh).to(tl.int64) * M + pid_m * BLOCK_M,
-                    M - pid_m * BLOCK_M, a0, a1, a2, a3, l1, D, BITS, BLOCK_M, JOIN, INTERP)
+                 tl.where(l_i > 0, m_i + tl.math.log2(l1), float("-inf")), mask=qmask)
+        _store_rows(part_ptr + (pid_s * tl.num_programs(2) * M).to(tl.int64) * D + qrow, qmask[:, None], a0, a1, a2,
+                    a3, l1[:, None], W, P, JOIN, INTERP)
     else:
-        _store_rows(out_ptr, bh.to(tl.int64) * M + pid_m * BLOCK_M, M - pid_m * BLOCK_M, a0, a1, a2, a3, l_i, D,
-                    BITS, BLOCK_M, JOIN, INTERP)
+        _store_rows(out_ptr + qrow, qmask[:, None], a0, a1, a2, a3, l_i[:, None], W, P, JOIN, INTERP)
 
 
 @triton.jit
@@ -431,6 +429,9 @@ def _attn_stream_kernel(q_ptr, out_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, 
         nh = tl.cdiv(N, BLOCK_N)
     TI = nh + tl.cdiv(T, BLOCK_N)
     NMB = tl.cdiv(M, BLOCK_M)
+    P: tl.constexpr = 8 // BITS
+    W: tl.constexpr = D // P
+    cols = tl.arange(0, W)
     g0 = p * PER
     g1 = tl.minimum(g0 + PER, ITEMS * TI)
     for i in range(g0 // TI, tl.cdiv(g1, TI)):
@@ -442,18 +443,17 @@ def _attn_stream_kernel(q_ptr, out_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, 
                                                 tv_ptr, qk_scale, pid_m, bh, j0, j1, M, N, T, L, C, K, HQ, HKV, GH,
                                                 D, BITS, GROUP, GRID, OFFSET, FP8, STAGES, BLOCK_M, BLOCK_N,
                                                 HAS_HIST, INTERP, JOIN)
-        nrows = M - pid_m * BLOCK_M
+        r = tl.arange(0, BLOCK_M)
+        rmask = pid_m * BLOCK_M + r < M
         if j0 == 0:
-            _store_rows(out_ptr, bh.to(tl.int64) * M + pid_m * BLOCK_M, nrows, a0, a1, a2, a3, l_i, D, BITS,
-                        BLOCK_M, JOIN, INTERP)
+            _store_rows(out_ptr + (bh.to(tl.int64) * M + pid_m * BLOCK_M + r)[:, None] * D + cols[None, :],
+                        rmask[:, None], a0, a1, a2, a3, l_i[:, None], W, P, JOIN, INTERP)
             if j1 < TI:
-                r = tl.arange(0, BLOCK_M)
-                tl.store(lse_ptr + p.to(tl.int64) * BLOCK_M + r, m_i + tl.math.log2(l_i), mask=r < nrows)
+                tl.store(lse_ptr + p.to(tl.int64) * BLOCK_M + r, m_i + tl.math.log2(l_i), mask=rmask)
         else:
-            _store_rows(part_ptr, p.to(tl.int64) * BLOCK_M, nrows, a0, a1, a2, a3, l_i, D, BITS, BLOCK_M, JOIN,
-                        INTERP)
-            r = tl.arange(0, BLOCK_M)
-            tl.store(lse_ptr + (NP + p).to(tl.int64) * BLOCK_M + r, m_i + tl.math.log2(l_i), mask=r < nrows)
+            _store_rows(part_ptr + (p.to(tl.int64) * BLOCK_M + r)[:, None] * D + cols[None, :], rmask[:, None], a0,
+                        a1, a2, a3, l_i[:, None], W, P, JOIN, INTERP)
+            tl.store(lse_ptr + (NP + p).to(tl.int64) * BLOCK_M + r, m_i + tl.math.log2(l_i), mask=rmask)
 
 
 @triton.jit
