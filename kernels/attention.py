@@ -169,6 +169,12 @@ def wave_splits(programs: int, slots: int, tiles: int, most: int = 8) -> int:
     return best if best_cost <= (1 - SPLIT_GAIN) * -(-programs // slots) else 1
 
 
+def _slots(q: torch.Tensor, num_warps: int) -> int:
+    """Attention programs resident at once: ~255 registers a thread, so 8 warps fill an SM (1 under the
+    interpreter)."""
+    return sm_count(q.device) * max(1, 8 // num_warps) if q.is_cuda else 1
+
+
 _NO_THIRD_STAGE: set = set()  # packed_attention launch shapes whose 3-stage kernel ran out of shared memory
 
 
@@ -184,14 +190,16 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
     (eval/results/kernels-h100.md); num_stages None: 3 software-pipeline stages for one-stage formats and the BF16
     tail (2% faster than 2 on the H200), falling back to 2 where 3 do not fit in shared memory, and 2 for
     multi-stage formats. scale: positive (default D^-1/2).
-    Schedules. Default on a GPU (or `programs` given): stream-K (`_attn_stream_kernel`): `programs` persistent
-    programs (default: one per SM) share the query blocks x key tiles equally; a query block split between programs
-    is merged by log-sum-exp (`_merge_stream`) from one BLOCK_M x D BF16 piece per program, so the transient is the
-    output plus ~programs x BLOCK_M x D x 2 bytes (8.7 MB on 132 SMs), whatever the history's length. `splits`
-    given (or under the interpreter, 1): the grid of (query block, key share, head) programs, each share attended
-    by its own program and merged by log-sum-exp (a transient of splits BF16 copies of the output plus an fp32
-    log-sum-exp per query row; each share is rounded to BF16 before the merge); 0: the count whose programs fill
-    the GPU's waves best (`wave_splits`), with the partials under SPLIT_BYTES."""
+    Schedules. Default on a GPU for one-stage formats (qvg, RTN, the BF16 tail), or `programs` given: stream-K
+    (`_attn_stream_kernel`): `programs` persistent programs (default: one per SM) share the query blocks x key tiles
+    equally; a query block split between programs is merged by log-sum-exp (`_merge_stream`) from one BLOCK_M x D
+    BF16 piece per program, so the transient is the output plus ~programs x BLOCK_M x D x 2 bytes (8.7 MB on 132
+    SMs), whatever the history's length. `splits` given (default 1 under the interpreter, 0 for multi-stage formats
+    on a GPU, whose plane-by-plane kernel ran 22% slower under stream-K: 8.66 against 7.12 ms on the H200,
+    eval/results/profile-attention-h200.verify-0ef5823.json): the grid of (query block, key share, head) programs,
+    each share attended by its own program and merged by log-sum-exp (a transient of splits BF16 copies of the
+    output plus an fp32 log-sum-exp per query row; each share is rounded to BF16 before the merge); 0: the count
+    whose programs fill the GPU's waves best (`wave_splits`), with the partials under SPLIT_BYTES."""
     bsz, hq, m, d = q.shape
     if k_hist is None and k_tail is None:
         raise ValueError("attention needs a history or a tail")
@@ -237,11 +245,14 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
         raise ValueError("give splits (the grid schedule) or programs (stream-K), not both")
     if programs is not None and int(programs) < 1:
         raise ValueError(f"programs must be >= 1, got {programs}")
+    join = stages <= 1 or d * consts["BITS"] // 8 < 16
     if splits is None and programs is None and INTERPRET:
         splits = 1
+    elif splits is None and programs is None and not join:  # (stream-K ran qvg-pro 22% slower on the H200)
+        splits = 0
     items = triton.cdiv(m, block_m) * bsz * hq
     if splits is None:  # stream-K
-        programs = int(programs or sm_count(q.device) * max(1, 8 // num_warps))  # (~255 registers a thread)
+        programs = int(programs or _slots(q, num_warps))
         per = triton.cdiv(items * tiles, programs)
         programs = triton.cdiv(items * tiles, per)  # (the ones with work)
         lse = torch.empty(2, programs, block_m, device=q.device, dtype=torch.float32)
@@ -250,8 +261,8 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
         extra = dict(args=(bsz * hkv, items, per), consts={})
     else:
         if splits == 0:
-            slots = sm_count(q.device) * max(1, 8 // num_warps)
-            splits = wave_splits(items, slots, tiles, most=max(1, min(8, SPLIT_BYTES // (2 * bsz * hq * m * d))))
+            most = max(1, min(8, SPLIT_BYTES // (2 * bsz * hq * m * d)))
+            splits = wave_splits(items, _slots(q, num_warps), tiles, most=most)
         splits = max(1, min(int(splits), tiles))
         part = lse = dummy
         if splits > 1:
@@ -259,7 +270,6 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
             lse = torch.empty(splits, bsz * hq, m, device=q.device, dtype=torch.float32)
         kernel, grid = _attn_planes_kernel, (triton.cdiv(m, block_m), splits, bsz * hq)
         extra = dict(args=(splits,), consts=dict(SPLIT=splits > 1))
-    join = stages <= 1 or d * consts["BITS"] // 8 < 16
 
     def launch(n_stages):
         kernel[grid](q, out, *kargs, *vargs, tk, tv, part, lse, scale * LOG2E, m, n, t, L, max(1, n // L), kk, hq,

@@ -142,6 +142,8 @@ def test_stream_and_splits_exclusive(device):
         _run("packed", device, q, kh, vh, kt, vt, splits=2, programs=3)
     with pytest.raises(ValueError, match="programs must be >= 1"):
         _run("packed", device, q, kh, vh, kt, vt, programs=0)
+    ref = attend_reference(q, kh, vh, kt, vt)  # splits=0: the wave-filling count (1 slot under the interpreter)
+    assert rel_err(_run("packed", device, q, kh, vh, kt, vt, splits=0), ref) < TOL
 
 
 @pytest.mark.parametrize("splits", [1, 3])
