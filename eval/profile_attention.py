@@ -12,8 +12,10 @@ flash backend on the materialized BF16 cache in the same run; each output's rela
 dequantized cache is recorded, and on 512 queries against FP32 attention over the exactly (unrounded) decoded history.
 Formats: qvg (INT2 S1/B64), qvg-pro (INT2 S4/B16), bf16 (no history: the whole sequence as the BF16 tail, the kernels'
 flash part alone). --baseline: another version of kernels/attention_planes.py (e.g. from `git show
-COMMIT:kernels/attention_planes.py`), whose kernel is timed through the same `packed_attention` beside each config
-(runs named "base:<config>"), interleaved with it."""
+COMMIT:kernels/attention_planes.py`), whose kernels are timed through the same `packed_attention` beside each config
+(runs named "base:<config>"), interleaved with it. A baseline from before the stream-K kernel (f9adb0c) has only
+the grid kernel: its "base:" runs of configs without SPLITS then run this tree's stream-K kernel, so they are no
+baseline."""
 from __future__ import annotations
 
 import argparse
@@ -96,15 +98,21 @@ def main(argv=None) -> int:
     from .profile_dequant import _load_baseline, baseline_info
     from .provenance import command_line, meta
 
+    base_kernels = {}  # the baseline file's kernels, swapped in for "base:" runs
     try:
-        base_kernel = _load_baseline(args.baseline, "_attn_planes_kernel") if args.baseline else None
+        if args.baseline:
+            base_kernels["_attn_planes_kernel"] = _load_baseline(args.baseline, "_attn_planes_kernel")
+            try:
+                base_kernels["_attn_stream_kernel"] = _load_baseline(args.baseline, "_attn_stream_kernel")
+            except AttributeError:  # (a version before stream-K: its "base:" runs without SPLITS run ours)
+                pass
     except Exception as e:  # (a file that does not import, or has no kernel)
         print(f"error: --baseline {args.baseline!r} gives no _attn_planes_kernel: {type(e).__name__}: {e}",
               file=sys.stderr)
         return 2
     t0 = time.time()
     items = parse_only(args.only)
-    if base_kernel is not None:
+    if base_kernels:
         items = [x for cfg in items for x in (cfg, {**cfg, "base": True})]
     h, m, chunk = 12, 4680, 4680
     q = torch.randn(1, h, m, 128, device="cuda", dtype=torch.bfloat16)
@@ -133,11 +141,14 @@ def main(argv=None) -> int:
                 cfg = dict(cfg)
                 if not cfg.pop("base", False):
                     return run(cfg)
-                own, attention_module._attn_planes_kernel = attention_module._attn_planes_kernel, base_kernel
+                own = {name: getattr(attention_module, name) for name in base_kernels}
                 try:
+                    for name, kernel in base_kernels.items():
+                        setattr(attention_module, name, kernel)
                     return run(cfg)
                 finally:
-                    attention_module._attn_planes_kernel = own
+                    for name, kernel in own.items():
+                        setattr(attention_module, name, kernel)
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                 ref = sdpa(q, kd, vd)
                 t_sdpa = [bench(lambda: sdpa(q, kd, vd))]

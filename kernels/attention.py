@@ -3,10 +3,11 @@
 `packed_attention`: the on-chip kernel (kernels/attention_planes.py): BLOCK_M queries of one query head at a time;
 K / V tiles of BLOCK_N tokens are decoded on chip from codes, FP8 scales and centroid ids (levels x scale + the
 assigned centroid of every stage), then QK^T, online softmax and PV as in flash attention; the tail's tiles follow
-the history's. By default one persistent program per SM takes an equal share of all (query block, key tile) pairs
-(stream-K), and the query blocks split between programs are merged from one partial block per program. The BF16
-history is never allocated: the only tensors are the packed history, the tail, q, the output and those partial
-blocks. GQA: query head h reads kv head h // (Hq / Hkv).
+the history's. By default (one-stage formats) one persistent program per SM takes an equal share of all (query
+block, key tile) pairs (stream-K), and the query blocks split between programs are merged from one partial block per
+program; multi-stage formats split the keys into shares instead. The BF16 history is never allocated: the only
+tensors are the packed history, the tail, q, the output and those partial blocks or shares. GQA: query head h reads
+kv head h // (Hq / Hkv).
 `staged_attention`: the history decoded window by window (<= 32 MiB) by the dequant kernel and attended by a flash
 kernel that carries the softmax state.
 """
@@ -188,10 +189,12 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
     The kernel (kernels/attention_planes.py) decodes K / V tiles on chip one code plane at a time. The defaults
     (256-query blocks on 8 warps, 64-key tiles) were the fastest on the H100 for qvg and qvg-pro
     (eval/results/kernels-h100.md); num_stages None: 3 software-pipeline stages for one-stage formats and the BF16
-    tail (2% faster than 2 on the H200), falling back to 2 where 3 do not fit in shared memory, and 2 for
-    multi-stage formats. scale: positive (default D^-1/2).
+    tail (on the H200 2% faster than 2 with key splits; under stream-K 3% slower at 32,760 keys, 1.4% faster at
+    327,600), falling back to 2 where 3 do not fit in shared memory, and 2 for multi-stage formats. scale: positive
+    (default D^-1/2).
     Schedules. Default on a GPU for one-stage formats (qvg, RTN, the BF16 tail), or `programs` given: stream-K
-    (`_attn_stream_kernel`): `programs` persistent programs (default: one per SM) share the query blocks x key tiles
+    (`_attn_stream_kernel`): `programs` persistent programs (default: as many as fit at once, one per SM at 8
+    warps) share the query blocks x key tiles
     equally; a query block split between programs is merged by log-sum-exp (`_merge_stream`) from one BLOCK_M x D
     BF16 piece per program, so the transient is the output plus ~programs x BLOCK_M x D x 2 bytes (8.7 MB on 132
     SMs), whatever the history's length. `splits` given (default 1 under the interpreter, 0 for multi-stage formats
@@ -251,7 +254,12 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
     elif splits is None and programs is None and not join:  # (stream-K ran qvg-pro 22% slower on the H200)
         splits = 0
     items = triton.cdiv(m, block_m) * bsz * hq
-    if splits is None:  # stream-K
+    if items * tiles >= 2 ** 31:  # (stream-K indexes the pairs in int32)
+        if programs is not None:
+            raise ValueError(f"stream-K takes < 2^31 (query block, key tile) pairs, got {items * tiles}: use splits")
+        splits = 0 if splits is None else splits
+    stream = splits is None
+    if stream:
         programs = int(programs or _slots(q, num_warps))
         per = triton.cdiv(items * tiles, programs)
         programs = triton.cdiv(items * tiles, per)  # (the ones with work)
@@ -276,9 +284,9 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
                      hkv, *extra["args"], D=d, STAGES=stages, BLOCK_M=block_m, BLOCK_N=block_n,
                      HAS_HIST=k_hist is not None, INTERP=INTERPRET, JOIN=join, num_warps=num_warps,
                      num_stages=n_stages, **extra["consts"], **consts)
-    # num_stages None: 3 for the joined form (qvg, RTN, the BF16 tail; 2% faster on the H200), 2 for qvg-pro's
+    # num_stages None: 3 for the joined form (qvg, RTN, the BF16 tail; see the docstring), 2 for qvg-pro's
     # plane-by-plane form (3 need more shared memory than a GPU has at 256 x 64) and where 3 did not fit before
-    key = (q.device, q.dtype, d, block_m, block_n, num_warps, stages, splits is None, k_hist is not None,
+    key = (q.device, q.dtype, d, block_m, block_n, num_warps, stages, stream, k_hist is not None,
            tuple(sorted({**extra["consts"], **consts}.items())))
     if num_stages is not None:
         launch(num_stages)
@@ -290,11 +298,11 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
         except OutOfResources:  # (remembered: a failed compile is not cached, it would be retried every call)
             _NO_THIRD_STAGE.add(key)
             launch(2)
-    if kernel is _attn_stream_kernel and programs > 1:
+    if stream and programs > 1:
         _merge_stream[(programs - 1, triton.cdiv(block_m, 64))](part, lse, out, m, tiles, items, per, programs, D=d,
                                                                 BLOCK_M=block_m, ROWS=64, INTERP=INTERPRET,
                                                                 num_warps=4)
-    elif kernel is _attn_planes_kernel and splits > 1:
+    elif not stream and splits > 1:
         _merge_splits[(triton.cdiv(m, 64), bsz * hq)](part, lse, out, m, splits, D=d, BLOCK_M=64, INTERP=INTERPRET,
                                                     num_warps=4)
     return out

@@ -83,8 +83,7 @@ def _tile_raw(scale_ptr, tscale_ptr, ids_ptr, n0, N, L, K, ids_stage_stride, D: 
               BITS: tl.constexpr, GROUP: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr,
               BLOCK_N: tl.constexpr):
     """What tokens [n0, n0 + BLOCK_N) load from memory before their centroid gathers: raw scales, the per-token
-    tscale and each stage's centroid row (tokens past N load zeros). (The code bytes are loaded in the iteration
-    that decodes them: carried over an iteration, LLVM kept them one register a byte and packed them again.)"""
+    tscale and each stage's centroid row (tokens past N load zeros). (The code bytes: `_codes`.)"""
     NG: tl.constexpr = D // GROUP
     rows = n0 + tl.arange(0, BLOCK_N)
     rmask = rows < N
@@ -306,7 +305,7 @@ def _attend_item(q_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, vcen, tk_ptr, tv
         # a tile's scales, tscale and centroid ids are loaded one iteration ahead, so an iteration waits only for
         # its centroid gathers, not for the id loads they depend on (on the H100 7-26% faster than loading them in
         # the iteration; eval/results/kernels-h100.md). Joined (one-stage) formats load a tile's code bytes in the
-        # iteration that decodes them: carried, LLVM kept them one register a byte (on the H200 8.7% slower, 3.787
+        # iteration that decodes them: carried, LLVM kept them one register a byte (on the H200 9.5% slower, 3.787
         # against 3.459 ms at 32,760 keys: profile-attention-h200.ab-inloop-1869649.json); qvg-pro's plane-by-plane
         # form carries them (7.2 against 7.7 ms: ...inloop-vs-main-0db2d4d.json)
         ksr, kts, kr0, kr1, kr2, kr3 = _tile_raw(ks, kt, kid, j0 * BLOCK_N, N, L, K, istride, D, BITS, GROUP, FP8,

@@ -101,38 +101,57 @@ def test_tail_only(kind, device):
     assert err < TOL, err
 
 
-@pytest.mark.parametrize("name,splits", [("qvg", 2), ("qvg", 4), ("qvg", 50), ("qvg-pro", 3), ("qvg-s6", 4)])
-def test_planes_key_splits(splits, name, device):
-    """The keys split into shares merged by log-sum-exp: 4 history + 2 tail tiles of 32 (the last history tile
-    ragged: 120 tokens). 2 shares of 3 tiles (the first ends inside the history, the second crosses its end); 3
-    shares of 2; 4 shares of 2, the last with no tile; 50, capped at 6 single-tile shares. The ragged query block
-    and the batch of 2 go through the merge too."""
+SCHEDULES = [("qvg", {"splits": 2}), ("qvg", {"splits": 4}), ("qvg", {"splits": 50}), ("qvg-pro", {"splits": 3}),
+             ("qvg-s6", {"splits": 4}), ("qvg", {"programs": 1}), ("qvg", {"programs": 5}), ("qvg", {"programs": 40}),
+             ("qvg", {"programs": 64}), ("qvg", {"programs": 200}), ("qvg-pro", {"programs": 7}),
+             ("rtn-int4", {"programs": 64})]
+
+
+@pytest.mark.parametrize("name,schedule", SCHEDULES, ids=lambda x: x if isinstance(x, str) else
+                         "-".join(f"{k}{v}" for k, v in x.items()))
+def test_key_schedules(schedule, name, device):
+    """16 items (2 query blocks of 32, the second ragged, x 2 batches x 4 heads) of 6 tiles of 32 keys (4 history,
+    the last ragged: 120 tokens, + 2 tail), against one share of the keys.
+    Key splits (the grid; shares merged by log-sum-exp): 2 shares of 3 tiles (the first ends inside the history, the
+    second crosses its end); 3 shares of 2; 4 shares of 2, the last with no tile; 50, capped at 6 single-tile shares.
+    Stream-K (96 tiles shared by persistent programs): 1 (every item whole); 5 (20 tiles each: items split at a
+    program's start and end); 40 (3 tiles each, so 32 programs run: every item in 2 pieces); 64 (2 each: items in 3
+    pieces, a program's share inside one item); 200 (capped at 96 one-tile programs: 6 pieces an item)."""
     kh, vh = _history(name, b=2, seed=8)
     q, kt, vt = _qkv(b=2, m=40, t=40, seed=9)
     ref = attend_reference(q, kh, vh, kt, vt)
-    out = _run("packed", device, q, kh, vh, kt, vt, splits=splits)
+    out = _run("packed", device, q, kh, vh, kt, vt, **schedule)
     err = rel_err(out, ref)
-    assert err < TOL, f"{splits} splits: {err:.4f}"
-    # the shares are BF16: against one share, about one more BF16 rounding (2^-9 relative), not TOL's 2e-2
+    assert err < TOL, f"{schedule}: {err:.4f}"
+    # the pieces are BF16: against one share, about one more BF16 rounding (2^-9 relative), not TOL's 2e-2
     drift = rel_err(out, _run("packed", device, q, kh, vh, kt, vt, splits=1).float())
-    assert drift < 4e-3, f"{splits} splits vs 1: {drift:.5f}"
+    assert drift < 4e-3, f"{schedule} vs one share: {drift:.5f}"
 
 
-@pytest.mark.parametrize("name,programs", [("qvg", 1), ("qvg", 5), ("qvg", 40), ("qvg", 64), ("qvg", 200),
-                                           ("qvg-pro", 7), ("rtn-int4", 64)])
-def test_stream_schedule(programs, name, device):
-    """Stream-K: 16 items (2 query blocks of 32, the second ragged, x 2 batches x 4 heads) of 6 tiles (4 history, the
-    last ragged, + 2 tail), 96 tiles shared by `programs` persistent programs: 1 (every item whole); 5 (20 tiles
-    each: items split at a program's start and end); 40 (3 each: every other item in 2 pieces); 64 (2 each: items in
-    3 pieces, a program's share inside one item); 200 (capped at 96 one-tile programs: 6 pieces an item)."""
-    kh, vh = _history(name, b=2, seed=8)
-    q, kt, vt = _qkv(b=2, m=40, t=40, seed=9)
-    ref = attend_reference(q, kh, vh, kt, vt)
-    out = _run("packed", device, q, kh, vh, kt, vt, programs=programs)
-    err = rel_err(out, ref)
-    assert err < TOL, f"{programs} programs: {err:.4f}"
-    drift = rel_err(out, _run("packed", device, q, kh, vh, kt, vt, splits=1).float())
-    assert drift < 4e-3, f"{programs} programs vs one share: {drift:.5f}"
+@pytest.mark.parametrize("case", ["fp32-queries", "tail-only", "history-only", "gqa4-block128"])
+def test_stream_schedule_variants(case, device):
+    """Stream-K with fp32 queries (the output keeps fp32; the pieces that start a query block are written to it in
+    fp32), a BF16 tail alone, a history alone, and 8 query heads on 2 kv heads in 128-query blocks (two 64-row
+    merge blocks a query block)."""
+    kh, vh = _history("qvg", seed=12)
+    g = gen(13)
+    hq, m, bm = (8, 150, 128) if case == "gqa4-block128" else (HQ, 40, 32)
+    q = (torch.randn(1, hq, m, D, generator=g) * 1.5).bfloat16()
+    kt, vt = (torch.randn(1, HKV, 40, D, generator=g).bfloat16() for _ in range(2))
+    if case == "fp32-queries":
+        q = q.float() + 1e-3 * torch.randn(q.shape, generator=g)
+    if case == "tail-only":
+        kh = vh = None
+    if case == "history-only":
+        kt = vt = None
+    args = (q.to(device), _to(kh, device), _to(vh, device), None if kt is None else kt.to(device),
+            None if vt is None else vt.to(device))
+    with poisoned():
+        out = packed_attention(*args, block_m=bm, block_n=32, programs=7)
+    assert out.dtype == q.dtype and torch.isfinite(out).all()
+    assert rel_err(out, attend_reference(q, kh, vh, kt, vt)) < TOL, case
+    if case == "fp32-queries":
+        assert (out != out.bfloat16().float()).float().mean() > 0.5, "fp32 output rounded to BF16"
 
 
 def test_stream_and_splits_exclusive(device):
@@ -238,8 +257,8 @@ def test_staged_attention_asym_history(device):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="peak-memory accounting needs CUDA")
 def test_history_is_never_materialized():
     """Peak extra memory of one call over a long packed history (32 chunks x 1024 tokens x 8 heads x 128, i.e.
-    128 MiB of BF16 K + V): the fused kernel allocates its output (and its key splits' partials, here a few MiB),
-    the staged one one <= 32 MiB window."""
+    128 MiB of BF16 K + V): the fused kernel allocates its output (and one BF16 partial query block per stream-K
+    program, 8.3 MiB on 132 SMs), the staged one one <= 32 MiB window."""
     chunks, n_chunk, hkv, d = 32, 1024, 8, 128
     g = gen(0)
     hist = []
