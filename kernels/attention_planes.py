@@ -474,10 +474,11 @@ def _merge_stream(part_ptr, lse_ptr, out_ptr, M, TI, ITEMS, PER, NP, D: tl.const
         pb = tl.minimum(((i + 1) * TI - 1) // PER, NP - 1)
         off = r[:, None] * D + tl.arange(0, D)[None, :]
         orow = out_ptr + (bh.to(tl.int64) * M + pid_m * BLOCK_M) * D + off
-        mx = tl.load(lse_ptr + (k - 1).to(tl.int64) * BLOCK_M + r, mask=rmask, other=0.0)
+        lse0 = tl.load(lse_ptr + (k - 1).to(tl.int64) * BLOCK_M + r, mask=rmask, other=0.0)
+        mx = lse0
         for pp in range(k, pb + 1):
             mx = tl.maximum(mx, tl.load(lse_ptr + (NP + pp).to(tl.int64) * BLOCK_M + r, mask=rmask, other=0.0))
-        w = tl.math.exp2(tl.load(lse_ptr + (k - 1).to(tl.int64) * BLOCK_M + r, mask=rmask, other=0.0) - mx)
+        w = tl.math.exp2(lse0 - mx)
         den = w
         acc = w[:, None] * tl.load(orow, mask=rmask[:, None], other=0.0).to(tl.float32)
         for pp in range(k, pb + 1):

@@ -10,7 +10,7 @@ import qvg
 from kernel_helpers import clustered, gen, poisoned, rel_err
 from qvg.attention import attend_reference
 from qvg.kernels.attention import packed_attention, staged_attention
-from qvg.kernels.attention_planes import _tile_planes, _tile_raw
+from qvg.kernels.attention_planes import _codes, _tile_planes, _tile_raw
 from qvg.kernels.common import INTERPRET, grid_constants, raw_view
 from qvg.sequence import PackedSequence
 
@@ -307,14 +307,13 @@ def test_staged_reads_a_tail_view_in_place(b, device):
 def _decode_tiles(kc, ks, kt, kid, kcen, out, N, L, K, istride, cstride, D: tl.constexpr, BITS: tl.constexpr,
                   GROUP: tl.constexpr, GRID: tl.constexpr, OFFSET: tl.constexpr, FP8: tl.constexpr,
                   STAGES: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr):
-    """The fused kernel's decode stage alone (`_tile_raw` + `_tile_planes`, planes stored side by side)."""
+    """The fused kernel's decode stage alone (`_codes` + `_tile_raw` + `_tile_planes`, planes stored side by side)."""
     n0 = tl.program_id(0) * BLOCK_N
     W: tl.constexpr = D * BITS // 8
     rows = n0 + tl.arange(0, BLOCK_N)
-    byte = tl.load(kc + rows[:, None] * W + tl.arange(0, W)[None, :], mask=(rows < N)[:, None], other=0)
     raw = _tile_raw(ks, kt, kid, n0, N, L, K, istride, D, BITS, GROUP, FP8, STAGES, BLOCK_N)
-    x0, x1, x2, x3 = _tile_planes(byte, *raw, n0, N, L, K, kid, istride, kcen, cstride, D, BITS, GROUP, GRID, OFFSET, FP8,
-                                  STAGES, BLOCK_N, False, INTERP)
+    x0, x1, x2, x3 = _tile_planes(_codes(kc, n0, N, W, BLOCK_N), *raw, n0, N, L, K, kid, istride, kcen, cstride, D,
+                                  BITS, GROUP, GRID, OFFSET, FP8, STAGES, BLOCK_N, False, INTERP)
     o = out + rows[:, None] * D + tl.arange(0, W)[None, :]
     m = (rows < N)[:, None]
     tl.store(o, x0, mask=m)
