@@ -170,6 +170,18 @@ def wave_splits(programs: int, slots: int, tiles: int, most: int = 8) -> int:
     return best if best_cost <= (1 - SPLIT_GAIN) * -(-programs // slots) else 1
 
 
+def stream_plan(items: int, tiles: int, programs: int, waves: bool = True) -> tuple[int, int, int]:
+    """Stream-K's split of items x tiles (query block, key tile) pairs over at most `programs` persistent programs:
+    (programs with work, full, per). Each first attends `full` items whole, one a wave (waves=False: none), then
+    `per` tiles of the rest in order; the last program may get fewer."""
+    full = items // programs if waves else 0
+    rest = items * tiles - full * programs * tiles
+    if rest == 0:
+        return programs, full, 0
+    per = -(-rest // programs)
+    return (programs if full else -(-rest // per)), full, per
+
+
 def _slots(q: torch.Tensor, num_warps: int) -> int:
     """Attention programs resident at once: ~255 registers a thread, so 8 warps fill an SM (1 under the
     interpreter)."""
@@ -260,13 +272,11 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
         splits = 0 if splits is None else splits
     stream = splits is None
     if stream:
-        programs = int(programs or _slots(q, num_warps))
-        per = triton.cdiv(items * tiles, programs)
-        programs = triton.cdiv(items * tiles, per)  # (the ones with work)
+        programs, full, per = stream_plan(items, tiles, int(programs or _slots(q, num_warps)))
         lse = torch.empty(2, programs, block_m, device=q.device, dtype=torch.float32)
         part = torch.empty(programs, block_m, d, device=q.device, dtype=torch.bfloat16) if programs > 1 else dummy
         kernel, grid = _attn_stream_kernel, (programs,)
-        extra = dict(args=(bsz * hkv, items, per), consts={})
+        extra = dict(args=(bsz * hkv, items, per, full), consts={})
     else:
         if splits == 0:
             most = max(1, min(8, SPLIT_BYTES // (2 * bsz * hq * m * d)))
@@ -299,8 +309,8 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
             _NO_THIRD_STAGE.add(key)
             launch(2)
     if stream and programs > 1:
-        _merge_stream[(programs - 1, triton.cdiv(block_m, 64))](part, lse, out, m, tiles, items, per, programs, D=d,
-                                                                BLOCK_M=block_m, ROWS=64, INTERP=INTERPRET,
+        _merge_stream[(programs - 1, triton.cdiv(block_m, 64))](part, lse, out, m, tiles, items, per, programs, full,
+                                                                D=d, BLOCK_M=block_m, ROWS=64, INTERP=INTERPRET,
                                                                 num_warps=4)
     elif not stream and splits > 1:
         _merge_splits[(triton.cdiv(m, 64), bsz * hq)](part, lse, out, m, splits, D=d, BLOCK_M=64, INTERP=INTERPRET,

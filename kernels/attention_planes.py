@@ -410,17 +410,20 @@ def _attn_planes_kernel(q_ptr, out_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, 
 
 @triton.jit
 def _attn_stream_kernel(q_ptr, out_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, vcen, tk_ptr, tv_ptr, part_ptr,
-                        lse_ptr, qk_scale, M, N, T, L, C, K, HQ, HKV, GH, ITEMS, PER,
+                        lse_ptr, qk_scale, M, N, T, L, C, K, HQ, HKV, GH, ITEMS, PER, FULL,
                         D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr,
                         OFFSET: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_HIST: tl.constexpr,
                         INTERP: tl.constexpr, JOIN: tl.constexpr = True):
-    """Stream-K schedule: persistent program p attends tiles [p * PER, (p + 1) * PER) of the ITEMS x TI tiles of
-    every item (query block pid_m of batch x head bh, item bh * cdiv(M, BLOCK_M) + pid_m) in turn. An item it attends
-    whole goes to out; the piece that starts an item goes to out too, with its log2-sum-exp in lse[0, p]; the piece
-    that continues an item begun by an earlier program (at most one a program: its first) to part[p] (BF16) and
-    lse[1, p]. `_merge_stream` then combines the pieces of the items split between programs, so the transient is
-    one BLOCK_M x D piece a program, not a share of the whole output."""
+    """Stream-K schedule after FULL data-parallel waves: persistent program p first attends items p, p + NP, ..
+    (FULL of them) whole, so that the programs of one wave walk their heads' key tiles in step (the same head's
+    query blocks read each tile from L2 at about the same time), then tiles [G0 + p * PER, G0 + (p + 1) * PER) of
+    the ITEMS x TI tiles past the waves' G0 = FULL * NP * TI (item i: query block pid_m = i % cdiv(M, BLOCK_M) of
+    batch x head bh = i // cdiv(M, BLOCK_M)). An item it attends whole goes to out; the piece that starts an item
+    goes to out too, with its log2-sum-exp in lse[0, p]; the piece that continues an item begun by an earlier
+    program (at most one a program: its first) to part[p] (BF16) and lse[1, p]. `_merge_stream` then combines the
+    pieces of the items split between programs, so the transient is one BLOCK_M x D piece a program, not a share
+    of the whole output."""
     p = tl.program_id(0)
     NP = tl.num_programs(0)
     nh = 0
@@ -431,11 +434,14 @@ def _attn_stream_kernel(q_ptr, out_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, 
     P: tl.constexpr = 8 // BITS
     W: tl.constexpr = D // P
     cols = tl.arange(0, W)
-    g0 = p * PER
+    g0 = tl.minimum(FULL * NP * TI + p * PER, ITEMS * TI)  # (a program past the last tile: its waves only)
     g1 = tl.minimum(g0 + PER, ITEMS * TI)
-    for i in range(g0 // TI, tl.cdiv(g1, TI)):
-        j0 = tl.maximum(g0 - i * TI, 0)
-        j1 = tl.minimum(g1 - i * TI, TI)
+    i0 = g0 // TI
+    for it in range(0, FULL + tl.cdiv(g1, TI) - i0):
+        wave = it < FULL
+        i = tl.where(wave, it * NP + p, i0 + it - FULL)
+        j0 = tl.where(wave, 0, tl.maximum(g0 - i * TI, 0))
+        j1 = tl.where(wave, TI, tl.minimum(g1 - i * TI, TI))
         pid_m = i % NMB
         bh = i // NMB
         a0, a1, a2, a3, m_i, l_i = _attend_item(q_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, vcen, tk_ptr,
@@ -456,22 +462,23 @@ def _attn_stream_kernel(q_ptr, out_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, 
 
 
 @triton.jit
-def _merge_stream(part_ptr, lse_ptr, out_ptr, M, TI, ITEMS, PER, NP, D: tl.constexpr, BLOCK_M: tl.constexpr,
+def _merge_stream(part_ptr, lse_ptr, out_ptr, M, TI, ITEMS, PER, NP, FULL, D: tl.constexpr, BLOCK_M: tl.constexpr,
                   ROWS: tl.constexpr, INTERP: tl.constexpr):
     """Program (boundary k, row block): where program k's share begins inside an item (and no earlier boundary
     does), that item's pieces are merged by log-sum-exp: the first (program k - 1's, in out, lse[0, k - 1]) and
     the continuations of programs k .. (part[p], lse[1, p]); the result overwrites out. ROWS rows at a time of the
-    item's BLOCK_M."""
+    item's BLOCK_M. The shares start after the FULL data-parallel waves' G0 = FULL * NP * TI tiles."""
     k = tl.program_id(0) + 1
-    g = k * PER
+    G0 = FULL * NP * TI
+    g = G0 + k * PER
     i = g // TI
-    if (g < ITEMS * TI) & (g % TI != 0) & ((k - 1) * PER <= i * TI):
+    if (g < ITEMS * TI) & (g % TI != 0) & (G0 + (k - 1) * PER <= i * TI):
         nmb = tl.cdiv(M, BLOCK_M)
         pid_m = i % nmb
         bh = i // nmb
         r = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
         rmask = (r < BLOCK_M) & (pid_m * BLOCK_M + r < M)
-        pb = tl.minimum(((i + 1) * TI - 1) // PER, NP - 1)
+        pb = tl.minimum(((i + 1) * TI - 1 - G0) // PER, NP - 1)
         off = r[:, None] * D + tl.arange(0, D)[None, :]
         orow = out_ptr + (bh.to(tl.int64) * M + pid_m * BLOCK_M) * D + off
         lse0 = tl.load(lse_ptr + (k - 1).to(tl.int64) * BLOCK_M + r, mask=rmask, other=0.0)
