@@ -316,7 +316,8 @@ def _best(fn, configs, flops):
 FUSED_CONFIGS = [dict(block_m=256, block_n=64, num_warps=8, num_stages=3),  # (packed_attention's default schedule,
                  dict(block_m=256, block_n=64, num_warps=8, num_stages=2),  # stream-K, except splits=0: the grid of
                  dict(block_m=128, block_n=64, num_warps=8, num_stages=2),  # key splits that fills the waves best;
-                 dict(block_m=256, block_n=64, num_warps=8, num_stages=3, splits=0)]  # 3 stages: one-stage formats)
+                 dict(block_m=256, block_n=64, num_warps=8, num_stages=3, splits=0),  # 3 stages: one-stage formats;
+                 dict(block_m=256, block_n=64, num_warps=8, num_stages=3, waves=True)]  # stream-K after whole waves)
 STAGED_CONFIGS = [dict(block_m=128, block_n=64, num_warps=4, num_stages=2),
                   dict(block_m=128, block_n=64, num_warps=4, num_stages=3),
                   dict(block_m=128, block_n=128, num_warps=8, num_stages=2),

@@ -170,10 +170,10 @@ def wave_splits(programs: int, slots: int, tiles: int, most: int = 8) -> int:
     return best if best_cost <= (1 - SPLIT_GAIN) * -(-programs // slots) else 1
 
 
-def stream_plan(items: int, tiles: int, programs: int, waves: bool = True) -> tuple[int, int, int]:
+def stream_plan(items: int, tiles: int, programs: int, waves: bool = False) -> tuple[int, int, int]:
     """Stream-K's split of items x tiles (query block, key tile) pairs over at most `programs` persistent programs:
-    (programs with work, full, per). Each first attends `full` items whole, one a wave (waves=False: none), then
-    `per` tiles of the rest in order; the last program may get fewer."""
+    (programs with work, full, per). Each first attends `full` items whole (waves: one a wave while there are at
+    least `programs` items; else none), then `per` tiles of the rest in order; the last program may get fewer."""
     full = items // programs if waves else 0
     rest = items * tiles - full * programs * tiles
     if rest == 0:
@@ -195,22 +195,26 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
                      k_tail: torch.Tensor | None = None, v_tail: torch.Tensor | None = None,
                      scale: float | None = None, block_m: int = 256, block_n: int = 64, num_warps: int = 8,
                      num_stages: int | None = None, splits: int | None = None,
-                     programs: int | None = None) -> torch.Tensor:
+                     programs: int | None = None, waves: bool = False) -> torch.Tensor:
     """softmax(q [history; tail]^T * scale) [history; tail] without materializing the history.
     q [B, Hq, M, D] bf16; histories from `PackedSequence.from_chunks`; tails [B, Hkv, T, D] bf16.
     The kernel (kernels/attention_planes.py) decodes K / V tiles on chip one code plane at a time. The defaults
     (256-query blocks on 8 warps, 64-key tiles) were the fastest on the H100 for qvg and qvg-pro
     (eval/results/kernels-h100.md); num_stages None: 3 software-pipeline stages for one-stage formats and the BF16
-    tail (on the H200 2% faster than 2 with key splits; under stream-K 3% slower at 32,760 keys, 1.4% faster at
-    327,600), falling back to 2 where 3 do not fit in shared memory, and 2 for multi-stage formats. scale: positive
-    (default D^-1/2).
+    tail (on the H200 2% faster than 2 with key splits, 1.6-5% under stream-K at 32,760 to 327,600 keys), falling
+    back to 2 where 3 do not fit in shared memory, and 2 for multi-stage formats. scale: positive (default D^-1/2).
     Schedules. Default on a GPU for one-stage formats (qvg, RTN, the BF16 tail), or `programs` given: stream-K
     (`_attn_stream_kernel`): `programs` persistent programs (default: as many as fit at once, one per SM at 8
     warps) share the query blocks x key tiles
     equally; a query block split between programs is merged by log-sum-exp (`_merge_stream`) from one BLOCK_M x D
     BF16 piece per program, so the transient is the output plus ~programs x BLOCK_M x D x 2 bytes (8.7 MB on 132
-    SMs), whatever the history's length. `splits` given (default 1 under the interpreter, 0 for multi-stage formats
-    on a GPU, whose plane-by-plane kernel ran 22% slower under stream-K: 8.66 against 7.12 ms on the H200,
+    SMs), whatever the history's length. waves: each program first attends whole query blocks, one a wave, and
+    only the rest is shared (`stream_plan`); on the H200 2.8% slower at 32,760 keys and no faster at 327,600, so
+    off by default (eval/results/profile-attention-h200.waves-acc0791.json). (The kernel that can take waves
+    runs 6-10% faster than 147e7ab's without them, with the same schedule: a code-generation effect, not the
+    schedule's; ...ab-acc0791.json, ...variants-acc0791.json.) `splits` given (default 1 under the interpreter, 0
+    for multi-stage formats on a GPU, whose plane-by-plane kernel ran 22% slower under stream-K: 8.66 against 7.12 ms
+    on the H200,
     eval/results/profile-attention-h200.verify-0ef5823.json): the grid of (query block, key share, head) programs,
     each share attended by its own program and merged by log-sum-exp (a transient of splits BF16 copies of the
     output plus an fp32 log-sum-exp per query row; each share is rounded to BF16 before the merge); 0: the count
@@ -272,7 +276,7 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
         splits = 0 if splits is None else splits
     stream = splits is None
     if stream:
-        programs, full, per = stream_plan(items, tiles, int(programs or _slots(q, num_warps)))
+        programs, full, per = stream_plan(items, tiles, int(programs or _slots(q, num_warps)), waves)
         lse = torch.empty(2, programs, block_m, device=q.device, dtype=torch.float32)
         part = torch.empty(programs, block_m, d, device=q.device, dtype=torch.bfloat16) if programs > 1 else dummy
         kernel, grid = _attn_stream_kernel, (programs,)

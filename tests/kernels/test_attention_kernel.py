@@ -102,8 +102,10 @@ def test_tail_only(kind, device):
 
 
 SCHEDULES = [("qvg", {"splits": 2}), ("qvg", {"splits": 4}), ("qvg", {"splits": 50}), ("qvg-pro", {"splits": 3}),
-             ("qvg-s6", {"splits": 4}), ("qvg", {"programs": 1}), ("qvg", {"programs": 3}), ("qvg", {"programs": 5}),
-             ("qvg", {"programs": 7}), ("qvg", {"programs": 40}),
+             ("qvg-s6", {"splits": 4}), ("qvg", {"programs": 1}), ("qvg", {"programs": 5}),
+             ("qvg", {"programs": 1, "waves": True}), ("qvg", {"programs": 3, "waves": True}),
+             ("qvg", {"programs": 5, "waves": True}), ("qvg", {"programs": 7, "waves": True}),
+             ("qvg", {"programs": 40}),
              ("qvg", {"programs": 64}), ("qvg", {"programs": 200}), ("qvg-pro", {"programs": 7}),
              ("rtn-int4", {"programs": 64})]
 
@@ -115,12 +117,12 @@ def test_key_schedules(schedule, name, device):
     the last ragged: 120 tokens, + 2 tail), against one share of the keys.
     Key splits (the grid; shares merged by log-sum-exp): 2 shares of 3 tiles (the first ends inside the history, the
     second crosses its end); 3 shares of 2; 4 shares of 2, the last with no tile; 50, capped at 6 single-tile shares.
-    Stream-K (96 tiles shared by persistent programs, after whole waves of items when there are more items than
-    programs): 1 (16 waves: every item whole); 3 (5 waves, then the last item in 3 pieces of 2 tiles); 5 (3 waves,
-    then the last item in 3 pieces: 2 programs with no share, one of them past the last tile); 7 (2 waves, then 2
-    items in 6 pieces of 2 tiles, one program with no share); 40 (no wave; 3 tiles each, so 32 programs run: every
-    item in 2 pieces); 64 (2 each: items in 3 pieces, a program's share inside one item); 200 (capped at 96
-    one-tile programs: 6 pieces an item)."""
+    Stream-K (96 tiles shared by persistent programs): 1 (every item whole); 5 (20 tiles each: items split at a
+    program's start and end); 40 (3 tiles each, so 32 programs run: every item in 2 pieces); 64 (2 each: items in 3
+    pieces, a program's share inside one item); 200 (capped at 96 one-tile programs: 6 pieces an item). With whole
+    waves of items first: 1 (16 waves); 3 (5 waves, then the last item in 3 pieces of 2 tiles); 5 (3 waves, then
+    the last item in 3 pieces: 2 programs with no share, one of them past the last tile); 7 (2 waves, then 2 items
+    in 6 pieces of 2 tiles, one program with no share)."""
     kh, vh = _history(name, b=2, seed=8)
     q, kt, vt = _qkv(b=2, m=40, t=40, seed=9)
     ref = attend_reference(q, kh, vh, kt, vt)
@@ -162,13 +164,14 @@ def test_stream_schedule_variants(case, device):
     (16, 6, 1, (1, 16, 0)), (16, 6, 3, (3, 5, 2)), (16, 6, 5, (5, 3, 2)), (16, 6, 40, (32, 0, 3)),
     (16, 6, 200, (96, 0, 1)), (228, 520, 132, (132, 1, 379)), (10, 1, 4, (4, 2, 1))])
 def test_stream_plan(items, tiles, programs, want):
-    """(programs with work, whole waves, tiles a share): whole waves while items >= programs, the rest shared; a
-    plan covers every pair exactly once."""
-    got = stream_plan(items, tiles, programs)
+    """(programs with work, whole waves, tiles a share) with waves: whole waves while items >= programs, the rest
+    shared; a plan covers every pair exactly once. Without (the default): every pair shared."""
+    got = stream_plan(items, tiles, programs, waves=True)
     assert got == want
     n, full, per = got
     assert full * n * tiles + min(n * per, items * tiles - full * n * tiles) == items * tiles
-    assert stream_plan(items, tiles, programs, waves=False)[1] == 0
+    n, full, per = stream_plan(items, tiles, programs)  # (the default: no waves)
+    assert full == 0 and n * per >= items * tiles > (n - 1) * per
 
 
 def test_stream_and_splits_exclusive(device):
