@@ -15,7 +15,8 @@ flash part alone). --baseline: another version of kernels/attention_planes.py (e
 COMMIT:kernels/attention_planes.py`), whose kernels are timed through the same `packed_attention` beside each config
 (runs named "base:<config>"), interleaved with it. A baseline from before the stream-K kernel (f9adb0c) has only
 the grid kernel: its "base:" runs of configs without SPLITS then run this tree's stream-K kernel, so they are no
-baseline."""
+baseline. One from before d45552c (no whole waves, e.g. 147e7ab, the reference for the stream-K loop's code-generation
+gain) is launched without the FULL argument."""
 from __future__ import annotations
 
 import argparse
@@ -48,6 +49,18 @@ def parse_only(text: str) -> list[dict]:
     if not out:
         raise ValueError("--only names no tile config")
     return out
+
+
+class NoFull:
+    """A baseline's stream-K kernel or merge from before d45552c, which take no FULL (the whole waves; 0 in the
+    "base:" runs, whose configs ask for none): launched with packed_attention's arguments less the last, FULL."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+        return lambda *args, **kw: launch(*args[:-1], **kw)
 
 
 def check_args(args) -> str | None:
@@ -103,7 +116,11 @@ def main(argv=None) -> int:
         if args.baseline:
             base_kernels["_attn_planes_kernel"] = _load_baseline(args.baseline, "_attn_planes_kernel")
             try:
-                base_kernels["_attn_stream_kernel"] = _load_baseline(args.baseline, "_attn_stream_kernel")
+                stream = _load_baseline(args.baseline, "_attn_stream_kernel")
+                merge = _load_baseline(args.baseline, "_merge_stream")
+                if "FULL" not in stream.arg_names:  # (before d45552c: no waves; launched without FULL)
+                    stream, merge = NoFull(stream), NoFull(merge)
+                base_kernels.update(_attn_stream_kernel=stream, _merge_stream=merge)
             except AttributeError:  # (a version before stream-K: its "base:" runs without SPLITS run ours)
                 pass
     except Exception as e:  # (a file that does not import, or has no kernel)

@@ -201,24 +201,24 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
     The kernel (kernels/attention_planes.py) decodes K / V tiles on chip one code plane at a time. The defaults
     (256-query blocks on 8 warps, 64-key tiles) were the fastest on the H100 for qvg and qvg-pro
     (eval/results/kernels-h100.md); num_stages None: 3 software-pipeline stages for one-stage formats and the BF16
-    tail (on the H200 2% faster than 2 with key splits, 1.6-5% under stream-K at 32,760 to 327,600 keys), falling
+    tail (on the H200 2% faster than 2 with key splits, 1.1-5% under stream-K at 32,760 to 327,600 keys), falling
     back to 2 where 3 do not fit in shared memory, and 2 for multi-stage formats. scale: positive (default D^-1/2).
     Schedules. Default on a GPU for one-stage formats (qvg, RTN, the BF16 tail), or `programs` given: stream-K
-    (`_attn_stream_kernel`): `programs` persistent programs (default: as many as fit at once, one per SM at 8
-    warps) share the query blocks x key tiles
-    equally; a query block split between programs is merged by log-sum-exp (`_merge_stream`) from one BLOCK_M x D
-    BF16 piece per program, so the transient is the output plus ~programs x BLOCK_M x D x 2 bytes (8.7 MB on 132
-    SMs), whatever the history's length. waves: each program first attends whole query blocks, one a wave, and
-    only the rest is shared (`stream_plan`); on the H200 2.8% slower at 32,760 keys and no faster at 327,600, so
-    off by default (eval/results/profile-attention-h200.waves-acc0791.json). (The kernel that can take waves
-    runs 6-10% faster than 147e7ab's without them, with the same schedule: a code-generation effect, not the
-    schedule's; ...ab-acc0791.json, ...variants-acc0791.json.) `splits` given (default 1 under the interpreter, 0
-    for multi-stage formats on a GPU, whose plane-by-plane kernel ran 22% slower under stream-K: 8.66 against 7.12 ms
-    on the H200,
-    eval/results/profile-attention-h200.verify-0ef5823.json): the grid of (query block, key share, head) programs,
-    each share attended by its own program and merged by log-sum-exp (a transient of splits BF16 copies of the
-    output plus an fp32 log-sum-exp per query row; each share is rounded to BF16 before the merge); 0: the count
-    whose programs fill the GPU's waves best (`wave_splits`), with the partials under SPLIT_BYTES."""
+    (`_attn_stream_kernel`): `programs` persistent programs (default: as many as fit at once, one per SM at 8 warps)
+    share the query blocks x key tiles equally; a query block split between programs is merged by log-sum-exp
+    (`_merge_stream`) from one BLOCK_M x D BF16 piece per program, so the transient is the output plus ~programs x
+    BLOCK_M x D x 2 bytes (8.7 MB on 132 SMs), whatever the history's length. waves: each program first attends
+    whole query blocks, one a wave, and only the rest is shared (`stream_plan`); on the H200 2.8% slower at 32,760
+    keys and no faster at 327,600, so off by default (eval/results/profile-attention-h200.waves-acc0791.json). (The
+    kernel that can take waves runs 5.5-9.3% faster than 147e7ab's without them, with the same schedule: a
+    code-generation effect, not the schedule's; profile-attention-h200.ab-acc0791.json and .variants-acc0791.json;
+    an edit of the stream-K loop can lose it: re-time it against 147e7ab's kernel.) `splits` given (default 1 under
+    the interpreter, 0 for multi-stage formats on a GPU, whose plane-by-plane kernel ran 22% slower under stream-K:
+    8.66 against 7.12 ms on the H200, eval/results/profile-attention-h200.verify-0ef5823.json): the grid of (query
+    block, key share, head) programs, each share attended by its own program and merged by log-sum-exp (a transient
+    of splits BF16 copies of the output plus an fp32 log-sum-exp per query row; each share is rounded to BF16 before
+    the merge); 0: the count whose programs fill the GPU's waves best (`wave_splits`), with the partials under
+    SPLIT_BYTES."""
     bsz, hq, m, d = q.shape
     if k_hist is None and k_tail is None:
         raise ValueError("attention needs a history or a tail")

@@ -34,3 +34,15 @@ def test_baseline_loads_another_planes_kernel():
     from qvg.eval.profile_dequant import _load_baseline
     kernel = _load_baseline(str(pathlib.Path(current.__file__)), "_attn_planes_kernel")
     assert kernel is not current._attn_planes_kernel and kernel.fn.__name__ == "_attn_planes_kernel"
+
+
+def test_baseline_without_full_is_launched_without_it():
+    """A baseline stream-K kernel from before d45552c takes no FULL: NoFull drops packed_attention's last
+    positional argument (FULL) and keeps the rest and the keywords."""
+    calls = []
+
+    class Fake:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: calls.append((grid, args, kw))
+    profile_attention.NoFull(Fake())[(3,)](1, 2, 0, D=128)
+    assert calls == [((3,), (1, 2), {"D": 128})]
