@@ -153,8 +153,8 @@ def parse(argv) -> dict:
     s["key_storage"] = _key_storage(a.key_storage, a.method, a.pipeline)
     from qvg.cache import read_error
     bad_read = read_error(a.method, a.read, s["key_storage"], s["options"])  # (KVCache's own check and message)
-    if bad_read:
-        raise UsageError(f"--read {a.read}: {bad_read}")
+    if bad_read:  # ("read must be one of ..." names the flag itself)
+        raise UsageError("--" + bad_read if bad_read.startswith("read must") else f"--read {a.read}: {bad_read}")
     s["read"] = a.read
     if a.history == "full":
         s["window"] = None

@@ -46,7 +46,7 @@ def test_bf16_with_a_window_is_still_1x(tmp_path):
 
 BAD = [
     (["--bits", "3"], "--bits must be 2, 4 or 8"),
-    (["--read", "flash"], "--read flash: read must be one of window, staged, fused"),
+    (["--read", "flash"], "--read must be one of window, staged, fused, got 'flash'"),
     (["--read", "fused"], "--read fused: read='fused' needs keys stored after RoPE"),
     (["--read", "staged", "--method", "kivi"], "--read staged: method 'kivi' supports read='window' only"),
     (["--read", "fused", "--method", "bf16"], "--read fused: method 'bf16' supports read='window' only"),
@@ -244,15 +244,16 @@ def test_key_storage_auto_is_pre_rope_on_the_embedded_model_only(tmp_path):
                                                      ("quarot", "fused", "post-rope"), ("qvg", "fused", "auto"),
                                                      ("qvg", "flash", "auto")])
 def test_read_errors_are_the_caches(tmp_path, capsys, method, read, key_storage):
-    """--read is checked by the cache's own read_error: the line names the flag, then says what KVCache would
-    raise (one line, exit 2, nothing written)."""
+    """--read is checked by the cache's own read_error: the line names the flag and the mode, then says what
+    KVCache would raise (one line, exit 2, nothing written); an unknown mode reads "--read must be one of ..."."""
     from qvg.cache import read_error
     out = tmp_path / "v.mp4"
     args = ["--method", method, "--read", read, "--key-storage", key_storage, "--out", str(out), "--quiet"]
     storage = {"auto": "pre-rope" if method == "qvg" else "post-rope"}.get(key_storage, key_storage)
     msg = read_error(method, read, storage)
     assert msg and main(args) == 2
-    assert capsys.readouterr().err.strip().splitlines() == [f"qvg-generate: error: --read {read}: {msg}"]
+    line = f"--{msg}" if msg.startswith("read must") else f"--read {read}: {msg}"  # (an unknown mode: named once)
+    assert capsys.readouterr().err.strip().splitlines() == [f"qvg-generate: error: {line}"]
     assert list(tmp_path.iterdir()) == []
 
 
