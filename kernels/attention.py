@@ -203,14 +203,14 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
     (eval/results/kernels-h100.md); num_stages None: 3 software-pipeline stages for one-stage formats and the BF16
     tail (on the H200 2% faster than 2 with key splits, 1.1-5% under stream-K at 32,760 to 327,600 keys), falling
     back to 2 where 3 do not fit in shared memory, and 2 for multi-stage formats. scale: positive (default D^-1/2).
-    Schedules. Default on a GPU for one-stage formats (qvg, RTN, the BF16 tail), or `programs` given: stream-K
+    Schedules. Default on a GPU for one-stage formats (qvg, RTN, the BF16 tail), or `programs` or waves given: stream-K
     (`_attn_stream_kernel`): `programs` persistent programs (default: as many as fit at once, one per SM at 8 warps)
     share the query blocks x key tiles equally; a query block split between programs is merged by log-sum-exp
     (`_merge_stream`) from one BLOCK_M x D BF16 piece per program, so the transient is the output plus ~programs x
     BLOCK_M x D x 2 bytes (8.7 MB on 132 SMs), whatever the history's length. waves: each program first attends
-    whole query blocks, one a wave, and only the rest is shared (`stream_plan`); on the H200 2.8% slower at 32,760
-    keys and no faster at 327,600, so off by default (eval/results/profile-attention-h200.waves-acc0791.json). (The
-    kernel that can take waves runs 5.5-9.3% faster than 147e7ab's without them, with the same schedule: a
+    whole query blocks, one a wave, and only the rest is shared (`stream_plan`); on the H200 2.2-3.0% slower at
+    32,760 keys and no faster at 327,600, so off by default (eval/results/profile-attention-h200.ab-acc0791.json). (The
+    kernel that can take waves takes 5.5-9.3% less time than 147e7ab's without them, with the same schedule: a
     code-generation effect, not the schedule's; profile-attention-h200.ab-acc0791.json and .variants-acc0791.json;
     an edit of the stream-K loop can lose it: re-time it against 147e7ab's kernel.) `splits` given (default 1 under
     the interpreter, 0 for multi-stage formats on a GPU, whose plane-by-plane kernel ran 22% slower under stream-K:
@@ -260,19 +260,20 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
     tv = v_tail.contiguous() if t else dummy
     scale = d ** -0.5 if scale is None else scale
     tiles = triton.cdiv(n, block_n) + triton.cdiv(t, block_n)
-    if splits is not None and programs is not None:
-        raise ValueError("give splits (the grid schedule) or programs (stream-K), not both")
+    if splits is not None and (programs is not None or waves):
+        raise ValueError("give splits (the grid schedule) or programs / waves (stream-K), not both")
     if programs is not None and int(programs) < 1:
         raise ValueError(f"programs must be >= 1, got {programs}")
     join = stages <= 1 or d * consts["BITS"] // 8 < 16
-    if splits is None and programs is None and INTERPRET:
+    asked = programs is not None or waves  # (stream-K asked for: no default schedule replaces it)
+    if splits is None and not asked and INTERPRET:
         splits = 1
-    elif splits is None and programs is None and not join:  # (stream-K ran qvg-pro 22% slower on the H200)
+    elif splits is None and not asked and not join:  # (stream-K ran qvg-pro 22% slower on the H200)
         splits = 0
     items = triton.cdiv(m, block_m) * bsz * hq
-    if items * tiles >= 2 ** 31:  # (stream-K indexes the pairs in int32)
-        if programs is not None:
-            raise ValueError(f"stream-K takes < 2^31 (query block, key tile) pairs, got {items * tiles}: use splits")
+    if items * tiles >= 2 ** 30:  # (stream-K indexes the pairs in int32, and a share's end may pass the last)
+        if asked:
+            raise ValueError(f"stream-K takes < 2^30 (query block, key tile) pairs, got {items * tiles}: use splits")
         splits = 0 if splits is None else splits
     stream = splits is None
     if stream:

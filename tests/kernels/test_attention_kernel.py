@@ -104,8 +104,9 @@ def test_tail_only(kind, device):
 SCHEDULES = [("qvg", {"splits": 2}), ("qvg", {"splits": 4}), ("qvg", {"splits": 50}), ("qvg-pro", {"splits": 3}),
              ("qvg-s6", {"splits": 4}), ("qvg", {"programs": 1}), ("qvg", {"programs": 5}),
              ("qvg", {"programs": 1, "waves": True}), ("qvg", {"programs": 3, "waves": True}),
-             ("qvg", {"programs": 5, "waves": True}), ("qvg", {"programs": 7, "waves": True}),
-             ("qvg", {"programs": 40}),
+             ("qvg", {"programs": 4, "waves": True}), ("qvg", {"programs": 5, "waves": True}),
+             ("qvg", {"programs": 6, "waves": True}), ("qvg", {"programs": 7, "waves": True}),
+             ("qvg-pro", {"programs": 6, "waves": True}), ("qvg", {"programs": 40}),
              ("qvg", {"programs": 64}), ("qvg", {"programs": 200}), ("qvg-pro", {"programs": 7}),
              ("rtn-int4", {"programs": 64})]
 
@@ -120,9 +121,11 @@ def test_key_schedules(schedule, name, device):
     Stream-K (96 tiles shared by persistent programs): 1 (every item whole); 5 (20 tiles each: items split at a
     program's start and end); 40 (3 tiles each, so 32 programs run: every item in 2 pieces); 64 (2 each: items in 3
     pieces, a program's share inside one item); 200 (capped at 96 one-tile programs: 6 pieces an item). With whole
-    waves of items first: 1 (16 waves); 3 (5 waves, then the last item in 3 pieces of 2 tiles); 5 (3 waves, then
-    the last item in 3 pieces: 2 programs with no share, one of them past the last tile); 7 (2 waves, then 2 items
-    in 6 pieces of 2 tiles, one program with no share)."""
+    waves of items first: 1 (16 waves); 3 (5 waves, then the last item in 3 pieces of 2 tiles); 4 (4 waves and
+    nothing shared: the merge finds no boundary); 5 (3 waves, then the last item in 3 pieces: 2 programs with no
+    share, one of them past the last tile); 6 (2 waves, then 4 items in shares of 4 tiles that cross items); 7 (2
+    waves, then 2 items in 6 pieces of 2 tiles, one program with no share); qvg-pro on 6 (waves=True asks for
+    stream-K, which multi-stage formats do not get by default)."""
     kh, vh = _history(name, b=2, seed=8)
     q, kt, vt = _qkv(b=2, m=40, t=40, seed=9)
     ref = attend_reference(q, kh, vh, kt, vt)
@@ -166,12 +169,18 @@ def test_stream_schedule_variants(case, device):
 def test_stream_plan(items, tiles, programs, want):
     """(programs with work, whole waves, tiles a share) with waves: whole waves while items >= programs, the rest
     shared; a plan covers every pair exactly once. Without (the default): every pair shared."""
-    got = stream_plan(items, tiles, programs, waves=True)
-    assert got == want
-    n, full, per = got
-    assert full * n * tiles + min(n * per, items * tiles - full * n * tiles) == items * tiles
-    n, full, per = stream_plan(items, tiles, programs)  # (the default: no waves)
-    assert full == 0 and n * per >= items * tiles > (n - 1) * per
+    for waves in (True, False):
+        n, full, per = got = stream_plan(items, tiles, programs, waves=waves)
+        assert got == want if waves else full == 0
+        seen = [0] * (items * tiles)  # program p: items p, p + n, .. whole, then pairs [G0 + p * per, ..)
+        for p in range(n):
+            for w in range(full):
+                for j in range((w * n + p) * tiles, (w * n + p + 1) * tiles):
+                    seen[j] += 1
+            g0 = min(full * n * tiles + p * per, items * tiles)
+            for j in range(g0, min(g0 + per, items * tiles)):
+                seen[j] += 1
+        assert seen == [1] * (items * tiles), (waves, got)
 
 
 def test_stream_and_splits_exclusive(device):
@@ -179,6 +188,8 @@ def test_stream_and_splits_exclusive(device):
     q, kt, vt = _qkv(m=8, t=4)
     with pytest.raises(ValueError, match="not both"):
         _run("packed", device, q, kh, vh, kt, vt, splits=2, programs=3)
+    with pytest.raises(ValueError, match="not both"):
+        _run("packed", device, q, kh, vh, kt, vt, splits=2, waves=True)
     with pytest.raises(ValueError, match="programs must be >= 1"):
         _run("packed", device, q, kh, vh, kt, vt, programs=0)
     ref = attend_reference(q, kh, vh, kt, vt)  # splits=0: the wave-filling count (1 slot under the interpreter)
