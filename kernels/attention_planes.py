@@ -415,15 +415,14 @@ def _attn_stream_kernel(q_ptr, out_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, 
                         OFFSET: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_HIST: tl.constexpr,
                         INTERP: tl.constexpr, JOIN: tl.constexpr = True):
-    """Stream-K schedule, after FULL data-parallel waves (0 unless packed_attention(waves=True)): persistent
-    program p first attends items p, p + NP, .. (FULL of them) whole, the programs of a wave walking their key tiles
-    in step, then tiles [G0 + p * PER, G0 + (p + 1) * PER) of the ITEMS x TI tiles past the waves'
-    G0 = FULL * NP * TI (item i: query block pid_m = i % cdiv(M, BLOCK_M) of batch x head bh = i // cdiv(M,
-    BLOCK_M)). An item it attends whole goes to out; the piece that starts an item
-    goes to out too, with its log2-sum-exp in lse[0, p]; the piece that continues an item begun by an earlier
-    program (at most one a program: its first) to part[p] (BF16) and lse[1, p]. `_merge_stream` then combines the
-    pieces of the items split between programs, so the transient is one BLOCK_M x D piece a program, not a share
-    of the whole output."""
+    """Stream-K schedule, after FULL data-parallel waves (0 unless packed_attention(waves=True)): persistent program
+    p first attends items p, p + NP, .. (FULL of them) whole, the programs of a wave walking their key tiles in
+    step, then tiles [G0 + p * PER, G0 + (p + 1) * PER) of the ITEMS x TI tiles past the waves' G0 = FULL * NP * TI
+    (item i: query block pid_m = i % cdiv(M, BLOCK_M) of batch x head bh = i // cdiv(M, BLOCK_M)). An item it
+    attends whole goes to out; the piece that starts an item goes to out too, with its log2-sum-exp in lse[0, p];
+    the piece that continues an item begun by an earlier program (at most one a program: its first) to part[p]
+    (BF16) and lse[1, p]. `_merge_stream` then combines the pieces of the items split between programs, so the
+    transient is one BLOCK_M x D piece a program, not a share of the whole output."""
     p = tl.program_id(0)
     NP = tl.num_programs(0)
     nh = 0
