@@ -6,6 +6,9 @@ import copy
 
 import pytest
 import torch
+from parent_helpers import reexport
+
+reexport(globals())  # (tests/conftest.py's helpers for the top-level test modules collected after this file)
 
 TINY_PRESET = dict(
     sweep=dict(inputs=["coffee"], seeds=[0, 1], methods=["rtn", "qvg"], bits=[2], kmeans_seeds=[0, 1],

@@ -9,11 +9,8 @@ tensors, compiled.
 """
 from __future__ import annotations
 
-import importlib.util
-import inspect
 import os
 import sys
-from pathlib import Path
 
 import torch
 
@@ -27,24 +24,9 @@ if _common is not None and _common.INTERPRET != (os.environ.get("TRITON_INTERPRE
                        "kernels would run in the wrong mode. Import qvg.kernels only inside tests/kernels/.")
 
 import pytest  # noqa: E402
+from parent_helpers import reexport  # noqa: E402
 
-
-# pytest imports a conftest.py outside a package as the module `conftest`, evicting tests/conftest.py from
-# sys.modules. Test modules of tests/ collected after this file do `from conftest import gen, ...`, so this module
-# re-exports the helper functions of tests/conftest.py (loaded under a private name; its hooks and fixtures are
-# left out: pytest already registered them from the original module).
-def _reexport_parent_helpers() -> None:
-    path = Path(__file__).resolve().parent.parent / "conftest.py"
-    spec = importlib.util.spec_from_file_location("_qvg_tests_conftest", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    for name, obj in vars(mod).items():
-        if (inspect.isfunction(obj) and obj.__module__ == mod.__name__ and not name.startswith(("pytest_", "_"))
-                and name not in globals()):
-            globals()[name] = obj
-
-
-_reexport_parent_helpers()
+reexport(globals())  # (tests/conftest.py's helpers for the top-level test modules collected after this file)
 
 
 @pytest.fixture(scope="session")
