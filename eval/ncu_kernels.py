@@ -1,13 +1,16 @@
 """Hardware counters of the kernels behind issue 3's missed targets, read by Nsight Compute (ncu) on the GPU.
 
-`python -m qvg.eval.ncu_kernels [--out DIR]` runs ncu on this module's `--workload` (one warm call each of:
-compress S1/B64 and S4/B16 at the LongCat span [1, 32, 29640, 128], K=256, 2 warm-started iterations; dequant
-S1/B64 and S4/B16 at that span, each in an NVTX range naming it), keeps the report (DIR/ncu-kernels-<gpu>.ncu-rep)
-and the CSV pages it is parsed from, and writes DIR/ncu-kernels-<gpu>.json: per kernel launch its call, duration,
-the speed-of-light, memory, compute, occupancy, launch and warp-state values ncu reports, the raw counters listed in
-RAW (warp instructions executed, tensor / ALU / FMA pipe activity, what limits occupancy), and the stall reasons per
-issued instruction. Copy the JSON into eval/results; the report and pages are ~12 MB. Only the Triton kernels are
-profiled (`--kernel-name regex:^_`), with `--clock-control none` (the clocks left as the benchmarks see them).
+`python -m qvg.eval.ncu_kernels [--out DIR] [--calls compress,dequant,attention]` runs ncu on this module's
+`--workload` (one warm call each of, by --calls (default compress,dequant): compress S1/B64 and S4/B16 at the LongCat
+span [1, 32, 29640, 128], K=256, 2 warm-started iterations; dequant S1/B64 and S4/B16 at that span; attention
+(`packed_attention`'s defaults: qvg's stream-K kernel at 32,760 and 327,600 keys, qvg-pro's key splits at 32,760; 12
+heads x 4,680 queries, bench_kernels' history), each in an NVTX range naming it), keeps the report
+(DIR/ncu-kernels-<gpu>.ncu-rep) and the CSV pages it is parsed from, and writes DIR/ncu-kernels-<gpu>.json: per kernel
+launch its call, duration, the speed-of-light, memory, compute, occupancy, launch and warp-state values ncu reports,
+the raw counters listed in RAW (warp instructions executed, tensor / ALU / FMA pipe activity, what limits occupancy),
+and the stall reasons per issued instruction. Copy the JSON into eval/results; the report and pages are ~12 MB. Only
+the Triton kernels are profiled (`--kernel-name regex:^_`), with `--clock-control none` (the clocks left as the
+benchmarks see them).
 """
 from __future__ import annotations
 
@@ -62,7 +65,36 @@ RAW = {
 NVTX_COLUMN = "Push/Pop_Range"
 
 
-def workload(variant: str | None = None) -> None:
+CALLS = ("compress", "dequant", "attention")
+
+
+def parse_calls(text: str) -> list[str]:
+    """'compress,dequant,...' -> the kinds of call to profile (ValueError names an unknown one)."""
+    kinds = [c for c in text.split(",") if c]
+    bad = [c for c in kinds if c not in CALLS]
+    if bad or not kinds:
+        raise ValueError(f"--calls: unknown kind {bad[0] if bad else ''!r} (known: {', '.join(CALLS)})")
+    return kinds
+
+
+def _attention_calls() -> list:
+    """(name, call) of packed_attention with its defaults over bench_kernels' packed histories."""
+    import torch
+
+    from qvg.kernels.attention import packed_attention
+    from qvg.sequence import PackedSequence
+
+    from .bench_kernels import _history
+    q = torch.randn(1, 12, 4680, 128, device="cuda", dtype=torch.bfloat16)
+    calls = []
+    for method, n in (("qvg", 32760), ("qvg", 327600), ("qvg-pro", 32760)):
+        kch, vch = _history(12, n, 4680, method)
+        k, v = PackedSequence.from_chunks(kch), PackedSequence.from_chunks(vch)
+        calls.append((f"attention {method} {n}", lambda k=k, v=v: packed_attention(q, k, v)))
+    return calls
+
+
+def workload(variant: str | None = None, kinds=("compress", "dequant")) -> None:
     """The profiled calls, between cudaProfilerStart/Stop, each after an unprofiled warm-up (Triton compiles, the
     caches fill). An NVTX range names each call (ncu's raw page carries it per launch)."""
     import torch
@@ -73,15 +105,21 @@ def workload(variant: str | None = None) -> None:
 
     from .bench_kernels import clustered, warm_start
     shape = (1, 32, 29640, 128)
-    x0, x1 = clustered(shape, seed=1), clustered(shape, seed=1)
-    x1 = (x1.float() + 0.1 * torch.randn_like(x1.float())).bfloat16()
     calls = []
+    if "compress" in kinds or "dequant" in kinds:
+        x0, x1 = clustered(shape, seed=1), clustered(shape, seed=1)
+        x1 = (x1.float() + 0.1 * torch.randn_like(x1.float())).bfloat16()
     for method in ("qvg", "qvg-pro"):
-        _, o, warm = warm_start(x0, method, shape)
-        calls.append((f"compress {method}", lambda o=o, warm=warm: compress_prq(x1, o, warm, 2, variant=variant)))
-        p = qvg.compress(x1, method)
-        out = torch.empty(shape, device="cuda", dtype=torch.bfloat16)
-        calls.append((f"dequant {method}", lambda p=p, out=out: dequantize(p, out=out)))
+        if "compress" in kinds:
+            _, o, warm = warm_start(x0, method, shape)
+            calls.append((f"compress {method}", lambda o=o, warm=warm: compress_prq(x1, o, warm, 2,
+                                                                                   variant=variant)))
+        if "dequant" in kinds:
+            p = qvg.compress(x1, method)
+            out = torch.empty(shape, device="cuda", dtype=torch.bfloat16)
+            calls.append((f"dequant {method}", lambda p=p, out=out: dequantize(p, out=out)))
+    if "attention" in kinds:
+        calls += _attention_calls()
     for _, fn in calls:
         fn(), fn()
     torch.cuda.synchronize()
@@ -143,9 +181,15 @@ def main(argv=None) -> int:
     ap.add_argument("--ncu", default=shutil.which("ncu") or "ncu")
     ap.add_argument("--variant", default=None, help="the compress preset to profile (kernels/compress.py; default: "
                     "the default, auto)")
+    ap.add_argument("--calls", default="compress,dequant", help=f"what to profile, of {', '.join(CALLS)}")
     args = ap.parse_args(argv)
+    try:
+        kinds = parse_calls(args.calls)
+    except ValueError as e:
+        print(f"ncu_kernels: {e}", file=sys.stderr)
+        return 2
     if args.workload:
-        workload(args.variant)
+        workload(args.variant, kinds)
         return 0
     import torch
     if not torch.cuda.is_available():
@@ -159,8 +203,8 @@ def main(argv=None) -> int:
            "regex:^_", "-f", "-o", rep]  # the Triton kernels (torch's own launches are named void at::...)
     for s in SECTIONS:
         cmd += ["--section", s]
-    cmd += [sys.executable, "-m", "qvg.eval.ncu_kernels", "--workload"] + (["--variant", args.variant]
-                                                                           if args.variant else [])
+    cmd += [sys.executable, "-m", "qvg.eval.ncu_kernels", "--workload", "--calls", args.calls] + (
+        ["--variant", args.variant] if args.variant else [])
     print(" ".join(cmd), flush=True)
     try:
         version = subprocess.run([args.ncu, "--version"], check=True, capture_output=True, text=True).stdout

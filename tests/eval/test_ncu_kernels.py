@@ -39,3 +39,16 @@ def test_without_a_gpu_one_line_and_exit_2(capsys):
     assert ncu_kernels.main(["--out", "/nonexistent"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["ncu_kernels: needs a CUDA GPU"]
+
+
+@pytest.mark.parametrize("calls,says", [("compress,fft", "unknown kind 'fft'"), (",", "unknown kind ''")])
+def test_bad_calls_one_line_and_exit_2(calls, says, capsys):
+    """--calls is checked before anything else (the GPU included)."""
+    assert ncu_kernels.main(["--calls", calls]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0] and "known: compress, dequant, attention" in err[0]
+
+
+def test_calls_parse():
+    assert ncu_kernels.parse_calls("attention") == ["attention"]
+    assert ncu_kernels.parse_calls("compress,dequant,attention") == list(ncu_kernels.CALLS)
