@@ -115,14 +115,12 @@ def main(argv=None) -> int:
     try:
         if args.baseline:
             base_kernels["_attn_planes_kernel"] = _load_baseline(args.baseline, "_attn_planes_kernel")
-            try:
-                stream = _load_baseline(args.baseline, "_attn_stream_kernel")
-                merge = _load_baseline(args.baseline, "_merge_stream")
+            module = base_kernels["_attn_planes_kernel"].fn.__globals__  # (the file, loaded once)
+            if "_attn_stream_kernel" in module:  # (else before stream-K: "base:" runs without SPLITS run ours)
+                stream, merge = module["_attn_stream_kernel"], module["_merge_stream"]
                 if "FULL" not in stream.arg_names:  # (before d45552c: no waves; launched without FULL)
                     stream, merge = NoFull(stream), NoFull(merge)
                 base_kernels.update(_attn_stream_kernel=stream, _merge_stream=merge)
-            except AttributeError:  # (a version before stream-K: its "base:" runs without SPLITS run ours)
-                pass
     except Exception as e:  # (a file that does not import, or has no kernel)
         print(f"error: --baseline {args.baseline!r} gives no _attn_planes_kernel: {type(e).__name__}: {e}",
               file=sys.stderr)

@@ -34,6 +34,8 @@ def test_baseline_loads_another_planes_kernel():
     from qvg.eval.profile_dequant import _load_baseline
     kernel = _load_baseline(str(pathlib.Path(current.__file__)), "_attn_planes_kernel")
     assert kernel is not current._attn_planes_kernel and kernel.fn.__name__ == "_attn_planes_kernel"
+    stream = kernel.fn.__globals__["_attn_stream_kernel"]  # (main() takes the stream-K kernel from the same load)
+    assert stream is not current._attn_stream_kernel and "FULL" in stream.arg_names
 
 
 def test_baseline_without_full_is_launched_without_it():

@@ -60,14 +60,14 @@ def _qkv(b: int = 1, m: int = 24, t: int = 24, seed: int = 1):
     return q, kt, vt
 
 
-def _run(kind: str, device: str, q, kh, vh, kt, vt, **kw):
+def _run(kind: str, device: str, q, kh, vh, kt, vt, block_m: int = 32, **kw):
     args = (q.to(device), _to(kh, device), _to(vh, device), None if kt is None else kt.to(device),
             None if vt is None else vt.to(device))
     with poisoned():  # out, the carried softmax state and the staging buffers start as NaN
         if kind == "staged":
-            out = staged_attention(*args, block_m=32, block_n=32, **kw)
+            out = staged_attention(*args, block_m=block_m, block_n=32, **kw)
         else:
-            out = packed_attention(*args, block_m=32, block_n=32, **kw)
+            out = packed_attention(*args, block_m=block_m, block_n=32, **kw)
     assert out.shape == q.shape and out.dtype == q.dtype and out.device.type == device
     assert torch.isfinite(out).all(), f"{kind}: non-finite output"
     return out
@@ -153,11 +153,7 @@ def test_stream_schedule_variants(case, device):
         kh = vh = None
     if case == "history-only":
         kt = vt = None
-    args = (q.to(device), _to(kh, device), _to(vh, device), None if kt is None else kt.to(device),
-            None if vt is None else vt.to(device))
-    with poisoned():
-        out = packed_attention(*args, block_m=bm, block_n=32, programs=7)
-    assert out.dtype == q.dtype and torch.isfinite(out).all()
+    out = _run("packed", device, q, kh, vh, kt, vt, block_m=bm, programs=7)  # (checks dtype, finiteness)
     assert rel_err(out, attend_reference(q, kh, vh, kt, vt)) < TOL, case
     if case == "fp32-queries":
         assert (out != out.bfloat16().float()).float().mean() > 0.5, "fp32 output rounded to BF16"
