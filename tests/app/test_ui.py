@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from hang_report import hang_report
 from optional_deps import need
 
 gradio_client = need("gradio_client", "the UI tests need the test extra: pip install -e '.[test]'")
@@ -63,7 +64,9 @@ def url(ckpt_root):
     app = build(Server(ckpt_root, None, "cpu"))
     port = _free_port()
     launch(app, "127.0.0.1", port, prevent_thread_lock=True, quiet=True)
+    SERVER["app"] = app
     yield f"http://127.0.0.1:{port}/"
+    SERVER.clear()
     app.close()
     app.qvg_workdirs.clear()
 
@@ -78,17 +81,26 @@ def submit(client, **kw):
     return client.submit(*form(**kw), client.predict(api_name="/job"), api_name="/generate")
 
 
+SERVER = {}  # the running app (url's), for the report a timed-out wait prints
+
+
+def _timed_out(what: str, timeout: float):
+    pytest.fail(f"{what}: not within {timeout} s; the server:\n{hang_report(SERVER.get('app'))}", pytrace=False)
+
+
 def _until(cond, timeout=120, what="condition"):
     t0 = time.time()
     while not cond():
-        assert time.time() - t0 < timeout, what
+        if time.time() - t0 > timeout:
+            _timed_out(what, timeout)
         time.sleep(0.1)
 
 
 def _wait(job, timeout=240):
     t0 = time.time()
     while not job.done():
-        assert time.time() - t0 < timeout, "job did not finish"
+        if time.time() - t0 > timeout:
+            _timed_out("job did not finish", timeout)
         time.sleep(0.2)
     if job.exception() is not None:
         raise job.exception()
@@ -217,10 +229,8 @@ def test_queue_positions_one_job_at_a_time_and_cancel(url):
     chunks (its video so far is kept) and the second then runs."""
     a, b = Client(url, verbose=False), Client(url, verbose=False)
     ja = a.submit(*form(frames=301), api_name="/generate")
+    _until(lambda: any("chunk 1 of" in o[0] for o in ja.outputs()), what="a's first chunk")
     t0 = time.time()
-    while not any("chunk 1 of" in o[0] for o in ja.outputs()):
-        assert time.time() - t0 < 120
-        time.sleep(0.2)
     jb = b.submit(*form(frames=4), api_name="/generate")
     seen = None
     while seen is None and time.time() - t0 < 60:
@@ -293,10 +303,7 @@ def test_keys_build_the_action_list_and_steer_a_running_video(client):
     assert client.predict("right*2", api_name="/press_right")[0] == "right*3"
     assert client.predict("right*2", api_name="/press_zoom_in")[0] == "right*2,zoom_in"
     job = client.submit(*form(actions="stay", frames=13), api_name="/generate")
-    t0 = time.time()
-    while not any("chunk 1 of" in o[0] for o in job.outputs()):
-        assert time.time() - t0 < 120
-        time.sleep(0.1)
+    _until(lambda: any("chunk 1 of" in o[0] for o in job.outputs()), what="the first chunk")
     text, note = client.predict("stay", api_name="/press_up")
     assert "steering: **up**" in note
     acts = [r[1] for r in _wait(job)[-1][TABLE]["data"]]
@@ -442,3 +449,30 @@ def _timed(fn, *args):
     t = time.perf_counter()
     fn(*args)
     return time.perf_counter() - t
+
+
+def test_hang_report_shows_the_queue_children_and_threads(url):
+    """What a timed-out wait prints: the queue's counts, the child processes and the busy threads (here a sleeping
+    child and a thread inside a qvg-named function)."""
+    import subprocess
+    import sys
+    import threading
+    stop = threading.Event()
+
+    def qvg_busy_thread():
+        stop.wait(30)
+    t = threading.Thread(target=qvg_busy_thread, name="qvg-test-thread")
+    t.start()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        text = hang_report(SERVER["app"])
+    finally:
+        stop.set()
+        child.kill()
+        child.wait()
+        t.join()
+    assert text.startswith("queue: stopped=False active_jobs=0 ["), text
+    assert "AnyIO worker thread" not in text, text  # idle workers are left out
+    assert f"child {child.pid} state=" in text and "time.sleep(30)" in text, text
+    assert "thread qvg-test-thread:" in text and "qvg_busy_thread" in text, text
+    assert hang_report(None).startswith("queue: none")
