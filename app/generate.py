@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "on its revisits), post-rope otherwise (on Self-Forcing pre-rope costs 4-7%% more time per chunk)")
     p.add_argument("--read", default="window", help="how the GPU reads a packed rtn / qvg / qvg-pro history for "
                    "attention: window (decode + cuDNN SDPA, the fastest), staged (<= 32 MiB decoded at a time, Triton "
-                   "flash kernel) or fused (dequantized on chip, nothing decoded to memory; post-RoPE keys only). "
+                   "flash kernel) or fused (dequantized on chip, nothing decoded to memory). "
                    "Default window; on CPU the torch reference runs whatever this says, and the report's `read` says "
                    "reference there (and for bf16 / kivi / quarot, which have no packed read: window only)")
     p.add_argument("--history", default="full", help="full, or window:N (keep N past latent frames)")
@@ -152,7 +152,7 @@ def parse(argv) -> dict:
                          " do not apply")
     s["key_storage"] = _key_storage(a.key_storage, a.method, a.pipeline)
     from qvg.cache import read_error
-    bad_read = read_error(a.method, a.read, s["key_storage"], s["options"])  # (KVCache's own check and message)
+    bad_read = read_error(a.method, a.read, s["options"])  # (KVCache's own check and message)
     if bad_read:  # ("read must be one of ..." names the flag itself)
         raise UsageError("--" + bad_read if bad_read.startswith("read must") else f"--read {a.read}: {bad_read}")
     s["read"] = a.read

@@ -52,7 +52,8 @@ def new_cache(model, method: str, window: int, options: dict):
     high-priority: the chunk runs on a high-priority CUDA stream, so the cache's side streams (prefetched decodes,
     queued commits) get only the SMs its kernels leave idle (these two flags are read by `method_runner`; the cache
     ignores them); staged-read / fused-read: the history read through the packed-cache attention kernels (KVCache
-    read="staged" / "fused", rtn / qvg / qvg-pro only; fused-read not with pre-rope) instead of decode + cuDNN;
+    read="staged" / "fused", rtn / qvg / qvg-pro only; with pre-rope both rotate the keys as they decode them)
+    instead of decode + cuDNN;
     compress=PRESET: the cache compresses with kernels/compress.py's preset PRESET instead of the default "auto"
     (KVCache compress_preset)."""
     from qvg.cache import KVCache
@@ -99,7 +100,7 @@ def parse_method(method: str) -> tuple[str, list[str], str | None]:
     for p in presets:
         check_variant(p)
     from qvg.cache import read_error
-    bad_read = read_error(name, _read(flags), _key_storage(flags))
+    bad_read = read_error(name, _read(flags))
     if bad_read:
         raise ValueError(f"{method!r}: {bad_read}")
     return name, flags, (presets[0] if presets else None)

@@ -23,6 +23,7 @@ from qvg.sequence import PackedSequence
 
 from .attention_planes import _attn_planes_kernel, _attn_stream_kernel, _merge_splits, _merge_stream
 from .common import INTERPRET, dot_bf16, grid_constants, raw_view, sm_count
+from .dequant import _rope_args, dequantize
 
 LOG2E = 1.4426950408889634
 
@@ -105,7 +106,6 @@ def staged_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
     query block, as on-chip decoding must), and the BF16 history never exists: the transient is one window plus
     the (m, l, acc) state. `rope`: the history keys were stored before RoPE; they are rotated as they are decoded
     (factorized tables, qvg.rope.RopeTables). The tail is taken as it is."""
-    from .dequant import dequantize
     if k_hist is None and k_tail is None:
         raise ValueError("attention needs a history or a tail")
     bsz, hq, m, d = q.shape
@@ -193,11 +193,18 @@ _NO_THIRD_STAGE: set = set()  # packed_attention launch shapes whose 3-stage ker
 
 def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: PackedSequence | None,
                      k_tail: torch.Tensor | None = None, v_tail: torch.Tensor | None = None,
-                     scale: float | None = None, block_m: int = 256, block_n: int = 64, num_warps: int = 8,
+                     scale: float | None = None, block_m: int | None = None, block_n: int = 64, num_warps: int = 8,
                      num_stages: int | None = None, splits: int | None = None,
-                     programs: int | None = None, waves: bool = False) -> torch.Tensor:
+                     programs: int | None = None, waves: bool = False, rope: RopeTables | None = None) -> torch.Tensor:
     """softmax(q [history; tail]^T * scale) [history; tail] without materializing the history.
-    q [B, Hq, M, D] bf16; histories from `PackedSequence.from_chunks`; tails [B, Hkv, T, D] bf16.
+    q [B, Hq, M, D] bf16; histories from `PackedSequence.from_chunks`; tails [B, Hkv, T, D] bf16. `rope`: the
+    history keys were stored before RoPE; each K tile is rotated on chip as it is decoded (factorized tables,
+    qvg.rope.RopeTables: decoded in FP32, rotated, rounded to BF16 once, the dequant kernel's values; the BF16x2
+    decode is not used then), plane by plane (joined planes with a rotation in between crash Triton 3.6's sm_90
+    compile, so code planes narrower than a dot's 16 columns, head dim x bits / 8 < 16, are refused on a GPU), in
+    128-query blocks by default (256 x 64 tiles spill ~125 registers a loop iteration on sm_90, 128 x 64 none:
+    eval/results/sass-attention-rope-sm90.json; not yet timed on a GPU). The tail is taken as it is.
+    block_m None: 256 (128 with rope).
     The kernel (kernels/attention_planes.py) decodes K / V tiles on chip one code plane at a time. The defaults
     (256-query blocks on 8 warps, 64-key tiles) were the fastest on the H100 for qvg and qvg-pro
     (eval/results/kernels-h100.md); num_stages None: 3 software-pipeline stages for one-stage formats and the BF16
@@ -213,12 +220,12 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
     kernel that can take waves takes 5.5-9.3% less time than 147e7ab's without them, with the same schedule: a
     code-generation effect, not the schedule's; profile-attention-h200.ab-acc0791.json and .variants-acc0791.json;
     an edit of the stream-K loop can lose it: re-time it against 147e7ab's kernel.) `splits` given (default 1 under
-    the interpreter, 0 for multi-stage formats on a GPU, whose plane-by-plane kernel ran 22% slower under stream-K:
-    8.66 against 7.12 ms on the H200, eval/results/profile-attention-h200.verify-0ef5823.json): the grid of (query
-    block, key share, head) programs, each share attended by its own program and merged by log-sum-exp (a transient
-    of splits BF16 copies of the output plus an fp32 log-sum-exp per query row; each share is rounded to BF16 before
-    the merge); 0: the count whose programs fill the GPU's waves best (`wave_splits`), with the partials under
-    SPLIT_BYTES."""
+    the interpreter, 0 for the plane-by-plane form on a GPU (multi-stage formats, and rope), whose qvg-pro kernel ran
+    22% slower under stream-K: 8.66 against 7.12 ms on the H200,
+    eval/results/profile-attention-h200.verify-0ef5823.json): the grid of (query block, key share, head) programs,
+    each share attended by its own program and merged by log-sum-exp (a transient of splits BF16 copies of the output
+    plus an fp32 log-sum-exp per query row; each share is rounded to BF16 before the merge); 0: the count whose
+    programs fill the GPU's waves best (`wave_splits`), with the partials under SPLIT_BYTES."""
     bsz, hq, m, d = q.shape
     if k_hist is None and k_tail is None:
         raise ValueError("attention needs a history or a tail")
@@ -236,6 +243,10 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
         hkv, n = k_tail.shape[1], 0
     if hq % hkv:
         raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv})")
+    if rope is not None and (k_hist is None or rope.head_dim != d or k_hist.chunk_len % (rope.height * rope.width)
+                             or rope.frame0.numel() < max(1, n // k_hist.chunk_len)):
+        raise ValueError("rope: the tables must match a packed history (head dim, whole frames per chunk, a first "
+                         "frame per chunk)")
     t = 0 if k_tail is None else k_tail.shape[2]
     if n + t == 0:
         raise ValueError("attention needs at least one key (history and tail are empty)")
@@ -264,7 +275,12 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
         raise ValueError("give splits (the grid schedule) or programs / waves (stream-K), not both")
     if programs is not None and int(programs) < 1:
         raise ValueError(f"programs must be >= 1, got {programs}")
-    join = stages <= 1 or d * consts["BITS"] // 8 < 16
+    narrow = d * consts["BITS"] // 8 < 16  # (a code plane narrower than a dot: planes must be joined)
+    join = (stages <= 1 and (rope is None or consts["BITS"] == 8)) or narrow
+    if rope is not None and narrow and consts["BITS"] < 8 and q.is_cuda:
+        raise ValueError(f"packed_attention(rope=...) reads code planes of >= 16 columns on a GPU (head dim x bits / 8"
+                         f" = {d * consts['BITS'] // 8}): use staged_attention")
+    block_m = (128 if rope is not None else 256) if block_m is None else block_m
     asked = programs is not None or waves  # (stream-K asked for: no default schedule replaces it)
     if splits is None and not asked and INTERPRET:
         splits = 1
@@ -294,10 +310,13 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
         kernel, grid = _attn_planes_kernel, (triton.cdiv(m, block_m), splits, bsz * hq)
         extra = dict(args=(splits,), consts=dict(SPLIT=splits > 1))
 
+    if rope is not None:
+        extra["consts"].update(ROPE=True, SPLIT_H=rope.split[0], SPLIT_W=rope.split[1])
+
     def launch(n_stages):
         kernel[grid](q, out, *kargs, *vargs, tk, tv, part, lse, scale * LOG2E, m, n, t, L, max(1, n // L), kk, hq,
-                     hkv, *extra["args"], D=d, STAGES=stages, BLOCK_M=block_m, BLOCK_N=block_n,
-                     HAS_HIST=k_hist is not None, INTERP=INTERPRET, JOIN=join, num_warps=num_warps,
+                     hkv, *extra["args"], *_rope_args(rope, dummy), D=d, STAGES=stages, BLOCK_M=block_m,
+                     BLOCK_N=block_n, HAS_HIST=k_hist is not None, INTERP=INTERPRET, JOIN=join, num_warps=num_warps,
                      num_stages=n_stages, **extra["consts"], **consts)
     # num_stages None: 3 for the joined form (qvg, RTN, the BF16 tail; see the docstring), 2 for qvg-pro's
     # plane-by-plane form (3 need more shared memory than a GPU has at 256 x 64) and where 3 did not fit before

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .common import codes_fma_bf16, decode_scale, dequant_codes, dot_bf16, to_bf16, to_out
-from .dequant import _pick4, _widen
+from .dequant import _pick4, _rope, _widen
 
 
 @triton.jit
@@ -51,14 +51,17 @@ def _plane_scale(sraw, ts, p: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr
 
 @triton.jit
 def _plane(byte, sraw, ts, p: tl.constexpr, rows, rmask, chunk, crow0, crow1, crow2, crow3, ids_ptr, ids_stage_stride,
-           K, cent_ptr, cent_stage_stride, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-           GRID: tl.constexpr, OFFSET: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr,
-           BLOCK_N: tl.constexpr, W: tl.constexpr, INTERP: tl.constexpr):
+           K, cent_ptr, cent_stage_stride, L, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF, D: tl.constexpr,
+           BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr, OFFSET: tl.constexpr, FP8: tl.constexpr,
+           STAGES: tl.constexpr, BLOCK_N: tl.constexpr, W: tl.constexpr, INTERP: tl.constexpr,
+           ROPE: tl.constexpr, SPLIT_H: tl.constexpr, SPLIT_W: tl.constexpr):
     """Plane p of a packed tile -> bf16 [BLOCK_N, W]: columns [p * W, (p + 1) * W). Stages 0-3 use the centroid
-    rows `_tile_raw` found; later ones (up to 16) load their ids here."""
+    rows `_tile_raw` found; later ones (up to 16) load their ids here. ROPE (keys stored before RoPE): the plane's
+    channel pairs are rotated by each token's 3D position (the dequant kernel's `_rope`, factorized tables) in FP32
+    and rounded to BF16 once, as the dequant kernel writes them."""
     col = p * W + tl.arange(0, W)
     s = _plane_scale(sraw, ts, p, D, GROUP, FP8, BLOCK_N, W)
-    if BITS <= 4 and STAGES <= 1:  # codes x scale (+ the one centroid) in BF16x2 arithmetic: `codes_fma_bf16`
+    if BITS <= 4 and STAGES <= 1 and not ROPE:  # codes x scale (+ the one centroid) in BF16x2: `codes_fma_bf16`
         neg_base = -128.0 - 2.0 * OFFSET
         if GRID == 3:  # auto: a negative scale marks a midrise group (offset + 1/2)
             neg_base = tl.where(s < 0, neg_base - 1.0, neg_base)
@@ -75,6 +78,9 @@ def _plane(byte, sraw, ts, p: tl.constexpr, rows, rmask, chunk, crow0, crow1, cr
             crow = _stage_row(ids_ptr, st, ids_stage_stride, rows, rmask, chunk, K)
         v += tl.load(cent_ptr + st * cent_stage_stride + crow[:, None] * D + col[None, :], mask=rmask[:, None],
                      other=0.0).to(tl.float32)
+    if ROPE:
+        v = _rope(v, rows, chunk, L, rmask, p * W // 2, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF, D, W,
+                  BLOCK_N, SPLIT_H, SPLIT_W)
     return to_bf16(v, INTERP)
 
 
@@ -110,9 +116,10 @@ def _tile_raw(scale_ptr, tscale_ptr, ids_ptr, n0, N, L, K, ids_stage_stride, D: 
 
 @triton.jit
 def _tile_planes(byte, sraw, ts, crow0, crow1, crow2, crow3, n0, N, L, K, ids_ptr, ids_stage_stride, cent_ptr,
-                 cent_stage_stride, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr,
-                 OFFSET: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr, BLOCK_N: tl.constexpr,
-                 JOIN: tl.constexpr, INTERP: tl.constexpr):
+                 cent_stage_stride, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF, D: tl.constexpr,
+                 BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr, OFFSET: tl.constexpr, FP8: tl.constexpr,
+                 STAGES: tl.constexpr, BLOCK_N: tl.constexpr, JOIN: tl.constexpr, INTERP: tl.constexpr,
+                 ROPE: tl.constexpr, SPLIT_H: tl.constexpr, SPLIT_W: tl.constexpr):
     """The up to 4 planes of a tile from its `_tile_raw` loads (unused planes are plane 0); JOIN: the planes
     interleaved into one [BLOCK_N, D] tile (`_join4`), returned first. (The caller joins for one-stage formats, which
     were faster so on the H100, and wherever a plane is narrower than the 16 columns a GPU dot needs; qvg-pro's four
@@ -123,18 +130,22 @@ def _tile_planes(byte, sraw, ts, crow0, crow1, crow2, crow3, n0, N, L, K, ids_pt
     rmask = rows < N
     chunk = rows // L
     x0 = _plane(byte, sraw, ts, 0, rows, rmask, chunk, crow0, crow1, crow2, crow3, ids_ptr, ids_stage_stride, K,
-                cent_ptr, cent_stage_stride, D, BITS, GROUP, GRID, OFFSET, FP8, STAGES, BLOCK_N, W, INTERP)
+                cent_ptr, cent_stage_stride, L, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF, D, BITS, GROUP, GRID,
+                OFFSET, FP8, STAGES, BLOCK_N, W, INTERP, ROPE, SPLIT_H, SPLIT_W)
     x1 = x0
     x2 = x0
     x3 = x0
     if P > 1:
         x1 = _plane(byte, sraw, ts, 1, rows, rmask, chunk, crow0, crow1, crow2, crow3, ids_ptr, ids_stage_stride,
-                    K, cent_ptr, cent_stage_stride, D, BITS, GROUP, GRID, OFFSET, FP8, STAGES, BLOCK_N, W, INTERP)
+                    K, cent_ptr, cent_stage_stride, L, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF, D, BITS, GROUP,
+                    GRID, OFFSET, FP8, STAGES, BLOCK_N, W, INTERP, ROPE, SPLIT_H, SPLIT_W)
     if P > 2:
         x2 = _plane(byte, sraw, ts, 2, rows, rmask, chunk, crow0, crow1, crow2, crow3, ids_ptr, ids_stage_stride,
-                    K, cent_ptr, cent_stage_stride, D, BITS, GROUP, GRID, OFFSET, FP8, STAGES, BLOCK_N, W, INTERP)
+                    K, cent_ptr, cent_stage_stride, L, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF, D, BITS, GROUP,
+                    GRID, OFFSET, FP8, STAGES, BLOCK_N, W, INTERP, ROPE, SPLIT_H, SPLIT_W)
         x3 = _plane(byte, sraw, ts, 3, rows, rmask, chunk, crow0, crow1, crow2, crow3, ids_ptr, ids_stage_stride,
-                    K, cent_ptr, cent_stage_stride, D, BITS, GROUP, GRID, OFFSET, FP8, STAGES, BLOCK_N, W, INTERP)
+                    K, cent_ptr, cent_stage_stride, L, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF, D, BITS, GROUP,
+                    GRID, OFFSET, FP8, STAGES, BLOCK_N, W, INTERP, ROPE, SPLIT_H, SPLIT_W)
     if JOIN:
         x0 = _join4(x0, x1, x2, x3, P)
     return x0, x1, x2, x3
@@ -249,12 +260,14 @@ def _codes(codes_ptr, n0, N, W: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _attend_item(q_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, vcen, tk_ptr, tv_ptr, qk_scale, pid_m, bh, j0, j1,
-                 M, N, T, L, C, K, HQ, HKV, GH, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-                 GRID: tl.constexpr, OFFSET: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_HIST: tl.constexpr, INTERP: tl.constexpr,
-                 JOIN: tl.constexpr):
+                 M, N, T, L, C, K, HQ, HKV, GH, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF, D: tl.constexpr,
+                 BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr, OFFSET: tl.constexpr,
+                 FP8: tl.constexpr, STAGES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 HAS_HIST: tl.constexpr, INTERP: tl.constexpr, JOIN: tl.constexpr, ROPE: tl.constexpr,
+                 SPLIT_H: tl.constexpr, SPLIT_W: tl.constexpr):
     """Query block pid_m of batch x head bh over tiles [j0, j1) of its key sequence (the history tiles, then the tail
-    tiles) -> the unnormalized accumulators a0..a3 (joined: a0 alone), the running max m_i (log2 units) and sum l_i."""
+    tiles) -> the unnormalized accumulators a0..a3 (joined: a0 alone), the running max m_i (log2 units) and sum l_i.
+    ROPE: the history's keys were stored before RoPE and are rotated as they are decoded (the tail is taken as is)."""
     b = bh // HQ
     h = bh % HQ
     gh = (b * HKV + h // (HQ // HKV)).to(tl.int64)
@@ -331,13 +344,13 @@ def _attend_item(q_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, vcen, tk_ptr, tv
                 kb = _codes(kc, n0 + BLOCK_N, N, W, BLOCK_N)
                 vb = _codes(vc, n0 + BLOCK_N, N, W, BLOCK_N)
             k0, k1, k2, k3 = _tile_planes(kbt, ksr, kts, kr0, kr1, kr2, kr3, n0, N, L, K, kid, istride, kcen,
-                                          cstride, D, BITS, GROUP, GRID, OFFSET, FP8, STAGES, BLOCK_N, JOIN,
-                                          INTERP)
+                                          cstride, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF, D, BITS, GROUP,
+                                          GRID, OFFSET, FP8, STAGES, BLOCK_N, JOIN, INTERP, ROPE, SPLIT_H, SPLIT_W)
             p, alpha, m_i, l_i = _online_softmax(_scores(q0, q1, q2, q3, k0, k1, k2, k3, BLOCK_N, P, JOIN, INTERP),
                                                  valid, n0 + BLOCK_N > N, m_i, l_i, qk_scale)
             v0, v1, v2, v3 = _tile_planes(vbt, vsr, vts, vr0, vr1, vr2, vr3, n0, N, L, K, vid, istride, vcen,
-                                          cstride, D, BITS, GROUP, GRID, OFFSET, FP8, STAGES, BLOCK_N, JOIN,
-                                          INTERP)
+                                          cstride, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF, D, BITS, GROUP,
+                                          GRID, OFFSET, FP8, STAGES, BLOCK_N, JOIN, INTERP, False, 0, 0)
             a0, a1, a2, a3 = _accumulate(p, alpha, v0, v1, v2, v3, a0, a1, a2, a3, P, JOIN, INTERP)
             ksr, kts, kr0, kr1, kr2, kr3 = nksr, nkts, nkr0, nkr1, nkr2, nkr3
             vsr, vts, vr0, vr1, vr2, vr3 = nvsr, nvts, nvr0, nvr1, nvr2, nvr3
@@ -370,11 +383,12 @@ def _store_rows(orow, om, a0, a1, a2, a3, lsafe, W: tl.constexpr, P: tl.constexp
 
 @triton.jit
 def _attn_planes_kernel(q_ptr, out_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, vcen, tk_ptr, tv_ptr, part_ptr,
-                        lse_ptr, qk_scale, M, N, T, L, C, K, HQ, HKV, SPLITS,
-                        D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr,
+                        lse_ptr, qk_scale, M, N, T, L, C, K, HQ, HKV, SPLITS, rope_ptr, frame0_ptr, R, HW, WIDTH,
+                        H_OFF, W_OFF, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr,
                         OFFSET: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_HIST: tl.constexpr,
-                        INTERP: tl.constexpr, JOIN: tl.constexpr = True, SPLIT: tl.constexpr = False):
+                        INTERP: tl.constexpr, JOIN: tl.constexpr = True, SPLIT: tl.constexpr = False,
+                        ROPE: tl.constexpr = False, SPLIT_H: tl.constexpr = 0, SPLIT_W: tl.constexpr = 0):
     """Program (query block, split, batch x head). The history tiles and then the tail tiles form one sequence of
     tiles; split s of SPLITS attends its s-th contiguous share. With SPLIT, each program writes its normalized
     output (BF16, half the bytes of fp32: each share is rounded to BF16 before the fp32 merge, an error of up to
@@ -390,9 +404,10 @@ def _attn_planes_kernel(q_ptr, out_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, 
     per = tl.cdiv(nh + tl.cdiv(T, BLOCK_N), SPLITS)
     j0 = pid_s * per
     a0, a1, a2, a3, m_i, l_i = _attend_item(q_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, vcen, tk_ptr, tv_ptr,
-                                            qk_scale, pid_m, bh, j0, j0 + per, M, N, T, L, C, K, HQ, HKV, GH, D,
-                                            BITS, GROUP, GRID, OFFSET, FP8, STAGES, BLOCK_M, BLOCK_N, HAS_HIST,
-                                            INTERP, JOIN)
+                                            qk_scale, pid_m, bh, j0, j0 + per, M, N, T, L, C, K, HQ, HKV, GH,
+                                            rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF, D, BITS, GROUP, GRID,
+                                            OFFSET, FP8, STAGES, BLOCK_M, BLOCK_N, HAS_HIST, INTERP, JOIN, ROPE,
+                                            SPLIT_H, SPLIT_W)
     P: tl.constexpr = 8 // BITS
     W: tl.constexpr = D // P
     qrows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -410,11 +425,12 @@ def _attn_planes_kernel(q_ptr, out_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, 
 
 @triton.jit
 def _attn_stream_kernel(q_ptr, out_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, vcen, tk_ptr, tv_ptr, part_ptr,
-                        lse_ptr, qk_scale, M, N, T, L, C, K, HQ, HKV, GH, ITEMS, PER, FULL,
-                        D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr,
-                        OFFSET: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr,
+                        lse_ptr, qk_scale, M, N, T, L, C, K, HQ, HKV, GH, ITEMS, PER, FULL, rope_ptr, frame0_ptr,
+                        R, HW, WIDTH, H_OFF, W_OFF, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+                        GRID: tl.constexpr, OFFSET: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_HIST: tl.constexpr,
-                        INTERP: tl.constexpr, JOIN: tl.constexpr = True):
+                        INTERP: tl.constexpr, JOIN: tl.constexpr = True, ROPE: tl.constexpr = False,
+                        SPLIT_H: tl.constexpr = 0, SPLIT_W: tl.constexpr = 0):
     """Stream-K schedule, after FULL data-parallel waves (0 unless packed_attention(waves=True)): persistent program
     p first attends items p, p + NP, .. (FULL of them) whole, the programs of a wave walking their key tiles in
     step, then tiles [G0 + p * PER, G0 + (p + 1) * PER) of the ITEMS x TI tiles past the waves' G0 = FULL * NP * TI
@@ -445,8 +461,9 @@ def _attn_stream_kernel(q_ptr, out_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, 
         bh = i // NMB
         a0, a1, a2, a3, m_i, l_i = _attend_item(q_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, vcen, tk_ptr,
                                                 tv_ptr, qk_scale, pid_m, bh, j0, j1, M, N, T, L, C, K, HQ, HKV, GH,
-                                                D, BITS, GROUP, GRID, OFFSET, FP8, STAGES, BLOCK_M, BLOCK_N,
-                                                HAS_HIST, INTERP, JOIN)
+                                                rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF, D, BITS, GROUP,
+                                                GRID, OFFSET, FP8, STAGES, BLOCK_M, BLOCK_N, HAS_HIST, INTERP, JOIN,
+                                                ROPE, SPLIT_H, SPLIT_W)
         r = tl.arange(0, BLOCK_M)
         rmask = pid_m * BLOCK_M + r < M
         if j0 == 0:

@@ -64,8 +64,9 @@ Per layer, three zones, for keys and values alike ([B, H, tokens, D], H = kv hea
   "pre-rope" (rtn / qvg / qvg-pro) turns each key back to before RoPE when it is packed and rotates it again when it
   is read, so k-means groups keys by content rather than by position (eval/results/rope_storage.md: 1.8x lower
   INT2 key error for qvg). The model gives each chunk's per-frame positions (`set_positions`); each packed unit
-  keeps them (a few integers per frame). The BF16 zones always hold keys after RoPE. On the GPU the dequant kernel
-  rotates as it decodes when the positions are plain time steps (its tables hold time offsets only); with spatial
+  keeps them (a few integers per frame). The BF16 zones always hold keys after RoPE. On the GPU the kernels rotate
+  the keys as they decode them when the positions are plain time steps (factorized tables of time offsets only): the
+  dequant kernel for the "window" and "staged" reads, the attention kernel on chip for "fused"; with spatial
   offsets (the world model's pans) the history is decoded whole and rotated in torch, a transient of its size.
 - `memory()`: bytes by component (codes, scales, ids, centroids, positions, bf16, and workspace: the compression
   graphs' static tensors and private memory pools, and the kernel's rotation tables) and in total, next to the BF16
@@ -106,9 +107,10 @@ def read_modes(method: str) -> tuple[str, ...]:
     return READ_MODES if method in PER_TOKEN_METHODS else READ_MODES[:1]
 
 
-def read_error(method: str, read: str, key_storage: str = "post-rope", options: dict | None = None) -> str | None:
-    """Why KVCache(method, read=read, key_storage=key_storage, **options) can't read its history that way, or None
-    when it can: the one check of the read mode, made by KVCache and by qvg-generate before anything runs."""
+def read_error(method: str, read: str, options: dict | None = None) -> str | None:
+    """Why KVCache(method, read=read, **options) can't read its history that way, or None when it can: the one
+    check of the read mode, made by KVCache and by qvg-generate before anything runs. (Every read takes keys stored
+    before or after RoPE.)"""
     options = options or {}
     if read not in READ_MODES:
         return f"read must be one of {', '.join(READ_MODES)}, got {read!r}"
@@ -117,10 +119,6 @@ def read_error(method: str, read: str, key_storage: str = "post-rope", options: 
         return (f"method {method!r} supports read={' / '.join(map(repr, supported))} only, not {read!r}: the "
                 f"{' and '.join(m for m in READ_MODES if m not in supported)} reads are for a packed "
                 f"{', '.join(PER_TOKEN_METHODS)} history")
-    if read == "fused" and key_storage == "pre-rope":
-        return ("read='fused' needs keys stored after RoPE: it dequantizes them on chip without rotating them; "
-                "store them post-RoPE (key_storage='post-rope', qvg-generate --key-storage post-rope) or use "
-                "read='staged' or 'window'")
     if read == "fused" and options.get("grid") == "asym":
         return "read='fused' reads the sym / midrise grids, not 'asym': use read='staged' or 'window'"
     if read == "fused" and options.get("bits") == 1:
@@ -211,7 +209,7 @@ class KVCache:
             raise ValueError(f"prefetch_bytes must be a non-negative integer (0: no prefetch), got {prefetch_bytes!r}")
         if prefetch_at not in PREFETCH_AT:
             raise ValueError(f"prefetch_at must be one of {', '.join(PREFETCH_AT)}, got {prefetch_at!r}")
-        bad_read = read_error(method, read, key_storage, options)
+        bad_read = read_error(method, read, options)
         if bad_read:
             raise ValueError(bad_read)
         if method == "bf16" and (options or compress_preset is not None):
@@ -602,7 +600,7 @@ class KVCache:
         kh, vh = L.hist
         if self.read_mode == "staged":
             return staged_attention(q, kh, vh, kt, vt, scale=scale, rope=rope)
-        return packed_attention(q, kh, vh, kt, vt, scale=scale)
+        return packed_attention(q, kh, vh, kt, vt, scale=scale, rope=rope)
 
     def _prefetch(self, L: _Layer, tail: int) -> None:
         """Queue the decode of L's history (and room for a tail of `tail` tokens) on a side stream, behind the

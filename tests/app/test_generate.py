@@ -47,7 +47,6 @@ def test_bf16_with_a_window_is_still_1x(tmp_path):
 BAD = [
     (["--bits", "3"], "--bits must be 2, 4 or 8"),
     (["--read", "flash"], "--read must be one of window, staged, fused, got 'flash'"),
-    (["--read", "fused"], "--read fused: read='fused' needs keys stored after RoPE"),
     (["--read", "staged", "--method", "kivi"], "--read staged: method 'kivi' supports read='window' only"),
     (["--read", "fused", "--method", "bf16"], "--read fused: method 'bf16' supports read='window' only"),
     (["--read", "staged", "--method", "quarot"], "--read staged: method 'quarot' supports read='window' only"),
@@ -237,20 +236,19 @@ def test_key_storage_auto_is_pre_rope_on_the_embedded_model_only(tmp_path):
     assert parse(sf)["key_storage"] == "post-rope"
     assert parse(sf + ["--key-storage", "pre-rope"])["key_storage"] == "pre-rope"
     assert parse(out)["read"] == "window" and parse(out + ["--read", "staged"])["read"] == "staged"
+    assert parse(out + ["--read", "fused"])["read"] == "fused"  # (pre-RoPE keys: rotated on chip)
     assert parse(out + ["--read", "fused", "--key-storage", "post-rope"])["read"] == "fused"
 
 
 @pytest.mark.parametrize("method,read,key_storage", [("kivi", "staged", "auto"), ("bf16", "fused", "auto"),
-                                                     ("quarot", "fused", "post-rope"), ("qvg", "fused", "auto"),
-                                                     ("qvg", "flash", "auto")])
+                                                     ("quarot", "fused", "post-rope"), ("qvg", "flash", "auto")])
 def test_read_errors_are_the_caches(tmp_path, capsys, method, read, key_storage):
     """--read is checked by the cache's own read_error: the line names the flag and the mode, then says what
     KVCache would raise (one line, exit 2, nothing written); an unknown mode reads "--read must be one of ..."."""
     from qvg.cache import read_error
     out = tmp_path / "v.mp4"
     args = ["--method", method, "--read", read, "--key-storage", key_storage, "--out", str(out), "--quiet"]
-    storage = {"auto": "pre-rope" if method == "qvg" else "post-rope"}.get(key_storage, key_storage)
-    msg = read_error(method, read, storage)
+    msg = read_error(method, read)
     assert msg and main(args) == 2
     line = f"--{msg}" if msg.startswith("read must") else f"--read {read}: {msg}"  # (an unknown mode: named once)
     assert capsys.readouterr().err.strip().splitlines() == [f"qvg-generate: error: {line}"]
@@ -259,11 +257,12 @@ def test_read_errors_are_the_caches(tmp_path, capsys, method, read, key_storage)
 
 @pytest.mark.parametrize("method", ["bf16", "rtn", "kivi", "quarot", "qvg", "qvg-pro"])
 def test_read_modes_each_method_takes(tmp_path, method):
-    """The default read (window) for every method; the packed reads for rtn / qvg / qvg-pro (fused with post-RoPE
-    keys)."""
+    """The default read (window) for every method; the packed reads for rtn / qvg / qvg-pro, with keys stored before
+    or after RoPE."""
     from qvg.app.generate import parse
     out = ["--method", method, "--out", str(tmp_path / "v.mp4")]
     assert parse(out)["read"] == "window" and parse(out + ["--read", "window"])["read"] == "window"
     if method in ("rtn", "qvg", "qvg-pro"):
-        assert parse(out + ["--read", "staged"])["read"] == "staged"
-        assert parse(out + ["--read", "fused", "--key-storage", "post-rope"])["read"] == "fused"
+        for storage in ("auto", "pre-rope", "post-rope"):
+            assert parse(out + ["--read", "staged", "--key-storage", storage])["read"] == "staged"
+            assert parse(out + ["--read", "fused", "--key-storage", storage])["read"] == "fused"

@@ -12,6 +12,7 @@ from qvg.attention import attend_reference
 from qvg.kernels.attention import packed_attention, staged_attention, stream_plan
 from qvg.kernels.attention_planes import _codes, _tile_planes, _tile_raw
 from qvg.kernels.common import INTERPRET, grid_constants, raw_view
+from qvg.kernels.dequant import _rope_args
 from qvg.sequence import PackedSequence
 
 L, CHUNKS, HKV, HQ, D = 40, 3, 2, 4, 64  # 3 chunks of 40 tokens: N = 120, not a multiple of the 32-token tiles
@@ -331,16 +332,18 @@ def test_staged_reads_a_tail_view_in_place(b, device):
 
 
 @triton.jit
-def _decode_tiles(kc, ks, kt, kid, kcen, out, N, L, K, istride, cstride, D: tl.constexpr, BITS: tl.constexpr,
-                  GROUP: tl.constexpr, GRID: tl.constexpr, OFFSET: tl.constexpr, FP8: tl.constexpr,
-                  STAGES: tl.constexpr, BLOCK_N: tl.constexpr, INTERP: tl.constexpr):
+def _decode_tiles(kc, ks, kt, kid, kcen, out, N, L, K, istride, cstride, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF,
+                  W_OFF, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr,
+                  OFFSET: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr, BLOCK_N: tl.constexpr,
+                  INTERP: tl.constexpr, ROPE: tl.constexpr, SPLIT_H: tl.constexpr, SPLIT_W: tl.constexpr):
     """The fused kernel's decode stage alone (`_codes` + `_tile_raw` + `_tile_planes`, planes stored side by side)."""
     n0 = tl.program_id(0) * BLOCK_N
     W: tl.constexpr = D * BITS // 8
     rows = n0 + tl.arange(0, BLOCK_N)
     raw = _tile_raw(ks, kt, kid, n0, N, L, K, istride, D, BITS, GROUP, FP8, STAGES, BLOCK_N)
-    x0, x1, x2, x3 = _tile_planes(_codes(kc, n0, N, W, BLOCK_N), *raw, n0, N, L, K, kid, istride, kcen, cstride, D,
-                                  BITS, GROUP, GRID, OFFSET, FP8, STAGES, BLOCK_N, False, INTERP)
+    x0, x1, x2, x3 = _tile_planes(_codes(kc, n0, N, W, BLOCK_N), *raw, n0, N, L, K, kid, istride, kcen, cstride,
+                                  rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF, D, BITS, GROUP, GRID, OFFSET, FP8,
+                                  STAGES, BLOCK_N, False, INTERP, ROPE, SPLIT_H, SPLIT_W)
     o = out + rows[:, None] * D + tl.arange(0, W)[None, :]
     m = (rows < N)[:, None]
     tl.store(o, x0, mask=m)
@@ -351,6 +354,35 @@ def _decode_tiles(kc, ks, kt, kid, kcen, out, N, L, K, istride, cstride, D: tl.c
         tl.store(o + 3 * W, x3, mask=m)
 
 
+def _fused_decode(kh: PackedSequence, device: str, rope=None) -> torch.Tensor:
+    """Head 0 of batch 0 of kh decoded by the fused kernel's decode stage (`_decode_tiles`), [N, D] BF16."""
+    kh = _to(kh, device)
+    b, h, n, d = kh.shape
+    t = kh.tensors
+    stages = kh.stages
+    dummy = t["codes"]
+    with poisoned():
+        out = torch.empty(n, d, dtype=torch.bfloat16, device=device)
+    _decode_tiles[(triton.cdiv(n, 32),)](
+        t["codes"], raw_view(t["scale"]), t.get("tscale", dummy), t["ids"] if stages else dummy,
+        t["centroids"] if stages else dummy, out, n, kh.chunk_len, t["centroids"].shape[-2] if stages else 1,
+        b * h * n, t["centroids"][0].numel() if stages else 0, *_rope_args(rope, dummy), D=d, STAGES=stages,
+        BLOCK_N=32, INTERP=INTERPRET, ROPE=rope is not None, SPLIT_H=rope.split[0] if rope else 0,
+        SPLIT_W=rope.split[1] if rope else 0, **grid_constants(kh.spec))
+    return out.cpu()
+
+
+def _differ(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The fraction of BF16 elements whose bits differ."""
+    return (a.view(torch.int16) != b.view(torch.int16)).float().mean().item()
+
+
+def _rope_tables(device="cpu"):
+    """2 frames of 4 x 5 tokens per 40-token chunk; the 3 chunks start at frames 0, 2 and 9 (a gap: a window)."""
+    from qvg.rope import RopeTables
+    return RopeTables(4, 5, D, torch.tensor([0, 2, 9], device=device), max_frames=12)
+
+
 @pytest.mark.parametrize("name", list(METHODS) + ["rtn-int8"])
 def test_fused_decode_gives_the_reference_bits(name, device):
     """The fused kernel decodes each K / V tile to the reference decode's BF16 bits (`PackedSequence.decompress`):
@@ -359,21 +391,59 @@ def test_fused_decode_gives_the_reference_bits(name, device):
     1 element in 1,000 is allowed; on this data none do. With the scale rounded to BF16 instead, as c18da76 did,
     tens of percent differ: eval/results/replay-decode-cpu.json.)"""
     kh, _ = _history(name, seed=2)
-    kh = _to(kh, device)
-    b, h, n, d = kh.shape
-    t = kh.tensors
-    stages = kh.stages
-    dummy = t["codes"]
-    with poisoned():
-        out = torch.empty(n, d, dtype=torch.bfloat16, device=device)
-    want = kh.decompress()[0, 0].cpu()  # head 0 of batch 0
-    _decode_tiles[(triton.cdiv(n, 32),)](
-        t["codes"], raw_view(t["scale"]), t.get("tscale", dummy), t["ids"] if stages else dummy,
-        t["centroids"] if stages else dummy, out, n, kh.chunk_len, t["centroids"].shape[-2] if stages else 1,
-        b * h * n, t["centroids"][0].numel() if stages else 0, D=d, STAGES=stages, BLOCK_N=32, INTERP=INTERPRET,
-        **grid_constants(kh.spec))
-    differ = (out.cpu().view(torch.int16) != want.view(torch.int16)).float().mean().item()
+    differ = _differ(_fused_decode(kh, device), kh.decompress()[0, 0])  # head 0 of batch 0
     assert differ <= 1e-3, f"{name}: {differ:.2%} of the decoded elements differ from the reference's bits"
+
+
+@pytest.mark.parametrize("name", ["qvg", "qvg-auto", "qvg-pro", "qvg-s6", "rtn-int4", "rtn-int8"])
+def test_fused_decode_rotates_pre_rope_keys(name, device):
+    """Keys stored before RoPE: each plane decoded in FP32, rotated by its tokens' 3D positions (factorized tables)
+    and rounded once, the reference's bits (`PackedSequence.decompress(rope)`, which the dequant kernel writes too).
+    Under the interpreter bit for bit; a GPU may contract the rotation's multiply-adds (at most 1 ulp, rarely)."""
+    kh, _ = _history(name, seed=3)
+    got = _fused_decode(kh, device, _rope_tables(device))
+    want = kh.decompress(_rope_tables())[0, 0]
+    differ = _differ(got, want)
+    assert differ <= (0.0 if INTERPRET else 0.02), f"{name}: {differ:.2%} of the rotated elements differ"
+    ulps = (got.view(torch.int16).int() - want.view(torch.int16).int()).abs().max().item()
+    assert ulps <= 1, f"{name}: {ulps} ulps"
+    assert _differ(got, kh.decompress()[0, 0]) > 0.5  # (the rotation did happen)
+
+
+PRE_ROPE = [("qvg", {}), ("qvg", {"programs": 5}), ("qvg", {"splits": 3}), ("qvg-pro", {}),
+            ("qvg-pro", {"programs": 6}), ("rtn-int4", {"programs": 40}), ("rtn-int8", {"splits": 2})]
+
+
+@pytest.mark.parametrize("name,schedule", PRE_ROPE, ids=lambda x: x if isinstance(x, str) else
+                         "-".join(f"{k}{v}" for k, v in x.items()) or "default")
+def test_packed_attention_rotates_pre_rope_keys(name, schedule, device):
+    """RoPE on the fly: a history of keys stored before RoPE, with GQA, a ragged last tile, a tail and both
+    schedules (stream-K, key splits; qvg-pro plane by plane), against the reference that decodes and rotates the
+    whole history (FP32 attention over the same BF16 keys). The bound is the kernel's own error without RoPE on
+    this data (0.17-0.28%, BF16 operands and output), not TOL; the staged read of the same tables is 0.41% off the
+    reference, with or without RoPE."""
+    kh, vh = _history(name, b=2, seed=11)
+    q, kt, vt = _qkv(b=2, m=40, t=24, seed=12)
+    ref = attend_reference(q, kh, vh, kt, vt, rope=_rope_tables())
+    out = _run("packed", device, q, kh, vh, kt, vt, rope=_rope_tables(device), **schedule)
+    err = rel_err(out, ref)
+    assert err < 4e-3, f"{name} {schedule}: {err:.4f}"
+    assert rel_err(out, attend_reference(q, kh, vh, kt, vt)) > 0.1  # (the keys' rotation matters here)
+    staged = _run("staged", device, q, kh, vh, kt, vt, rope=_rope_tables(device))
+    assert rel_err(out, staged.float()) < 8e-3
+
+
+def test_packed_attention_rope_errors(device):
+    from qvg.rope import RopeTables
+    kh, vh = _to(_history("qvg")[0], device), _to(_history("qvg")[1], device)
+    q, kt, vt = (None if x is None else x.to(device) for x in _qkv())
+    for bad in (RopeTables(4, 5, 2 * D, torch.tensor([0, 2, 9]), 12),  # another head dim
+                RopeTables(3, 5, D, torch.tensor([0, 2, 9]), 12),  # 40 tokens are not whole 3 x 5 frames
+                RopeTables(4, 5, D, torch.tensor([0, 2]), 12)):  # a first frame for 2 of the 3 chunks
+        with pytest.raises(ValueError, match="rope: the tables must match a packed history"):
+            packed_attention(q, kh, vh, kt, vt, rope=bad)
+    with pytest.raises(ValueError, match="rope: the tables must match a packed history"):
+        packed_attention(q, None, None, kt, vt, rope=_rope_tables(device))
 
 
 def test_packed_attention_refuses_a_non_positive_scale(device):

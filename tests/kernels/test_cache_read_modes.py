@@ -69,20 +69,23 @@ def test_packed_reads_with_sink_pending_and_the_default_grid(device, read):
     assert L.n_sink > 0 and L.hist[0] is not None  # (the sink and a packed history both took part)
 
 
-def test_staged_read_with_keys_stored_before_rope(device, monkeypatch):
+@pytest.mark.parametrize("method,read", [("qvg", "staged"), ("qvg", "fused"), ("qvg-pro", "fused")])
+def test_packed_reads_with_keys_stored_before_rope(device, monkeypatch, method, read):
     """Pre-RoPE keys rotated as the staged read decodes them, over several staging windows (each window's rows
-    start at an offset into the history), with GQA."""
+    start at an offset into the history), or on chip by the fused read (qvg joined, qvg-pro plane by plane), with
+    GQA and a rolling window (the ring's slots hold frames out of order)."""
     import qvg.kernels.attention as ka
     monkeypatch.setattr(ka, "STAGING_BYTES", 1)  # the smallest window: one 64-token tile of history at a time
     kw = dict(chunk_frames=CF, tokens_per_frame=TPF, window_frames=4 * CF, centroids=4, block_size=16,
               key_storage="pre-rope")
-    caches = [KVCache(LAYERS, "qvg", read=r, **kw) for r in ("window", "staged")]
+    caches = [KVCache(LAYERS, method, read=r, **kw) for r in ("window", read)]
     q = torch.randn(1, 4, CF * TPF, D, generator=torch.Generator().manual_seed(4)).bfloat16().to(device)
-    for i in range(4):
+    for i in range(6):
         x = clustered(2 * LAYERS, 2, CF * TPF, D, spread=1.0, noise=0.5, seed=70 + i).bfloat16().to(device)
         outs = [_chunk(c, x, q, positions=_positions(i)) for c in caches]
         for j, (a, b) in enumerate(zip(*outs)):
             assert rel_err(b, a) < TOL, (i, j, rel_err(b, a))
+    assert caches[1].layers[0].hist[0].head > 0  # (the ring wrapped: its oldest chunk is not in slot 0)
 
 
 def test_read_mode_errors():
@@ -90,8 +93,6 @@ def test_read_mode_errors():
     assert READ_MODES[0] == "window" and KVCache(1, "qvg", **kw).read_mode == "window"
     with pytest.raises(ValueError, match="read must be one of window, staged, fused"):
         KVCache(1, "qvg", read="flash", **kw)
-    with pytest.raises(ValueError, match="needs keys stored after RoPE.*--key-storage post-rope"):
-        KVCache(1, "qvg", read="fused", key_storage="pre-rope", **kw)
     with pytest.raises(ValueError, match="not 'asym'"):
         KVCache(1, "rtn", read="fused", grid="asym", **kw)
     with pytest.raises(ValueError, match="not 1-bit"):
@@ -123,13 +124,16 @@ def test_read_error_is_the_caches_message():
     """read_error (qvg-generate's pre-flight check) says exactly what KVCache raises, for each refusal."""
     kw = dict(chunk_frames=CF, tokens_per_frame=TPF)
     for method, read, storage, options in [("qvg", "flash", "post-rope", {}), ("kivi", "fused", "post-rope", {}),
-                                           ("bf16", "staged", "pre-rope", {}), ("qvg", "fused", "pre-rope", {}),
+                                           ("bf16", "staged", "pre-rope", {}),
                                            ("rtn", "fused", "post-rope", {"grid": "asym"}),
-                                           ("qvg", "fused", "post-rope", {"bits": 1})]:
-        msg = read_error(method, read, storage, options)
+                                           ("qvg", "fused", "pre-rope", {"bits": 1})]:
+        msg = read_error(method, read, options)
         assert msg
         with pytest.raises(ValueError) as e:
             KVCache(1, method, read=read, key_storage=storage, **options, **kw)
         assert str(e.value) == msg
-    assert read_error("qvg", "staged", "pre-rope", {"grid": "asym", "bits": 1}) is None
-    assert read_error("bf16", "window", "pre-rope") is None
+    assert read_error("qvg", "staged", {"grid": "asym", "bits": 1}) is None
+    assert read_error("bf16", "window") is None
+    for method in ("rtn", "qvg", "qvg-pro"):  # every read takes pre-RoPE keys (fused: rotated on chip)
+        assert read_error(method, "fused") is None
+        assert KVCache(1, method, read="fused", key_storage="pre-rope", **kw).read_mode == "fused"

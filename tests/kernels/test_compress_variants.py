@@ -206,12 +206,13 @@ def test_bench_pipeline_compress_flag():
     assert bp.parse_method("qvg-pro:sync:compress=fast") == ("qvg-pro", ["sync"], "fast")
     assert bp.new_cache(model, "qvg:staged-read", 6, {}).read_mode == "staged"
     assert bp.new_cache(model, "qvg-pro:fused-read", 6, {}).read_mode == "fused"
+    assert bp.new_cache(model, "qvg:pre-rope:fused-read", 6, {}).key_storage == "pre-rope"  # (rotated on chip)
     assert bp.new_cache(model, "qvg", 6, {}).read_mode == "window"
     for bad, msg in (("qvg:compress=nope", "unknown compress variant 'nope'"), ("qvg:bogus", "unknown method flag"),
                      ("bf16:compress=fast", "not for bf16"), ("qvg:compress=fast:compress=fast-sort", "at most"),
                      ("nope", "unknown cache method"),
                      ("qvg:staged-read:fused-read", "not both"), ("bf16:staged-read", "supports read='window' only"),
-                     ("kivi:fused-read", "supports read='window' only"), ("qvg:pre-rope:fused-read", "after RoPE")):
+                     ("kivi:fused-read", "supports read='window' only"),)):
         with pytest.raises(ValueError, match=msg):
             bp.parse_method(bad)
     assert bp.main(["--methods", "bf16,qvg:bogus"]) == 2
