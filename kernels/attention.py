@@ -202,8 +202,8 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
     qvg.rope.RopeTables: decoded in FP32, rotated, rounded to BF16 once, the dequant kernel's values; the BF16x2
     decode is not used then), plane by plane (joined planes with a rotation in between crash Triton 3.6's sm_90
     compile, so code planes narrower than a dot's 16 columns, head dim x bits / 8 < 16, are refused on a GPU), in
-    128-query blocks by default (256 x 64 tiles spill ~125 registers a loop iteration on sm_90, 128 x 64 none:
-    eval/results/sass-attention-rope-sm90.json; not yet timed on a GPU). The tail is taken as it is.
+    128-query blocks by default (in sm_90 code 256 x 64 tiles reload 16-83 spilled registers a loop iteration, 128
+    x 64 none: eval/results/sass-attention-rope-sm90.79551df.json; not yet timed on a GPU). The tail is taken as is.
     block_m None: 256 (128 with rope).
     The kernel (kernels/attention_planes.py) decodes K / V tiles on chip one code plane at a time. The defaults
     (256-query blocks on 8 warps, 64-key tiles) were the fastest on the H100 for qvg and qvg-pro
