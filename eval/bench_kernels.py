@@ -318,6 +318,9 @@ FUSED_CONFIGS = [dict(block_m=256, block_n=64, num_warps=8, num_stages=3),  # (p
                  dict(block_m=128, block_n=64, num_warps=8, num_stages=2),  # key splits that fills the waves best;
                  dict(block_m=256, block_n=64, num_warps=8, num_stages=3, splits=0),  # 3 stages: one-stage formats;
                  dict(block_m=256, block_n=64, num_warps=8, num_stages=3, waves=True)]  # stream-K after whole waves)
+FUSED_ROPE_CONFIGS = [dict(),  # (packed_attention's default with rope: 128 x 64, 8 warps, 2 stages, key splits;
+                      dict(block_m=256, num_warps=8),  # 256 x 64 spills in sm_90 code, 64 x 64 on 4 warps does not:
+                      dict(block_m=64, num_warps=4)]  # sass-attention-rope-sm90.79551df.json; + stream-K, below)
 STAGED_CONFIGS = [dict(block_m=128, block_n=64, num_warps=4, num_stages=2),
                   dict(block_m=128, block_n=64, num_warps=4, num_stages=3),
                   dict(block_m=128, block_n=128, num_warps=8, num_stages=2),
@@ -363,6 +366,12 @@ def attention_section(quick):
         o_rope = staged_attention(q[:, :, :512], K, V, rope=rope, **cfg)
         r_rope = attend_reference(q[:, :, :512], K, V, rope=rope)
         err_rope = float((o_rope.float() - r_rope.float()).norm() / r_rope.float().norm())
+        # the same pre-RoPE keys rotated on chip by the fused kernel (and, first size only, its other configs)
+        from qvg.kernels.attention import _slots
+        rope_cfgs = FUSED_ROPE_CONFIGS + [dict(programs=_slots(q, 8))] if n_keys == sizes[0] else [{}]
+        fused_rope = _best(lambda **c: packed_attention(q, K, V, rope=rope, **c), rope_cfgs, flops)
+        o_rope = packed_attention(q[:, :, :512], K, V, rope=rope, **fused_rope["config"])
+        err_fused_rope = float((o_rope.float() - r_rope.float()).norm() / r_rope.float().norm())
         fused = _best(lambda **c: packed_attention(q, K, V, **c), FUSED_CONFIGS if n_keys == sizes[0] else
                       FUSED_CONFIGS[:1], flops)
         out, peak_fused = _peak(lambda: packed_attention(q, K, V, **fused["config"]))
@@ -400,7 +409,9 @@ def attention_section(quick):
                      "windowed_rel_err_vs_sdpa": err_win,
                      "staged": staged, "staged_vs_sdpa_throughput": t_sdpa / staged["ms"],
                      "staged_window_ms": windows, "staged_rope_on_read_ms": t_rope,
-                     "staged_rope_rel_err_vs_fp32_reference_512_queries": err_rope, "fused": fused, "fused_vs_sdpa_throughput": t_sdpa / fused["ms"],
+                     "staged_rope_rel_err_vs_fp32_reference_512_queries": err_rope, "fused_rope_on_chip": fused_rope,
+                     "fused_rope_rel_err_vs_fp32_reference_512_queries": err_fused_rope, "fused": fused,
+                     "fused_vs_sdpa_throughput": t_sdpa / fused["ms"],
                      "staged_history_plus_bf16_tail_ms": t_tail, "dequant_then_sdpa_ms": t_read,
                      "rel_err_vs_sdpa_on_dequantized": {"staged": err_staged, "fused": err_fused},
                      "rel_err_vs_fp32_reference_512_queries": small,
@@ -411,7 +422,8 @@ def attention_section(quick):
         r = rows[-1]
         print(f"  attention {m}x{n_keys}x{h}: staged {staged['ms']:.3f} ms ({staged['TFLOPs']:.0f} TFLOP/s, "
               f"{r['staged_vs_sdpa_throughput']:.0%} of SDPA), fused {fused['ms']:.3f} ms, SDPA {t_sdpa:.3f} ms "
-              f"({r['sdpa_TFLOPs']:.0f}), dequant+SDPA {t_read:.3f} ms; +tail {t_tail:.3f} ms; rope on read {t_rope:.3f} ms; windows {windows}; "
+              f"({r['sdpa_TFLOPs']:.0f}), dequant+SDPA {t_read:.3f} ms; +tail {t_tail:.3f} ms; rope on read {t_rope:.3f} ms, "
+              f"fused {fused_rope['ms']:.3f} ms; windows {windows}; "
               f"peak transient MB: staged {peak_staged / 1e6:.0f}, fused {peak_fused / 1e6:.0f}, read path "
               f"{peak_read / 1e6:.0f}, sdpa {peak_sdpa / 1e6:.0f}", flush=True)
     return rows
