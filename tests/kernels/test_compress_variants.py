@@ -212,7 +212,7 @@ def test_bench_pipeline_compress_flag():
                      ("bf16:compress=fast", "not for bf16"), ("qvg:compress=fast:compress=fast-sort", "at most"),
                      ("nope", "unknown cache method"),
                      ("qvg:staged-read:fused-read", "not both"), ("bf16:staged-read", "supports read='window' only"),
-                     ("kivi:fused-read", "supports read='window' only"),)):
+                     ("kivi:fused-read", "supports read='window' only")):
         with pytest.raises(ValueError, match=msg):
             bp.parse_method(bad)
     assert bp.main(["--methods", "bf16,qvg:bogus"]) == 2
