@@ -370,6 +370,8 @@ def attention_section(quick):
         from qvg.kernels.attention import _slots
         rope_cfgs = FUSED_ROPE_CONFIGS + [dict(programs=_slots(q, 8))] if n_keys == sizes[0] else [{}]
         fused_rope = _best(lambda **c: packed_attention(q, K, V, rope=rope, **c), rope_cfgs, flops)
+        _, fused_rope["peak_transient_bytes"] = _peak(lambda: packed_attention(q, K, V, rope=rope,
+                                                                                **fused_rope["config"]))
         o_rope = packed_attention(q[:, :, :512], K, V, rope=rope, **fused_rope["config"])
         err_fused_rope = float((o_rope.float() - r_rope.float()).norm() / r_rope.float().norm())
         fused = _best(lambda **c: packed_attention(q, K, V, **c), FUSED_CONFIGS if n_keys == sizes[0] else

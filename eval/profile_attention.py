@@ -51,16 +51,22 @@ def parse_only(text: str) -> list[dict]:
     return out
 
 
-class NoFull:
-    """A baseline's stream-K kernel or merge from before d45552c, which take no FULL (the whole waves; 0 in the
-    "base:" runs, whose configs ask for none): launched with packed_attention's arguments less the last, FULL."""
+class Adapted:
+    """A baseline file's kernel launched with the arguments packed_attention gives the current one (`current`): every
+    argument goes by name, and those the baseline does not take are dropped: FULL before d45552c, the RoPE tables'
+    before 79551df (in "base:" runs, which ask for neither waves nor rope, they hold their no-op values). Launch
+    options (num_warps, ...) pass through."""
 
-    def __init__(self, kernel):
-        self.kernel = kernel
+    def __init__(self, kernel, current):
+        self.kernel, self.takes, self.current = kernel, set(kernel.arg_names), list(current.arg_names)
 
     def __getitem__(self, grid):
         launch = self.kernel[grid]
-        return lambda *args, **kw: launch(*args[:-1], **kw)
+
+        def run(*args, **kw):
+            named = {**dict(zip(self.current, args)), **kw}
+            return launch(**{k: v for k, v in named.items() if k in self.takes or k not in self.current})
+        return run
 
 
 def check_args(args) -> str | None:
@@ -114,13 +120,12 @@ def main(argv=None) -> int:
     base_kernels = {}  # the baseline file's kernels, swapped in for "base:" runs
     try:
         if args.baseline:
-            base_kernels["_attn_planes_kernel"] = _load_baseline(args.baseline, "_attn_planes_kernel")
-            module = base_kernels["_attn_planes_kernel"].fn.__globals__  # (the file, loaded once)
+            planes = _load_baseline(args.baseline, "_attn_planes_kernel")
+            module = planes.fn.__globals__  # (the file, loaded once)
+            names = ["_attn_planes_kernel"]
             if "_attn_stream_kernel" in module:  # (else before stream-K: "base:" runs without SPLITS run ours)
-                stream, merge = module["_attn_stream_kernel"], module["_merge_stream"]
-                if "FULL" not in stream.arg_names:  # (before d45552c: no waves; launched without FULL)
-                    stream, merge = NoFull(stream), NoFull(merge)
-                base_kernels.update(_attn_stream_kernel=stream, _merge_stream=merge)
+                names += ["_attn_stream_kernel", "_merge_stream"]
+            base_kernels = {n: Adapted(module[n], getattr(attention_module, n)) for n in names}
     except Exception as e:  # (a file that does not import, or has no kernel)
         print(f"error: --baseline {args.baseline!r} gives no _attn_planes_kernel: {type(e).__name__}: {e}",
               file=sys.stderr)

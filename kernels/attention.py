@@ -188,6 +188,13 @@ def _slots(q: torch.Tensor, num_warps: int) -> int:
     return sm_count(q.device) * max(1, 8 // num_warps) if q.is_cuda else 1
 
 
+def rope_on_chip(head_dim: int, bits: int, device: torch.device) -> bool:
+    """Whether packed_attention can rotate pre-RoPE keys of this head dim and code width on this device: not on a GPU
+    where a code plane is narrower than a dot's 16 columns (head dim x bits / 8 < 16, 2- and 4-bit codes), whose
+    planes must be joined, which the rotation's compile does not survive (see packed_attention)."""
+    return device.type != "cuda" or bits == 8 or head_dim * bits // 8 >= 16
+
+
 _NO_THIRD_STAGE: set = set()  # packed_attention launch shapes whose 3-stage kernel ran out of shared memory
 
 
@@ -199,11 +206,13 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
     """softmax(q [history; tail]^T * scale) [history; tail] without materializing the history.
     q [B, Hq, M, D] bf16; histories from `PackedSequence.from_chunks`; tails [B, Hkv, T, D] bf16. `rope`: the
     history keys were stored before RoPE; each K tile is rotated on chip as it is decoded (factorized tables,
-    qvg.rope.RopeTables: decoded in FP32, rotated, rounded to BF16 once, the dequant kernel's values; the BF16x2
-    decode is not used then), plane by plane (joined planes with a rotation in between crash Triton 3.6's sm_90
-    compile, so code planes narrower than a dot's 16 columns, head dim x bits / 8 < 16, are refused on a GPU), in
-    128-query blocks by default (in sm_90 code 256 x 64 tiles reload 16-83 spilled registers a loop iteration, 128
-    x 64 none: eval/results/sass-attention-rope-sm90.79551df.json; not yet timed on a GPU). The tail is taken as is.
+    qvg.rope.RopeTables: decoded in FP32, rotated, rounded to BF16 once, the dequant kernel's arithmetic, which on a
+    GPU may differ by an ulp where the compiler contracts the rotation's multiply-adds; the BF16x2 decode is not used
+    then), plane by plane for 2- and 4-bit codes (8-bit codes are one plane; joined planes with a rotation in between
+    fail Triton 3.6's sm_90 compile, so code planes narrower than a dot's 16 columns, which must be joined, are
+    refused on a GPU: `rope_on_chip`), in 128-query blocks by default (in sm_90 code 256 x 64 tiles reload 13-83
+    spilled registers a loop iteration, 128 x 64 none, and qvg-pro's 256 x 64 needs more shared memory than an H100
+    has: eval/results/sass-attention-rope-sm90.79551df.json; not yet timed on a GPU). The tail is taken as is.
     block_m None: 256 (128 with rope).
     The kernel (kernels/attention_planes.py) decodes K / V tiles on chip one code plane at a time. The defaults
     (256-query blocks on 8 warps, 64-key tiles) were the fastest on the H100 for qvg and qvg-pro
@@ -277,7 +286,7 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
         raise ValueError(f"programs must be >= 1, got {programs}")
     narrow = d * consts["BITS"] // 8 < 16  # (a code plane narrower than a dot: planes must be joined)
     join = (stages <= 1 and (rope is None or consts["BITS"] == 8)) or narrow
-    if rope is not None and narrow and consts["BITS"] < 8 and q.is_cuda:
+    if rope is not None and not rope_on_chip(d, consts["BITS"], q.device):
         raise ValueError(f"packed_attention(rope=...) reads code planes of >= 16 columns on a GPU (head dim x bits / 8"
                          f" = {d * consts['BITS'] // 8}): use staged_attention")
     block_m = (128 if rope is not None else 256) if block_m is None else block_m

@@ -7,8 +7,19 @@ import os
 import sys
 import threading
 import traceback
+from pathlib import Path
 
-INTERESTING = ("qvg", "/app/", "/pipelines/", "imageio", "subprocess", "torch")  # (idle worker threads are not)
+import qvg
+
+_ROOT = Path(qvg.__file__).resolve().parent.parent  # the checkout: qvg/, app/, pipelines/, kernels/, eval/
+OURS = tuple(str(_ROOT / d) + os.sep for d in ("qvg", "app", "pipelines", "kernels", "eval"))
+THEIRS = (f"{os.sep}imageio", f"{os.sep}subprocess.py", f"{os.sep}torch{os.sep}")
+
+
+def _interesting(filename: str) -> bool:
+    """A frame in this project's code, imageio(-ffmpeg), subprocess or torch (idle worker threads have none)."""
+    path = os.path.realpath(filename)
+    return path.startswith(OURS) or any(k in path for k in THEIRS)
 
 
 def _queue_state(app) -> str:
@@ -43,7 +54,7 @@ def _threads() -> list[str]:
     out = []
     for ident, frame in sys._current_frames().items():
         stack = traceback.extract_stack(frame)
-        if ident == threading.get_ident() or not any(k in s.filename for s in stack for k in INTERESTING):
+        if ident == threading.get_ident() or not any(_interesting(s.filename) for s in stack):
             continue
         lines = [f"  {os.path.basename(s.filename)}:{s.lineno} {s.name}: {(s.line or '').strip()[:100]}"
                  for s in stack[-8:]]

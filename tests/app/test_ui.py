@@ -85,7 +85,7 @@ SERVER = {}  # the running app (url's), for the report a timed-out wait prints
 
 
 def _timed_out(what: str, timeout: float):
-    pytest.fail(f"{what}: not within {timeout} s; the server:\n{hang_report(SERVER.get('app'))}", pytrace=False)
+    pytest.fail(f"{what}: not within {timeout} s; the server:\n{hang_report(SERVER.get('app'))}")
 
 
 def _until(cond, timeout=120, what="condition"):
@@ -96,11 +96,11 @@ def _until(cond, timeout=120, what="condition"):
         time.sleep(0.1)
 
 
-def _wait(job, timeout=240):
+def _wait(job, timeout=240, what="the job"):
     t0 = time.time()
     while not job.done():
         if time.time() - t0 > timeout:
-            _timed_out("job did not finish", timeout)
+            _timed_out(f"{what} did not finish", timeout)
         time.sleep(0.2)
     if job.exception() is not None:
         raise job.exception()
@@ -241,12 +241,12 @@ def test_queue_positions_one_job_at_a_time_and_cancel(url):
     assert seen is not None and seen.rank == 0 and seen.queue_size >= 1, seen
     assert not jb.outputs()  # not started: one generation at a time
     assert "Cancelling" in a.predict(api_name="/cancel")
-    outs = _wait(ja)
+    outs = _wait(ja, what="a (cancelled)")
     assert "cancelled after" in outs[-1][STATUS] and "of 100 chunks" in outs[-1][STATUS]
     import imageio.v3 as iio
     n = iio.imread(outs[-1][VIDEO]).shape[0]
     assert 4 <= n < 301 and (n - 1) % 3 == 0
-    assert _wait(jb)[-1][STATUS].startswith("**done: 1 chunks")
+    assert _wait(jb, what="b (queued behind a)")[-1][STATUS].startswith("**done: 1 chunks")
     assert a.predict(api_name="/cancel") == "Nothing is running."
 
 
@@ -271,7 +271,7 @@ def test_cancel_is_per_job(url):
     _until(lambda: len(ja.outputs()) > n, what="a goes on after b's cancel")
     assert not ja.done()
     assert a.predict(api_name="/cancel") == "**Cancelling**: the video stops after the current chunk."
-    outs = _wait(ja)
+    outs = _wait(ja, what="a (cancelled)")
     assert "cancelled after" in outs[-1][STATUS] and "of 100 chunks" in outs[-1][STATUS]
     import imageio.v3 as iio
     assert 4 <= iio.imread(outs[-1][VIDEO]).shape[0] < 301
@@ -453,26 +453,21 @@ def _timed(fn, *args):
 
 def test_hang_report_shows_the_queue_children_and_threads(url):
     """What a timed-out wait prints: the queue's counts, the child processes and the busy threads (here a sleeping
-    child and a thread inside a qvg-named function)."""
+    child, and a thread waiting for it inside subprocess, as a run waits for its ffmpeg writer)."""
     import subprocess
     import sys
     import threading
-    stop = threading.Event()
-
-    def qvg_busy_thread():
-        stop.wait(30)
-    t = threading.Thread(target=qvg_busy_thread, name="qvg-test-thread")
-    t.start()
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    t = threading.Thread(target=child.wait, name="qvg-test-thread")
+    t.start()
+    time.sleep(0.2)
     try:
         text = hang_report(SERVER["app"])
     finally:
-        stop.set()
         child.kill()
-        child.wait()
         t.join()
     assert text.startswith("queue: stopped=False active_jobs=0 ["), text
     assert "AnyIO worker thread" not in text, text  # idle workers are left out
     assert f"child {child.pid} state=" in text and "time.sleep(30)" in text, text
-    assert "thread qvg-test-thread:" in text and "qvg_busy_thread" in text, text
+    assert "thread qvg-test-thread:" in text and "subprocess.py" in text and " wait:" in text, text
     assert hang_report(None).startswith("queue: none")

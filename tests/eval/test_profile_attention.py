@@ -38,13 +38,18 @@ def test_baseline_loads_another_planes_kernel():
     assert stream is not current._attn_stream_kernel and "FULL" in stream.arg_names
 
 
-def test_baseline_without_full_is_launched_without_it():
-    """A baseline stream-K kernel from before d45552c takes no FULL: NoFull drops packed_attention's last
-    positional argument (FULL) and keeps the rest and the keywords."""
+def test_baseline_kernels_get_only_the_arguments_they_take():
+    """A baseline kernel from before d45552c takes no FULL, and one from before 79551df none of the RoPE arguments:
+    Adapted passes packed_attention's arguments for the current kernel by name, less those, with the launch
+    options."""
     calls = []
 
     class Fake:
+        def __init__(self, *names):
+            self.arg_names = list(names)
+
         def __getitem__(self, grid):
             return lambda *args, **kw: calls.append((grid, args, kw))
-    profile_attention.NoFull(Fake())[(3,)](1, 2, 0, D=128)
-    assert calls == [((3,), (1, 2), {"D": 128})]
+    current = Fake("q_ptr", "FULL", "rope_ptr", "D", "ROPE")
+    profile_attention.Adapted(Fake("q_ptr", "D"), current)[(3,)](1, 0, 7, D=128, ROPE=False, num_warps=8)
+    assert calls == [((3,), (), {"q_ptr": 1, "D": 128, "num_warps": 8})]

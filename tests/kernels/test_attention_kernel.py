@@ -410,18 +410,19 @@ def test_fused_decode_rotates_pre_rope_keys(name, device):
     assert _differ(got, kh.decompress()[0, 0]) > 0.5  # (the rotation did happen)
 
 
-PRE_ROPE = [("qvg", {}), ("qvg", {"programs": 5}), ("qvg", {"splits": 3}), ("qvg-pro", {}),
-            ("qvg-pro", {"programs": 6}), ("rtn-int4", {"programs": 40}), ("rtn-int8", {"splits": 2})]
+PRE_ROPE = [("qvg", {}), ("qvg", {"programs": 5}), ("qvg", {"splits": 3}), ("qvg", {"programs": 3, "waves": True}),
+            ("qvg", {"block_m": None}), ("qvg-pro", {}), ("qvg-pro", {"programs": 6}), ("qvg-s6", {"splits": 2}),
+            ("rtn-int4", {"programs": 40}), ("rtn-int8", {"splits": 2})]
 
 
 @pytest.mark.parametrize("name,schedule", PRE_ROPE, ids=lambda x: x if isinstance(x, str) else
                          "-".join(f"{k}{v}" for k, v in x.items()) or "default")
 def test_packed_attention_rotates_pre_rope_keys(name, schedule, device):
     """RoPE on the fly: a history of keys stored before RoPE, with GQA, a ragged last tile, a tail and both
-    schedules (stream-K, key splits; qvg-pro plane by plane), against the reference that decodes and rotates the
-    whole history (FP32 attention over the same BF16 keys). The bound is the kernel's own error without RoPE on
-    this data (0.17-0.28%, BF16 operands and output), not TOL; the staged read of the same tables is 0.41% off the
-    reference, with or without RoPE."""
+    schedules (stream-K, also after whole waves; key splits; six stages; the default 128-query block, block_m None),
+    against the reference that decodes and rotates the whole history (FP32 attention over the same BF16 keys). The
+    bound is the kernel's own error without RoPE on this data (0.17-0.28%, BF16 operands and output), not TOL; the
+    staged read of the same tables is 0.41% off the reference, with or without RoPE."""
     kh, vh = _history(name, b=2, seed=11)
     q, kt, vt = _qkv(b=2, m=40, t=24, seed=12)
     ref = attend_reference(q, kh, vh, kt, vt, rope=_rope_tables())

@@ -69,23 +69,55 @@ def test_packed_reads_with_sink_pending_and_the_default_grid(device, read):
     assert L.n_sink > 0 and L.hist[0] is not None  # (the sink and a packed history both took part)
 
 
-@pytest.mark.parametrize("method,read", [("qvg", "staged"), ("qvg", "fused"), ("qvg-pro", "fused")])
-def test_packed_reads_with_keys_stored_before_rope(device, monkeypatch, method, read):
+@pytest.mark.parametrize("method,read,d", [("qvg", "staged", 32), ("qvg", "fused", 64), ("qvg-pro", "fused", 64),
+                                           ("qvg", "fused", 32)])
+def test_packed_reads_with_keys_stored_before_rope(device, monkeypatch, method, read, d):
     """Pre-RoPE keys rotated as the staged read decodes them, over several staging windows (each window's rows
-    start at an offset into the history), or on chip by the fused read (qvg joined, qvg-pro plane by plane), with
-    GQA and a rolling window (the ring's slots hold frames out of order)."""
+    start at an offset into the history), or on chip by the fused read (head dim 64 at 2 bits: 16-column code
+    planes, rotated plane by plane as on a GPU; head dim 32: 8-column planes, joined, which the interpreter runs and
+    a GPU reads staged instead, `rope_on_chip`), with GQA and a rolling window whose ring has wrapped (slots out
+    of frame order) when the kernels read it."""
     import qvg.kernels.attention as ka
     monkeypatch.setattr(ka, "STAGING_BYTES", 1)  # the smallest window: one 64-token tile of history at a time
+    heads = []  # the ring's head in each rotated read by the kernels
+
+    def recording(fn):
+        def run(q, k_hist, *a, rope=None, **kw):
+            if rope is not None:
+                heads.append(k_hist.head)
+            return fn(q, k_hist, *a, rope=rope, **kw)
+        return run
+    for name in ("packed_attention", "staged_attention"):
+        monkeypatch.setattr(ka, name, recording(getattr(ka, name)))
     kw = dict(chunk_frames=CF, tokens_per_frame=TPF, window_frames=4 * CF, centroids=4, block_size=16,
               key_storage="pre-rope")
     caches = [KVCache(LAYERS, method, read=r, **kw) for r in ("window", read)]
-    q = torch.randn(1, 4, CF * TPF, D, generator=torch.Generator().manual_seed(4)).bfloat16().to(device)
+    q = torch.randn(1, 4, CF * TPF, d, generator=torch.Generator().manual_seed(4)).bfloat16().to(device)
     for i in range(6):
-        x = clustered(2 * LAYERS, 2, CF * TPF, D, spread=1.0, noise=0.5, seed=70 + i).bfloat16().to(device)
+        x = clustered(2 * LAYERS, 2, CF * TPF, d, spread=1.0, noise=0.5, seed=70 + i).bfloat16().to(device)
         outs = [_chunk(c, x, q, positions=_positions(i)) for c in caches]
         for j, (a, b) in enumerate(zip(*outs)):
             assert rel_err(b, a) < TOL, (i, j, rel_err(b, a))
-    assert caches[1].layers[0].hist[0].head > 0  # (the ring wrapped: its oldest chunk is not in slot 0)
+    assert heads and max(heads) > 0  # (read while the ring's oldest chunk was not in slot 0)
+
+
+def test_fused_read_of_narrow_planes_is_staged_where_they_cannot_be_rotated(monkeypatch):
+    """Where rope_on_chip says no (a GPU, code planes under 16 columns), the fused read of pre-RoPE keys goes to the
+    staged read (the same history, the same rotation) instead of failing; the cache calls it with its head dim and
+    bits."""
+    import qvg.kernels.attention as ka
+    monkeypatch.setattr(qvg.backend, "use_kernels", lambda t: True)
+    seen, used = [], []
+    monkeypatch.setattr(ka, "rope_on_chip", lambda d, bits, device: seen.append((d, bits)) or False)
+    monkeypatch.setattr(ka, "packed_attention", lambda *a, **k: used.append("fused"))
+    staged = ka.staged_attention
+    monkeypatch.setattr(ka, "staged_attention", lambda *a, **k: used.append("staged") or staged(*a, **k))
+    c = KVCache(LAYERS, "qvg", read="fused", chunk_frames=CF, tokens_per_frame=TPF, centroids=4, block_size=16,
+                key_storage="pre-rope", bits=4)
+    q = torch.randn(1, 4, CF * TPF, D, generator=torch.Generator().manual_seed(4)).bfloat16()
+    for i in range(2):
+        _chunk(c, clustered(2 * LAYERS, 2, CF * TPF, D, seed=90 + i).bfloat16(), q, positions=_positions(i))
+    assert used and set(used) == {"staged"} and set(seen) == {(D, 4)}
 
 
 def test_read_mode_errors():
