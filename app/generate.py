@@ -471,26 +471,17 @@ def run(s) -> dict:
 
 
 def mp4_writer(path, fps: int):
-    """An imageio mp4 writer (H.264 from imageio-ffmpeg's own ffmpeg: no system ffmpeg needed). Without
-    imageio-ffmpeg, imageio would pick another plugin for the path and fail on its first frame with an error about
-    that plugin: this names the missing package instead."""
-    import imageio.v2 as imageio
-    try:
-        import imageio_ffmpeg  # noqa: F401
-    except ImportError:
-        raise RuntimeError("writing mp4 needs the imageio-ffmpeg package (a dependency of this project: "
-                           "pip install imageio-ffmpeg)") from None
-    return imageio.get_writer(path, format="FFMPEG", fps=fps, codec="libx264", quality=8, macro_block_size=1)
+    """The mp4 writer (app/mp4.py: H.264 from imageio-ffmpeg's own ffmpeg, no system ffmpeg needed, started safely
+    from a multi-threaded process); RuntimeError naming the package where imageio-ffmpeg is missing."""
+    from .mp4 import Mp4Writer
+    return Mp4Writer(path, fps)
 
 
 def close_quietly(writer) -> None:
-    """imageio's writer does not close (and ffmpeg does not write the file) when its `with` block raises: close it
-    before the temporary files go, or ffmpeg writes the mp4 later."""
+    """A writer still open when its run failed or was cancelled: stop its ffmpeg before the temporary files go (or it
+    would write the mp4 later), saying nothing (the run's own error is the one to report)."""
     if writer is not None and not writer.closed:
-        try:
-            writer.close()
-        except Exception:
-            pass
+        writer.abort()
 
 
 def _umask() -> int:

@@ -13,6 +13,10 @@ import random
 # tests then run ~100x slower (seconds instead of milliseconds). Sleeping waiters avoid that. Must be set before
 # torch (libgomp) loads; an explicit setting in the environment wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# imageio-ffmpeg starts ffmpeg (the tests' mp4 readers) with preexec_fn, a fork that runs Python code before exec and
+# can deadlock when other threads run (the UI tests' in-process server): this is its own switch for plain starts.
+# (The product's writer, app/mp4.py, never starts ffmpeg that way.)
+os.environ.setdefault("IMAGEIO_FFMPEG_NO_PREVENT_SIGINT", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -1,0 +1,114 @@
+"""The mp4 writer of qvg-generate and the UI: H.264 from imageio-ffmpeg's own ffmpeg binary (no system ffmpeg), fed raw
+RGB frames on its stdin, with the command imageio's FFMPEG writer builds for libx264 at quality 8 (CRF 10, yuv420p,
+no resize).
+
+Why not imageio's writer: imageio-ffmpeg starts ffmpeg with preexec_fn=os.setpgrp, a fork that runs Python code in
+the child before exec, which can deadlock in a multi-threaded process (Python's subprocess documentation;
+imageio-ffmpeg issue #58, its IMAGEIO_FFMPEG_NO_PREVENT_SIGINT workaround). A writer whose ffmpeg never reached exec
+then blocks for good: on its first full pipe, or in close(), which waits for ffmpeg without a limit. The UI server is
+such a process (gradio's worker threads, torch's), and one generation stuck so holds its one-at-a-time queue.
+Here ffmpeg starts with start_new_session (Ctrl-C still does not reach it, as with setpgrp, but the child runs no
+Python), close() waits a bounded time, and a failure says why in ffmpeg's own words.
+"""
+from __future__ import annotations
+
+import re
+import subprocess
+import tempfile
+from fractions import Fraction
+
+import numpy as np
+
+CRF = 10  # imageio's quality 8 for libx264: int((1 - 8 / 10) * 51)
+CLOSE_SECONDS = 120.0  # the longest ffmpeg may take to finish the file once its input has ended
+
+
+class Mp4Writer:
+    """append_data(frame uint8 [H, W, 3]) ..., then close(). ffmpeg starts at the first frame; a writer given no
+    frame writes no file. As a context manager: closed on success, aborted (ffmpeg killed) on an exception."""
+
+    def __init__(self, path, fps: int, close_seconds: float = CLOSE_SECONDS):
+        try:
+            import imageio_ffmpeg
+        except ImportError:
+            raise RuntimeError("writing mp4 needs the imageio-ffmpeg package (a dependency of this project: "
+                               "pip install imageio-ffmpeg)") from None
+        self.exe = imageio_ffmpeg.get_ffmpeg_exe()
+        self.path, self.fps, self.close_seconds = str(path), fps, close_seconds
+        self.proc: subprocess.Popen | None = None
+        self.size: tuple[int, int] | None = None
+        self.closed = False
+        self._log = None
+
+    def append_data(self, frame) -> None:
+        a = np.ascontiguousarray(frame)
+        if a.dtype != np.uint8 or a.ndim != 3 or a.shape[2] != 3:
+            raise ValueError(f"mp4 frames are uint8 [H, W, 3], got {a.dtype} {list(a.shape)}")
+        if self.closed:
+            raise ValueError(f"{self.path}: the writer is closed")
+        if self.proc is None:
+            self._start(a.shape[1], a.shape[0])
+        elif (a.shape[1], a.shape[0]) != self.size:
+            raise ValueError(f"{self.path}: every frame of a video has one size, {self.size[0]}x{self.size[1]}, "
+                             f"got {a.shape[1]}x{a.shape[0]}")
+        try:
+            self.proc.stdin.write(a.data)
+        except OSError:  # (BrokenPipeError: ffmpeg has stopped)
+            self._fail("ffmpeg stopped reading frames")
+
+    def _start(self, width: int, height: int) -> None:
+        self._log = tempfile.TemporaryFile()  # ffmpeg's errors (a file, never a pipe that could fill and block it)
+        cmd = [self.exe, "-y", "-f", "rawvideo", "-vcodec", "rawvideo", "-s", f"{width}x{height}", "-pix_fmt", "rgb24",
+               "-r", str(Fraction(self.fps).limit_denominator()), "-i", "-", "-an", "-vcodec", "libx264",
+               "-pix_fmt", "yuv420p", "-crf", str(CRF), "-v", "error", self.path]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=self._log,
+                                     start_new_session=True)
+        self.size = (width, height)
+
+    def close(self) -> None:
+        """End the input and wait (at most close_seconds) for ffmpeg to finish the file; RuntimeError if it fails."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.proc is None:
+            return
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            code = self.proc.wait(self.close_seconds)
+        except subprocess.TimeoutExpired:
+            self._fail(f"ffmpeg did not finish within {self.close_seconds:g} s")
+        if code != 0:
+            self._fail(f"ffmpeg exited with code {code}")
+        self._log.close()
+
+    def abort(self) -> None:
+        """Stop ffmpeg now (the file is left unfinished: for a run that failed or was cancelled)."""
+        self.closed = True
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        if self._log is not None:
+            self._log.close()
+
+    def _fail(self, what: str):
+        self.closed = True
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.seek(0)
+        said = [re.sub(r"^(\[[^]]*\]\s*)+", "", s).strip()  # its first line names the cause; less "[lib @ 0x..]"
+                for s in self._log.read().decode(errors="replace").splitlines() if s.strip()]
+        self._log.close()
+        raise RuntimeError(f"{what} writing {self.path}" + (f": {said[0]}" if said else ""))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, value, tb):
+        if kind is None:
+            self.close()
+        else:
+            self.abort()

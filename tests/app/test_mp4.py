@@ -1,0 +1,84 @@
+"""app/mp4.py: the mp4 writer that starts imageio-ffmpeg's ffmpeg itself (no preexec_fn fork), against imageio's
+reader; bounded close, ffmpeg's own error, abort, no file without frames."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from qvg.app.mp4 import CRF, Mp4Writer
+
+
+def _frames(n=5, h=48, w=64):
+    rng = np.random.default_rng(0)
+    base = rng.integers(0, 255, (h // 8, w // 8, 3), dtype=np.uint8).repeat(8, 0).repeat(8, 1)  # smooth blocks
+    return [np.roll(base, 4 * i, axis=1) for i in range(n)]
+
+
+def test_writes_an_mp4_that_reads_back(tmp_path):
+    import imageio.v3 as iio
+    path = tmp_path / "v.mp4"
+    with Mp4Writer(path, fps=8) as w:
+        for f in _frames():
+            w.append_data(f)
+    got = iio.imread(path)
+    assert got.shape == (5, 48, 64, 3)
+    assert np.abs(got.astype(int) - np.stack(_frames()).astype(int)).mean() < 6  # H.264 at CRF 10, 4:2:0 chroma
+    assert w.closed and w.proc.returncode == 0
+
+
+def test_ffmpeg_starts_in_its_own_session_without_a_python_pre_exec_hook(tmp_path, monkeypatch):
+    seen = {}
+    real = subprocess.Popen
+
+    def popen(cmd, **kw):
+        seen.update(kw, cmd=cmd)
+        return real(cmd, **kw)
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    with Mp4Writer(tmp_path / "v.mp4", fps=8) as w:
+        w.append_data(_frames(1)[0])
+    assert seen["start_new_session"] is True and seen.get("preexec_fn") is None
+    assert seen["cmd"][-1] == str(tmp_path / "v.mp4") and ["-crf", str(CRF)] == seen["cmd"][-5:-3]
+
+
+def test_no_frame_no_file(tmp_path):
+    w = Mp4Writer(tmp_path / "v.mp4", fps=8)
+    w.close()
+    assert w.closed and not (tmp_path / "v.mp4").exists()
+
+
+def test_frames_are_checked(tmp_path):
+    with Mp4Writer(tmp_path / "v.mp4", fps=8) as w:
+        with pytest.raises(ValueError, match=r"uint8 \[H, W, 3\]"):
+            w.append_data(np.zeros((8, 8), np.uint8))
+        w.append_data(np.zeros((16, 16, 3), np.uint8))
+        with pytest.raises(ValueError, match="one size, 16x16, got 32x16"):
+            w.append_data(np.zeros((16, 32, 3), np.uint8))
+    with pytest.raises(ValueError, match="closed"):
+        w.append_data(np.zeros((16, 16, 3), np.uint8))
+
+
+def test_ffmpeg_failure_is_one_line_with_its_reason(tmp_path):
+    w = Mp4Writer(tmp_path / "v.mp4", fps=8)
+    w.append_data(np.zeros((15, 15, 3), np.uint8))  # odd sizes: libx264's 4:2:0 needs even ones
+    with pytest.raises(RuntimeError, match=r"ffmpeg (exited with code|stopped reading).* writing .*v\.mp4: width not "
+                       r"divisible by 2 \(15x15\)$") as e:
+        w.close()
+    assert "\n" not in str(e.value)
+
+
+def test_close_is_bounded_and_abort_kills(tmp_path):
+    stuck = tmp_path / "stuck"  # an "ffmpeg" that never finishes (as one that never reached exec would not)
+    stuck.write_text(f"#!{sys.executable}\nimport time\ntime.sleep(60)\n")
+    stuck.chmod(0o755)
+    w = Mp4Writer(tmp_path / "v.mp4", fps=8, close_seconds=0.5)
+    w.exe = str(stuck)
+    w.append_data(np.zeros((16, 16, 3), np.uint8))
+    with pytest.raises(RuntimeError, match=r"ffmpeg did not finish within 0.5 s writing"):
+        w.close()
+    assert w.proc.poll() is not None  # (killed)
+    a = Mp4Writer(tmp_path / "a.mp4", fps=8)
+    a.exe = str(stuck)
+    a.append_data(np.zeros((16, 16, 3), np.uint8))
+    a.abort()
+    assert a.closed and a.proc.poll() is not None
