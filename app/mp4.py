@@ -4,11 +4,12 @@ no resize).
 
 Why not imageio's writer: imageio-ffmpeg starts ffmpeg with preexec_fn=os.setpgrp, a fork that runs Python code in
 the child before exec, which can deadlock in a multi-threaded process (Python's subprocess documentation;
-imageio-ffmpeg issue #58, its IMAGEIO_FFMPEG_NO_PREVENT_SIGINT workaround). A writer whose ffmpeg never reached exec
-then blocks for good: on its first full pipe, or in close(), which waits for ffmpeg without a limit. The UI server is
-such a process (gradio's worker threads, torch's), and one generation stuck so holds its one-at-a-time queue.
-Here ffmpeg starts with start_new_session (Ctrl-C still does not reach it, as with setpgrp, but the child runs no
-Python), close() waits a bounded time, and a failure says why in ffmpeg's own words.
+imageio-ffmpeg issue #58, its IMAGEIO_FFMPEG_NO_PREVENT_SIGINT workaround): the parent then waits inside Popen for an
+exec that never comes, at the video's first frame. The UI server is such a process (gradio's worker threads,
+torch's), and one generation stuck so holds its one-at-a-time queue. Here ffmpeg starts with start_new_session
+(Ctrl-C still does not reach it, as with setpgrp, but the child runs no Python: vfork, setsid in C), close() waits a
+bounded time for an ffmpeg that runs but does not finish, and a failure says why in ffmpeg's own words. (Writing a
+frame waits while ffmpeg reads: no bound there.)
 """
 from __future__ import annotations
 
@@ -57,47 +58,59 @@ class Mp4Writer:
             self._fail("ffmpeg stopped reading frames")
 
     def _start(self, width: int, height: int) -> None:
-        self._log = tempfile.TemporaryFile()  # ffmpeg's errors (a file, never a pipe that could fill and block it)
         cmd = [self.exe, "-y", "-f", "rawvideo", "-vcodec", "rawvideo", "-s", f"{width}x{height}", "-pix_fmt", "rgb24",
                "-r", str(Fraction(self.fps).limit_denominator()), "-i", "-", "-an", "-vcodec", "libx264",
                "-pix_fmt", "yuv420p", "-crf", str(CRF), "-v", "error", self.path]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=self._log,
-                                     start_new_session=True)
-        self.size = (width, height)
+        log = tempfile.TemporaryFile()  # ffmpeg's errors (a file, never a pipe that could fill and block it)
+        try:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=log,
+                                         start_new_session=True)
+        except OSError as e:
+            log.close()
+            self.closed = True
+            raise RuntimeError(f"could not start ffmpeg ({self.exe}) for {self.path}: {e.strerror or e}") from None
+        self._log, self.size = log, (width, height)
 
     def close(self) -> None:
         """End the input and wait (at most close_seconds) for ffmpeg to finish the file; RuntimeError if it fails."""
         if self.closed:
             return
-        self.closed = True
         if self.proc is None:
+            self.closed = True
             return
         try:
             self.proc.stdin.close()
-        except OSError:
-            pass
-        try:
             code = self.proc.wait(self.close_seconds)
         except subprocess.TimeoutExpired:
             self._fail(f"ffmpeg did not finish within {self.close_seconds:g} s")
+        except BaseException:  # (Ctrl-C while waiting: ffmpeg, in its own session, would go on alone)
+            self.abort()
+            raise
         if code != 0:
             self._fail(f"ffmpeg exited with code {code}")
+        self.closed = True
         self._log.close()
 
     def abort(self) -> None:
         """Stop ffmpeg now (the file is left unfinished: for a run that failed or was cancelled)."""
         self.closed = True
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        if self.proc is not None:
+            self._stop()
         if self._log is not None:
             self._log.close()
 
-    def _fail(self, what: str):
-        self.closed = True
+    def _stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        try:
+            self.proc.stdin.close()
+        except OSError:  # (the pipe's unwritten buffer, ffmpeg gone)
+            pass
+
+    def _fail(self, what: str):
+        self.closed = True
+        self._stop()
         self._log.seek(0)
         said = [re.sub(r"^(\[[^]]*\]\s*)+", "", s).strip()  # its first line names the cause; less "[lib @ 0x..]"
                 for s in self._log.read().decode(errors="replace").splitlines() if s.strip()]

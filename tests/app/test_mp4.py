@@ -67,10 +67,16 @@ def test_ffmpeg_failure_is_one_line_with_its_reason(tmp_path):
     assert "\n" not in str(e.value)
 
 
-def test_close_is_bounded_and_abort_kills(tmp_path):
-    stuck = tmp_path / "stuck"  # an "ffmpeg" that never finishes (as one that never reached exec would not)
-    stuck.write_text(f"#!{sys.executable}\nimport time\ntime.sleep(60)\n")
-    stuck.chmod(0o755)
+@pytest.fixture
+def stuck(tmp_path):
+    """An "ffmpeg" that runs but never finishes."""
+    exe = tmp_path / "stuck"
+    exe.write_text(f"#!{sys.executable}\nimport time\ntime.sleep(60)\n")
+    exe.chmod(0o755)
+    return exe
+
+
+def test_close_is_bounded_and_abort_kills(tmp_path, stuck):
     w = Mp4Writer(tmp_path / "v.mp4", fps=8, close_seconds=0.5)
     w.exe = str(stuck)
     w.append_data(np.zeros((16, 16, 3), np.uint8))
@@ -82,3 +88,31 @@ def test_close_is_bounded_and_abort_kills(tmp_path):
     a.append_data(np.zeros((16, 16, 3), np.uint8))
     a.abort()
     assert a.closed and a.proc.poll() is not None
+
+
+def test_interrupted_close_stops_ffmpeg(tmp_path, stuck):
+    """Ctrl-C while close() waits: ffmpeg, in its own session, is killed rather than left to run on."""
+    w = Mp4Writer(tmp_path / "v.mp4", fps=8)
+    w.exe = str(stuck)
+    w.append_data(_frames(1)[0])
+
+    real_wait, calls = w.proc.wait, []
+
+    def interrupted_once(timeout=None):
+        calls.append(timeout)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real_wait(timeout)
+    w.proc.wait = interrupted_once
+    with pytest.raises(KeyboardInterrupt):
+        w.close()
+    assert w.closed and w.proc.returncode == -9  # (killed and reaped)
+
+
+def test_ffmpeg_that_cannot_start_is_one_line(tmp_path):
+    w = Mp4Writer(tmp_path / "v.mp4", fps=8)
+    w.exe = str(tmp_path / "no-ffmpeg")
+    with pytest.raises(RuntimeError, match=r"^could not start ffmpeg \(.*no-ffmpeg\) for .*v\.mp4: No such file") as e:
+        w.append_data(_frames(1)[0])
+    assert "\n" not in str(e.value) and w.closed
+    w.close()  # (nothing left to do)

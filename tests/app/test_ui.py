@@ -84,8 +84,9 @@ def submit(client, **kw):
 SERVER = {}  # the running app (url's), for the report a timed-out wait prints
 
 
-def _timed_out(what: str, timeout: float):
-    pytest.fail(f"{what}: not within {timeout} s; the server:\n{hang_report(SERVER.get('app'))}")
+def _timed_out(what: str, timeout: float, job=None):
+    seen = "" if job is None else f"; its status lines so far: {[o[0] for o in job.outputs()]}"
+    pytest.fail(f"{what}: not within {timeout} s{seen}; the server:\n{hang_report(SERVER.get('app'))}")
 
 
 def _until(cond, timeout=120, what="condition"):
@@ -100,7 +101,7 @@ def _wait(job, timeout=240, what="the job"):
     t0 = time.time()
     while not job.done():
         if time.time() - t0 > timeout:
-            _timed_out(f"{what} did not finish", timeout)
+            _timed_out(f"{what} did not finish", timeout, job)
         time.sleep(0.2)
     if job.exception() is not None:
         raise job.exception()
@@ -471,3 +472,10 @@ def test_hang_report_shows_the_queue_children_and_threads(url):
     assert f"child {child.pid} state=" in text and "time.sleep(30)" in text, text
     assert "thread qvg-test-thread:" in text and "subprocess.py" in text and " wait:" in text, text
     assert hang_report(None).startswith("queue: none")
+
+    class Job:  # a timed-out wait names the job's status lines so far, then the report
+        def outputs(self):
+            return [("**chunk 1 of 2**", None)]
+    with pytest.raises(pytest.fail.Exception, match=r"b did not finish: not within 1 s; its status lines so far: "
+                                                    r"\['\*\*chunk 1 of 2\*\*'\]; the server:\nqueue: "):
+        _timed_out("b did not finish", 1, Job())
