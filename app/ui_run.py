@@ -288,7 +288,7 @@ def run(runs: list[dict], gens: list[Generation], controls: Job, workdir: Path):
         for lb in labels:
             writers[lb].close()
         for lb, s, g in zip(labels, runs, gens):
-            if g.written:  # frames produced = frames in the mp4; none (cancelled early): imageio wrote no file
+            if g.written:  # frames produced = frames in the mp4; none (cancelled early): the writer wrote no file
                 up.videos[lb] = str(workdir / f"{lb}.mp4")
             if peaks[lb] is not None:  # seconds: this run's chunks (not the UI's streaming, not the other run)
                 path = workdir / f"{lb}.json"
