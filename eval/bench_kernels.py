@@ -291,6 +291,13 @@ def _history(h, n_hist, chunk, method="qvg", centroids=None):
     return [pk[i % len(pk)] for i in range(reps)], [pv[i % len(pv)] for i in range(reps)]
 
 
+def packed_history(h, n_hist, chunk, method="qvg", centroids=None):
+    """`_history`'s K and V chunks as two PackedSequences (what the attention calls read)."""
+    from qvg.sequence import PackedSequence
+    kch, vch = _history(h, n_hist, chunk, method, centroids)
+    return PackedSequence.from_chunks(kch), PackedSequence.from_chunks(vch)
+
+
 def _peak(fn):
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -332,7 +339,7 @@ def attention_section(quick):
     flash on the materialized BF16 cache and vs the official read path (dequantize all, then SDPA)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from qvg.attention import attend_reference
-    from qvg.kernels.attention import packed_attention, staged_attention
+    from qvg.kernels.attention import _slots, packed_attention, staged_attention
     from qvg.kernels.dequant import dequantize
     from qvg.sequence import PackedSequence
     h, m, chunk = 12, 4680, 4680
@@ -367,7 +374,6 @@ def attention_section(quick):
         r_rope = attend_reference(q[:, :, :512], K, V, rope=rope)
         err_rope = float((o_rope.float() - r_rope.float()).norm() / r_rope.float().norm())
         # the same pre-RoPE keys rotated on chip by the fused kernel (and, first size only, its other configs)
-        from qvg.kernels.attention import _slots
         rope_cfgs = FUSED_ROPE_CONFIGS + [dict(programs=_slots(q, 8))] if n_keys == sizes[0] else [{}]
         fused_rope = _best(lambda **c: packed_attention(q, K, V, rope=rope, **c), rope_cfgs, flops)
         _, fused_rope["peak_transient_bytes"] = _peak(lambda: packed_attention(q, K, V, rope=rope,

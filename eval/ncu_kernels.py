@@ -82,14 +82,12 @@ def _attention_calls() -> list:
     import torch
 
     from qvg.kernels.attention import packed_attention
-    from qvg.sequence import PackedSequence
 
-    from .bench_kernels import _history
+    from .bench_kernels import packed_history
     q = torch.randn(1, 12, 4680, 128, device="cuda", dtype=torch.bfloat16)
     calls = []
     for method, n in (("qvg", 32760), ("qvg", 327600), ("qvg-pro", 32760)):
-        kch, vch = _history(12, n, 4680, method)
-        k, v = PackedSequence.from_chunks(kch), PackedSequence.from_chunks(vch)
+        k, v = packed_history(12, n, 4680, method)
         calls.append((f"attention {method} {n}", lambda k=k, v=v: packed_attention(q, k, v)))
     return calls
 

@@ -112,8 +112,7 @@ def main(argv=None) -> int:
     import qvg.kernels.attention as attention_module
     from qvg.attention import attend_reference
     from qvg.kernels.dequant import dequantize
-    from qvg.sequence import PackedSequence
-    from .bench_kernels import _history
+    from .bench_kernels import packed_history
     from .profile_dequant import _load_baseline, baseline_info
     from .provenance import command_line, meta
 
@@ -152,8 +151,7 @@ def main(argv=None) -> int:
                 vd = torch.randn_like(kd)
                 run = lambda cfg: attention_module.packed_attention(q, None, None, kd, vd, **cfg)  # noqa: E731
             else:
-                kch, vch = _history(h, n_keys, chunk, fmt, args.centroids)
-                K, V = PackedSequence.from_chunks(kch), PackedSequence.from_chunks(vch)
+                K, V = packed_history(h, n_keys, chunk, fmt, args.centroids)
                 kd, vd = dequantize(K), dequantize(V)
                 run = lambda cfg: attention_module.packed_attention(q, K, V, **cfg)  # noqa: E731
 
@@ -202,7 +200,7 @@ def main(argv=None) -> int:
                 r["vs_sdpa_flash_throughput"] = sdpa_ms / r["ms"]
             best = min(runs, key=lambda k: runs[k]["ms"]) if runs else None
             row = {"keys": n_keys, "queries": m, "heads": h, "format": fmt, "flops": flops,
-                   "centroids": None if fmt == "bf16" else kch[0].tensors["centroids"].shape[-2],
+                   "centroids": None if fmt == "bf16" else K.tensors["centroids"].shape[-2],
                    "sdpa_flash_ms": sdpa_ms, "sdpa_flash_TFLOPs": flops / sdpa_ms / 1e9, "runs": runs, "best": best}
             res["rows"].append(row)
             print(f"{fmt} {n_keys} keys: SDPA-flash {sdpa_ms:.3f} ms", flush=True)
