@@ -188,11 +188,13 @@ def _slots(q: torch.Tensor, num_warps: int) -> int:
     return sm_count(q.device) * max(1, 8 // num_warps) if q.is_cuda else 1
 
 
-def rope_on_chip(head_dim: int, bits: int, device: torch.device) -> bool:
-    """Whether packed_attention can rotate pre-RoPE keys of this head dim and code width on this device: not on a GPU
-    where a code plane is narrower than a dot's 16 columns (head dim x bits / 8 < 16, 2- and 4-bit codes), whose
-    planes must be joined, which the rotation's compile does not survive (see packed_attention)."""
-    return device.type != "cuda" or bits == 8 or head_dim * bits // 8 >= 16
+def rope_on_chip(device: torch.device) -> bool:
+    """Whether the cache's fused read rotates pre-RoPE keys in packed_attention (on chip, again for every query block)
+    rather than reading them staged (each key rotated once, as its window is decoded): only off a GPU (under the
+    interpreter, where the tests run it). On the H200 at 12 heads x 4,680 queries over 32,760 keys the on-chip
+    rotation took 46-77 ms against the staged read's 2.6 ms (eval/results/rope-on-chip-h200.json): per 32-key tile and
+    query block it gathers its FP32 cos / sin rows again, 37 times over at 4,680 queries."""
+    return device.type != "cuda"
 
 
 _NO_THIRD_STAGE: set = set()  # packed_attention launch shapes whose 3-stage kernel ran out of shared memory
@@ -200,20 +202,24 @@ _NO_THIRD_STAGE: set = set()  # packed_attention launch shapes whose 3-stage ker
 
 def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: PackedSequence | None,
                      k_tail: torch.Tensor | None = None, v_tail: torch.Tensor | None = None,
-                     scale: float | None = None, block_m: int | None = None, block_n: int = 64, num_warps: int = 8,
+                     scale: float | None = None, block_m: int | None = None, block_n: int | None = None,
+                     num_warps: int = 8,
                      num_stages: int | None = None, splits: int | None = None,
                      programs: int | None = None, waves: bool = False, rope: RopeTables | None = None) -> torch.Tensor:
     """softmax(q [history; tail]^T * scale) [history; tail] without materializing the history.
     q [B, Hq, M, D] bf16; histories from `PackedSequence.from_chunks`; tails [B, Hkv, T, D] bf16. `rope`: the
     history keys were stored before RoPE; each K tile is rotated on chip as it is decoded (factorized tables,
-    qvg.rope.RopeTables: decoded in FP32, rotated, rounded to BF16 once, the dequant kernel's arithmetic, which on a
-    GPU may differ by an ulp where the compiler contracts the rotation's multiply-adds; the BF16x2 decode is not used
-    then), plane by plane for 2- and 4-bit codes (8-bit codes are one plane; joined planes with a rotation in between
-    fail Triton 3.6's sm_90 compile, so code planes narrower than a dot's 16 columns, which must be joined, are
-    refused on a GPU: `rope_on_chip`), in 128-query blocks by default (in sm_90 code 256 x 64 tiles reload 13-83
-    spilled registers a loop iteration, 128 x 64 none, and qvg-pro's 256 x 64 needs more shared memory than an H100
-    has: eval/results/sass-attention-rope-sm90.79551df.json; not yet timed on a GPU). The tail is taken as is.
-    block_m None: 256 (128 with rope).
+    qvg.rope.RopeTables: each plane decoded in FP32, rotated by the dequant kernel's `_rope`, rounded to BF16 once,
+    the dequant kernel's arithmetic, which on a GPU may differ by an ulp where the compiler contracts the
+    rotation's multiply-adds; the BF16x2 decode is not used then), plane by plane for 2- and 4-bit codes (8-bit codes
+    are one plane; joined planes with a rotation fail Triton 3.6's sm_90 compile, so code planes narrower than a dot's
+    16 columns, which must be joined, are refused on a GPU), in 128-query blocks of 32-key tiles by default. On a GPU
+    rope takes only 32-key tiles: with 64-key tiles at head dim 128 Triton 3.6's sm_90 code gave wrong scores, NaN or
+    out-of-bounds shared-memory reads (also with the rotation rewritten elementwise, and with one pipeline stage); at
+    32-key tiles it agreed with the staged read (eval/results/rope-on-chip-h200.json). It is slow there: 46-77 ms at
+    32,760 keys against the staged read's 2.6 ms (the tables are gathered again for every query block), so the cache
+    reads pre-RoPE keys staged on a GPU (`rope_on_chip`). The tail is taken as is.
+    block_m None: 256 (128 with rope); block_n None: 64 (32 with rope).
     The kernel (kernels/attention_planes.py) decodes K / V tiles on chip one code plane at a time. The defaults
     (256-query blocks on 8 warps, 64-key tiles) were the fastest on the H100 for qvg and qvg-pro
     (eval/results/kernels-h100.md); num_stages None: 3 software-pipeline stages for one-stage formats and the BF16
@@ -279,6 +285,10 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
     tk = k_tail.contiguous() if t else dummy
     tv = v_tail.contiguous() if t else dummy
     scale = d ** -0.5 if scale is None else scale
+    if rope is not None and q.is_cuda and block_n not in (None, 32):
+        raise ValueError(f"packed_attention(rope=...) takes 32-key tiles on a GPU, not block_n={block_n} (64-key tiles"
+                         " gave wrong scores in Triton 3.6's sm_90 code): use block_n=32 or staged_attention")
+    block_n = (32 if rope is not None else 64) if block_n is None else block_n
     tiles = triton.cdiv(n, block_n) + triton.cdiv(t, block_n)
     if splits is not None and (programs is not None or waves):
         raise ValueError("give splits (the grid schedule) or programs / waves (stream-K), not both")
@@ -286,7 +296,7 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
         raise ValueError(f"programs must be >= 1, got {programs}")
     narrow = d * consts["BITS"] // 8 < 16  # (a code plane narrower than a dot: planes must be joined)
     join = (stages <= 1 and (rope is None or consts["BITS"] == 8)) or narrow
-    if rope is not None and not rope_on_chip(d, consts["BITS"], q.device):
+    if rope is not None and q.is_cuda and narrow:
         raise ValueError(f"packed_attention(rope=...) reads code planes of >= 16 columns on a GPU (head dim x bits / 8"
                          f" = {d * consts['BITS'] // 8}): use staged_attention")
     block_m = (128 if rope is not None else 256) if block_m is None else block_m

@@ -309,8 +309,10 @@ def _attend_item(q_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, vcen, tk_ptr, tv
     a3 = a0
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
-    cstride = GH.to(tl.int64) * C * K * D  # one stage's centroid tables, and its ids (int64: large batches of long
-    istride = GH.to(tl.int64) * N  # histories)
+    # one stage's centroid tables, and its ids (int64: large batches of long histories; tl.cast, as GH is a constant
+    # where a launch specializes it to 1, one KV head at batch 1)
+    cstride = tl.cast(GH, tl.int64) * C * K * D
+    istride = tl.cast(GH, tl.int64) * N
     nh = 0
     if HAS_HIST:
         nh = tl.cdiv(N, BLOCK_N)

@@ -595,11 +595,11 @@ class KVCache:
 
     def _attend_packed(self, L: _Layer, q: torch.Tensor, kt, vt, scale, rope) -> torch.Tensor:
         """The GPU path with read="staged" / "fused": this project's packed-cache attention kernels (no prefetch:
-        nothing is decoded ahead). Pre-RoPE keys whose code planes the fused kernel can't rotate on this device
-        (`rope_on_chip`: head dim x bits / 8 < 16 on a GPU, no real model's head) are read staged."""
+        nothing is decoded ahead). Pre-RoPE keys are read staged on a GPU (`rope_on_chip`: each key rotated once as
+        its window is decoded, not again for every query block on chip)."""
         from .kernels.attention import packed_attention, rope_on_chip, staged_attention
         kh, vh = L.hist
-        if self.read_mode == "staged" or (rope is not None and not rope_on_chip(kh.shape[3], kh.spec.bits, q.device)):
+        if self.read_mode == "staged" or (rope is not None and not rope_on_chip(q.device)):
             return staged_attention(q, kh, vh, kt, vt, scale=scale, rope=rope)
         return packed_attention(q, kh, vh, kt, vt, scale=scale, rope=rope)
 

@@ -447,6 +447,43 @@ def test_packed_attention_rope_errors(device):
         packed_attention(q, None, None, kt, vt, rope=_rope_tables(device))
 
 
+def test_packed_attention_rope_at_head_dim_128_by_its_defaults(device):
+    """Head dim 128 (the real models'), with rope's default tiles (128 queries x 32 keys) and both schedules, against
+    the reference. On a GPU rope takes only 32-key tiles: with 64-key tiles at head dim 128 Triton 3.6's sm_90 code
+    gave wrong scores, NaN or out-of-bounds shared-memory reads (eval/results/rope-on-chip-h200.json), so those are
+    refused there; the interpreter's arithmetic is right at any tile."""
+    from qvg.rope import RopeTables
+    kh, vh = _history("qvg", seed=21, d=128)
+    q = (torch.randn(1, HQ, 40, 128, generator=gen(22)) * 1.5).bfloat16()
+    rope = RopeTables(4, 5, 128, torch.tensor([0, 2, 9], device=device), max_frames=12)
+    ref = attend_reference(q, kh, vh, rope=RopeTables(4, 5, 128, torch.tensor([0, 2, 9]), max_frames=12))
+    args = (q.to(device), _to(kh, device), _to(vh, device))
+    for schedule in ({}, {"programs": 3}):
+        with poisoned():
+            out = packed_attention(*args, rope=rope, **schedule).float().cpu()
+        assert rel_err(out, ref) < 4e-3, (schedule, rel_err(out, ref))
+    if device == "cuda":
+        with pytest.raises(ValueError, match="32-key tiles on a GPU"):
+            packed_attention(*args, rope=rope, block_n=64)
+    else:
+        assert rel_err(packed_attention(*args, rope=rope, block_n=64).float(), ref) < 4e-3
+
+
+def test_stream_k_with_one_kv_head_at_batch_1(device):
+    """Batch x KV heads = 1, which a GPU launch specializes to a constant (the stream-K kernel's int64 cast of it
+    failed to compile there before), with GQA (2 query heads) and a tail."""
+    seqs = []
+    for role in range(2):
+        packs = [qvg.compress(clustered(1, 1, L, D, spread=1.0, noise=0.5, seed=30 + 10 * role + i).bfloat16(), "qvg",
+                              seed=i, centroids=8, grid="midrise") for i in range(CHUNKS)]
+        seqs.append(PackedSequence.from_chunks(packs))
+    q = (torch.randn(1, 2, 24, D, generator=gen(31)) * 1.5).bfloat16()
+    kt, vt = (torch.randn(1, 1, 8, D, generator=gen(32 + i)).bfloat16() for i in range(2))
+    ref = attend_reference(q, *seqs, kt, vt)
+    out = _run("packed", device, q, *seqs, kt, vt, programs=3)
+    assert rel_err(out, ref) < 4e-3
+
+
 def test_packed_attention_refuses_a_non_positive_scale(device):
     kh, vh = _history("qvg", chunks=1)
     q, _, _ = _qkv(t=0)

@@ -73,9 +73,9 @@ def test_packed_reads_with_sink_pending_and_the_default_grid(device, read):
                                            ("qvg", "fused", 32)])
 def test_packed_reads_with_keys_stored_before_rope(device, monkeypatch, method, read, d):
     """Pre-RoPE keys rotated as the staged read decodes them, over several staging windows (each window's rows
-    start at an offset into the history), or on chip by the fused read (head dim 64 at 2 bits: 16-column code
-    planes, rotated plane by plane as on a GPU; head dim 32: 8-column planes, joined, which the interpreter runs and
-    a GPU reads staged instead, `rope_on_chip`), with GQA and a rolling window whose ring has wrapped (slots out
+    start at an offset into the history), or on chip by the fused read under the interpreter (head dim 64 at 2 bits:
+    16-column code planes, rotated plane by plane; head dim 32: 8-column planes, joined; a GPU reads both staged,
+    `rope_on_chip`), with GQA and a rolling window whose ring has wrapped (slots out
     of frame order) when the kernels read it."""
     import qvg.kernels.attention as ka
     monkeypatch.setattr(ka, "STAGING_BYTES", 1)  # the smallest window: one 64-token tile of history at a time
@@ -101,23 +101,23 @@ def test_packed_reads_with_keys_stored_before_rope(device, monkeypatch, method, 
     assert heads and max(heads) > 0  # (read while the ring's oldest chunk was not in slot 0)
 
 
-def test_fused_read_of_narrow_planes_is_staged_where_they_cannot_be_rotated(monkeypatch):
-    """Where rope_on_chip says no (a GPU, code planes under 16 columns), the fused read of pre-RoPE keys goes to the
-    staged read (the same history, the same rotation) instead of failing; the cache calls it with its head dim and
-    bits."""
+def test_fused_read_of_pre_rope_keys_is_staged_where_rope_is_not_on_chip(device, monkeypatch):
+    """Where rope_on_chip says no (a GPU: on chip the rotation is redone for every query block, 18-30x slower than the
+    staged read's), the fused read of pre-RoPE keys goes to the staged read (the same history, the same rotation)."""
     import qvg.kernels.attention as ka
-    monkeypatch.setattr(qvg.backend, "use_kernels", lambda t: True)
     seen, used = [], []
-    monkeypatch.setattr(ka, "rope_on_chip", lambda d, bits, device: seen.append((d, bits)) or False)
+    monkeypatch.setattr(ka, "rope_on_chip", lambda dev: seen.append(dev.type) or False)
     monkeypatch.setattr(ka, "packed_attention", lambda *a, **k: used.append("fused"))
     staged = ka.staged_attention
     monkeypatch.setattr(ka, "staged_attention", lambda *a, **k: used.append("staged") or staged(*a, **k))
     c = KVCache(LAYERS, "qvg", read="fused", chunk_frames=CF, tokens_per_frame=TPF, centroids=4, block_size=16,
                 key_storage="pre-rope", bits=4)
-    q = torch.randn(1, 4, CF * TPF, D, generator=torch.Generator().manual_seed(4)).bfloat16()
+    q = torch.randn(1, 4, CF * TPF, D, generator=torch.Generator().manual_seed(4)).bfloat16().to(device)
     for i in range(2):
-        _chunk(c, clustered(2 * LAYERS, 2, CF * TPF, D, seed=90 + i).bfloat16(), q, positions=_positions(i))
-    assert used and set(used) == {"staged"} and set(seen) == {(D, 4)}
+        x = clustered(2 * LAYERS, 2, CF * TPF, D, seed=90 + i).bfloat16().to(device)
+        _chunk(c, x, q, positions=_positions(i))
+    assert used and set(used) == {"staged"} and set(seen) == {device}
+    assert ka.rope_on_chip(torch.device("cpu")) and not ka.rope_on_chip(torch.device("cuda"))
 
 
 def test_read_mode_errors():
