@@ -191,9 +191,10 @@ def _slots(q: torch.Tensor, num_warps: int) -> int:
 def rope_on_chip(device: torch.device) -> bool:
     """Whether the cache's fused read rotates pre-RoPE keys in packed_attention (on chip, again for every query block)
     rather than reading them staged (each key rotated once, as its window is decoded): only off a GPU (under the
-    interpreter, where the tests run it). On the H200 at 12 heads x 4,680 queries over 32,760 keys the on-chip
-    rotation took 46-77 ms against the staged read's 2.6 ms (eval/results/rope-on-chip-h200.json): per 32-key tile and
-    query block it gathers its FP32 cos / sin rows again, 37 times over at 4,680 queries."""
+    interpreter, where the tests run it). On the H200 at 12 heads x 4,680 queries over 32,760 keys the fused read
+    with the rotation on chip took 19.6 ms (qvg) and 26.6 ms (qvg-pro), without it 3.1 and 7.2 ms, and the staged
+    read with the rotation 2.6 and 2.7 ms (eval/results/rope-on-chip-h200.json): each 32-key tile gathers its FP32
+    cos / sin rows again for every query block, 37 times over at 4,680 queries."""
     return device.type != "cuda"
 
 
@@ -216,9 +217,9 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
     16 columns, which must be joined, are refused on a GPU), in 128-query blocks of 32-key tiles by default. On a GPU
     rope takes only 32-key tiles: with 64-key tiles at head dim 128 Triton 3.6's sm_90 code gave wrong scores, NaN or
     out-of-bounds shared-memory reads (also with the rotation rewritten elementwise, and with one pipeline stage); at
-    32-key tiles it agreed with the staged read (eval/results/rope-on-chip-h200.json). It is slow there: 46-77 ms at
-    32,760 keys against the staged read's 2.6 ms (the tables are gathered again for every query block), so the cache
-    reads pre-RoPE keys staged on a GPU (`rope_on_chip`). The tail is taken as is.
+    32-key tiles it agreed with the staged read (eval/results/rope-on-chip-h200.json). It is slow there: 19.6-26.6 ms
+    at 32,760 keys against the staged read's 2.6-2.7 ms (the tables are gathered again for every query block), so the
+    cache reads pre-RoPE keys staged on a GPU (`rope_on_chip`). The tail is taken as is.
     block_m None: 256 (128 with rope); block_n None: 64 (32 with rope).
     The kernel (kernels/attention_planes.py) decodes K / V tiles on chip one code plane at a time. The defaults
     (256-query blocks on 8 warps, 64-key tiles) were the fastest on the H100 for qvg and qvg-pro
