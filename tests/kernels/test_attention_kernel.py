@@ -469,6 +469,29 @@ def test_packed_attention_rope_at_head_dim_128_by_its_defaults(device):
         assert rel_err(packed_attention(*args, rope=rope, block_n=64).float(), ref) < 4e-3
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled code at real shapes (the interpreter's "
+                    "arithmetic does not depend on the tiles' compile, and it is too slow at these shapes)")
+@pytest.mark.parametrize("method", ["qvg", "qvg-pro", "rtn"])
+@pytest.mark.parametrize("rope", [False, True], ids=["post-rope", "pre-rope"])
+def test_packed_attention_at_real_shapes_on_a_gpu(method, rope):
+    """Head dim 128, two 4,680-token chunks (3 frames of 30 x 52), GQA, 256 queries, by the default tiles and by
+    both schedules, against the staged read of the same history (and tables). At 4c64ad8, 64-key tiles with rope
+    gave wrong output, NaN or faults at such shapes while the small tests passed (eval/results/rope-on-chip-h200.json;
+    32-key tiles: 0.16-0.25% off the staged read)."""
+    from qvg.rope import RopeTables
+    seqs = []
+    for role in range(2):
+        packs = [qvg.compress(clustered(1, 2, 4680, 128, spread=1.0, noise=0.5, seed=40 + 10 * role + i).bfloat16()
+                              .cuda(), method, seed=i) for i in range(2)]
+        seqs.append(PackedSequence.from_chunks(packs))
+    q = (torch.randn(1, 4, 256, 128, generator=gen(41)) * 1.5).bfloat16().cuda()
+    r = RopeTables(30, 52, 128, torch.tensor([0, 3], device="cuda"), max_frames=6) if rope else None
+    ref = staged_attention(q, *seqs, rope=r)
+    for schedule in ({}, {"programs": 16}, {"splits": 2}):
+        out = packed_attention(q, *seqs, rope=r, **schedule)
+        assert out.isfinite().all() and rel_err(out, ref) < 1e-2, (schedule, rel_err(out, ref))
+
+
 def test_stream_k_with_one_kv_head_at_batch_1(device):
     """Batch x KV heads = 1, which a GPU launch specializes to a constant (the stream-K kernel's int64 cast of it
     failed to compile there before), with GQA (2 query heads) and a tail."""
