@@ -110,6 +110,17 @@ def _commit() -> str:
         return f"qvg {qvg.__version__} (no git checkout)"
 
 
+def read_ran(read: str, method: str, key_storage: str, dev) -> str:
+    """The packed read that ran: on CPU, and for methods without a packed read (bf16, kivi, quarot) on any device,
+    the torch path ("reference": decode, if any, then SDPA); "fused" with pre-RoPE keys on a GPU reads the history
+    staged (qvg.kernels.attention.rope_on_chip: the on-chip rotation is 7-10x slower there)."""
+    from qvg.sequence import PER_TOKEN_METHODS
+    if dev.type != "cuda" or method not in PER_TOKEN_METHODS:
+        return "reference"
+    from qvg.kernels.attention import rope_on_chip
+    return "staged" if read == "fused" and key_storage == "pre-rope" and not rope_on_chip(dev) else read
+
+
 def _key_storage(given: str, method: str, pipeline: str) -> str:
     """auto: pre-RoPE keys where they are measured to pay (the embedded model: eval/results/world-confirm2-m6-h100.md,
     QVG INT2 B16 -0.34 dB vs BF16 against -2.15 post-RoPE); on Self-Forcing they cost 4-7% more per chunk at 21-60 latent
@@ -365,7 +376,6 @@ def report(s, gen: Generation, frames: int, seconds: float, mem: dict) -> dict:
     """The JSON report of a run (README: qvg-generate); mem: cache.memory() at the cache's largest."""
     import torch
     from qvg.cache import MEMORY_COMPONENTS
-    from qvg.sequence import PER_TOKEN_METHODS
     dev = s["device"]
     rep = {
         "method": s["method"], "options": s.get("resolved_options", {}), "pipeline": s["pipeline"],
@@ -374,9 +384,7 @@ def report(s, gen: Generation, frames: int, seconds: float, mem: dict) -> dict:
         "seed": s["seed"], "frames": frames, "fps": gen.fps, "latent_frames": gen.latent_frames,
         "history": "full" if s["window"] is None else f"window:{s['window']}", "sink": s["sink"],
         "commit_every": s["commit_every"], "key_storage": s["key_storage"],
-        # the packed read that ran: on CPU, and for methods without a packed read (bf16, kivi, quarot) on any device,
-        # the torch path (decode, if any, then SDPA)
-        "read": s["read"] if dev.type == "cuda" and s["method"] in PER_TOKEN_METHODS else "reference",
+        "read": read_ran(s["read"], s["method"], s["key_storage"], dev),
         "seconds": round(seconds, 3),
         "kv_bytes": {k: mem[k] for k in (*MEMORY_COMPONENTS, "total")},
         "bf16_zones": {k[5:]: mem[k] for k in ("bf16_sink", "bf16_pending", "bf16_current", "bf16_residual")

@@ -327,7 +327,7 @@ FUSED_CONFIGS = [dict(block_m=256, block_n=64, num_warps=8, num_stages=3),  # (p
                  dict(block_m=256, block_n=64, num_warps=8, num_stages=3, waves=True)]  # stream-K after whole waves)
 FUSED_ROPE_CONFIGS = [dict(),  # (packed_attention's default with rope: 128 x 32, 8 warps, 2 stages, key splits;
                       dict(block_m=64, num_warps=4)]  # 64-key tiles are refused on a GPU: wrong scores on the H200,
-# rope-on-chip-h200.json; + stream-K, below. First size only: ~15-25x the staged read's time)
+# rope-on-chip-h200.json; + stream-K, below. First size only: 7-10x the staged read's time)
 STAGED_CONFIGS = [dict(block_m=128, block_n=64, num_warps=4, num_stages=2),
                   dict(block_m=128, block_n=64, num_warps=4, num_stages=3),
                   dict(block_m=128, block_n=128, num_warps=8, num_stages=2),
@@ -430,10 +430,11 @@ def attention_section(quick):
                      "peak_transient_bytes": {"sdpa_on_materialized": peak_sdpa, "staged": peak_staged,
                                               "fused": peak_fused, "dequant_then_sdpa": peak_read}})
         r = rows[-1]
+        rope_ms = f"{fused_rope['ms']:.3f}" if fused_rope else "-"
         print(f"  attention {m}x{n_keys}x{h}: staged {staged['ms']:.3f} ms ({staged['TFLOPs']:.0f} TFLOP/s, "
               f"{r['staged_vs_sdpa_throughput']:.0%} of SDPA), fused {fused['ms']:.3f} ms, SDPA {t_sdpa:.3f} ms "
               f"({r['sdpa_TFLOPs']:.0f}), dequant+SDPA {t_read:.3f} ms; +tail {t_tail:.3f} ms; rope on read {t_rope:.3f} ms, "
-              f"fused {fused_rope['ms'] if fused_rope else '-'} ms; windows {windows}; "
+              f"fused {rope_ms} ms; windows {windows}; "
               f"peak transient MB: staged {peak_staged / 1e6:.0f}, fused {peak_fused / 1e6:.0f}, read path "
               f"{peak_read / 1e6:.0f}, sdpa {peak_sdpa / 1e6:.0f}", flush=True)
     return rows

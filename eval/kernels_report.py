@@ -18,6 +18,14 @@ def _row(*cells) -> str:
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
+def _err(x: float | None) -> str:
+    """A relative error, flagged where it is too large for a BF16 attention (a wrong kernel, not rounding); - if
+    not measured."""
+    if x is None:
+        return "-"
+    return f"{x:.1e}" + (" **WRONG**" if not x < 1e-2 else "")
+
+
 def _ms(row: dict | None) -> str:
     """A timed config's ms, or - (results from before it was measured)."""
     return f"{row['ms']:.3f}" if row else "-"
@@ -89,14 +97,17 @@ def render(d: dict, notes: str = "") -> str:
         out += ["", "Peak transient GPU memory during one call (bytes above what was allocated before it), and "
                 "accuracy:", "", "| keys | packed K+V MB | BF16 K+V history MB | SDPA (cache already BF16) | "
                 "staged | fused | dequant-all + SDPA | rel. err staged / fused vs SDPA on the dequantized cache | "
-                "rel. err vs fp32 reference (512 queries) |", "|---|---|---|---|---|---|---|---|---|"]
+                "rel. err vs fp32 reference (512 queries) | with RoPE on read, vs fp32 reference: staged / fused on "
+                "chip |", "|---|---|---|---|---|---|---|---|---|---|"]
         for r in d["attention"]:
             p, e = r["peak_transient_bytes"], r["rel_err_vs_sdpa_on_dequantized"]
             ref = r.get("rel_err_vs_fp32_reference_512_queries") or {}
             ref_s = " / ".join(f"{k} {v:.1e}" for k, v in ref.items()) or "-"
             out.append(f"| {r['keys']} | {r['packed_bytes_kv'] / 1e6:.0f} | {r['bf16_history_bytes_kv'] / 1e6:.0f} | "
                        f"{p['sdpa_on_materialized'] / 1e6:.0f} | {p['staged'] / 1e6:.0f} | {p['fused'] / 1e6:.0f} | "
-                       f"{p['dequant_then_sdpa'] / 1e6:.0f} | {e['staged']:.1e} / {e['fused']:.1e} | {ref_s} |")
+                       f"{p['dequant_then_sdpa'] / 1e6:.0f} | {e['staged']:.1e} / {e['fused']:.1e} | {ref_s} | "
+                       f"{_err(r.get('staged_rope_rel_err_vs_fp32_reference_512_queries'))} / "
+                       f"{_err(r.get('fused_rope_rel_err_vs_fp32_reference_512_queries'))} |")
         out.append("")
     if isinstance(d.get("ablation"), dict):
         out += ["## Where the fused (on-chip) kernel's time goes", "",

@@ -220,7 +220,8 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
     32-key tiles it agreed with the staged read (eval/results/rope-on-chip-h200.json). It is slow there: 19.6-26.6 ms
     at 32,760 keys against the staged read's 2.6-2.7 ms (the tables are gathered again for every query block), so the
     cache reads pre-RoPE keys staged on a GPU (`rope_on_chip`). The tail is taken as is.
-    block_m None: 256 (128 with rope); block_n None: 64 (32 with rope).
+    block_m None: 256 (128 with rope); block_n None: 64 (32 with rope); num_stages None with rope: 2. On a GPU rope
+    takes only what was checked there: 32-key tiles and blocks of <= 128 queries.
     The kernel (kernels/attention_planes.py) decodes K / V tiles on chip one code plane at a time. The defaults
     (256-query blocks on 8 warps, 64-key tiles) were the fastest on the H100 for qvg and qvg-pro
     (eval/results/kernels-h100.md); num_stages None: 3 software-pipeline stages for one-stage formats and the BF16
@@ -286,20 +287,21 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
     tk = k_tail.contiguous() if t else dummy
     tv = v_tail.contiguous() if t else dummy
     scale = d ** -0.5 if scale is None else scale
-    if rope is not None and q.is_cuda and block_n not in (None, 32):
-        raise ValueError(f"packed_attention(rope=...) takes 32-key tiles on a GPU, not block_n={block_n} (64-key tiles"
-                         " gave wrong scores in Triton 3.6's sm_90 code): use block_n=32 or staged_attention")
+    narrow = d * consts["BITS"] // 8 < 16  # (a code plane narrower than a dot: planes must be joined)
+    if rope is not None and q.is_cuda and narrow:
+        raise ValueError(f"packed_attention(rope=...) reads code planes of >= 16 columns on a GPU (head dim x bits / 8"
+                         f" = {d * consts['BITS'] // 8}): use staged_attention")
+    if rope is not None and q.is_cuda and (block_n not in (None, 32) or (block_m or 128) > 128):
+        raise ValueError(f"packed_attention(rope=...) takes 32-key tiles and blocks of <= 128 queries on a GPU, not "
+                         f"block_n={block_n}, block_m={block_m} (64-key tiles gave wrong scores in Triton 3.6's sm_90 "
+                         "code; larger blocks were not checked): use the defaults or staged_attention")
     block_n = (32 if rope is not None else 64) if block_n is None else block_n
     tiles = triton.cdiv(n, block_n) + triton.cdiv(t, block_n)
     if splits is not None and (programs is not None or waves):
         raise ValueError("give splits (the grid schedule) or programs / waves (stream-K), not both")
     if programs is not None and int(programs) < 1:
         raise ValueError(f"programs must be >= 1, got {programs}")
-    narrow = d * consts["BITS"] // 8 < 16  # (a code plane narrower than a dot: planes must be joined)
     join = (stages <= 1 and (rope is None or consts["BITS"] == 8)) or narrow
-    if rope is not None and q.is_cuda and narrow:
-        raise ValueError(f"packed_attention(rope=...) reads code planes of >= 16 columns on a GPU (head dim x bits / 8"
-                         f" = {d * consts['BITS'] // 8}): use staged_attention")
     block_m = (128 if rope is not None else 256) if block_m is None else block_m
     asked = programs is not None or waves  # (stream-K asked for: no default schedule replaces it)
     if splits is None and not asked and INTERPRET:
@@ -344,7 +346,7 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
            tuple(sorted({**extra["consts"], **consts}.items())))
     if num_stages is not None:
         launch(num_stages)
-    elif not join or key in _NO_THIRD_STAGE:
+    elif not join or rope is not None or key in _NO_THIRD_STAGE:  # (rope: 2, as checked on the H200)
         launch(2)
     else:
         try:

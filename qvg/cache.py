@@ -41,7 +41,8 @@ Per layer, three zones, for keys and values alike ([B, H, tokens, D], H = kv hea
   are one contiguous buffer, read as a view. `read` picks the GPU read: "window" (that, the default: the fastest
   on the H100), "staged" (the history decoded in windows of <= 32 MiB, each attended by a Triton flash kernel that
   carries the online-softmax state: a smaller transient, slower attention) or "fused" (the packed-cache attention
-  kernel: codes, scales and centroids are dequantized on chip, nothing is decoded to memory; the slowest). Only rtn
+  kernel: codes, scales and centroids are dequantized on chip, nothing is decoded to memory; the slowest; pre-RoPE
+  keys are read "staged" by it on a GPU, `rope_on_chip`). Only rtn
   / qvg / qvg-pro have a packed history: bf16 / kivi / quarot take "window" alone and refuse the others
   (`read_error`). Each read is measured in the Self-Forcing chunk in eval/results/pipeline-h100.md.
 - Decode prefetch (`prefetch_bytes`, `prefetch_at`; CUDA only): just before a layer's SDPA call is queued, the
@@ -66,7 +67,9 @@ Per layer, three zones, for keys and values alike ([B, H, tokens, D], H = kv hea
   INT2 key error for qvg). The model gives each chunk's per-frame positions (`set_positions`); each packed unit
   keeps them (a few integers per frame). The BF16 zones always hold keys after RoPE. On the GPU the kernels rotate
   the keys as they decode them when the positions are plain time steps (factorized tables of time offsets only): the
-  dequant kernel for the "window" and "staged" reads, the attention kernel on chip for "fused"; with spatial
+  dequant kernel for the "window" and "staged" reads, and for "fused" too on a GPU (it reads pre-RoPE keys staged:
+  the attention kernel's on-chip rotation, which the interpreter runs, was 7-10x slower on the H200,
+  eval/results/rope-on-chip-h200.json); with spatial
   offsets (the world model's pans) the history is decoded whole and rotated in torch, a transient of its size.
 - `memory()`: bytes by component (codes, scales, ids, centroids, positions, bf16, and workspace: the compression
   graphs' static tensors and private memory pools, and the kernel's rotation tables) and in total, next to the BF16

@@ -236,7 +236,7 @@ def test_key_storage_auto_is_pre_rope_on_the_embedded_model_only(tmp_path):
     assert parse(sf)["key_storage"] == "post-rope"
     assert parse(sf + ["--key-storage", "pre-rope"])["key_storage"] == "pre-rope"
     assert parse(out)["read"] == "window" and parse(out + ["--read", "staged"])["read"] == "staged"
-    assert parse(out + ["--read", "fused"])["read"] == "fused"  # (pre-RoPE keys: rotated on chip)
+    assert parse(out + ["--read", "fused"])["read"] == "fused"  # (pre-RoPE keys: read staged on a GPU)
     assert parse(out + ["--read", "fused", "--key-storage", "post-rope"])["read"] == "fused"
 
 
@@ -266,3 +266,17 @@ def test_read_modes_each_method_takes(tmp_path, method):
         for storage in ("auto", "pre-rope", "post-rope"):
             assert parse(out + ["--read", "staged", "--key-storage", storage])["read"] == "staged"
             assert parse(out + ["--read", "fused", "--key-storage", storage])["read"] == "fused"
+
+
+def test_report_names_the_read_that_ran():
+    """The report's `read`: the torch reference on CPU and for methods without a packed read; on a GPU the read asked
+    for, except fused with pre-RoPE keys, which the cache reads staged there (`rope_on_chip`)."""
+    import torch
+    from qvg.app.generate import read_ran
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert read_ran("fused", "qvg", "pre-rope", cpu) == "reference"
+    assert read_ran("window", "kivi", "post-rope", cuda) == "reference"
+    assert read_ran("fused", "qvg-pro", "pre-rope", cuda) == "staged"
+    assert read_ran("fused", "qvg", "post-rope", cuda) == "fused"
+    assert read_ran("staged", "rtn", "pre-rope", cuda) == "staged"
+    assert read_ran("window", "qvg", "pre-rope", cuda) == "window"

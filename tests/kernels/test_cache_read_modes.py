@@ -166,6 +166,6 @@ def test_read_error_is_the_caches_message():
         assert str(e.value) == msg
     assert read_error("qvg", "staged", {"grid": "asym", "bits": 1}) is None
     assert read_error("bf16", "window") is None
-    for method in ("rtn", "qvg", "qvg-pro"):  # every read takes pre-RoPE keys (fused: rotated on chip)
+    for method in ("rtn", "qvg", "qvg-pro"):  # every read takes pre-RoPE keys (fused: staged on a GPU)
         assert read_error(method, "fused") is None
         assert KVCache(1, method, read="fused", key_storage="pre-rope", **kw).read_mode == "fused"

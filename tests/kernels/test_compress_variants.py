@@ -206,7 +206,7 @@ def test_bench_pipeline_compress_flag():
     assert bp.parse_method("qvg-pro:sync:compress=fast") == ("qvg-pro", ["sync"], "fast")
     assert bp.new_cache(model, "qvg:staged-read", 6, {}).read_mode == "staged"
     assert bp.new_cache(model, "qvg-pro:fused-read", 6, {}).read_mode == "fused"
-    assert bp.new_cache(model, "qvg:pre-rope:fused-read", 6, {}).key_storage == "pre-rope"  # (rotated on chip)
+    assert bp.new_cache(model, "qvg:pre-rope:fused-read", 6, {}).key_storage == "pre-rope"  # (read staged on a GPU)
     assert bp.new_cache(model, "qvg", 6, {}).read_mode == "window"
     for bad, msg in (("qvg:compress=nope", "unknown compress variant 'nope'"), ("qvg:bogus", "unknown method flag"),
                      ("bf16:compress=fast", "not for bf16"), ("qvg:compress=fast:compress=fast-sort", "at most"),
