@@ -102,10 +102,10 @@ def render(d: dict, notes: str = "") -> str:
         for r in d["attention"]:
             p, e = r["peak_transient_bytes"], r["rel_err_vs_sdpa_on_dequantized"]
             ref = r.get("rel_err_vs_fp32_reference_512_queries") or {}
-            ref_s = " / ".join(f"{k} {v:.1e}" for k, v in ref.items()) or "-"
+            ref_s = " / ".join(f"{k} {_err(v)}" for k, v in ref.items()) or "-"
             out.append(f"| {r['keys']} | {r['packed_bytes_kv'] / 1e6:.0f} | {r['bf16_history_bytes_kv'] / 1e6:.0f} | "
                        f"{p['sdpa_on_materialized'] / 1e6:.0f} | {p['staged'] / 1e6:.0f} | {p['fused'] / 1e6:.0f} | "
-                       f"{p['dequant_then_sdpa'] / 1e6:.0f} | {e['staged']:.1e} / {e['fused']:.1e} | {ref_s} | "
+                       f"{p['dequant_then_sdpa'] / 1e6:.0f} | {_err(e['staged'])} / {_err(e['fused'])} | {ref_s} | "
                        f"{_err(r.get('staged_rope_rel_err_vs_fp32_reference_512_queries'))} / "
                        f"{_err(r.get('fused_rope_rel_err_vs_fp32_reference_512_queries'))} |")
         out.append("")
