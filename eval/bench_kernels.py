@@ -298,6 +298,11 @@ def packed_history(h, n_hist, chunk, method="qvg", centroids=None):
     return PackedSequence.from_chunks(kch), PackedSequence.from_chunks(vch)
 
 
+def _rel_err(out, ref) -> float:
+    """Relative Frobenius error of out against ref, in FP32."""
+    return float((out.float() - ref.float()).norm() / ref.float().norm())
+
+
 def _peak(fn):
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -361,7 +366,7 @@ def attention_section(quick):
         staged = _best(lambda **c: staged_attention(q, K, V, **c), STAGED_CONFIGS, flops)
         cfg = staged["config"]
         out, peak_staged = _peak(lambda: staged_attention(q, K, V, **cfg))
-        err_staged = float((out.float() - ref.float()).norm() / ref.float().norm())
+        err_staged = _rel_err(out, ref)
         windows = {}
         for wdw in (2048, 8192, 16384):
             windows[wdw] = bench(lambda: staged_attention(q, K, V, window=wdw, **cfg))
@@ -372,7 +377,7 @@ def attention_section(quick):
         t_rope = bench(lambda: staged_attention(q, K, V, rope=rope, **cfg))
         o_rope = staged_attention(q[:, :, :512], K, V, rope=rope, **cfg)
         r_rope = attend_reference(q[:, :, :512], K, V, rope=rope)
-        err_rope = float((o_rope.float() - r_rope.float()).norm() / r_rope.float().norm())
+        err_rope = _rel_err(o_rope, r_rope)
         # the same pre-RoPE keys rotated on chip by the fused kernel (first size only)
         fused_rope, err_fused_rope = None, None
         if n_keys == sizes[0]:
@@ -381,11 +386,11 @@ def attention_section(quick):
             _, fused_rope["peak_transient_bytes"] = _peak(lambda: packed_attention(q, K, V, rope=rope,
                                                                                     **fused_rope["config"]))
             o_rope = packed_attention(q[:, :, :512], K, V, rope=rope, **fused_rope["config"])
-            err_fused_rope = float((o_rope.float() - r_rope.float()).norm() / r_rope.float().norm())
+            err_fused_rope = _rel_err(o_rope, r_rope)
         fused = _best(lambda **c: packed_attention(q, K, V, **c), FUSED_CONFIGS if n_keys == sizes[0] else
                       FUSED_CONFIGS[:1], flops)
         out, peak_fused = _peak(lambda: packed_attention(q, K, V, **fused["config"]))
-        err_fused = float((out.float() - ref.float()).norm() / ref.float().norm())
+        err_fused = _rel_err(out, ref)
         # realistic split: the history packed, the current chunk (4680 tokens) BF16 in the tail
         Kh, Vh = PackedSequence.from_chunks(kch[:-1]), PackedSequence.from_chunks(vch[:-1])
         tk, tv = dequantize(kch[-1]), dequantize(vch[-1])
@@ -394,7 +399,7 @@ def attention_section(quick):
         t_win = bench(lambda: windowed_attention(q, K, V))
         t_win_tail = bench(lambda: windowed_attention(q, Kh, Vh, tk, tv))
         out, peak_win = _peak(lambda: windowed_attention(q, K, V))
-        err_win = float((out.float() - ref.float()).norm() / ref.float().norm())
+        err_win = _rel_err(out, ref)
 
         def read_path():  # the official code's read: dequantize the whole history to BF16, then SDPA
             return sdpa(q, dequantize(K), dequantize(V))
@@ -407,10 +412,10 @@ def attention_section(quick):
             outs = {"staged": staged_attention(qs, K, V, **cfg).float(),
                     "fused": packed_attention(qs, K, V, **fused["config"]).float()}
             o2 = attend_reference(qs, K, V).float()  # the history decoded as the reference rounds it to BF16
-            small = {k: float((o - o2).norm() / o2.norm()) for k, o in outs.items()}
+            small = {k: _rel_err(o, o2) for k, o in outs.items()}
             o3 = attend_reference(qs, K, V, exact=True).float()  # decoded exactly (FP32): the accuracy measure
             outs["bf16_rounded_decode"] = o2
-            exact = {k: float((o - o3).norm() / o3.norm()) for k, o in outs.items()}
+            exact = {k: _rel_err(o, o3) for k, o in outs.items()}
         rows.append({"heads": h, "queries": m, "keys": n_keys, "flops": flops,
                      "sdpa_flash_ms": t_sdpa, "sdpa_TFLOPs": flops / t_sdpa / 1e9,
                      "sdpa_default_ms": t_sdpa_default, "windowed_sdpa_ms": t_win,

@@ -30,7 +30,7 @@ METHODS = {  # grids explicit: the method presets may change
 INT8 = {"rtn-int8": ("rtn", {"bits": 8, "grid": "midrise"})}  # (one code plane; not in METHODS' parametrization)
 
 
-def _history(name: str, b: int = 1, chunks: int = CHUNKS, seed: int = 0, d: int = D, **extra):
+def _history(name: str, b: int = 1, chunks: int = CHUNKS, seed: int = 0, d: int = D, hkv: int = HKV, **extra):
     """(K, V) PackedSequences of `chunks` chunks made on the CPU (torch path), each chunk its own data / seed;
     `extra` overrides the method's options."""
     method, opts = {**METHODS, **INT8}[name]
@@ -40,7 +40,7 @@ def _history(name: str, b: int = 1, chunks: int = CHUNKS, seed: int = 0, d: int 
         packs = []
         for i in range(chunks):
             s = seed + 10 * role + i
-            x = clustered(b, HKV, L, d, spread=1.0, noise=0.5, seed=s)
+            x = clustered(b, hkv, L, d, spread=1.0, noise=0.5, seed=s)
             packs.append(qvg.compress(x.bfloat16(), method, seed=s, **opts))
         out.append(PackedSequence.from_chunks(packs))
     return out
@@ -377,10 +377,10 @@ def _differ(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.view(torch.int16) != b.view(torch.int16)).float().mean().item()
 
 
-def _rope_tables(device="cpu"):
+def _rope_tables(device="cpu", d: int = D):
     """2 frames of 4 x 5 tokens per 40-token chunk; the 3 chunks start at frames 0, 2 and 9 (a gap: a window)."""
     from qvg.rope import RopeTables
-    return RopeTables(4, 5, D, torch.tensor([0, 2, 9], device=device), max_frames=12)
+    return RopeTables(4, 5, d, torch.tensor([0, 2, 9], device=device), max_frames=12)
 
 
 @pytest.mark.parametrize("name", list(METHODS) + ["rtn-int8"])
@@ -452,11 +452,10 @@ def test_packed_attention_rope_at_head_dim_128_by_its_defaults(device):
     the reference. On a GPU rope takes only 32-key tiles: with 64-key tiles at head dim 128 Triton 3.6's sm_90 code
     gave wrong scores, NaN or out-of-bounds shared-memory reads (eval/results/rope-on-chip-h200.json), so those are
     refused there; the interpreter's arithmetic is right at any tile."""
-    from qvg.rope import RopeTables
     kh, vh = _history("qvg", seed=21, d=128)
     q = (torch.randn(1, HQ, 40, 128, generator=gen(22)) * 1.5).bfloat16()
-    rope = RopeTables(4, 5, 128, torch.tensor([0, 2, 9], device=device), max_frames=12)
-    ref = attend_reference(q, kh, vh, rope=RopeTables(4, 5, 128, torch.tensor([0, 2, 9]), max_frames=12))
+    rope = _rope_tables(device, 128)
+    ref = attend_reference(q, kh, vh, rope=_rope_tables(d=128))
     args = (q.to(device), _to(kh, device), _to(vh, device))
     for schedule in ({}, {"programs": 3}):
         with poisoned():
@@ -495,11 +494,7 @@ def test_packed_attention_at_real_shapes_on_a_gpu(method, rope):
 def test_stream_k_with_one_kv_head_at_batch_1(device):
     """Batch x KV heads = 1, which a GPU launch specializes to a constant (the stream-K kernel's int64 cast of it
     failed to compile there before), with GQA (2 query heads) and a tail."""
-    seqs = []
-    for role in range(2):
-        packs = [qvg.compress(clustered(1, 1, L, D, spread=1.0, noise=0.5, seed=30 + 10 * role + i).bfloat16(), "qvg",
-                              seed=i, centroids=8, grid="midrise") for i in range(CHUNKS)]
-        seqs.append(PackedSequence.from_chunks(packs))
+    seqs = _history("qvg", seed=30, hkv=1)
     q = (torch.randn(1, 2, 24, D, generator=gen(31)) * 1.5).bfloat16()
     kt, vt = (torch.randn(1, 1, 8, D, generator=gen(32 + i)).bfloat16() for i in range(2))
     ref = attend_reference(q, *seqs, kt, vt)
