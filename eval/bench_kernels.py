@@ -375,16 +375,19 @@ def attention_section(quick):
         n_chunks = n_keys // chunk
         rope = RopeTables(30, 52, 128, torch.arange(n_chunks, device="cuda") * 3, max_frames=3 * n_chunks)
         t_rope = bench(lambda: staged_attention(q, K, V, rope=rope, **cfg))
+        _, peak_rope = _peak(lambda: staged_attention(q, K, V, rope=rope, **cfg))
         o_rope = staged_attention(q[:, :, :512], K, V, rope=rope, **cfg)
         r_rope = attend_reference(q[:, :, :512], K, V, rope=rope)
         err_rope = _rel_err(o_rope, r_rope)
         # the same pre-RoPE keys rotated on chip by the fused kernel (first size only)
         fused_rope, err_fused_rope = None, None
         if n_keys == sizes[0]:
-            fused_rope = _best(lambda **c: packed_attention(q, K, V, rope=rope, **c),
-                               FUSED_ROPE_CONFIGS + [dict(programs=_slots(q, 8))], flops)
+            rope_configs = FUSED_ROPE_CONFIGS + [dict(programs=_slots(q, 8))]
+            fused_rope = _best(lambda **c: packed_attention(q, K, V, rope=rope, **c), rope_configs, flops)
             _, fused_rope["peak_transient_bytes"] = _peak(lambda: packed_attention(q, K, V, rope=rope,
                                                                                     **fused_rope["config"]))
+            fused_rope["peak_transient_bytes_by_config"] = {  # key splits' partial outputs vs stream-K's pieces
+                str(c): _peak(lambda: packed_attention(q, K, V, rope=rope, **c))[1] for c in rope_configs}
             o_rope = packed_attention(q[:, :, :512], K, V, rope=rope, **fused_rope["config"])
             err_fused_rope = _rel_err(o_rope, r_rope)
         fused = _best(lambda **c: packed_attention(q, K, V, **c), FUSED_CONFIGS if n_keys == sizes[0] else
@@ -433,7 +436,8 @@ def attention_section(quick):
                      "rel_err_vs_exact_decode_512_queries": exact,
                      "packed_bytes_kv": K.nbytes + V.nbytes, "bf16_history_bytes_kv": 2 * h * n_keys * 128 * 2,
                      "peak_transient_bytes": {"sdpa_on_materialized": peak_sdpa, "staged": peak_staged,
-                                              "fused": peak_fused, "dequant_then_sdpa": peak_read}})
+                                              "fused": peak_fused, "dequant_then_sdpa": peak_read,
+                                              "staged_rope_on_read": peak_rope}})
         r = rows[-1]
         rope_ms = f"{fused_rope['ms']:.3f}" if fused_rope else "-"
         print(f"  attention {m}x{n_keys}x{h}: staged {staged['ms']:.3f} ms ({staged['TFLOPs']:.0f} TFLOP/s, "

@@ -18,6 +18,15 @@ def _row(*cells) -> str:
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
+def _rope_peaks(r: dict) -> str:
+    """The RoPE reads' peak transients in MB (runs before the staged one was measured have "-")."""
+    staged = r["peak_transient_bytes"].get("staged_rope_on_read")
+    fused = (r.get("fused_rope_on_chip") or {}).get("peak_transient_bytes_by_config") or {}
+    names = {"{}": "key splits", "{'block_m': 64, 'num_warps': 4}": "key splits, 64 x 32"}
+    parts = [f"{names.get(c, 'stream-K' if 'programs' in c else c)} {b / 1e6:.0f}" for c, b in fused.items()]
+    return "; ".join([f"{staged / 1e6:.0f}" if staged is not None else "-", *parts])
+
+
 def _err(x: float | None) -> str:
     """A relative error, flagged where it is too large for a BF16 attention (a wrong kernel, not rounding); - if
     not measured."""
@@ -98,7 +107,7 @@ def render(d: dict, notes: str = "") -> str:
                 "accuracy:", "", "| keys | packed K+V MB | BF16 K+V history MB | SDPA (cache already BF16) | "
                 "staged | fused | dequant-all + SDPA | rel. err staged / fused vs SDPA on the dequantized cache | "
                 "rel. err vs fp32 reference (512 queries) | with RoPE on read, vs fp32 reference: staged / fused on "
-                "chip |", "|---|---|---|---|---|---|---|---|---|---|"]
+                "chip | with RoPE, peak MB: staged; fused on chip by schedule |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in d["attention"]:
             p, e = r["peak_transient_bytes"], r["rel_err_vs_sdpa_on_dequantized"]
             ref = r.get("rel_err_vs_fp32_reference_512_queries") or {}
@@ -107,7 +116,7 @@ def render(d: dict, notes: str = "") -> str:
                        f"{p['sdpa_on_materialized'] / 1e6:.0f} | {p['staged'] / 1e6:.0f} | {p['fused'] / 1e6:.0f} | "
                        f"{p['dequant_then_sdpa'] / 1e6:.0f} | {_err(e['staged'])} / {_err(e['fused'])} | {ref_s} | "
                        f"{_err(r.get('staged_rope_rel_err_vs_fp32_reference_512_queries'))} / "
-                       f"{_err(r.get('fused_rope_rel_err_vs_fp32_reference_512_queries'))} |")
+                       f"{_err(r.get('fused_rope_rel_err_vs_fp32_reference_512_queries'))} | {_rope_peaks(r)} |")
         out.append("")
     if isinstance(d.get("ablation"), dict):
         out += ["## Where the fused (on-chip) kernel's time goes", "",
