@@ -22,7 +22,7 @@ def _rope_peaks(r: dict) -> str:
     """The RoPE reads' peak transients in MB (runs before the staged one was measured have "-")."""
     staged = r["peak_transient_bytes"].get("staged_rope_on_read")
     fused = (r.get("fused_rope_on_chip") or {}).get("peak_transient_bytes_by_config") or {}
-    names = {"{}": "key splits", "{'block_m': 64, 'num_warps': 4}": "key splits, 64 x 32"}
+    names = {"{}": "key splits", "{'block_m': 64, 'num_warps': 4}": "key splits, 64-query blocks"}
     parts = [f"{names.get(c, 'stream-K' if 'programs' in c else c)} {b / 1e6:.0f}" for c, b in fused.items()]
     return "; ".join([f"{staged / 1e6:.0f}" if staged is not None else "-", *parts])
 

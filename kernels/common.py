@@ -82,30 +82,6 @@ def dequant_codes(c, s, z, OFFSET: tl.constexpr, GRID: tl.constexpr, NO_I2F: tl.
         return _code_minus(c, OFFSET, NO_I2F) * s
 
 
-# acc + float(x) for two BF16 values x in one register: the low one widened by a shift, the high one by an AND
-_ADD_BF16X2 = tl.constexpr("""{
-.reg .b32 lo, hi;
-shl.b32 lo, $4, 16;
-and.b32 hi, $4, 0xFFFF0000;
-add.rn.f32 $0, $2, lo;
-add.rn.f32 $1, $3, hi;
-}""")
-
-
-@triton.jit
-def add_bf16(acc, x, EMULATE: tl.constexpr):
-    """acc + float32(x) for FP32 acc, bitwise the cast-and-add. For BF16 x on a GPU, two values at a time by inline
-    PTX: Triton 3.6's cast widens the high BF16 of each register in two sm_90 instructions (a byte permute, then a
-    shift), this in one AND, so a pair costs 4 instructions instead of 5 (the four-stage dequant: 776 -> 720 SASS
-    instructions a block, 80 -> 70 registers). Other dtypes, and EMULATE (the interpreter, which runs no PTX): the
-    cast."""
-    if EMULATE or x.dtype != tl.bfloat16:
-        return acc + x.to(tl.float32)
-    else:
-        return tl.inline_asm_elementwise(_ADD_BF16X2, "=f,=f,f,f,r", [acc, x], dtype=tl.float32, is_pure=True,
-                                         pack=2)
-
-
 @triton.jit
 def to_bf16(v, EMULATE_RNE: tl.constexpr):
     """fp32 -> bf16 rounded to nearest even (by hand when EMULATE_RNE, i.e. under the interpreter)."""
