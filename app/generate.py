@@ -121,6 +121,13 @@ def read_ran(read: str, method: str, key_storage: str, dev) -> str:
     return "staged" if read == "fused" and key_storage == "pre-rope" and not rope_on_chip(dev) else read
 
 
+def _reads_label(reads: dict) -> str:
+    """The read paths the cache took for its history (KVCache.reads), most used first: "window", or e.g.
+    "reference + window" when some layers' reads fell back to the torch path; "" when no history was read (then the
+    report names the read that would run, `read_ran`)."""
+    return " + ".join(k for k, _ in sorted(reads.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
 def _key_storage(given: str, method: str, pipeline: str) -> str:
     """auto: pre-RoPE keys where they are measured to pay (the embedded model: eval/results/world-confirm2-m6-h100.md,
     QVG INT2 B16 -0.34 dB vs BF16 against -2.15 post-RoPE); on Self-Forcing they cost 4-7% more per chunk at 21-60 latent
@@ -384,7 +391,8 @@ def report(s, gen: Generation, frames: int, seconds: float, mem: dict) -> dict:
         "seed": s["seed"], "frames": frames, "fps": gen.fps, "latent_frames": gen.latent_frames,
         "history": "full" if s["window"] is None else f"window:{s['window']}", "sink": s["sink"],
         "commit_every": s["commit_every"], "key_storage": s["key_storage"],
-        "read": read_ran(s["read"], s["method"], s["key_storage"], dev),
+        "read": _reads_label(gen.cache.reads) or read_ran(s["read"], s["method"], s["key_storage"], dev),
+        "reads": dict(gen.cache.reads),
         "seconds": round(seconds, 3),
         "kv_bytes": {k: mem[k] for k in (*MEMORY_COMPONENTS, "total")},
         "bf16_zones": {k[5:]: mem[k] for k in ("bf16_sink", "bf16_pending", "bf16_current", "bf16_residual")

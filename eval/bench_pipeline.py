@@ -245,6 +245,7 @@ def run(histories, methods, options, repeat: int = 7, split: bool = False) -> li
             if split:
                 r["forwards_ms"] = statistics.median(r["forwards_ms_all"])
             r["prefetch_stats"] = dict(caches[r["method"]].prefetch_stats)  # (the warm-up and timed chunks)
+            r["reads"] = dict(caches[r["method"]].reads)  # the read paths that ran over the whole run (KVCache.reads)
             print(f"history {hist} {r['method']}: chunk {r['chunk_ms']:.1f} ms (median of {repeat}; "
                   f"min {min(r['chunk_ms_all']):.1f})"
                   + (f", forwards without commits {r['forwards_ms']:.1f} ms" if split else ""), flush=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import sys
 from pathlib import Path
@@ -22,9 +23,14 @@ def _rope_peaks(r: dict) -> str:
     """The RoPE reads' peak transients in MB (runs before the staged one was measured have "-")."""
     staged = r["peak_transient_bytes"].get("staged_rope_on_read")
     fused = (r.get("fused_rope_on_chip") or {}).get("peak_transient_bytes_by_config") or {}
-    names = {"{}": "key splits", "{'block_m': 64, 'num_warps': 4}": "key splits, 64-query blocks"}
-    parts = [f"{names.get(c, 'stream-K' if 'programs' in c else c)} {b / 1e6:.0f}" for c, b in fused.items()]
+    parts = [f"{_schedule(ast.literal_eval(c))} {b / 1e6:.0f}" for c, b in fused.items()]
     return "; ".join([f"{staged / 1e6:.0f}" if staged is not None else "-", *parts])
+
+
+def _schedule(cfg: dict) -> str:
+    """A packed_attention config's schedule, as the report names it (bench_kernels' str(config) keys)."""
+    name = "stream-K" if "programs" in cfg or cfg.get("waves") else "key splits"
+    return name + (f", {cfg['block_m']}-query blocks" if "block_m" in cfg else "")
 
 
 def _err(x: float | None) -> str:

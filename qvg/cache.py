@@ -71,6 +71,9 @@ Per layer, three zones, for keys and values alike ([B, H, tokens, D], H = kv hea
   the attention kernel's on-chip rotation, which the interpreter runs, was 7-10x slower on the H200,
   eval/results/rope-on-chip-h200.json); with spatial
   offsets (the world model's pans) the history is decoded whole and rotated in torch, a transient of its size.
+- `reads`: how many attends (one per layer and forward) read a compressed history, by the path that ran ("window",
+  "staged", "fused" or "reference", the torch path), so a report names the read that ran rather than the one asked
+  for. Attends with no compressed history (bf16, or before the first commit) are not counted.
 - `memory()`: bytes by component (codes, scales, ids, centroids, positions, bf16, and workspace: the compression
   graphs' static tensors and private memory pools, and the kernel's rotation tables) and in total, next to the BF16
   bytes the same tokens would take; `bf16` is also split by zone (bf16_sink, bf16_pending, bf16_current,
@@ -81,6 +84,7 @@ Attention has no mask: past chunks are fully visible, the current chunk attends 
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 
 import torch
@@ -237,6 +241,9 @@ class KVCache:
         self._side: dict = {}  # device -> the CUDA side stream of the async commits
         self.prefetch_bytes, self.prefetch_at = prefetch_bytes, prefetch_at
         self.read_mode = read
+        # attends that read a compressed history, by the path that ran: "window" / "staged" / "fused" (the GPU
+        # reads) or "reference" (the torch path: CPU, kivi / quarot, pre-RoPE keys the kernels' tables can't rotate)
+        self.reads = collections.Counter()
         self._ahead: dict = {}  # device -> the CUDA side stream of the prefetched decodes
         self._clear_prefetch_state()
 
@@ -565,12 +572,14 @@ class KVCache:
                     kt, vt = L.loose or (L.tail(0), L.tail(1))  # (a transient write goes straight into the window)
                     L.loose = None
                     if self.read_mode == "window":
+                        self.reads["window"] += 1
                         return self._attend_windowed(layer, q, kt, vt, scale, tables)
                     return self._attend_packed(L, q, kt, vt, scale, tables)
         self._store_loose(L, "attend")
         kt, vt = L.tail(0), L.tail(1)
         if kh is None:
             return sdpa_gqa(q, kt, vt, scale)
+        self.reads["reference"] += 1
         if isinstance(kh, PackedSequence):
             if self._pre_rope:  # the reference (it materializes the history): decode, rotate, attend
                 k = apply_rope(kh.decompress(), self._angles(L.pos_hist, q.device, kh.shape[3]))
@@ -603,7 +612,9 @@ class KVCache:
         from .kernels.attention import packed_attention, rope_on_chip, staged_attention
         kh, vh = L.hist
         if self.read_mode == "staged" or (rope is not None and not rope_on_chip(q.device)):
+            self.reads["staged"] += 1
             return staged_attention(q, kh, vh, kt, vt, scale=scale, rope=rope)
+        self.reads["fused"] += 1
         return packed_attention(q, kh, vh, kt, vt, scale=scale, rope=rope)
 
     def _prefetch(self, L: _Layer, tail: int) -> None:
@@ -755,6 +766,7 @@ class KVCache:
         self.frames = 0
         self.commits = 0
         self._clear_prefetch_state()
+        self.reads.clear()
         self._positions = None
         self._rope_memo = {}
         if self._graphed is not None:

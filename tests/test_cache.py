@@ -291,6 +291,23 @@ def test_reset_holds_no_bytes_and_starts_over():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("method", sorted(SMALL))
+def test_reads_count_history_reads_by_the_path_that_ran(method):
+    """KVCache.reads: one count per attend that read a compressed history. On CPU that is the torch path
+    ("reference") for every compressing method; bf16 holds no compressed history and counts nothing, and neither
+    does an attend before the first commit. reset() clears the counts."""
+    cache = KVCache(1, method, chunk_frames=CF, tokens_per_frame=TPF, **SMALL[method])
+    q = torch.randn(B, H, CF * TPF, D, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    for i in range(3):
+        x = _chunk(i)
+        cache.write(0, x[0, 0], x[0, 1])
+        cache.attend(0, q)
+        cache.commit()
+    assert cache.reads == ({} if method == "bf16" else {"reference": 2})
+    cache.reset()
+    assert cache.reads == {}
+
+
 def test_deterministic():
     outs = []
     for _ in range(2):

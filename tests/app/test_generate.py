@@ -25,10 +25,17 @@ def test_writes_mp4_and_report(tmp_path, method, capsys):
     frames = iio.imread(out)
     assert frames.shape == (13, 64, 64, 3)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v.json", "v.mp4"]
-    # the read that ran: the packed window read on a GPU for qvg; the torch path on CPU (whatever --read says), and
-    # for bf16 (no packed history) anywhere
+    # the reads that ran, as the cache counted them (one per layer and forward that read a compressed history): the
+    # torch path on CPU (whatever --read says); on a GPU the window read, or the torch path for the history chunks the
+    # panning camera gave spatial offsets (beyond the kernels' RoPE tables); bf16 reads no compressed history, and its
+    # report names the path it would take
     on_gpu = not rep["device"].startswith("cpu")
-    assert rep["read"] == ("window" if on_gpu and method == "qvg" else "reference")
+    reads = rep["reads"]
+    if method == "bf16":
+        assert reads == {} and rep["read"] == "reference"
+    else:
+        assert sum(reads.values()) > 0 and set(reads) <= ({"window", "reference"} if on_gpu else {"reference"})
+        assert rep["read"] == " + ".join(sorted(reads, key=lambda k: (-reads[k], k)))
     if method == "bf16":
         assert rep["compression_ratio"] == 1.0 and rep["options"] == {}
         assert rep["key_storage"] == "post-rope" and rep["kv_bytes"]["positions"] == 0
@@ -268,9 +275,18 @@ def test_read_modes_each_method_takes(tmp_path, method):
             assert parse(out + ["--read", "fused", "--key-storage", storage])["read"] == "fused"
 
 
+def test_reads_label_names_the_paths_by_use():
+    from qvg.app.generate import _reads_label
+    assert _reads_label({}) == ""
+    assert _reads_label({"window": 4}) == "window"
+    assert _reads_label({"window": 4, "reference": 6}) == "reference + window"
+    assert _reads_label({"staged": 2, "fused": 2}) == "fused + staged"  # (ties by name: a stable label)
+
+
 def test_report_names_the_read_that_ran():
-    """The report's `read`: the torch reference on CPU and for methods without a packed read; on a GPU the read asked
-    for, except fused with pre-RoPE keys, which the cache reads staged there (`rope_on_chip`)."""
+    """The report's `read` when no compressed history was read (`read_ran`, what would run): the torch reference on
+    CPU and for methods without a packed read; on a GPU the read asked for, except fused with pre-RoPE keys, which the
+    cache reads staged there (`rope_on_chip`). Otherwise the report names the paths the cache counted."""
     import torch
     from qvg.app.generate import read_ran
     cuda, cpu = torch.device("cuda"), torch.device("cpu")

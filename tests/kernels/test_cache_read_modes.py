@@ -50,6 +50,8 @@ def test_packed_reads_match_the_window_read(device, method, read):
         for a, b in zip(caches[0].read(layer), caches[1].read(layer)):
             assert torch.equal(a, b)
     assert caches[1].prefetch_stats["used"] == 0  # (nothing is decoded ahead for the kernels' reads)
+    # every attend after the first chunk read a packed history, by the path asked for (KVCache.reads)
+    assert caches[0].reads == {"window": 3 * 2 * LAYERS} and caches[1].reads == {read: 3 * 2 * LAYERS}
 
 
 @pytest.mark.parametrize("read", ["staged", "fused"])
@@ -118,6 +120,22 @@ def test_fused_read_of_pre_rope_keys_is_staged_where_rope_is_not_on_chip(device,
         x = clustered(2 * LAYERS, 2, CF * TPF, D, seed=90 + i).bfloat16().to(device)
         _chunk(c, x, q, positions=_positions(i))
     assert used and set(used) == {"staged"} and set(seen) == {device}
+    assert c.reads == {"staged": len(used)}  # (what a report names: the read that ran, not the one asked for)
+
+
+@pytest.mark.parametrize("read", READ_MODES)
+def test_reads_count_the_torch_fallback_of_spatial_offsets(device, read):
+    """Pre-RoPE keys at spatial offsets (a panning camera) are beyond the kernels' factorized tables: every read of
+    that history takes the torch path, and KVCache.reads counts it as "reference", whatever read was asked for."""
+    c = KVCache(LAYERS, "qvg", read=read, chunk_frames=CF, tokens_per_frame=TPF, centroids=4, block_size=16,
+                key_storage="pre-rope", bits=4)
+    q = torch.randn(1, 4, CF * TPF, D, generator=torch.Generator().manual_seed(4)).bfloat16().to(device)
+    for i in range(2):
+        pos = _positions(i)
+        pos[..., 2] = i + 1  # (the camera pans one column per chunk)
+        x = clustered(2 * LAYERS, 2, CF * TPF, D, seed=95 + i).bfloat16().to(device)
+        _chunk(c, x, q, positions=pos)
+    assert c.reads == {"reference": 2 * LAYERS}
 
 
 def test_read_mode_errors():
