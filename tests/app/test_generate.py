@@ -30,12 +30,13 @@ def test_writes_mp4_and_report(tmp_path, method, capsys):
     # panning camera gave spatial offsets (beyond the kernels' RoPE tables); bf16 reads no compressed history, and its
     # report names the path it would take
     on_gpu = not rep["device"].startswith("cpu")
+    from qvg.app.generate import _reads_label
     reads = rep["reads"]
     if method == "bf16":
         assert reads == {} and rep["read"] == "reference"
     else:
         assert sum(reads.values()) > 0 and set(reads) <= ({"window", "reference"} if on_gpu else {"reference"})
-        assert rep["read"] == " + ".join(sorted(reads, key=lambda k: (-reads[k], k)))
+        assert rep["read"] == _reads_label(reads)
     if method == "bf16":
         assert rep["compression_ratio"] == 1.0 and rep["options"] == {}
         assert rep["key_storage"] == "post-rope" and rep["kv_bytes"]["positions"] == 0
