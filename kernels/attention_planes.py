@@ -51,7 +51,7 @@ def _plane_scale(sraw, ts, p: tl.constexpr, D: tl.constexpr, GROUP: tl.constexpr
 
 @triton.jit
 def _plane(byte, sraw, ts, p: tl.constexpr, rows, rmask, chunk, crow0, crow1, crow2, crow3, ids_ptr, ids_stage_stride,
-           K, cent_ptr, cent_stage_stride, L, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF, D: tl.constexpr,
+           K, cent_ptr, cent_stage_stride, L, rope_ptr, rpos_ptr, R, HW, WIDTH, D: tl.constexpr,
            BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr, OFFSET: tl.constexpr, FP8: tl.constexpr,
            STAGES: tl.constexpr, BLOCK_N: tl.constexpr, W: tl.constexpr, INTERP: tl.constexpr,
            ROPE: tl.constexpr, SPLIT_H: tl.constexpr, SPLIT_W: tl.constexpr):
@@ -79,7 +79,7 @@ def _plane(byte, sraw, ts, p: tl.constexpr, rows, rmask, chunk, crow0, crow1, cr
         v += tl.load(cent_ptr + st * cent_stage_stride + crow[:, None] * D + col[None, :], mask=rmask[:, None],
                      other=0.0).to(tl.float32)
     if ROPE:
-        v = _rope(v, rows, chunk, L, rmask, p * W // 2, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF, D, W,
+        v = _rope(v, rows, chunk, L, rmask, p * W // 2, rope_ptr, rpos_ptr, R, HW, WIDTH, D, W,
                   BLOCK_N, SPLIT_H, SPLIT_W)
     return to_bf16(v, INTERP)
 
@@ -116,7 +116,7 @@ def _tile_raw(scale_ptr, tscale_ptr, ids_ptr, n0, N, L, K, ids_stage_stride, D: 
 
 @triton.jit
 def _tile_planes(byte, sraw, ts, crow0, crow1, crow2, crow3, n0, N, L, K, ids_ptr, ids_stage_stride, cent_ptr,
-                 cent_stage_stride, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF, D: tl.constexpr,
+                 cent_stage_stride, rope_ptr, rpos_ptr, R, HW, WIDTH, D: tl.constexpr,
                  BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr, OFFSET: tl.constexpr, FP8: tl.constexpr,
                  STAGES: tl.constexpr, BLOCK_N: tl.constexpr, JOIN: tl.constexpr, INTERP: tl.constexpr,
                  ROPE: tl.constexpr, SPLIT_H: tl.constexpr, SPLIT_W: tl.constexpr):
@@ -130,21 +130,21 @@ def _tile_planes(byte, sraw, ts, crow0, crow1, crow2, crow3, n0, N, L, K, ids_pt
     rmask = rows < N
     chunk = rows // L
     x0 = _plane(byte, sraw, ts, 0, rows, rmask, chunk, crow0, crow1, crow2, crow3, ids_ptr, ids_stage_stride, K,
-                cent_ptr, cent_stage_stride, L, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF, D, BITS, GROUP, GRID,
+                cent_ptr, cent_stage_stride, L, rope_ptr, rpos_ptr, R, HW, WIDTH, D, BITS, GROUP, GRID,
                 OFFSET, FP8, STAGES, BLOCK_N, W, INTERP, ROPE, SPLIT_H, SPLIT_W)
     x1 = x0
     x2 = x0
     x3 = x0
     if P > 1:
         x1 = _plane(byte, sraw, ts, 1, rows, rmask, chunk, crow0, crow1, crow2, crow3, ids_ptr, ids_stage_stride,
-                    K, cent_ptr, cent_stage_stride, L, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF, D, BITS, GROUP,
+                    K, cent_ptr, cent_stage_stride, L, rope_ptr, rpos_ptr, R, HW, WIDTH, D, BITS, GROUP,
                     GRID, OFFSET, FP8, STAGES, BLOCK_N, W, INTERP, ROPE, SPLIT_H, SPLIT_W)
     if P > 2:
         x2 = _plane(byte, sraw, ts, 2, rows, rmask, chunk, crow0, crow1, crow2, crow3, ids_ptr, ids_stage_stride,
-                    K, cent_ptr, cent_stage_stride, L, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF, D, BITS, GROUP,
+                    K, cent_ptr, cent_stage_stride, L, rope_ptr, rpos_ptr, R, HW, WIDTH, D, BITS, GROUP,
                     GRID, OFFSET, FP8, STAGES, BLOCK_N, W, INTERP, ROPE, SPLIT_H, SPLIT_W)
         x3 = _plane(byte, sraw, ts, 3, rows, rmask, chunk, crow0, crow1, crow2, crow3, ids_ptr, ids_stage_stride,
-                    K, cent_ptr, cent_stage_stride, L, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF, D, BITS, GROUP,
+                    K, cent_ptr, cent_stage_stride, L, rope_ptr, rpos_ptr, R, HW, WIDTH, D, BITS, GROUP,
                     GRID, OFFSET, FP8, STAGES, BLOCK_N, W, INTERP, ROPE, SPLIT_H, SPLIT_W)
     if JOIN:
         x0 = _join4(x0, x1, x2, x3, P)
@@ -260,7 +260,7 @@ def _codes(codes_ptr, n0, N, W: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _attend_item(q_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, vcen, tk_ptr, tv_ptr, qk_scale, pid_m, bh, j0, j1,
-                 M, N, T, L, C, K, HQ, HKV, GH, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF, D: tl.constexpr,
+                 M, N, T, L, C, K, HQ, HKV, GH, rope_ptr, rpos_ptr, R, HW, WIDTH, D: tl.constexpr,
                  BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr, OFFSET: tl.constexpr,
                  FP8: tl.constexpr, STAGES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  HAS_HIST: tl.constexpr, INTERP: tl.constexpr, JOIN: tl.constexpr, ROPE: tl.constexpr,
@@ -346,12 +346,12 @@ def _attend_item(q_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, vcen, tk_ptr, tv
                 kb = _codes(kc, n0 + BLOCK_N, N, W, BLOCK_N)
                 vb = _codes(vc, n0 + BLOCK_N, N, W, BLOCK_N)
             k0, k1, k2, k3 = _tile_planes(kbt, ksr, kts, kr0, kr1, kr2, kr3, n0, N, L, K, kid, istride, kcen,
-                                          cstride, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF, D, BITS, GROUP,
+                                          cstride, rope_ptr, rpos_ptr, R, HW, WIDTH, D, BITS, GROUP,
                                           GRID, OFFSET, FP8, STAGES, BLOCK_N, JOIN, INTERP, ROPE, SPLIT_H, SPLIT_W)
             p, alpha, m_i, l_i = _online_softmax(_scores(q0, q1, q2, q3, k0, k1, k2, k3, BLOCK_N, P, JOIN, INTERP),
                                                  valid, n0 + BLOCK_N > N, m_i, l_i, qk_scale)
             v0, v1, v2, v3 = _tile_planes(vbt, vsr, vts, vr0, vr1, vr2, vr3, n0, N, L, K, vid, istride, vcen,
-                                          cstride, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF, D, BITS, GROUP,
+                                          cstride, rope_ptr, rpos_ptr, R, HW, WIDTH, D, BITS, GROUP,
                                           GRID, OFFSET, FP8, STAGES, BLOCK_N, JOIN, INTERP, False, 0, 0)
             a0, a1, a2, a3 = _accumulate(p, alpha, v0, v1, v2, v3, a0, a1, a2, a3, P, JOIN, INTERP)
             ksr, kts, kr0, kr1, kr2, kr3 = nksr, nkts, nkr0, nkr1, nkr2, nkr3
@@ -385,8 +385,8 @@ def _store_rows(orow, om, a0, a1, a2, a3, lsafe, W: tl.constexpr, P: tl.constexp
 
 @triton.jit
 def _attn_planes_kernel(q_ptr, out_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, vcen, tk_ptr, tv_ptr, part_ptr,
-                        lse_ptr, qk_scale, M, N, T, L, C, K, HQ, HKV, SPLITS, rope_ptr, frame0_ptr, R, HW, WIDTH,
-                        H_OFF, W_OFF, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr,
+                        lse_ptr, qk_scale, M, N, T, L, C, K, HQ, HKV, SPLITS, rope_ptr, rpos_ptr, R, HW, WIDTH,
+                        D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr,
                         OFFSET: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_HIST: tl.constexpr,
                         INTERP: tl.constexpr, JOIN: tl.constexpr = True, SPLIT: tl.constexpr = False,
@@ -407,7 +407,7 @@ def _attn_planes_kernel(q_ptr, out_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, 
     j0 = pid_s * per
     a0, a1, a2, a3, m_i, l_i = _attend_item(q_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, vcen, tk_ptr, tv_ptr,
                                             qk_scale, pid_m, bh, j0, j0 + per, M, N, T, L, C, K, HQ, HKV, GH,
-                                            rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF, D, BITS, GROUP, GRID,
+                                            rope_ptr, rpos_ptr, R, HW, WIDTH, D, BITS, GROUP, GRID,
                                             OFFSET, FP8, STAGES, BLOCK_M, BLOCK_N, HAS_HIST, INTERP, JOIN, ROPE,
                                             SPLIT_H, SPLIT_W)
     P: tl.constexpr = 8 // BITS
@@ -427,8 +427,8 @@ def _attn_planes_kernel(q_ptr, out_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, 
 
 @triton.jit
 def _attn_stream_kernel(q_ptr, out_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, vcen, tk_ptr, tv_ptr, part_ptr,
-                        lse_ptr, qk_scale, M, N, T, L, C, K, HQ, HKV, GH, ITEMS, PER, FULL, rope_ptr, frame0_ptr,
-                        R, HW, WIDTH, H_OFF, W_OFF, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+                        lse_ptr, qk_scale, M, N, T, L, C, K, HQ, HKV, GH, ITEMS, PER, FULL, rope_ptr, rpos_ptr,
+                        R, HW, WIDTH, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                         GRID: tl.constexpr, OFFSET: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_HIST: tl.constexpr,
                         INTERP: tl.constexpr, JOIN: tl.constexpr = True, ROPE: tl.constexpr = False,
@@ -463,7 +463,7 @@ def _attn_stream_kernel(q_ptr, out_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, 
         bh = i // NMB
         a0, a1, a2, a3, m_i, l_i = _attend_item(q_ptr, kc, ks, kt, kid, kcen, vc, vs, vt, vid, vcen, tk_ptr,
                                                 tv_ptr, qk_scale, pid_m, bh, j0, j1, M, N, T, L, C, K, HQ, HKV, GH,
-                                                rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF, D, BITS, GROUP,
+                                                rope_ptr, rpos_ptr, R, HW, WIDTH, D, BITS, GROUP,
                                                 GRID, OFFSET, FP8, STAGES, BLOCK_M, BLOCK_N, HAS_HIST, INTERP, JOIN,
                                                 ROPE, SPLIT_H, SPLIT_W)
         r = tl.arange(0, BLOCK_M)

@@ -15,17 +15,20 @@ from .common import INTERPRET, bf16_bits_to_f32, decode_scale, dequant_codes, gr
 
 
 @triton.jit
-def _rope(v, rows, chunk, L, rmask, j0, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF, D: tl.constexpr,
+def _rope(v, rows, chunk, L, rmask, j0, rope_ptr, rpos_ptr, R, HW, WIDTH, D: tl.constexpr,
           W: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_H: tl.constexpr, SPLIT_W: tl.constexpr):
     """Rotate the pairs of a plane tile v [BLOCK_N, W] (channels 2 * j0 ...) with the factorized tables of
-    qvg.rope.RopeTables: pair j reads the frame, row or column row of the table by its band."""
+    qvg.rope.RopeTables: pair j reads the time, row or column row of the table by its band; rpos_ptr holds, per
+    (slot, frame), the table rows of its time, first row and first column (`RopeTables.kernel_positions`: spatial
+    offsets included)."""
     local = rows - chunk * L
-    frame = tl.load(frame0_ptr + chunk, mask=rmask, other=0) + local // HW
-    hh = (local % HW) // WIDTH
-    ww = local % WIDTH
+    fi = (chunk * (L // HW) + local // HW) * 3  # the token's (slot, frame) in the positions table
+    frame = tl.load(rpos_ptr + fi, mask=rmask, other=0)
+    hh = tl.load(rpos_ptr + fi + 1, mask=rmask, other=0) + (local % HW) // WIDTH
+    ww = tl.load(rpos_ptr + fi + 2, mask=rmask, other=0) + local % WIDTH
     j = j0 + tl.arange(0, W // 2)
-    pos = tl.where((j >= SPLIT_W)[None, :], W_OFF + ww[:, None],
-                   tl.where((j >= SPLIT_H)[None, :], H_OFF + hh[:, None], frame[:, None]))
+    pos = tl.where((j >= SPLIT_W)[None, :], ww[:, None],
+                   tl.where((j >= SPLIT_H)[None, :], hh[:, None], frame[:, None]))
     off = pos * (D // 2) + j[None, :]
     m2 = rmask[:, None]
     cos = tl.load(rope_ptr + off, mask=m2, other=1.0)
@@ -62,7 +65,7 @@ def _pick4(i: tl.constexpr, a0, a1, a2, a3):
 
 @triton.jit
 def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_ptr, out_ptr, N, L, C, K, GH,
-                    ROW0, ROW_END, OUT_N, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF,
+                    ROW0, ROW_END, OUT_N, rope_ptr, rpos_ptr, R, HW, WIDTH,
                     D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr,
                     OFFSET: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr, BLOCK_N: tl.constexpr,
                     ROPE: tl.constexpr, SPLIT_H: tl.constexpr, SPLIT_W: tl.constexpr, INTERP: tl.constexpr,
@@ -131,7 +134,7 @@ def _dequant_kernel(codes_ptr, scale_ptr, zero_ptr, tscale_ptr, ids_ptr, cent_pt
                     crow = _crow(ids_ptr, st, GH, N, tok, rmask, gh, C, chunk, K)
                 v += tl.load(cent_ptr + crow[:, None] * D + col[None, :], mask=m2, other=0.0).to(tl.float32)
             if ROPE:  # keys stored before RoPE: rotate channel pairs (2j, 2j+1) by the token's 3D position
-                v = _rope(v, rows, chunk, L, rmask, p * W // 2, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF,
+                v = _rope(v, rows, chunk, L, rmask, p * W // 2, rope_ptr, rpos_ptr, R, HW, WIDTH,
                           D, W, BLOCK_N, SPLIT_H, SPLIT_W)
             if DEFER:
                 if pi == 0:
@@ -187,7 +190,7 @@ def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None,
         t["codes"], raw_view(t["scale"]), raw_view(t["zero"]) if "zero" in t else dummy,
         t.get("tscale", dummy), t["ids"] if stages else dummy,
         t["centroids"] if stages else dummy, out, n, chunk_len, n // chunk_len, k, b * h, r0, r1, out.shape[2],
-        *_rope_args(rope, dummy), D=d, STAGES=stages, BLOCK_N=block_n, ROPE=rope is not None,
+        *_rope_args(rope, dummy, chunk_len), D=d, STAGES=stages, BLOCK_N=block_n, ROPE=rope is not None,
         SPLIT_H=rope.split[0] if rope else 0, SPLIT_W=rope.split[1] if rope else 0, INTERP=INTERPRET,
         NBLK=nblk, PROGS=progs, PLANE_SPLIT=plane_split, num_warps=num_warps, enable_fp_fusion=False,
         **grid_constants(spec))
@@ -204,8 +207,9 @@ def _check_out(out: torch.Tensor, need: tuple, device) -> None:
                          f"{out.device}")
 
 
-def _rope_args(rope: RopeTables | None, dummy: torch.Tensor) -> tuple:
+def _rope_args(rope: RopeTables | None, dummy: torch.Tensor, chunk_len: int) -> tuple:
+    """The kernels' rope arguments: table, per-(slot, frame) table rows, table rows R, tokens per frame, width."""
     if rope is None:
-        return dummy, dummy, 0, 1, 1, 0, 0
-    return (rope.table, rope.frame0, rope.table.shape[1], rope.height * rope.width, rope.width, rope.max_frames,
-            rope.max_frames + rope.height)
+        return dummy, dummy, 0, 1, 1
+    hw = rope.height * rope.width
+    return rope.table, rope.kernel_positions(chunk_len // hw), rope.table.shape[1], hw, rope.width

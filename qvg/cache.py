@@ -66,11 +66,12 @@ Per layer, three zones, for keys and values alike ([B, H, tokens, D], H = kv hea
   is read, so k-means groups keys by content rather than by position (eval/results/rope_storage.md: 1.8x lower
   INT2 key error for qvg). The model gives each chunk's per-frame positions (`set_positions`); each packed unit
   keeps them (a few integers per frame). The BF16 zones always hold keys after RoPE. On the GPU the kernels rotate
-  the keys as they decode them when the positions are plain time steps (factorized tables of time offsets only): the
-  dequant kernel for the "window" and "staged" reads, and for "fused" too on a GPU (it reads pre-RoPE keys staged:
-  the attention kernel's on-chip rotation, which the interpreter runs, was 7-10x slower on the H200,
-  eval/results/rope-on-chip-h200.json); with spatial
-  offsets (the world model's pans) the history is decoded whole and rotated in torch, a transient of its size.
+  the keys as they decode them (factorized tables: each frame's time and spatial offsets, the world model's pans
+  included, `RopeTables.positions`): the dequant kernel for the "window" and "staged" reads, and for "fused" too on
+  a GPU (it reads pre-RoPE keys staged: the attention kernel's on-chip rotation, which the interpreter runs, was
+  7-10x slower on the H200, eval/results/rope-on-chip-h200.json). Only positions that differ across the batch (or
+  negative times) are beyond the tables: then the history is decoded whole and rotated in torch, a transient of its
+  size.
 - `reads`: how many attends (one per layer and forward) read a compressed history, by the path that ran ("window",
   "staged", "fused" or "reference", the torch path), so a report names the read that ran rather than the one asked
   for. Attends with no compressed history (bf16, or before the first commit) are not counted.
@@ -263,8 +264,8 @@ class KVCache:
         return frame_angles(pos, h, w, head_dim, theta).float()[:, None]
 
     def _rope_tables(self, L: _Layer, device) -> RopeTables | None:
-        """The history's RoPE as the dequant kernel's factorized tables (frame0 per ring slot), or None when they
-        cannot say it: spatial offsets, positions that differ across the batch, or frames out of step. Kept per
+        """The history's RoPE as the dequant kernel's factorized tables (each ring slot's frames: time and spatial
+        offsets), or None when they cannot say it: positions that differ across the batch, or negative times. Kept per
         positions while they last (during the clean re-run, layers committed already hold one more unit than the
         rest: two live keys; older ones are dropped) and counted in memory()'s workspace."""
         pos = torch.stack(L.pos_hist)  # [C, B, F, 3]
@@ -277,12 +278,12 @@ class KVCache:
         return self._rope_memo[key]
 
     def _make_tables(self, pos: torch.Tensor, head: int, device, head_dim: int) -> RopeTables | None:
-        steps = torch.arange(pos.shape[2], dtype=pos.dtype)
-        if pos[..., 1:].any() or (pos[..., 0] != pos[:, :1, :1, 0] + steps).any():
+        if (pos != pos[:, :1]).any() or (pos[..., 0] < 0).any():  # (one table for the batch; times from 0)
             return None
-        t0 = torch.roll(pos[:, 0, 0, 0], head)  # slot s holds the unit (s - head) mod C
+        slots = torch.roll(pos[:, 0], head, 0)  # [C, F, 3]: slot s holds the unit (s - head) mod C
         h, w, theta = self._grid
-        return RopeTables(h, w, head_dim, t0.to(device), int(pos[..., 0].max()) + 1, theta)
+        return RopeTables(h, w, head_dim, slots[:, 0, 0].to(device), int(pos[..., 0].max()) + 1, theta,
+                          positions=slots.to(device))
 
     # ---- writing ------------------------------------------------------------------------------------------
     def set_positions(self, positions: torch.Tensor, height: int, width: int, theta: float = 10000.0) -> None:
@@ -750,7 +751,7 @@ class KVCache:
                     comp["centroids"] += L.warm[i].numel() * L.warm[i].element_size()
             comp["positions"] += sum(p.numel() * p.element_size() for p in L.pos_hist + L.pos_pending)
         comp["workspace"] = self._graphed.nbytes if self._graphed is not None else 0  # the compression graphs
-        comp["workspace"] += sum(t.table.numel() * 4 + t.frame0.numel() * 4 for t in self._rope_memo.values()
+        comp["workspace"] += sum(t.nbytes for t in self._rope_memo.values()
                                  if t is not None)  # and the kernel's rotation tables (pre-rope keys)
         total = sum(comp.values())
         return {**comp, **zones, "total": total, "bf16_equivalent": equiv,

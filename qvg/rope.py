@@ -63,26 +63,70 @@ def apply_rope(x: torch.Tensor, angles: torch.Tensor, inverse: bool = False) -> 
 
 class RopeTables:
     """Factorized RoPE for keys stored before RoPE and rotated on read (by `PackedSequence.decompress` or the
-    dequant kernel). Token n of a packed sequence of chunks with L = frames * height * width tokens sits at frame
-    `frame0[n // L] + local // (height * width)`, row `(local // width) % height`, column `local % width`
-    (local = n % L). `table` [2, R, D / 2] float32 holds cos then sin of position x frequency for R = T + H + W
-    positions: rows [0, T) frames, [T, T + H) rows, [T + H, R) columns; channel pair j reads the axis of its band."""
+    dequant kernel). Frame f of slot c of a packed sequence of chunks (L = frames * height * width tokens each) sits
+    at time t, with its rows and columns offset by (dy, dx) (as `frame_angles`): `positions[c, f]` = (t, dy, dx),
+    or without `positions`, t = `frame0[c] + f` and no offsets. Token (i, j) of that frame sits at row dy + i,
+    column dx + j. `table` [2, R, D / 2] float32 holds cos then sin of position x frequency for R = T + H' + W'
+    positions: rows [0, T) the times, then the rows' range (H' positions, height plus the offsets' spread), then the
+    columns'; channel pair j reads the axis of its band. `kernel_positions(frames)`: per (slot, frame), the table
+    rows of its time and of its first row and first column, which the kernels read."""
 
     def __init__(self, height: int, width: int, head_dim: int, frame0: torch.Tensor, max_frames: int,
-                 theta: float = 10000.0):
+                 theta: float = 10000.0, positions: torch.Tensor | None = None):
         bt, bh, bw = bands(head_dim)
         self.height, self.width, self.head_dim = height, width, head_dim
         self.frame0 = frame0.to(torch.int32)
-        self.max_frames = max_frames
+        self.max_frames, self._theta = max_frames, theta
+        self.positions = None if positions is None else positions.to(frame0.device, torch.int32)
+        if self.positions is not None and (self.positions.dim() != 3 or self.positions.shape[2] != 3
+                                           or self.positions.shape[0] != self.frame0.numel()
+                                           or (self.positions[..., 0] < 0).any()
+                                           or int(self.positions[..., 0].max()) >= max_frames):
+            raise ValueError("positions must be [slots, frames, 3] (t, dy, dx), a slot per frame0 entry, with "
+                             "0 <= t < max_frames")
         self.split = (bt // 2, (bt + bh) // 2)  # pair index where the h band, then the w band, starts
-        ang = torch.zeros(max_frames + height + width, head_dim // 2, dtype=torch.float64)
+        dy = self.positions[..., 1] if self.positions is not None else torch.zeros(1, dtype=torch.int32)
+        dx = self.positions[..., 2] if self.positions is not None else torch.zeros(1, dtype=torch.int32)
+        h_lo, h_hi = min(0, int(dy.min())), height - 1 + max(0, int(dy.max()))
+        w_lo, w_hi = min(0, int(dx.min())), width - 1 + max(0, int(dx.max()))
+        nh, nw = h_hi - h_lo + 1, w_hi - w_lo + 1
+        self._row0, self._col0 = max_frames - h_lo, max_frames + nh - w_lo  # table row of row / column position 0
+        ang = torch.zeros(max_frames + nh + nw, head_dim // 2, dtype=torch.float64)
         ang[:max_frames, :bt // 2] = axis_angles(torch.arange(max_frames), bt, theta)
-        ang[max_frames:max_frames + height, bt // 2:(bt + bh) // 2] = axis_angles(torch.arange(height), bh, theta)
-        ang[max_frames + height:, (bt + bh) // 2:] = axis_angles(torch.arange(width), bw, theta)
+        ang[max_frames:max_frames + nh, bt // 2:(bt + bh) // 2] = axis_angles(torch.arange(h_lo, h_hi + 1), bh, theta)
+        ang[max_frames + nh:, (bt + bh) // 2:] = axis_angles(torch.arange(w_lo, w_hi + 1), bw, theta)
         self.table = torch.stack([ang.cos(), ang.sin()]).float().to(frame0.device)
+        self._kpos: dict[int, torch.Tensor] = {}
+        if self.positions is not None:
+            self.kernel_positions(self.positions.shape[1])
+
+    def frame_positions(self, frames: int) -> torch.Tensor:
+        """[slots, frames, 3] (t, dy, dx) of every slot's frames."""
+        if self.positions is not None:
+            if self.positions.shape[1] != frames:
+                raise ValueError(f"these tables hold positions for {self.positions.shape[1]} frames per chunk, "
+                                 f"not {frames}")
+            return self.positions
+        pos = torch.zeros(self.frame0.numel(), frames, 3, dtype=torch.int32, device=self.frame0.device)
+        pos[..., 0] = self.frame0[:, None] + torch.arange(frames, dtype=torch.int32, device=self.frame0.device)
+        return pos
+
+    def kernel_positions(self, frames: int) -> torch.Tensor:
+        """int32 [slots * frames, 3]: the table rows of each (slot, frame)'s time, first row and first column, as
+        the kernels index them (kept per frames per chunk; counted in `nbytes`)."""
+        if frames not in self._kpos:
+            pos = self.frame_positions(frames).reshape(-1, 3)
+            self._kpos[frames] = torch.stack([pos[:, 0], pos[:, 1] + self._row0, pos[:, 2] + self._col0],
+                                             1).to(torch.int32).contiguous()
+        return self._kpos[frames]
+
+    @property
+    def nbytes(self) -> int:
+        return (self.table.numel() * 4 + self.frame0.numel() * 4 + sum(t.numel() * 4 for t in self._kpos.values())
+                + (self.positions.numel() * 4 if self.positions is not None else 0))
 
     def angles(self, chunk_len: int) -> torch.Tensor:
         """[C * chunk_len, D / 2] angles of every token (the reference path)."""
         frames = chunk_len // (self.height * self.width)
-        return torch.cat([grid_angles(frames, self.height, self.width, self.head_dim, t0=int(f))
-                          for f in self.frame0.tolist()])
+        pos = self.frame_positions(frames).cpu()
+        return frame_angles(pos, self.height, self.width, self.head_dim, self._theta).reshape(-1, self.head_dim // 2)

@@ -108,8 +108,8 @@ def test_pre_rope_packs_positional_keys_better_and_attention_follows():
 
 
 def test_rope_tables_say_the_same_rotation_as_the_angles():
-    """The GPU path's factorized tables (frame0 per ring slot, for the dequant kernel) rotate the packed history as
-    the angles do, after the ring wrapped; with spatial offsets there are no tables (the reference path runs)."""
+    """The GPU path's factorized tables (each ring slot's frames, for the dequant kernel) rotate the packed history
+    as the angles do, after the ring wrapped, and with spatial offsets (a moving camera) too."""
     cache = KVCache(1, "qvg", chunk_frames=CF, tokens_per_frame=TPF, window_frames=6, key_storage="pre-rope",
                     bits=8, centroids=4)
     _feed(cache, 5, shift=False)
@@ -121,7 +121,11 @@ def test_rope_tables_say_the_same_rotation_as_the_angles():
     assert torch.allclose(by_tables, by_angles, atol=2e-2 * by_angles.abs().max().item())
     moving = KVCache(1, "qvg", chunk_frames=CF, tokens_per_frame=TPF, key_storage="pre-rope", bits=8, centroids=4)
     _feed(moving, 2)
-    assert moving._rope_tables(moving.layers[0], "cpu") is None
+    M = moving.layers[0]
+    assert torch.stack(M.pos_hist)[..., 1:].any()  # (the history holds spatial offsets)
+    by_tables = M.hist[0].decompress(rope=moving._rope_tables(M, "cpu")).float()
+    by_angles = apply_rope(M.hist[0].decompress(), moving._angles(M.pos_hist, "cpu", D))
+    assert torch.allclose(by_tables, by_angles, atol=2e-2 * by_angles.abs().max().item())
 
 
 def test_pre_rope_model_rollout_matches_post_rope_in_bf16_and_at_8_bits():

@@ -4,7 +4,7 @@ import torch
 
 import qvg
 from qvg.attention import attend_reference
-from qvg.rope import RopeTables, apply_rope, bands, grid_angles
+from qvg.rope import RopeTables, apply_rope, bands, frame_angles, grid_angles
 from qvg.sequence import PackedSequence
 
 
@@ -41,6 +41,34 @@ def test_tables_match_per_chunk_angles():
     assert cos[t, 0] == pytest.approx(ang[tok, 0].cos().item(), abs=1e-6)
     assert cos[12 + h, sp_h] == pytest.approx(ang[tok, sp_h].cos().item(), abs=1e-6)
     assert cos[12 + 3 + w, sp_w] == pytest.approx(ang[tok, sp_w].cos().item(), abs=1e-6)
+
+
+def _panning_positions() -> torch.Tensor:
+    """[3 slots, 2 frames, 3]: times out of step and spatial offsets both ways (a camera that pans)."""
+    return torch.tensor([[[0, 0, 0], [1, -2, 3]], [[5, 1, -4], [4, 2, 0]], [[9, 0, 7], [10, -1, 7]]])
+
+
+def test_tables_with_positions_match_frame_angles():
+    """Per-frame positions (time, dy, dx): the reference angles are `frame_angles` of them, and the kernels' view
+    (table rows of each frame's time, first row and first column) reads the same angles from the table."""
+    pos = _panning_positions()
+    rope = RopeTables(3, 4, 64, pos[:, 0, 0], max_frames=11, positions=pos)
+    ang = rope.angles(2 * 3 * 4)
+    torch.testing.assert_close(ang, frame_angles(pos, 3, 4, 64).reshape(-1, 32))
+    kp = rope.kernel_positions(2)
+    sp_h, sp_w = rope.split
+    cos = rope.table[0]
+    for c, f, i, j in ((0, 1, 2, 3), (1, 0, 0, 0), (2, 1, 1, 2)):
+        tok = (c * 2 + f) * 12 + i * 4 + j
+        t_row, r_row, c_row = kp[c * 2 + f].tolist()
+        assert cos[t_row, 0] == pytest.approx(ang[tok, 0].cos().item(), abs=1e-6)
+        assert cos[r_row + i, sp_h] == pytest.approx(ang[tok, sp_h].cos().item(), abs=1e-6)
+        assert cos[c_row + j, sp_w] == pytest.approx(ang[tok, sp_w].cos().item(), abs=1e-6)
+    assert rope.nbytes == rope.table.numel() * 4 + (3 + 18 + 18) * 4
+    with pytest.raises(ValueError, match="positions must be"):
+        RopeTables(3, 4, 64, pos[:, 0, 0], max_frames=10, positions=pos)  # a time of 10 is past the table
+    with pytest.raises(ValueError, match="for 2 frames per chunk, not 3"):
+        rope.kernel_positions(3)
 
 
 def test_decompress_with_rope_and_attention():

@@ -332,8 +332,8 @@ def test_staged_reads_a_tail_view_in_place(b, device):
 
 
 @triton.jit
-def _decode_tiles(kc, ks, kt, kid, kcen, out, N, L, K, istride, cstride, rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF,
-                  W_OFF, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr,
+def _decode_tiles(kc, ks, kt, kid, kcen, out, N, L, K, istride, cstride, rope_ptr, rpos_ptr, R, HW, WIDTH,
+                  D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, GRID: tl.constexpr,
                   OFFSET: tl.constexpr, FP8: tl.constexpr, STAGES: tl.constexpr, BLOCK_N: tl.constexpr,
                   INTERP: tl.constexpr, ROPE: tl.constexpr, SPLIT_H: tl.constexpr, SPLIT_W: tl.constexpr):
     """The fused kernel's decode stage alone (`_codes` + `_tile_raw` + `_tile_planes`, planes stored side by side)."""
@@ -342,7 +342,7 @@ def _decode_tiles(kc, ks, kt, kid, kcen, out, N, L, K, istride, cstride, rope_pt
     rows = n0 + tl.arange(0, BLOCK_N)
     raw = _tile_raw(ks, kt, kid, n0, N, L, K, istride, D, BITS, GROUP, FP8, STAGES, BLOCK_N)
     x0, x1, x2, x3 = _tile_planes(_codes(kc, n0, N, W, BLOCK_N), *raw, n0, N, L, K, kid, istride, kcen, cstride,
-                                  rope_ptr, frame0_ptr, R, HW, WIDTH, H_OFF, W_OFF, D, BITS, GROUP, GRID, OFFSET, FP8,
+                                  rope_ptr, rpos_ptr, R, HW, WIDTH, D, BITS, GROUP, GRID, OFFSET, FP8,
                                   STAGES, BLOCK_N, False, INTERP, ROPE, SPLIT_H, SPLIT_W)
     o = out + rows[:, None] * D + tl.arange(0, W)[None, :]
     m = (rows < N)[:, None]
@@ -366,8 +366,8 @@ def _fused_decode(kh: PackedSequence, device: str, rope=None) -> torch.Tensor:
     _decode_tiles[(triton.cdiv(n, 32),)](
         t["codes"], raw_view(t["scale"]), t.get("tscale", dummy), t["ids"] if stages else dummy,
         t["centroids"] if stages else dummy, out, n, kh.chunk_len, t["centroids"].shape[-2] if stages else 1,
-        b * h * n, t["centroids"][0].numel() if stages else 0, *_rope_args(rope, dummy), D=d, STAGES=stages,
-        BLOCK_N=32, INTERP=INTERPRET, ROPE=rope is not None, SPLIT_H=rope.split[0] if rope else 0,
+        b * h * n, t["centroids"][0].numel() if stages else 0, *_rope_args(rope, dummy, kh.chunk_len), D=d,
+        STAGES=stages, BLOCK_N=32, INTERP=INTERPRET, ROPE=rope is not None, SPLIT_H=rope.split[0] if rope else 0,
         SPLIT_W=rope.split[1] if rope else 0, **grid_constants(kh.spec))
     return out.cpu()
 

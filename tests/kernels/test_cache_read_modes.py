@@ -124,18 +124,40 @@ def test_fused_read_of_pre_rope_keys_is_staged_where_rope_is_not_on_chip(device,
 
 
 @pytest.mark.parametrize("read", READ_MODES)
-def test_reads_count_the_torch_fallback_of_spatial_offsets(device, read):
-    """Pre-RoPE keys at spatial offsets (a panning camera) are beyond the kernels' factorized tables: every read of
-    that history takes the torch path, and KVCache.reads counts it as "reference", whatever read was asked for."""
-    c = KVCache(LAYERS, "qvg", read=read, chunk_frames=CF, tokens_per_frame=TPF, centroids=4, block_size=16,
-                key_storage="pre-rope", bits=4)
+def test_pre_rope_keys_at_spatial_offsets_are_read_by_the_kernels(device, read):
+    """Pre-RoPE keys at spatial offsets (a camera that pans, as the world model's): the kernels' tables hold each
+    frame's offsets, so every read takes the path asked for (KVCache.reads), and agrees with the torch path (decode
+    the whole history, rotate it by `frame_angles`: a cache whose tables are withheld)."""
+    kw = dict(read=read, chunk_frames=CF, tokens_per_frame=TPF, window_frames=4 * CF, centroids=4, block_size=16,
+              key_storage="pre-rope", bits=4)
+    c, ref = KVCache(LAYERS, "qvg", **kw), KVCache(LAYERS, "qvg", **kw)
+    ref._rope_tables = lambda L, dev: None  # (the torch path's reads)
     q = torch.randn(1, 4, CF * TPF, D, generator=torch.Generator().manual_seed(4)).bfloat16().to(device)
-    for i in range(2):
+    for i in range(4):
         pos = _positions(i)
-        pos[..., 2] = i + 1  # (the camera pans one column per chunk)
+        pos[..., 1], pos[..., 2] = -i, 2 * i + 1  # (the camera pans: rows up, columns right)
         x = clustered(2 * LAYERS, 2, CF * TPF, D, seed=95 + i).bfloat16().to(device)
-        _chunk(c, x, q, positions=pos)
-    assert c.reads == {"reference": 2 * LAYERS}
+        for a, b in zip(_chunk(c, x, q, positions=pos), _chunk(ref, x, q, positions=pos)):
+            assert rel_err(a, b) < TOL, (i, rel_err(a, b))
+    assert c.reads == {read: 3 * 2 * LAYERS} and ref.reads == {"reference": 3 * 2 * LAYERS}
+
+
+def test_tables_refuse_positions_that_differ_across_the_batch():
+    """One table serves the batch: positions that differ between samples (or negative times) leave the history to
+    the torch path (None), anything else gets tables, spatial offsets included."""
+    c = KVCache(LAYERS, "qvg", chunk_frames=CF, tokens_per_frame=TPF, key_storage="pre-rope")
+    c._grid = (4, 4, 10000.0)
+    pos = torch.zeros(2, 2, CF, 3, dtype=torch.int32)  # [units, batch, frames, 3]
+    pos[..., 0] = torch.arange(CF)
+    pos[1, ..., 0] += CF
+    pos[..., 2] = 3
+    assert c._make_tables(pos, 0, "cpu", D) is not None
+    moved = pos.clone()
+    moved[1, 1, :, 1] = 1  # sample 1 of the second unit sits a row lower
+    assert c._make_tables(moved, 0, "cpu", D) is None
+    early = pos.clone()
+    early[0, :, 0, 0] = -1
+    assert c._make_tables(early, 0, "cpu", D) is None
 
 
 def test_read_mode_errors():
