@@ -57,8 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--read", default="window", help="how the GPU reads a packed rtn / qvg / qvg-pro history for "
                    "attention: window (decode + cuDNN SDPA, the fastest), staged (<= 32 MiB decoded at a time, Triton "
                    "flash kernel) or fused (dequantized on chip, nothing decoded to memory; pre-rope keys are read "
-                   "staged by it on a GPU, 7-10x faster than rotating them on chip). With pre-rope keys and "
-                   "a camera that pans (the embedded model's spatial offsets) every read decodes the whole history. "
+                   "staged by it on a GPU, 7-10x faster than rotating them on chip; the kernels rotate a panning "
+                   "camera's spatial offsets too). "
                    "Default window; on CPU the torch reference runs whatever this says, and the report's `read` says "
                    "reference there (and for bf16 / kivi / quarot, which have no packed read: window only)")
     p.add_argument("--history", default="full", help="full, or window:N (keep N past latent frames)")
@@ -123,7 +123,7 @@ def read_ran(read: str, method: str, key_storage: str, dev) -> str:
 
 def _reads_label(reads: dict) -> str:
     """The read paths the cache took for its history (KVCache.reads), most used first: "window", or e.g.
-    "reference + window" when some layers' reads fell back to the torch path; "" when no history was read (then the
+    "reference + window" if some reads fell back to the torch path; "" when no history was read (then the
     report names the read that would run, `read_ran`)."""
     return " + ".join(k for k, _ in sorted(reads.items(), key=lambda kv: (-kv[1], kv[0])))
 

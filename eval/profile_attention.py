@@ -54,8 +54,9 @@ def parse_only(text: str) -> list[dict]:
 class Adapted:
     """A baseline file's kernel launched with the arguments packed_attention gives the current one (`current`): every
     argument goes by name, and those the baseline does not take are dropped: FULL before d45552c, the RoPE tables'
-    before 79551df (in "base:" runs, which ask for neither waves nor rope, they hold their no-op values). Launch
-    options (num_warps, ...) pass through."""
+    before 79551df (in "base:" runs, which ask for neither waves nor rope, they hold their no-op values). Baselines
+    from 79551df to e957e25 take the rotation as frame0_ptr, H_OFF and W_OFF (since d66b78f: rpos_ptr): they get
+    the no-rope values (these runs ask for no rope). Launch options (num_warps, ...) pass through."""
 
     def __init__(self, kernel, current):
         self.kernel, self.takes, self.current = kernel, set(kernel.arg_names), list(current.arg_names)
@@ -65,6 +66,8 @@ class Adapted:
 
         def run(*args, **kw):
             named = {**dict(zip(self.current, args)), **kw}
+            if "frame0_ptr" in self.takes and "rpos_ptr" in named:  # (the rotation's arguments before d66b78f)
+                named.update(frame0_ptr=named["rpos_ptr"], H_OFF=0, W_OFF=0)
             return launch(**{k: v for k, v in named.items() if k in self.takes or k not in self.current})
         return run
 

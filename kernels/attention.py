@@ -339,7 +339,7 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
 
     def launch(n_stages):
         kernel[grid](q, out, *kargs, *vargs, tk, tv, part, lse, scale * LOG2E, m, n, t, L, max(1, n // L), kk, hq,
-                     hkv, *extra["args"], *_rope_args(rope, dummy, L), D=d, STAGES=stages, BLOCK_M=block_m,
+                     hkv, *extra["args"], *_rope_args(rope, dummy, L, n // L), D=d, STAGES=stages, BLOCK_M=block_m,
                      BLOCK_N=block_n, HAS_HIST=k_hist is not None, INTERP=INTERPRET, JOIN=join, num_warps=num_warps,
                      num_stages=n_stages, **extra["consts"], **consts)
     # num_stages None: 3 for the joined form (qvg, RTN, the BF16 tail; see the docstring), 2 for qvg-pro's

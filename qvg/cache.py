@@ -283,7 +283,7 @@ class KVCache:
         slots = torch.roll(pos[:, 0], head, 0)  # [C, F, 3]: slot s holds the unit (s - head) mod C
         h, w, theta = self._grid
         return RopeTables(h, w, head_dim, slots[:, 0, 0].to(device), int(pos[..., 0].max()) + 1, theta,
-                          positions=slots.to(device))
+                          positions=slots)  # (host positions: RopeTables checks them there, then moves them)
 
     # ---- writing ------------------------------------------------------------------------------------------
     def set_positions(self, positions: torch.Tensor, height: int, width: int, theta: float = 10000.0) -> None:

@@ -77,16 +77,15 @@ class RopeTables:
         self.height, self.width, self.head_dim = height, width, head_dim
         self.frame0 = frame0.to(torch.int32)
         self.max_frames, self._theta = max_frames, theta
-        self.positions = None if positions is None else positions.to(frame0.device, torch.int32)
-        if self.positions is not None and (self.positions.dim() != 3 or self.positions.shape[2] != 3
-                                           or self.positions.shape[0] != self.frame0.numel()
-                                           or (self.positions[..., 0] < 0).any()
-                                           or int(self.positions[..., 0].max()) >= max_frames):
+        host = None if positions is None else positions.cpu().to(torch.int32)  # (checked on the host: no GPU sync)
+        if host is not None and (host.dim() != 3 or host.shape[2] != 3 or host.shape[0] != self.frame0.numel()
+                                 or (host[..., 0] < 0).any() or int(host[..., 0].max()) >= max_frames):
             raise ValueError("positions must be [slots, frames, 3] (t, dy, dx), a slot per frame0 entry, with "
                              "0 <= t < max_frames")
+        self.positions = None if host is None else host.to(frame0.device)
         self.split = (bt // 2, (bt + bh) // 2)  # pair index where the h band, then the w band, starts
-        dy = self.positions[..., 1] if self.positions is not None else torch.zeros(1, dtype=torch.int32)
-        dx = self.positions[..., 2] if self.positions is not None else torch.zeros(1, dtype=torch.int32)
+        dy = host[..., 1] if host is not None else torch.zeros(1, dtype=torch.int32)
+        dx = host[..., 2] if host is not None else torch.zeros(1, dtype=torch.int32)
         h_lo, h_hi = min(0, int(dy.min())), height - 1 + max(0, int(dy.max()))
         w_lo, w_hi = min(0, int(dx.min())), width - 1 + max(0, int(dx.max()))
         nh, nw = h_hi - h_lo + 1, w_hi - w_lo + 1

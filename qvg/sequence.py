@@ -219,7 +219,7 @@ class PackedSequence:
             cent = t["centroids"][s].float()  # [B, H, C, K, D]
             ids = t["ids"][s].long().view(b, h, c, self.chunk_len)
             y = y + torch.gather(cent, 3, ids[..., None].expand(-1, -1, -1, -1, d)).view(b, h, n, d)
-        if rope is not None:  # per slot, as the kernels rotate: rope.frame0 lists the slots' start frames
+        if rope is not None:  # per slot, as the kernels rotate: the tables list each slot's frame positions
             from .rope import apply_rope
             y = apply_rope(y, rope.angles(self.chunk_len).to(y.device))
         if self.head:  # a wrapped ring: the oldest chunk first

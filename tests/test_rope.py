@@ -69,6 +69,8 @@ def test_tables_with_positions_match_frame_angles():
         RopeTables(3, 4, 64, pos[:, 0, 0], max_frames=10, positions=pos)  # a time of 10 is past the table
     with pytest.raises(ValueError, match="for 2 frames per chunk, not 3"):
         rope.kernel_positions(3)
+    other = RopeTables(3, 4, 64, pos[:, 0, 0], max_frames=11, theta=500.0, positions=pos)  # (angles keep theta)
+    torch.testing.assert_close(other.angles(24), frame_angles(pos, 3, 4, 64, theta=500.0).reshape(-1, 32))
 
 
 def test_decompress_with_rope_and_attention():

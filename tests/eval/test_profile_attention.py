@@ -53,3 +53,10 @@ def test_baseline_kernels_get_only_the_arguments_they_take():
     current = Fake("q_ptr", "FULL", "rope_ptr", "D", "ROPE")
     profile_attention.Adapted(Fake("q_ptr", "D"), current)[(3,)](1, 0, 7, D=128, ROPE=False, num_warps=8)
     assert calls == [((3,), (), {"q_ptr": 1, "D": 128, "num_warps": 8})]
+    # a baseline from 79551df to e957e25 takes the rotation as frame0_ptr, H_OFF, W_OFF: given their no-rope values
+    calls.clear()
+    current = Fake("q_ptr", "rope_ptr", "rpos_ptr", "R", "D")
+    old = Fake("q_ptr", "rope_ptr", "frame0_ptr", "R", "H_OFF", "W_OFF", "D")
+    profile_attention.Adapted(old, current)[(2,)]("q", "tab", "pos", 0, D=64)
+    assert calls == [((2,), (), {"q_ptr": "q", "rope_ptr": "tab", "R": 0, "D": 64, "frame0_ptr": "pos", "H_OFF": 0,
+                                 "W_OFF": 0})]

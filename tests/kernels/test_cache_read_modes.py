@@ -129,20 +129,23 @@ def test_pre_rope_keys_at_spatial_offsets_are_read_by_the_kernels(device, read):
     frame's offsets, so every read takes the path asked for (KVCache.reads; fused reads pre-RoPE keys staged on a
     GPU), and agrees with the torch path (decode the whole history, rotate it by `frame_angles`: a cache whose tables
     are withheld)."""
-    kw = dict(read=read, chunk_frames=CF, tokens_per_frame=TPF, window_frames=4 * CF, centroids=4, block_size=16,
+    kw = dict(read=read, chunk_frames=CF, tokens_per_frame=TPF, window_frames=2 * CF, centroids=4, block_size=16,
               key_storage="pre-rope", bits=4)
     c, ref = KVCache(LAYERS, "qvg", **kw), KVCache(LAYERS, "qvg", **kw)
     ref._rope_tables = lambda L, dev: None  # (the torch path's reads)
+    heads, tables = [], c._rope_tables
+    c._rope_tables = lambda L, dev: heads.append(L.hist[0].head) or tables(L, dev)
     q = torch.randn(1, 4, CF * TPF, D, generator=torch.Generator().manual_seed(4)).bfloat16().to(device)
-    for i in range(4):
+    for i in range(5):
         pos = _positions(i)
-        pos[..., 1], pos[..., 2] = -i, 2 * i + 1  # (the camera pans: rows up, columns right)
+        pos[..., 1], pos[..., 2] = -3 * i, 2 * i - 5  # (the camera pans: rows up, columns right from the left)
         x = clustered(2 * LAYERS, 2, CF * TPF, D, seed=95 + i).bfloat16().to(device)
         for a, b in zip(_chunk(c, x, q, positions=pos), _chunk(ref, x, q, positions=pos)):
             assert rel_err(a, b) < TOL, (i, rel_err(a, b))
+    assert max(heads) > 0  # (read while the ring had wrapped: slots out of time order, offsets per slot)
     from qvg.kernels.attention import rope_on_chip
     ran = "staged" if read == "fused" and not rope_on_chip(torch.device(device)) else read  # (a GPU: staged)
-    assert c.reads == {ran: 3 * 2 * LAYERS} and ref.reads == {"reference": 3 * 2 * LAYERS}
+    assert c.reads == {ran: 4 * 2 * LAYERS} and ref.reads == {"reference": 4 * 2 * LAYERS}
 
 
 def test_tables_refuse_positions_that_differ_across_the_batch():

@@ -85,7 +85,7 @@ def test_lse_merge_is_the_softmax_of_the_union(device):
 @pytest.mark.parametrize("window", [None, 6])
 def test_pre_rope_cache_tables_rotate_as_the_reference(window, device):
     """A pre-RoPE KVCache's history through the dequant kernel's rotation (the tables `KVCache._rope_tables` builds
-    for its GPU path, frame0 per ring slot) attends as the cache's reference path (decode, rotate by the stored
+    for its GPU path, each ring slot's frame positions) attends as the cache's reference path (decode, rotate by the stored
     positions' angles, SDPA), also after the rolling window's ring wrapped."""
     from qvg.cache import KVCache
     from qvg.rope import apply_rope, frame_angles
