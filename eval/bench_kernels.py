@@ -384,10 +384,10 @@ def attention_section(quick):
         if n_keys == sizes[0]:
             rope_configs = FUSED_ROPE_CONFIGS + [dict(programs=_slots(q, 8))]
             fused_rope = _best(lambda **c: packed_attention(q, K, V, rope=rope, **c), rope_configs, flops)
-            _, fused_rope["peak_transient_bytes"] = _peak(lambda: packed_attention(q, K, V, rope=rope,
-                                                                                    **fused_rope["config"]))
+            peaks = [_peak(lambda: packed_attention(q, K, V, rope=rope, **c))[1] for c in rope_configs]
             fused_rope["peak_transient_bytes_by_config"] = {  # key splits' partial outputs vs stream-K's pieces
-                str(c): _peak(lambda: packed_attention(q, K, V, rope=rope, **c))[1] for c in rope_configs}
+                str(c): b for c, b in zip(rope_configs, peaks)}
+            fused_rope["peak_transient_bytes"] = peaks[rope_configs.index(fused_rope["config"])]
             o_rope = packed_attention(q[:, :, :512], K, V, rope=rope, **fused_rope["config"])
             err_fused_rope = _rel_err(o_rope, r_rope)
         fused = _best(lambda **c: packed_attention(q, K, V, **c), FUSED_CONFIGS if n_keys == sizes[0] else

@@ -134,6 +134,14 @@ def read_error(method: str, read: str, options: dict | None = None) -> str | Non
     return None
 
 
+def gpu_read(read: str, pre_rope: bool, device) -> str:
+    """The read a packed history takes on the GPU path for `read`: as asked, except "fused" with pre-RoPE keys where
+    the attention kernel does not rotate on chip (`rope_on_chip`: a GPU), which reads them "staged". The one rule of
+    `KVCache` and of qvg-generate's report."""
+    from .kernels.attention import rope_on_chip
+    return "staged" if read == "fused" and pre_rope and not rope_on_chip(torch.device(device)) else read
+
+
 class _Layer:
     """One layer's K and V zones."""
 
@@ -610,13 +618,11 @@ class KVCache:
         """The GPU path with read="staged" / "fused": this project's packed-cache attention kernels (no prefetch:
         nothing is decoded ahead). Pre-RoPE keys are read staged on a GPU (`rope_on_chip`: each key rotated once as
         its window is decoded, not again for every query block on chip)."""
-        from .kernels.attention import packed_attention, rope_on_chip, staged_attention
+        from .kernels.attention import packed_attention, staged_attention
         kh, vh = L.hist
-        if self.read_mode == "staged" or (rope is not None and not rope_on_chip(q.device)):
-            self.reads["staged"] += 1
-            return staged_attention(q, kh, vh, kt, vt, scale=scale, rope=rope)
-        self.reads["fused"] += 1
-        return packed_attention(q, kh, vh, kt, vt, scale=scale, rope=rope)
+        path = gpu_read(self.read_mode, rope is not None, q.device)
+        self.reads[path] += 1
+        return (staged_attention if path == "staged" else packed_attention)(q, kh, vh, kt, vt, scale=scale, rope=rope)
 
     def _prefetch(self, L: _Layer, tail: int) -> None:
         """Queue the decode of L's history (and room for a tail of `tail` tokens) on a side stream, behind the
