@@ -261,7 +261,7 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
     if hq % hkv:
         raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv})")
     if rope is not None and (k_hist is None or rope.head_dim != d or k_hist.chunk_len % (rope.height * rope.width)
-                             or rope.frame0.numel() < max(1, n // k_hist.chunk_len)
+                             or rope.slots < max(1, n // k_hist.chunk_len)
                              or (rope.positions is not None
                                  and rope.positions.shape[1] * rope.height * rope.width != k_hist.chunk_len)):
         raise ValueError("rope: the tables must match a packed history (head dim, whole frames per chunk, a first "

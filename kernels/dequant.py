@@ -212,6 +212,6 @@ def _rope_args(rope: RopeTables | None, dummy: torch.Tensor, chunk_len: int, chu
     if rope is None:
         return dummy, dummy, 0, 1, 1
     hw = rope.height * rope.width
-    if rope.frame0.numel() < max(1, chunks):
-        raise ValueError(f"rope: the tables hold {rope.frame0.numel()} slots for a history of {chunks} chunks")
+    if rope.slots < max(1, chunks):
+        raise ValueError(f"rope: the tables hold {rope.slots} slots for a history of {chunks} chunks")
     return rope.table, rope.kernel_positions(chunk_len // hw), rope.table.shape[1], hw, rope.width

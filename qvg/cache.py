@@ -69,9 +69,9 @@ Per layer, three zones, for keys and values alike ([B, H, tokens, D], H = kv hea
   the keys as they decode them (factorized tables: each frame's time and spatial offsets, the world model's pans
   included, `RopeTables.positions`): the dequant kernel for the "window" and "staged" reads, and for "fused" too on
   a GPU (it reads pre-RoPE keys staged: the attention kernel's on-chip rotation, which the interpreter runs, was
-  7-10x slower on the H200, eval/results/rope-on-chip-h200.json). Only positions that differ across the batch (or
-  negative times) are beyond the tables: then the history is decoded whole and rotated in torch, a transient of its
-  size.
+  7-10x slower on the H200, eval/results/rope-on-chip-h200.json). Only positions that differ across the batch are
+  beyond the tables (negative times and offsets are not): then the history is decoded whole and rotated in torch, a
+  transient of its size.
 - `reads`: how many attends (one per layer and forward) read a compressed history, by the path that ran ("window",
   "staged", "fused" or "reference", the torch path), so a report names the read that ran rather than the one asked
   for. Attends with no compressed history (bf16, or before the first commit) are not counted.
@@ -273,9 +273,9 @@ class KVCache:
 
     def _rope_tables(self, L: _Layer, device) -> RopeTables | None:
         """The history's RoPE as the dequant kernel's factorized tables (each ring slot's frames: time and spatial
-        offsets), or None when they cannot say it: positions that differ across the batch, or negative times. Kept per
-        positions while they last (during the clean re-run, layers committed already hold one more unit than the
-        rest: two live keys; older ones are dropped) and counted in memory()'s workspace."""
+        offsets, negative ones included), or None when they cannot say it: positions that differ across the batch.
+        Kept per positions while they last (during the clean re-run, layers committed already hold one more unit
+        than the rest: two live keys; older ones are dropped) and counted in memory()'s workspace."""
         pos = torch.stack(L.pos_hist)  # [C, B, F, 3]
         head, d = L.hist[0].head, L.hist[0].shape[3]
         key = (pos.shape, pos.numpy().tobytes(), head, str(device), d)
@@ -286,12 +286,11 @@ class KVCache:
         return self._rope_memo[key]
 
     def _make_tables(self, pos: torch.Tensor, head: int, device, head_dim: int) -> RopeTables | None:
-        if (pos != pos[:, :1]).any() or (pos[..., 0] < 0).any():  # (one table for the batch; times from 0)
+        if (pos != pos[:, :1]).any():  # (one table serves the batch)
             return None
         slots = torch.roll(pos[:, 0], head, 0)  # [C, F, 3]: slot s holds the unit (s - head) mod C
         h, w, theta = self._grid
-        return RopeTables(h, w, head_dim, slots[:, 0, 0].to(device), int(pos[..., 0].max()) + 1, theta,
-                          positions=slots)  # (host positions: RopeTables checks them there, then moves them)
+        return RopeTables(h, w, head_dim, theta=theta, positions=slots, device=device)  # (host positions: no sync)
 
     # ---- writing ------------------------------------------------------------------------------------------
     def set_positions(self, positions: torch.Tensor, height: int, width: int, theta: float = 10000.0) -> None:

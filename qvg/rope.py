@@ -65,36 +65,45 @@ class RopeTables:
     """Factorized RoPE for keys stored before RoPE and rotated on read (by `PackedSequence.decompress` or the
     dequant kernel). Frame f of slot c of a packed sequence of chunks (L = frames * height * width tokens each) sits
     at time t, with its rows and columns offset by (dy, dx) (as `frame_angles`): `positions[c, f]` = (t, dy, dx),
-    or without `positions`, t = `frame0[c] + f` and no offsets. Token (i, j) of that frame sits at row dy + i,
-    column dx + j. `table` [2, R, D / 2] float32 holds cos then sin of position x frequency for R = T + H' + W'
-    positions: rows [0, T) the times, then the rows' range (H' positions, height plus the offsets' spread), then the
-    columns'; channel pair j reads the axis of its band. `kernel_positions(frames)`: per (slot, frame), the table
-    rows of its time and of its first row and first column, which the kernels read."""
+    or, given `frame0` instead, t = `frame0[c] + f` (< `max_frames`) and no offsets. Token (i, j) of that frame sits
+    at row dy + i, column dx + j; times and offsets may be negative. `table` [2, R, D / 2] float32 holds cos then
+    sin of position x frequency for R = T' + H' + W' positions: the times' range first, then the rows' (height plus
+    the offsets' spread), then the columns'; channel pair j reads the axis of its band. `kernel_positions(frames)`:
+    per (slot, frame), the table rows of its time and of its first row and first column, which the kernels read.
+    The tables live on `device` (default: that of frame0 / positions)."""
 
-    def __init__(self, height: int, width: int, head_dim: int, frame0: torch.Tensor, max_frames: int,
-                 theta: float = 10000.0, positions: torch.Tensor | None = None):
+    def __init__(self, height: int, width: int, head_dim: int, frame0: torch.Tensor | None = None,
+                 max_frames: int | None = None, theta: float = 10000.0, positions: torch.Tensor | None = None,
+                 device=None):
+        if (frame0 is None) == (positions is None) or (frame0 is not None and max_frames is None):
+            raise ValueError("RopeTables takes positions [slots, frames, 3], or frame0 [slots] with max_frames")
+        device = device if device is not None else (frame0 if positions is None else positions).device
         bt, bh, bw = bands(head_dim)
-        self.height, self.width, self.head_dim = height, width, head_dim
-        self.frame0 = frame0.to(torch.int32)
-        self.max_frames, self._theta = max_frames, theta
-        host = None if positions is None else positions.cpu().to(torch.int32)  # (checked on the host: no GPU sync)
-        if host is not None and (host.dim() != 3 or host.shape[2] != 3 or host.shape[0] != self.frame0.numel()
-                                 or (host[..., 0] < 0).any() or int(host[..., 0].max()) >= max_frames):
-            raise ValueError("positions must be [slots, frames, 3] (t, dy, dx), a slot per frame0 entry, with "
-                             "0 <= t < max_frames")
-        self.positions = None if host is None else host.to(frame0.device)
+        self.height, self.width, self.head_dim, self._theta = height, width, head_dim, theta
         self.split = (bt // 2, (bt + bh) // 2)  # pair index where the h band, then the w band, starts
-        dy = host[..., 1] if host is not None else torch.zeros(1, dtype=torch.int32)
-        dx = host[..., 2] if host is not None else torch.zeros(1, dtype=torch.int32)
+        if positions is None:  # (frame0 and positions are checked on the host)
+            self._frame0 = frame0.cpu().to(torch.int32).reshape(-1)
+            self.positions, self.max_frames = None, max_frames
+            t_lo, t_hi, dy, dx = min(0, int(self._frame0.min())), max_frames - 1, torch.zeros(1), torch.zeros(1)
+        else:
+            host = positions.cpu().to(torch.int32)
+            if host.dim() != 3 or host.shape[2] != 3 or host.numel() == 0:
+                raise ValueError(f"positions must be [slots, frames, 3] (t, dy, dx), got {list(host.shape)}")
+            self._frame0, self.positions = None, host.to(device)
+            t_lo, t_hi = min(0, int(host[..., 0].min())), int(host[..., 0].max())
+            self.max_frames = t_hi + 1
+            dy, dx = host[..., 1], host[..., 2]
+        self.slots = (self._frame0 if positions is None else host).shape[0]
         h_lo, h_hi = min(0, int(dy.min())), height - 1 + max(0, int(dy.max()))
         w_lo, w_hi = min(0, int(dx.min())), width - 1 + max(0, int(dx.max()))
-        nh, nw = h_hi - h_lo + 1, w_hi - w_lo + 1
-        self._row0, self._col0 = max_frames - h_lo, max_frames + nh - w_lo  # table row of row / column position 0
-        ang = torch.zeros(max_frames + nh + nw, head_dim // 2, dtype=torch.float64)
-        ang[:max_frames, :bt // 2] = axis_angles(torch.arange(max_frames), bt, theta)
-        ang[max_frames:max_frames + nh, bt // 2:(bt + bh) // 2] = axis_angles(torch.arange(h_lo, h_hi + 1), bh, theta)
-        ang[max_frames + nh:, (bt + bh) // 2:] = axis_angles(torch.arange(w_lo, w_hi + 1), bw, theta)
-        self.table = torch.stack([ang.cos(), ang.sin()]).float().to(frame0.device)
+        nt, nh, nw = t_hi - t_lo + 1, h_hi - h_lo + 1, w_hi - w_lo + 1
+        self._time0, self._row0, self._col0 = -t_lo, nt - h_lo, nt + nh - w_lo  # table rows of positions 0
+        ang = torch.zeros(nt + nh + nw, head_dim // 2, dtype=torch.float64)
+        ang[:nt, :bt // 2] = axis_angles(torch.arange(t_lo, t_hi + 1), bt, theta)
+        ang[nt:nt + nh, bt // 2:(bt + bh) // 2] = axis_angles(torch.arange(h_lo, h_hi + 1), bh, theta)
+        ang[nt + nh:, (bt + bh) // 2:] = axis_angles(torch.arange(w_lo, w_hi + 1), bw, theta)
+        self.table = torch.stack([ang.cos(), ang.sin()]).float().to(device)
+        self._device = device
         self._kpos: dict[int, torch.Tensor] = {}
         if self.positions is not None:
             self.kernel_positions(self.positions.shape[1])
@@ -106,22 +115,25 @@ class RopeTables:
                 raise ValueError(f"these tables hold positions for {self.positions.shape[1]} frames per chunk, "
                                  f"not {frames}")
             return self.positions
-        pos = torch.zeros(self.frame0.numel(), frames, 3, dtype=torch.int32, device=self.frame0.device)
-        pos[..., 0] = self.frame0[:, None] + torch.arange(frames, dtype=torch.int32, device=self.frame0.device)
-        return pos
+        if int(self._frame0.max()) + frames > self.max_frames:
+            raise ValueError(f"these tables hold times below {self.max_frames}: a chunk of {frames} frames from "
+                             f"frame {int(self._frame0.max())} is past them")
+        pos = torch.zeros(self.slots, frames, 3, dtype=torch.int32)
+        pos[..., 0] = self._frame0[:, None] + torch.arange(frames, dtype=torch.int32)
+        return pos.to(self._device)
 
     def kernel_positions(self, frames: int) -> torch.Tensor:
         """int32 [slots * frames, 3]: the table rows of each (slot, frame)'s time, first row and first column, as
         the kernels index them (kept per frames per chunk; counted in `nbytes`)."""
         if frames not in self._kpos:
             pos = self.frame_positions(frames).reshape(-1, 3)
-            self._kpos[frames] = torch.stack([pos[:, 0], pos[:, 1] + self._row0, pos[:, 2] + self._col0],
-                                             1).to(torch.int32).contiguous()
+            base = torch.tensor([self._time0, self._row0, self._col0], dtype=torch.int32, device=pos.device)
+            self._kpos[frames] = (pos.to(torch.int32) + base).contiguous()
         return self._kpos[frames]
 
     @property
     def nbytes(self) -> int:
-        return (self.table.numel() * 4 + self.frame0.numel() * 4 + sum(t.numel() * 4 for t in self._kpos.values())
+        return (self.table.numel() * 4 + sum(t.numel() * 4 for t in self._kpos.values())
                 + (self.positions.numel() * 4 if self.positions is not None else 0))
 
     def angles(self, chunk_len: int) -> torch.Tensor:

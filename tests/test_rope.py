@@ -50,27 +50,49 @@ def _panning_positions() -> torch.Tensor:
 
 def test_tables_with_positions_match_frame_angles():
     """Per-frame positions (time, dy, dx): the reference angles are `frame_angles` of them, and the kernels' view
-    (table rows of each frame's time, first row and first column) reads the same angles from the table."""
+    (table rows of each frame's time, first row and first column) reads the same angles from the table; negative
+    times and offsets included."""
     pos = _panning_positions()
-    rope = RopeTables(3, 4, 64, pos[:, 0, 0], max_frames=11, positions=pos)
-    ang = rope.angles(2 * 3 * 4)
-    torch.testing.assert_close(ang, frame_angles(pos, 3, 4, 64).reshape(-1, 32))
-    kp = rope.kernel_positions(2)
-    sp_h, sp_w = rope.split
-    cos = rope.table[0]
-    for c, f, i, j in ((0, 1, 2, 3), (1, 0, 0, 0), (2, 1, 1, 2)):
-        tok = (c * 2 + f) * 12 + i * 4 + j
-        t_row, r_row, c_row = kp[c * 2 + f].tolist()
-        assert cos[t_row, 0] == pytest.approx(ang[tok, 0].cos().item(), abs=1e-6)
-        assert cos[r_row + i, sp_h] == pytest.approx(ang[tok, sp_h].cos().item(), abs=1e-6)
-        assert cos[c_row + j, sp_w] == pytest.approx(ang[tok, sp_w].cos().item(), abs=1e-6)
-    assert rope.nbytes == rope.table.numel() * 4 + (3 + 18 + 18) * 4
+    early = pos.clone()
+    early[0, :, 0] = torch.tensor([-3, -2])  # a slot before time 0
+    for p in (pos, early):
+        rope = RopeTables(3, 4, 64, positions=p)
+        ang = rope.angles(2 * 3 * 4)
+        torch.testing.assert_close(ang, frame_angles(p, 3, 4, 64).reshape(-1, 32))
+        kp = rope.kernel_positions(2)
+        sp_h, sp_w = rope.split
+        cos, sin = rope.table
+        for c, f, i, j in ((0, 0, 1, 1), (0, 1, 2, 3), (1, 0, 0, 0), (2, 1, 1, 2)):
+            tok = (c * 2 + f) * 12 + i * 4 + j
+            t_row, r_row, c_row = kp[c * 2 + f].tolist()
+            for tab, fn in ((cos, torch.cos), (sin, torch.sin)):
+                assert tab[t_row, 0] == pytest.approx(fn(ang[tok, 0]).item(), abs=1e-6)
+                assert tab[r_row + i, sp_h] == pytest.approx(fn(ang[tok, sp_h]).item(), abs=1e-6)
+                assert tab[c_row + j, sp_w] == pytest.approx(fn(ang[tok, sp_w]).item(), abs=1e-6)
+        assert rope.slots == 3 and rope.nbytes == rope.table.numel() * 4 + (18 + 18) * 4
     with pytest.raises(ValueError, match="positions must be"):
-        RopeTables(3, 4, 64, pos[:, 0, 0], max_frames=10, positions=pos)  # a time of 10 is past the table
+        RopeTables(3, 4, 64, positions=pos[0])  # [frames, 3]: no slot axis
+    with pytest.raises(ValueError, match="takes positions"):
+        RopeTables(3, 4, 64, pos[:, 0, 0], max_frames=11, positions=pos)  # both ways of giving the times
     with pytest.raises(ValueError, match="for 2 frames per chunk, not 3"):
         rope.kernel_positions(3)
-    other = RopeTables(3, 4, 64, pos[:, 0, 0], max_frames=11, theta=500.0, positions=pos)  # (angles keep theta)
+    other = RopeTables(3, 4, 64, theta=500.0, positions=pos)  # (angles keep theta)
     torch.testing.assert_close(other.angles(24), frame_angles(pos, 3, 4, 64, theta=500.0).reshape(-1, 32))
+
+
+def test_tables_by_first_frame_refuse_times_past_them():
+    """Given frame0 and max_frames, a chunk's frames must end below max_frames: the kernels would otherwise read a
+    time past the table's time rows (the rows' band) without an error. Negative first frames are covered."""
+    rope = RopeTables(3, 4, 64, torch.tensor([0, 2, 9]), max_frames=12)
+    rope.kernel_positions(3)  # frames 9, 10, 11
+    with pytest.raises(ValueError, match="past them"):
+        rope.kernel_positions(4)
+    early = RopeTables(3, 4, 64, torch.tensor([-2, 0]), max_frames=4)
+    pos = torch.zeros(2, 2, 3, dtype=torch.long)
+    pos[..., 0] = torch.tensor([[-2, -1], [0, 1]])
+    torch.testing.assert_close(early.angles(24), frame_angles(pos, 3, 4, 64).reshape(-1, 32))
+    kp = early.kernel_positions(2)
+    assert kp[:, 0].tolist() == [0, 1, 2, 3]  # time rows from -2
 
 
 def test_decompress_with_rope_and_attention():

@@ -125,8 +125,8 @@ def test_fused_read_of_pre_rope_keys_is_staged_where_rope_is_not_on_chip(device,
 
 @pytest.mark.parametrize("read", READ_MODES)
 def test_pre_rope_keys_at_spatial_offsets_are_read_by_the_kernels(device, read):
-    """Pre-RoPE keys at spatial offsets (a camera that pans, as the world model's): the kernels' tables hold each
-    frame's offsets, so every read takes the path asked for (KVCache.reads; fused reads pre-RoPE keys staged on a
+    """Pre-RoPE keys at spatial offsets (a camera that pans, as the world model's), times from -4: the kernels'
+    tables hold each frame's time and offsets, so every read takes the path asked for (KVCache.reads; fused reads pre-RoPE keys staged on a
     GPU), and agrees with the torch path (decode the whole history, rotate it by `frame_angles`: a cache whose tables
     are withheld)."""
     kw = dict(read=read, chunk_frames=CF, tokens_per_frame=TPF, window_frames=2 * CF, centroids=4, block_size=16,
@@ -138,6 +138,7 @@ def test_pre_rope_keys_at_spatial_offsets_are_read_by_the_kernels(device, read):
     q = torch.randn(1, 4, CF * TPF, D, generator=torch.Generator().manual_seed(4)).bfloat16().to(device)
     for i in range(5):
         pos = _positions(i)
+        pos[..., 0] -= 4  # (times before 0 too)
         pos[..., 1], pos[..., 2] = -3 * i, 2 * i - 5  # (the camera pans: rows up, columns right from the left)
         x = clustered(2 * LAYERS, 2, CF * TPF, D, seed=95 + i).bfloat16().to(device)
         for a, b in zip(_chunk(c, x, q, positions=pos), _chunk(ref, x, q, positions=pos)):
@@ -149,8 +150,8 @@ def test_pre_rope_keys_at_spatial_offsets_are_read_by_the_kernels(device, read):
 
 
 def test_tables_refuse_positions_that_differ_across_the_batch():
-    """One table serves the batch: positions that differ between samples (or negative times) leave the history to
-    the torch path (None), anything else gets tables, spatial offsets included."""
+    """One table serves the batch: positions that differ between samples leave the history to the torch path
+    (None), anything else gets tables, spatial offsets and negative times included."""
     c = KVCache(LAYERS, "qvg", chunk_frames=CF, tokens_per_frame=TPF, key_storage="pre-rope")
     c._grid = (4, 4, 10000.0)
     pos = torch.zeros(2, 2, CF, 3, dtype=torch.int32)  # [units, batch, frames, 3]
@@ -163,7 +164,7 @@ def test_tables_refuse_positions_that_differ_across_the_batch():
     assert c._make_tables(moved, 0, "cpu", D) is None
     early = pos.clone()
     early[0, :, 0, 0] = -1
-    assert c._make_tables(early, 0, "cpu", D) is None
+    assert c._make_tables(early, 0, "cpu", D) is not None
 
 
 def test_read_mode_errors():

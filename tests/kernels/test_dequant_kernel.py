@@ -151,16 +151,16 @@ def test_sequence_dequantize_rope_matches_reference(sequence, rows, grid, device
 
 @pytest.mark.parametrize("rows", [(0, 120), (35, 117)])
 def test_sequence_dequantize_rope_with_spatial_offsets(sequence, rows, device):
-    """Per-frame positions with spatial offsets both ways and times out of step (a panning camera): the kernel's
-    rotation is bitwise the torch path's (decode, then `apply_rope` by `frame_angles` of those positions)."""
+    """Per-frame positions with spatial offsets both ways and times out of step, one before 0 (a panning camera):
+    the kernel's rotation is bitwise the torch path's (decode, then `apply_rope` by `frame_angles` of them)."""
     from qvg.rope import RopeTables, apply_rope, frame_angles
     seq, _ = sequence
-    pos = torch.tensor([[[0, 0, 0], [1, -2, 3]], [[5, 1, -4], [4, 2, 0]], [[9, 0, 7], [10, -1, 7]]])
-    rope = RopeTables(4, 5, 64, pos[:, 0, 0], max_frames=11, positions=pos)
+    pos = torch.tensor([[[-2, 0, 0], [1, -2, 3]], [[5, 1, -4], [4, 2, 0]], [[9, 0, 7], [10, -1, 7]]])
+    rope = RopeTables(4, 5, 64, positions=pos)
     want = seq.decompress(rope)[:, :, rows[0]:rows[1]]
     exact = apply_rope(seq.decompress(dtype=torch.float32), frame_angles(pos, 4, 5, 64).reshape(-1, 32)).to(want.dtype)
     assert torch.equal(want, exact[:, :, rows[0]:rows[1]])  # (the reference rotates by those positions)
-    rope_d = RopeTables(4, 5, 64, pos[:, 0, 0].to(device), max_frames=11, positions=pos.to(device))
+    rope_d = RopeTables(4, 5, 64, positions=pos.to(device))
     got = dequantize(_seq_to(seq, device), out=_nan_like(want, device), rows=rows, rope=rope_d)
     assert_bitwise_equal(got, want, f"rope with offsets, rows {rows}")
 
