@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -101,13 +100,12 @@ def device_arg(text: str | None):
 
 
 def _commit() -> str:
-    try:
-        root = Path(__file__).resolve().parent.parent
-        return subprocess.check_output(["git", "-C", str(root), "rev-parse", "HEAD"], text=True,
-                                       stderr=subprocess.DEVNULL).strip()
-    except Exception:
+    from qvg.revision import code_commit
+    found = code_commit()
+    if found == "unknown":
         import qvg
         return f"qvg {qvg.__version__} (no git checkout)"
+    return found
 
 
 def read_ran(read: str, method: str, key_storage: str, dev) -> str:

@@ -13,21 +13,13 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 import traceback
 
 import torch
 
-
-def _commit() -> str:
-    if os.environ.get("QVG_COMMIT"):
-        return os.environ["QVG_COMMIT"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
-    except Exception:
-        return "unknown"
+from qvg.revision import code_commit
 
 
 def bench(fn, warmup=25, rep=100) -> float:
@@ -66,7 +58,7 @@ def result_header(module: str, argv: list[str] | None) -> dict:
     import triton
     from .provenance import command_line
     return {"device": torch.cuda.get_device_name(),
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": _commit(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": code_commit(),
             "command": command_line(f"python -m qvg.eval.{module}", argv), "torch": torch.__version__,
             "triton": triton.__version__, "python": platform.python_version()}
 

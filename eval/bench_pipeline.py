@@ -25,6 +25,7 @@ import time
 import torch
 
 from qvg.compression.graphed import pool_free_bytes
+from qvg.revision import code_commit
 
 from .bench_kernels import gpu_tag, write_result
 
@@ -398,7 +399,7 @@ def main(argv=None) -> int:
         raise SystemExit("bench_pipeline: needs a CUDA GPU")
     t0 = time.time()
     res = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
-        timespec="seconds"), "commit": os.environ.get("QVG_COMMIT", "unknown"), "torch": torch.__version__,
+        timespec="seconds"), "commit": code_commit(), "torch": torch.__version__,
         "command": "python -m qvg.eval.bench_pipeline " + " ".join(sys.argv[1:] if argv is None else argv),
         "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
         "gpu_uuid": str(getattr(torch.cuda.get_device_properties(0), "uuid", ""))}  # (runs on one machine share it)

@@ -41,7 +41,6 @@ import json
 import math
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -55,6 +54,7 @@ from qvg.compression.prq import COLD_ITERS, WARM_ITERS, _gather, residual_tscale
 from qvg.compression.registry import token_spec
 from qvg.packed import Packed
 from qvg.quant import quantize_packed
+from qvg.revision import git_commit
 
 from .synthetic_kv import DESCRIPTION, synthetic_chunks, synthetic_kv
 
@@ -110,17 +110,6 @@ def _stats(vals: list[float]) -> tuple[float, float]:
     m = sum(vals) / len(vals)
     s = math.sqrt(sum((v - m) ** 2 for v in vals) / (len(vals) - 1)) if len(vals) > 1 else 0.0
     return m, s
-
-
-def _git() -> tuple[str, bool | None]:
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
-        if head.returncode:
-            return "unknown", None
-        st = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True, timeout=10)
-        return head.stdout.strip(), bool(st.stdout.strip()) if st.returncode == 0 else None
-    except (OSError, subprocess.SubprocessError):
-        return "unknown", None
 
 
 def _eval(x: torch.Tensor, p: Packed) -> dict:
@@ -274,7 +263,7 @@ def run(quick: bool = False, seed: int = 0, progress: bool = True, command: str 
     warm["main"]["motion"], warm["slow"]["motion"] = 1.0, cfg["slow_motion"]
     bar.close()
 
-    commit, dirty = _git()
+    commit, dirty = git_commit()
     n_tok = data["frames"] * data["height"] * data["width"]
     meta = {
         "command": command or f"qvg.eval.kv_analysis.run(quick={quick}, seed={seed})",

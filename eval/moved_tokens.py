@@ -20,7 +20,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from qvg.compression.prq import _gather
     from qvg.kmeans import assign, reseed_empty, update_with_counts
-    from .bench_kernels import _commit, clustered, warm_start, write_result
+    from qvg.revision import code_commit
+
+    from .bench_kernels import clustered, warm_start, write_result
     from .provenance import command_line
     t0 = time.time()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -42,7 +44,7 @@ def main(argv=None) -> int:
             print(f"  {method} stage {s}: {rows[-1]['moved']:.4f} of the tokens moved", flush=True)
             r = r - _gather(c2.bfloat16().float(), i2)
     res = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
-           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": _commit(),
+           "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": code_commit(),
            "command": command_line("python -m qvg.eval.moved_tokens", argv), "shape": list(shape),
            "centroids": o["centroids"], "rows": rows}
     write_result(res, args.out, "moved-tokens.json", t0)

@@ -217,9 +217,9 @@ def main(argv=None) -> int:
         print(f"ncu_kernels: ncu failed ({args.ncu}): {e}", file=sys.stderr)
         return 1
     import triton
-    from .bench_kernels import _commit
+    from qvg.revision import code_commit
     res = {"device": dev, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "commit": _commit(), "command": "python -m qvg.eval.ncu_kernels " + " ".join(argv or sys.argv[1:]),
+           "commit": code_commit(), "command": "python -m qvg.eval.ncu_kernels " + " ".join(argv or sys.argv[1:]),
            "ncu_command": " ".join(cmd), "ncu_version": version.strip().splitlines()[-1:],
            "torch": torch.__version__, "triton": triton.__version__,
            "launches": summarize(pages["details"], pages["raw"])}

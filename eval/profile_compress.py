@@ -16,7 +16,9 @@ import platform
 
 import torch
 
-from .bench_kernels import _commit, bench, clustered, warm_start
+from qvg.revision import code_commit
+
+from .bench_kernels import bench, clustered, warm_start
 
 
 def _profile(fn, calls: int = 5) -> list[dict]:
@@ -142,7 +144,7 @@ def main(argv=None) -> int:
             raise SystemExit("profile_compress: qvg.kernels was imported without TRITON_INTERPRET=1")
     import triton
     res = {"device": torch.cuda.get_device_name() if cuda else "cpu (Triton interpreter)",
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": _commit(),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": code_commit(),
            "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
            "command": "python -m qvg.eval.profile_compress " + " ".join(argv if argv is not None else
                                                                       __import__("sys").argv[1:])}

@@ -19,6 +19,8 @@ import sys
 
 import torch
 
+from qvg.revision import code_commit
+
 from .bench_pipeline import _fill, cuda_ms, method_runner, new_cache, steady_ms, wan_model
 from .profile_compress import _host_profile, _profile
 
@@ -88,7 +90,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("profile_pipeline: needs a CUDA GPU")
     res = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
-        timespec="seconds"), "commit": os.environ.get("QVG_COMMIT", "unknown"), "torch": torch.__version__,
+        timespec="seconds"), "commit": code_commit(), "torch": torch.__version__,
         "command": "python -m qvg.eval.profile_pipeline " + " ".join(sys.argv[1:] if argv is None else argv),
         "sdpa_ms": sdpa_backends(),
         "rows": run([int(h) for h in args.history.split(",")], args.methods.split(","), json.loads(args.options))}

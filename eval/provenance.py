@@ -14,24 +14,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-
-
-def git_commit() -> tuple[str, bool | None]:
-    """(commit, dirty). QVG_COMMIT overrides the commit (a copied checkout's git metadata may lag)."""
-    env = os.environ.get("QVG_COMMIT")
-    if env:
-        return env, None
-    try:
-        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
-                              timeout=10)
-        if head.returncode:
-            return "unknown", None
-        st = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-                            capture_output=True, text=True, timeout=10)
-        return head.stdout.strip(), (bool(st.stdout.strip()) if st.returncode == 0 else None)
-    except (OSError, subprocess.SubprocessError):
-        return "unknown", None
+from qvg.revision import REPO, git_commit
 
 
 def changed_files() -> list[str]:

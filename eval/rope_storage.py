@@ -14,7 +14,6 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 import time
 
 import torch
@@ -22,6 +21,7 @@ import torch
 import qvg
 from qvg.eval.synthetic_kv import DESCRIPTION, synthetic_kv
 from qvg.rope import apply_rope, grid_angles
+from qvg.revision import code_commit
 
 METHODS = [("rtn", {}), ("quarot", {}), ("qvg", {}), ("qvg-pro", {})]
 
@@ -60,13 +60,6 @@ def run(chunks: int = 4, frames: int = 3, height: int = 30, width: int = 52, hea
     return {"rows": storage_rows(data, bits), "rms_k": float(k.pow(2).mean().sqrt())}
 
 
-def _commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
-    except Exception:
-        return "unknown"
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="pre- vs post-RoPE key storage on synthetic video-like KV")
     ap.add_argument("--out", default="eval/results")
@@ -77,7 +70,7 @@ def main(argv=None) -> int:
         ap.error("--chunks must be >= 1")
     t0 = time.time()
     res = run(chunks=args.chunks, seed=args.seed)
-    res.update({"command": "python -m qvg.eval.rope_storage " + " ".join(argv or []), "commit": _commit(),
+    res.update({"command": "python -m qvg.eval.rope_storage " + " ".join(argv or []), "commit": code_commit(),
                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "device": f"cpu ({platform.machine()})", "torch": torch.__version__, "data": DESCRIPTION,
                 "shape": [1, 12, 3 * 30 * 52, 128], "wall_s": time.time() - t0})

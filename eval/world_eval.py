@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import torch
+
+from qvg.revision import code_commit
 
 from ..pipelines.world_data import REVERSE, Camera, _valid, cameras_for, load_photo, photo_names, random_trajectory, render
 from ..pipelines.world_model import DEFAULT_CONFIG, action_ids, load_world, rollout
@@ -339,12 +339,7 @@ def main(argv=None) -> int:
     import sys
     res = {"settings": vars(a), "argv": sys.argv[1:] if argv is None else argv, "device": torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu",
            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "model": cfg.get("training", {}).get("steps")}
-    res["commit"] = os.environ.get("QVG_COMMIT")  # a copied checkout's git metadata may lag: pass it in
-    if not res["commit"]:
-        try:
-            res["commit"] = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
-        except Exception:
-            res["commit"] = None
+    res["commit"] = code_commit()
 
     # 1. quality vs ground truth, next to copy-the-last-frame
     if not a.skip_quality:
