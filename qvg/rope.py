@@ -67,8 +67,9 @@ class RopeTables:
     at time t, with its rows and columns offset by (dy, dx) (as `frame_angles`): `positions[c, f]` = (t, dy, dx),
     or, given `frame0` instead, t = `frame0[c] + f` (< `max_frames`) and no offsets. Token (i, j) of that frame sits
     at row dy + i, column dx + j; times and offsets may be negative. `table` [2, R, D / 2] float32 holds cos then
-    sin of position x frequency for R = T' + H' + W' positions: the times' range first, then the rows' (height plus
-    the offsets' spread), then the columns'; channel pair j reads the axis of its band. `kernel_positions(frames)`:
+    sin of position x frequency for R = T' + H' + W' positions: the times' range first (the times in `positions`,
+    or [min(0, frame0), max_frames)), then the rows' (height plus the offsets' spread), then the columns'; channel
+    pair j reads the axis of its band. `kernel_positions(frames)`:
     per (slot, frame), the table rows of its time and of its first row and first column, which the kernels read.
     The tables live on `device` (default: that of frame0 / positions)."""
 
@@ -90,10 +91,11 @@ class RopeTables:
             if host.dim() != 3 or host.shape[2] != 3 or host.numel() == 0:
                 raise ValueError(f"positions must be [slots, frames, 3] (t, dy, dx), got {list(host.shape)}")
             self._frame0, self.positions = None, host.to(device)
-            t_lo, t_hi = min(0, int(host[..., 0].min())), int(host[..., 0].max())
+            # the times held, not [0, max]: a rolling window's tables do not grow with the video's length
+            t_lo, t_hi = int(host[..., 0].min()), int(host[..., 0].max())
             self.max_frames = t_hi + 1
             dy, dx = host[..., 1], host[..., 2]
-        self.slots = (self._frame0 if positions is None else host).shape[0]
+        self.slots = len(self._frame0 if positions is None else host)
         h_lo, h_hi = min(0, int(dy.min())), height - 1 + max(0, int(dy.max()))
         w_lo, w_hi = min(0, int(dx.min())), width - 1 + max(0, int(dx.max()))
         nt, nh, nw = t_hi - t_lo + 1, h_hi - h_lo + 1, w_hi - w_lo + 1

@@ -76,6 +76,11 @@ def test_tables_with_positions_match_frame_angles():
         RopeTables(3, 4, 64, pos[:, 0, 0], max_frames=11, positions=pos)  # both ways of giving the times
     with pytest.raises(ValueError, match="for 2 frames per chunk, not 3"):
         rope.kernel_positions(3)
+    late = pos.clone()
+    late[..., 0] += 5000  # a rolling window late in a long video: the table holds the window's times only
+    far = RopeTables(3, 4, 64, positions=late)
+    assert far.table.shape == RopeTables(3, 4, 64, positions=pos).table.shape  # (11 time rows: 5000 .. 5010)
+    torch.testing.assert_close(far.angles(24), frame_angles(late, 3, 4, 64).reshape(-1, 32))
     other = RopeTables(3, 4, 64, theta=500.0, positions=pos)  # (angles keep theta)
     torch.testing.assert_close(other.angles(24), frame_angles(pos, 3, 4, 64, theta=500.0).reshape(-1, 32))
 
