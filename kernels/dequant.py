@@ -190,7 +190,7 @@ def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None,
         t["codes"], raw_view(t["scale"]), raw_view(t["zero"]) if "zero" in t else dummy,
         t.get("tscale", dummy), t["ids"] if stages else dummy,
         t["centroids"] if stages else dummy, out, n, chunk_len, n // chunk_len, k, b * h, r0, r1, out.shape[2],
-        *_rope_args(rope, dummy, chunk_len, n // chunk_len), D=d, STAGES=stages, BLOCK_N=block_n, ROPE=rope is not None,
+        *_rope_args(rope, dummy, chunk_len, n // chunk_len, d), D=d, STAGES=stages, BLOCK_N=block_n, ROPE=rope is not None,
         SPLIT_H=rope.split[0] if rope else 0, SPLIT_W=rope.split[1] if rope else 0, INTERP=INTERPRET,
         NBLK=nblk, PROGS=progs, PLANE_SPLIT=plane_split, num_warps=num_warps, enable_fp_fusion=False,
         **grid_constants(spec))
@@ -207,11 +207,13 @@ def _check_out(out: torch.Tensor, need: tuple, device) -> None:
                          f"{out.device}")
 
 
-def _rope_args(rope: RopeTables | None, dummy: torch.Tensor, chunk_len: int, chunks: int) -> tuple:
-    """The kernels' rope arguments: table, per-(slot, frame) table rows, table rows R, tokens per frame, width."""
+def _rope_args(rope: RopeTables | None, dummy: torch.Tensor, chunk_len: int, chunks: int, head_dim: int) -> tuple:
+    """The kernels' rope arguments: table, per-(slot, frame) table rows, table rows R, tokens per frame, width
+    (after `RopeTables.check`, and on the history's device)."""
     if rope is None:
         return dummy, dummy, 0, 1, 1
+    rope.check(head_dim, chunk_len, chunks)
+    if rope.table.device != dummy.device:
+        raise ValueError(f"rope: the tables are on {rope.table.device}, the packed history on {dummy.device}")
     hw = rope.height * rope.width
-    if rope.slots < max(1, chunks):
-        raise ValueError(f"rope: the tables hold {rope.slots} slots for a history of {chunks} chunks")
     return rope.table, rope.kernel_positions(chunk_len // hw), rope.table.shape[1], hw, rope.width

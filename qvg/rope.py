@@ -71,7 +71,8 @@ class RopeTables:
     or [min(0, frame0), max_frames)), then the rows' (height plus the offsets' spread), then the columns'; channel
     pair j reads the axis of its band. `kernel_positions(frames)`:
     per (slot, frame), the table rows of its time and of its first row and first column, which the kernels read.
-    The tables live on `device` (default: that of frame0 / positions)."""
+    `table` and the kernels' positions live on `device` (default: that of frame0 / positions); the positions
+    themselves stay on the host (int32), where the reference path reads them."""
 
     def __init__(self, height: int, width: int, head_dim: int, frame0: torch.Tensor | None = None,
                  max_frames: int | None = None, theta: float = 10000.0, positions: torch.Tensor | None = None,
@@ -84,13 +85,15 @@ class RopeTables:
         self.split = (bt // 2, (bt + bh) // 2)  # pair index where the h band, then the w band, starts
         if positions is None:  # (frame0 and positions are checked on the host)
             self._frame0 = frame0.cpu().to(torch.int32).reshape(-1)
+            if self._frame0.numel() == 0:
+                raise ValueError("frame0 must hold a first frame per slot, got none")
             self.positions, self.max_frames = None, max_frames
             t_lo, t_hi, dy, dx = min(0, int(self._frame0.min())), max_frames - 1, torch.zeros(1), torch.zeros(1)
         else:
             host = positions.cpu().to(torch.int32)
             if host.dim() != 3 or host.shape[2] != 3 or host.numel() == 0:
                 raise ValueError(f"positions must be [slots, frames, 3] (t, dy, dx), got {list(host.shape)}")
-            self._frame0, self.positions = None, host.to(device)
+            self._frame0, self.positions = None, host
             # the times held, not [0, max]: a rolling window's tables do not grow with the video's length
             t_lo, t_hi = int(host[..., 0].min()), int(host[..., 0].max())
             self.max_frames = t_hi + 1
@@ -111,7 +114,7 @@ class RopeTables:
             self.kernel_positions(self.positions.shape[1])
 
     def frame_positions(self, frames: int) -> torch.Tensor:
-        """[slots, frames, 3] (t, dy, dx) of every slot's frames."""
+        """[slots, frames, 3] (t, dy, dx) of every slot's frames (int32, on the host)."""
         if self.positions is not None:
             if self.positions.shape[1] != frames:
                 raise ValueError(f"these tables hold positions for {self.positions.shape[1]} frames per chunk, "
@@ -122,24 +125,34 @@ class RopeTables:
                              f"frame {int(self._frame0.max())} is past them")
         pos = torch.zeros(self.slots, frames, 3, dtype=torch.int32)
         pos[..., 0] = self._frame0[:, None] + torch.arange(frames, dtype=torch.int32)
-        return pos.to(self._device)
+        return pos
 
     def kernel_positions(self, frames: int) -> torch.Tensor:
         """int32 [slots * frames, 3]: the table rows of each (slot, frame)'s time, first row and first column, as
-        the kernels index them (kept per frames per chunk; counted in `nbytes`)."""
+        the kernels index them, on the tables' device (kept per frames per chunk; counted in `nbytes`)."""
         if frames not in self._kpos:
-            pos = self.frame_positions(frames).reshape(-1, 3)
-            base = torch.tensor([self._time0, self._row0, self._col0], dtype=torch.int32, device=pos.device)
-            self._kpos[frames] = (pos.to(torch.int32) + base).contiguous()
+            base = torch.tensor([self._time0, self._row0, self._col0], dtype=torch.int32)
+            self._kpos[frames] = (self.frame_positions(frames).reshape(-1, 3) + base).to(self._device)
         return self._kpos[frames]
+
+    def check(self, head_dim: int, chunk_len: int, chunks: int) -> None:
+        """Refuse (ValueError) a packed history these tables cannot rotate: another head dim, chunks that are not
+        whole frames, fewer slots than chunks, or positions for another number of frames per chunk."""
+        hw = self.height * self.width
+        why = (f"head dim {head_dim}, the tables' {self.head_dim}" if head_dim != self.head_dim else
+               f"{chunk_len} tokens per chunk are not whole {self.height} x {self.width} frames" if chunk_len % hw
+               else f"{chunks} chunks, the tables hold {self.slots} slots" if self.slots < max(1, chunks)
+               else f"{chunk_len // hw} frames per chunk, the positions hold {self.positions.shape[1]}"
+               if self.positions is not None and self.positions.shape[1] != chunk_len // hw else None)
+        if why:
+            raise ValueError(f"rope: the tables must match a packed history ({why})")
 
     @property
     def nbytes(self) -> int:
-        return (self.table.numel() * 4 + sum(t.numel() * 4 for t in self._kpos.values())
-                + (self.positions.numel() * 4 if self.positions is not None else 0))
+        """Bytes on the tables' device: the table and the kernels' positions."""
+        return self.table.numel() * 4 + sum(t.numel() * 4 for t in self._kpos.values())
 
     def angles(self, chunk_len: int) -> torch.Tensor:
         """[C * chunk_len, D / 2] angles of every token (the reference path)."""
         frames = chunk_len // (self.height * self.width)
-        pos = self.frame_positions(frames).cpu()
-        return frame_angles(pos, self.height, self.width, self.head_dim, self._theta).reshape(-1, self.head_dim // 2)
+        return frame_angles(self.frame_positions(frames), self.height, self.width, self.head_dim, self._theta).reshape(-1, self.head_dim // 2)

@@ -69,7 +69,7 @@ def test_tables_with_positions_match_frame_angles():
                 assert tab[t_row, 0] == pytest.approx(fn(ang[tok, 0]).item(), abs=1e-6)
                 assert tab[r_row + i, sp_h] == pytest.approx(fn(ang[tok, sp_h]).item(), abs=1e-6)
                 assert tab[c_row + j, sp_w] == pytest.approx(fn(ang[tok, sp_w]).item(), abs=1e-6)
-        assert rope.slots == 3 and rope.nbytes == rope.table.numel() * 4 + (18 + 18) * 4
+        assert rope.slots == 3 and rope.nbytes == rope.table.numel() * 4 + 18 * 4  # (the kernels' positions)
     with pytest.raises(ValueError, match="positions must be"):
         RopeTables(3, 4, 64, positions=pos[0])  # [frames, 3]: no slot axis
     with pytest.raises(ValueError, match="takes positions"):

@@ -367,7 +367,7 @@ def _fused_decode(kh: PackedSequence, device: str, rope=None) -> torch.Tensor:
         t["codes"], raw_view(t["scale"]), t.get("tscale", dummy), t["ids"] if stages else dummy,
         t["centroids"] if stages else dummy, out, n, kh.chunk_len, t["centroids"].shape[-2] if stages else 1,
         b * h * n, t["centroids"][0].numel() if stages else 0,
-        *_rope_args(rope, dummy, kh.chunk_len, n // kh.chunk_len), D=d, STAGES=stages, BLOCK_N=32, INTERP=INTERPRET,
+        *_rope_args(rope, dummy, kh.chunk_len, n // kh.chunk_len, d), D=d, STAGES=stages, BLOCK_N=32, INTERP=INTERPRET,
         ROPE=rope is not None, SPLIT_H=rope.split[0] if rope else 0, SPLIT_W=rope.split[1] if rope else 0,
         **grid_constants(kh.spec))
     return out.cpu()

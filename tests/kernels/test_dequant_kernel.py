@@ -291,6 +291,25 @@ def test_decode_scale_bf16_subnormals(device):
     assert_bitwise_equal(_decode(BF16_BITS, False, 1.0, device)[sub], want[sub], "bf16 subnormals")
 
 
+def test_rope_tables_that_do_not_fit_are_refused(sequence, device):
+    """Tables for another head dim, another frame size, fewer slots than chunks, other frames per chunk, or on
+    another device: one clear error before any launch (the kernel would rotate by the wrong rows or read past the
+    tables). The history: 3 chunks of 40 tokens, head dim 64."""
+    from qvg.rope import RopeTables
+    seq = _seq_to(sequence[0], device)
+    frame0 = torch.tensor([0, 2, 9], device=device)
+    pos = torch.zeros(3, 2, 3, dtype=torch.int32, device=device)
+    cases = [(RopeTables(4, 5, 32, frame0, 12), "head dim 64, the tables' 32"),
+             (RopeTables(3, 5, 64, frame0, 12), "40 tokens per chunk are not whole 3 x 5 frames"),
+             (RopeTables(4, 5, 64, frame0[:2], 12), "3 chunks, the tables hold 2 slots"),
+             (RopeTables(2, 5, 64, positions=pos), "4 frames per chunk, the positions hold 2")]
+    if device != "cpu":
+        cases.append((RopeTables(4, 5, 64, frame0.cpu(), 12), "the tables are on cpu"))
+    for rope, why in cases:
+        with pytest.raises(ValueError, match=why):
+            dequantize(seq, rope=rope)
+
+
 def test_out_must_be_a_contiguous_big_enough_buffer(sequence, device):
     """The kernel writes row-major [B * H, out rows, D] from out's first element: a strided or short `out` is
     refused with one clear error (it would be written in the wrong layout or out of bounds)."""
