@@ -28,5 +28,7 @@ def git_commit() -> tuple[str, bool | None]:
 
 
 def code_commit() -> str:
-    """The commit alone (see `git_commit`)."""
-    return git_commit()[0]
+    """The commit as one string (see `git_commit`), "-dirty" appended when tracked files differ from it (so a copy
+    of the tree whose git metadata lags, run without QVG_COMMIT, does not pass for that old commit)."""
+    commit, dirty = git_commit()
+    return commit + "-dirty" if dirty else commit

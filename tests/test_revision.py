@@ -17,7 +17,14 @@ def test_checkout_head_without_override(monkeypatch):
     want = head.stdout.strip() if head.returncode == 0 else "unknown"
     commit, dirty = git_commit()
     assert commit == want and (dirty is None) == (want == "unknown")
-    assert _commit() == want if want != "unknown" else _commit().endswith("(no git checkout)")
+    assert code_commit() == want + ("-dirty" if dirty else "")
+    assert _commit() == code_commit() if want != "unknown" else _commit().endswith("(no git checkout)")
+
+
+def test_a_changed_tree_is_marked(monkeypatch):
+    monkeypatch.delenv("QVG_COMMIT", raising=False)
+    monkeypatch.setattr("qvg.revision.git_commit", lambda: ("abc1234", True))
+    assert code_commit() == "abc1234-dirty" and _commit() == "abc1234-dirty"
 
 
 def test_outside_a_checkout(monkeypatch, tmp_path):
