@@ -190,9 +190,9 @@ def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None,
         t["codes"], raw_view(t["scale"]), raw_view(t["zero"]) if "zero" in t else dummy,
         t.get("tscale", dummy), t["ids"] if stages else dummy,
         t["centroids"] if stages else dummy, out, n, chunk_len, n // chunk_len, k, b * h, r0, r1, out.shape[2],
-        *_rope_args(rope, dummy, chunk_len, n // chunk_len, d), D=d, STAGES=stages, BLOCK_N=block_n, ROPE=rope is not None,
-        SPLIT_H=rope.split[0] if rope else 0, SPLIT_W=rope.split[1] if rope else 0, INTERP=INTERPRET,
-        NBLK=nblk, PROGS=progs, PLANE_SPLIT=plane_split, num_warps=num_warps, enable_fp_fusion=False,
+        *_rope_args(rope, dummy, chunk_len, n // chunk_len, d), D=d, STAGES=stages, BLOCK_N=block_n,
+        ROPE=rope is not None, SPLIT_H=rope.split[0] if rope else 0, SPLIT_W=rope.split[1] if rope else 0,
+        INTERP=INTERPRET, NBLK=nblk, PROGS=progs, PLANE_SPLIT=plane_split, num_warps=num_warps, enable_fp_fusion=False,
         **grid_constants(spec))
     return out
 

@@ -69,10 +69,10 @@ class RopeTables:
     at row dy + i, column dx + j; times and offsets may be negative. `table` [2, R, D / 2] float32 holds cos then
     sin of position x frequency for R = T' + H' + W' positions: the times' range first (the times in `positions`,
     or [min(0, frame0), max_frames)), then the rows' (height plus the offsets' spread), then the columns'; channel
-    pair j reads the axis of its band. `kernel_positions(frames)`:
-    per (slot, frame), the table rows of its time and of its first row and first column, which the kernels read.
-    `table` and the kernels' positions live on `device` (default: that of frame0 / positions); the positions
-    themselves stay on the host (int32), where the reference path reads them."""
+    pair j reads the axis of its band. `kernel_positions(frames)`: per (slot, frame), the table rows of its time
+    and of its first row and first column, which the kernels read. `table` and the kernels' positions live on
+    `device` (default: that of frame0 / positions); the positions themselves stay on the host (int32), where the
+    reference path reads them."""
 
     def __init__(self, height: int, width: int, head_dim: int, frame0: torch.Tensor | None = None,
                  max_frames: int | None = None, theta: float = 10000.0, positions: torch.Tensor | None = None,
@@ -87,18 +87,17 @@ class RopeTables:
             self._frame0 = frame0.cpu().to(torch.int32).reshape(-1)
             if self._frame0.numel() == 0:
                 raise ValueError("frame0 must hold a first frame per slot, got none")
-            self.positions, self.max_frames = None, max_frames
+            self.positions, self.max_frames, self.slots = None, max_frames, len(self._frame0)
             t_lo, t_hi, dy, dx = min(0, int(self._frame0.min())), max_frames - 1, torch.zeros(1), torch.zeros(1)
         else:
             host = positions.cpu().to(torch.int32)
             if host.dim() != 3 or host.shape[2] != 3 or host.numel() == 0:
                 raise ValueError(f"positions must be [slots, frames, 3] (t, dy, dx), got {list(host.shape)}")
-            self._frame0, self.positions = None, host
+            self._frame0, self.positions, self.slots = None, host, len(host)
             # the times held, not [0, max]: a rolling window's tables do not grow with the video's length
             t_lo, t_hi = int(host[..., 0].min()), int(host[..., 0].max())
             self.max_frames = t_hi + 1
             dy, dx = host[..., 1], host[..., 2]
-        self.slots = len(self._frame0 if positions is None else host)
         h_lo, h_hi = min(0, int(dy.min())), height - 1 + max(0, int(dy.max()))
         w_lo, w_hi = min(0, int(dx.min())), width - 1 + max(0, int(dx.max()))
         nt, nh, nw = t_hi - t_lo + 1, h_hi - h_lo + 1, w_hi - w_lo + 1
@@ -139,13 +138,14 @@ class RopeTables:
         """Refuse (ValueError) a packed history these tables cannot rotate: another head dim, chunks that are not
         whole frames, fewer slots than chunks, or positions for another number of frames per chunk."""
         hw = self.height * self.width
-        why = (f"head dim {head_dim}, the tables' {self.head_dim}" if head_dim != self.head_dim else
-               f"{chunk_len} tokens per chunk are not whole {self.height} x {self.width} frames" if chunk_len % hw
-               else f"{chunks} chunks, the tables hold {self.slots} slots" if self.slots < max(1, chunks)
-               else f"{chunk_len // hw} frames per chunk, the positions hold {self.positions.shape[1]}"
-               if self.positions is not None and self.positions.shape[1] != chunk_len // hw else None)
-        if why:
-            raise ValueError(f"rope: the tables must match a packed history ({why})")
+        held = self.positions.shape[1] if self.positions is not None else chunk_len // hw
+        for bad, why in ((head_dim != self.head_dim, f"head dim {head_dim}, the tables' {self.head_dim}"),
+                         (chunk_len % hw, f"{chunk_len} tokens per chunk are not whole {self.height} x {self.width} "
+                                          f"frames"),
+                         (self.slots < max(1, chunks), f"{chunks} chunks, the tables hold {self.slots} slots"),
+                         (held != chunk_len // hw, f"{chunk_len // hw} frames per chunk, the positions hold {held}")):
+            if bad:
+                raise ValueError(f"rope: the tables must match a packed history ({why})")
 
     @property
     def nbytes(self) -> int:
@@ -155,4 +155,5 @@ class RopeTables:
     def angles(self, chunk_len: int) -> torch.Tensor:
         """[C * chunk_len, D / 2] angles of every token (the reference path)."""
         frames = chunk_len // (self.height * self.width)
-        return frame_angles(self.frame_positions(frames), self.height, self.width, self.head_dim, self._theta).reshape(-1, self.head_dim // 2)
+        ang = frame_angles(self.frame_positions(frames), self.height, self.width, self.head_dim, self._theta)
+        return ang.reshape(-1, self.head_dim // 2)

@@ -126,9 +126,9 @@ def test_fused_read_of_pre_rope_keys_is_staged_where_rope_is_not_on_chip(device,
 @pytest.mark.parametrize("read", READ_MODES)
 def test_pre_rope_keys_at_spatial_offsets_are_read_by_the_kernels(device, read):
     """Pre-RoPE keys at spatial offsets (a camera that pans, as the world model's), times from -4: the kernels'
-    tables hold each frame's time and offsets, so every read takes the path asked for (KVCache.reads; fused reads pre-RoPE keys staged on a
-    GPU), and agrees with the torch path (decode the whole history, rotate it by `frame_angles`: a cache whose tables
-    are withheld)."""
+    tables hold each frame's time and offsets, so every read takes the path asked for (KVCache.reads; fused reads
+    pre-RoPE keys staged on a GPU), and agrees with the torch path (decode the whole history, rotate it by
+    `frame_angles`: a cache whose tables are withheld)."""
     kw = dict(read=read, chunk_frames=CF, tokens_per_frame=TPF, window_frames=2 * CF, centroids=4, block_size=16,
               key_storage="pre-rope", bits=4)
     c, ref = KVCache(LAYERS, "qvg", **kw), KVCache(LAYERS, "qvg", **kw)
