@@ -260,10 +260,8 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
         hkv, n = k_tail.shape[1], 0
     if hq % hkv:
         raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv})")
-    if rope is not None:
-        if k_hist is None:
-            raise ValueError("rope: the tables must match a packed history (there is none: rope rotates its keys)")
-        rope.check(d, k_hist.chunk_len, n // k_hist.chunk_len)
+    if rope is not None and k_hist is None:
+        raise ValueError("rope: the tables must match a packed history (there is none: rope rotates its keys)")
     t = 0 if k_tail is None else k_tail.shape[2]
     if n + t == 0:
         raise ValueError("attention needs at least one key (history and tail are empty)")
@@ -284,6 +282,7 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
         consts = dict(BITS=8, GROUP=d, GRID=1, OFFSET=127.5, FP8=False)
         stages, L, kk = 0, 1, 1
         kargs = vargs = (dummy,) * 5
+    rope_args = _rope_args(rope, dummy, L, n // L, d)  # (the tables checked once, before the launch)
     tk = k_tail.contiguous() if t else dummy
     tv = v_tail.contiguous() if t else dummy
     scale = d ** -0.5 if scale is None else scale
@@ -337,7 +336,7 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
 
     def launch(n_stages):
         kernel[grid](q, out, *kargs, *vargs, tk, tv, part, lse, scale * LOG2E, m, n, t, L, max(1, n // L), kk, hq,
-                     hkv, *extra["args"], *_rope_args(rope, dummy, L, n // L, d), D=d, STAGES=stages, BLOCK_M=block_m,
+                     hkv, *extra["args"], *rope_args, D=d, STAGES=stages, BLOCK_M=block_m,
                      BLOCK_N=block_n, HAS_HIST=k_hist is not None, INTERP=INTERPRET, JOIN=join, num_warps=num_warps,
                      num_stages=n_stages, **extra["consts"], **consts)
     # num_stages None: 3 for the joined form (qvg, RTN, the BF16 tail; see the docstring), 2 for qvg-pro's

@@ -96,7 +96,7 @@ class RopeTables:
             self._frame0, self.positions, self.slots = None, host, len(host)
             # the times held, not [0, max]: a rolling window's tables do not grow with the video's length
             t_lo, t_hi = int(host[..., 0].min()), int(host[..., 0].max())
-            self.max_frames = t_hi + 1
+            self.max_frames = None  # (frame0's bound; positions say their times)
             dy, dx = host[..., 1], host[..., 2]
         h_lo, h_hi = min(0, int(dy.min())), height - 1 + max(0, int(dy.max()))
         w_lo, w_hi = min(0, int(dx.min())), width - 1 + max(0, int(dx.max()))
