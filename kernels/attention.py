@@ -23,6 +23,7 @@ from qvg.sequence import PackedSequence
 
 from .attention_planes import _attn_planes_kernel, _attn_stream_kernel, _merge_splits, _merge_stream
 from .common import INTERPRET, dot_bf16, grid_constants, raw_view, sm_count
+from .launch import launch
 from .dequant import _rope_args, dequantize
 
 LOG2E = 1.4426950408889634
@@ -145,10 +146,9 @@ def staged_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
             shape = (bsz, hkv, seg[1] - seg[0], d)
             ks = dequantize(k_hist, out=kbuf[:shape[0] * shape[1] * shape[2] * d].view(shape), rows=seg, rope=rope)
             vs = dequantize(v_hist, out=vbuf[:shape[0] * shape[1] * shape[2] * d].view(shape), rows=seg)
-        _flash_carry_kernel[grid](q, ks, vs, out, m_buf, l_buf, acc_buf, scale * LOG2E, m, ks.shape[2], hq, hkv,
-                                  ks.stride(1),
-                                  D=d, BLOCK_M=block_m, BLOCK_N=block_n, CARRY_IN=i > 0, FINAL=i == len(segs) - 1,
-                                  INTERP=INTERPRET, num_warps=num_warps, num_stages=num_stages)
+        launch(_flash_carry_kernel, grid, q, ks, vs, out, m_buf, l_buf, acc_buf, scale * LOG2E, m, ks.shape[2], hq, hkv,
+               ks.stride(1), D=d, BLOCK_M=block_m, BLOCK_N=block_n, CARRY_IN=i > 0, FINAL=i == len(segs) - 1,
+               INTERP=INTERPRET, num_warps=num_warps, num_stages=num_stages)
     return out
 
 
@@ -334,30 +334,29 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
     if rope is not None:
         extra["consts"].update(ROPE=True, SPLIT_H=rope.split[0], SPLIT_W=rope.split[1])
 
-    def launch(n_stages):
-        kernel[grid](q, out, *kargs, *vargs, tk, tv, part, lse, scale * LOG2E, m, n, t, L, max(1, n // L), kk, hq,
-                     hkv, *extra["args"], *rope_args, D=d, STAGES=stages, BLOCK_M=block_m,
-                     BLOCK_N=block_n, HAS_HIST=k_hist is not None, INTERP=INTERPRET, JOIN=join, num_warps=num_warps,
-                     num_stages=n_stages, **extra["consts"], **consts)
+    def run(n_stages):
+        launch(kernel, grid, q, out, *kargs, *vargs, tk, tv, part, lse, scale * LOG2E, m, n, t, L, max(1, n // L), kk,
+               hq, hkv, *extra["args"], *rope_args, D=d, STAGES=stages, BLOCK_M=block_m, BLOCK_N=block_n,
+               HAS_HIST=k_hist is not None, INTERP=INTERPRET, JOIN=join, num_warps=num_warps, num_stages=n_stages,
+               **extra["consts"], **consts)
     # num_stages None: 3 for the joined form (qvg, RTN, the BF16 tail; see the docstring), 2 for qvg-pro's
     # plane-by-plane form (3 need more shared memory than a GPU has at 256 x 64) and where 3 did not fit before
     key = (q.device, q.dtype, d, block_m, block_n, num_warps, stages, stream, k_hist is not None,
            tuple(sorted({**extra["consts"], **consts}.items())))
     if num_stages is not None:
-        launch(num_stages)
+        run(num_stages)
     elif not join or rope is not None or key in _NO_THIRD_STAGE:  # (rope: 2, as checked on the H200)
-        launch(2)
+        run(2)
     else:
         try:
-            launch(3)
+            run(3)
         except OutOfResources:  # (remembered: a failed compile is not cached, it would be retried every call)
             _NO_THIRD_STAGE.add(key)
-            launch(2)
+            run(2)
     if stream and programs > 1:
-        _merge_stream[(programs - 1, triton.cdiv(block_m, 64))](part, lse, out, m, tiles, items, per, programs, full,
-                                                                D=d, BLOCK_M=block_m, ROWS=64, INTERP=INTERPRET,
-                                                                num_warps=4)
+        launch(_merge_stream, (programs - 1, triton.cdiv(block_m, 64)), part, lse, out, m, tiles, items, per, programs,
+               full, D=d, BLOCK_M=block_m, ROWS=64, INTERP=INTERPRET, num_warps=4)
     elif not stream and splits > 1:
-        _merge_splits[(triton.cdiv(m, 64), bsz * hq)](part, lse, out, m, splits, D=d, BLOCK_M=64, INTERP=INTERPRET,
-                                                    num_warps=4)
+        launch(_merge_splits, (triton.cdiv(m, 64), bsz * hq), part, lse, out, m, splits, D=d, BLOCK_M=64,
+               INTERP=INTERPRET, num_warps=4)
     return out

@@ -12,6 +12,7 @@ from qvg.rope import RopeTables
 from qvg.sequence import PER_TOKEN_METHODS, PackedSequence
 
 from .common import INTERPRET, bf16_bits_to_f32, decode_scale, dequant_codes, grid_constants, raw_view, to_out
+from .launch import launch
 
 
 @triton.jit
@@ -186,14 +187,12 @@ def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None,
     progs = nblk if progs <= 0 else min(progs, nblk)
     planes = 8 // spec.bits if plane_split else 1
     grid = (progs, b * h, planes)
-    _dequant_kernel[grid](
-        t["codes"], raw_view(t["scale"]), raw_view(t["zero"]) if "zero" in t else dummy,
-        t.get("tscale", dummy), t["ids"] if stages else dummy,
-        t["centroids"] if stages else dummy, out, n, chunk_len, n // chunk_len, k, b * h, r0, r1, out.shape[2],
-        *_rope_args(rope, dummy, chunk_len, n // chunk_len, d), D=d, STAGES=stages, BLOCK_N=block_n,
-        ROPE=rope is not None, SPLIT_H=rope.split[0] if rope else 0, SPLIT_W=rope.split[1] if rope else 0,
-        INTERP=INTERPRET, NBLK=nblk, PROGS=progs, PLANE_SPLIT=plane_split, num_warps=num_warps, enable_fp_fusion=False,
-        **grid_constants(spec))
+    launch(_dequant_kernel, grid, t["codes"], raw_view(t["scale"]), raw_view(t["zero"]) if "zero" in t else dummy,
+           t.get("tscale", dummy), t["ids"] if stages else dummy, t["centroids"] if stages else dummy, out, n,
+           chunk_len, n // chunk_len, k, b * h, r0, r1, out.shape[2],
+           *_rope_args(rope, dummy, chunk_len, n // chunk_len, d), D=d, STAGES=stages, BLOCK_N=block_n, ROPE=rope is not None, SPLIT_H=rope.split[0] if rope else 0,
+           SPLIT_W=rope.split[1] if rope else 0, INTERP=INTERPRET, NBLK=nblk, PROGS=progs, PLANE_SPLIT=plane_split,
+           num_warps=num_warps, enable_fp_fusion=False, **grid_constants(spec))
     return out
 
 

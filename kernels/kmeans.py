@@ -25,6 +25,7 @@ from qvg.kmeans import KMeansResult, id_dtype
 from qvg.kmeans import kmeans as ref_kmeans
 
 from .common import INTERPRET, dot_bf16, dot_exact, sm_count, to_bf16
+from .launch import launch
 from .kmeans_delta import update_delta
 from .kmeans_reseed import RESEED_MAX_K, reseed_empty_fused
 from .kmeans_segsum import store_means, update_segsum
@@ -152,8 +153,8 @@ def prep_centroids(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cb.copy_(c)
         return cb, cb.float().pow(2).sum(-1)
     block = max(1, min(64, 8192 // d))
-    _prep_centroids_kernel[(triton.cdiv(g * k, block),)](c, cb, csq, g * k, D=d, BLOCK=block, INTERP=INTERPRET,
-                                                         num_warps=4)
+    launch(_prep_centroids_kernel, (triton.cdiv(g * k, block),), c, cb, csq, g * k, D=d, BLOCK=block, INTERP=INTERPRET,
+           num_warps=4)
     return cb, csq
 
 
@@ -184,15 +185,13 @@ def assign(x: torch.Tensor, c: torch.Tensor, want_dist: bool = False, block_n: i
         if progs == "auto":
             progs = nblk if INTERPRET or not x.is_cuda else max(1, per_sm * sm_count(x.device) // g)
         progs = nblk if progs <= 0 else min(progs, nblk)
-        _assign_min_kernel[(progs, g)](x.contiguous(), c, csq, ids, dist, n, k, nblk, progs, D=d, BLOCK_N=block_n,
-                                       BLOCK_K=block_k, ONE_TILE=block_k >= k, WANT_DIST=want_dist,
-                                       INTERP=INTERPRET, num_warps=num_warps, num_stages=num_stages)
+        launch(_assign_min_kernel, (progs, g), x.contiguous(), c, csq, ids, dist, n, k, nblk, progs, D=d,
+               BLOCK_N=block_n, BLOCK_K=block_k, ONE_TILE=block_k >= k, WANT_DIST=want_dist, INTERP=INTERPRET,
+               num_warps=num_warps, num_stages=num_stages)
         return ids, (dist if want_dist else None)
-    _assign_kernel[(triton.cdiv(n, block_n), g)](x.contiguous(), c, csq, ids, dist, n, k, D=d, BLOCK_N=block_n,
-                                                 BLOCK_K=block_k,
-                                                 WANT_DIST=want_dist, PACKED=packed and k <= 256, INTERP=INTERPRET,
-                                                 num_warps=num_warps,
-                                                 num_stages=num_stages)
+    launch(_assign_kernel, (triton.cdiv(n, block_n), g), x.contiguous(), c, csq, ids, dist, n, k, D=d, BLOCK_N=block_n,
+           BLOCK_K=block_k, WANT_DIST=want_dist, PACKED=packed and k <= 256, INTERP=INTERPRET, num_warps=num_warps,
+           num_stages=num_stages)
     return ids, (dist if want_dist else None)
 
 
@@ -295,15 +294,15 @@ def _update_onehot(x, ids, c, block_k: int = 64, block_n: int = 32, chunk: int =
     splits = triton.cdiv(n, chunk)
     sums = torch.empty(g, splits, k, d, device=x.device, dtype=torch.float32)
     cnt = torch.empty(g, splits, k, device=x.device, dtype=torch.int32)
-    _onehot_partial_kernel[(triton.cdiv(k, block_k), splits, g)](
-        x.contiguous(), ids.contiguous(), sums, cnt, cnt if amax is None else amax, n, k, chunk, splits, D=d,
-        BLOCK_K=block_k, BLOCK_N=block_n, PARTS=1 if x.dtype == torch.bfloat16 else 3, INTERP=INTERPRET,
-        AMAX=amax is not None, num_warps=num_warps, num_stages=num_stages)
+    launch(_onehot_partial_kernel, (triton.cdiv(k, block_k), splits, g), x.contiguous(), ids.contiguous(), sums, cnt,
+           cnt if amax is None else amax, n, k, chunk, splits, D=d, BLOCK_K=block_k, BLOCK_N=block_n,
+           PARTS=1 if x.dtype == torch.bfloat16 else 3, INTERP=INTERPRET, AMAX=amax is not None, num_warps=num_warps,
+           num_stages=num_stages)
     c_new = torch.empty(g, k, d, device=x.device, dtype=torch.float32)
     counts = torch.empty(g, k, device=x.device, dtype=torch.int32)
     fk = min(32, max(16, triton.next_power_of_2(k)))
-    _onehot_finish_kernel[(triton.cdiv(k, fk), g)](sums, cnt, c.contiguous(), c_new, counts, k, splits, D=d,
-                                                   BLOCK_K=fk, num_warps=4)
+    launch(_onehot_finish_kernel, (triton.cdiv(k, fk), g), sums, cnt, c.contiguous(), c_new, counts, k, splits, D=d,
+           BLOCK_K=fk, num_warps=4)
     return c_new, counts
 
 
@@ -316,8 +315,8 @@ def _update_sort(x, ids, c, block_n: int = 32, num_warps: int = 2):
     bounds = torch.searchsorted(sorted_ids, probes).to(torch.int32)  # [G, K+1]: cluster j is [bounds_j, bounds_j+1)
     c_old = c.float().contiguous()
     c_new = torch.empty_like(c_old)
-    _segment_mean_kernel[(k, g)](x.contiguous(), order.to(torch.int32), bounds, c_old, c_new, n, k, D=d,
-                                 BLOCK_N=block_n, num_warps=num_warps)
+    launch(_segment_mean_kernel, (k, g), x.contiguous(), order.to(torch.int32), bounds, c_old, c_new, n, k, D=d,
+           BLOCK_N=block_n, num_warps=num_warps)
     return c_new, bounds[:, 1:] - bounds[:, :-1]
 
 

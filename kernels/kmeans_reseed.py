@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import launch
+
 RESEED_MAX_K = 512  # the slice maxima are held in one program's registers
 
 
@@ -76,7 +78,6 @@ def reseed_empty_fused(x: torch.Tensor, c: torch.Tensor, counts: torch.Tensor, d
     sp = max(16, triton.next_power_of_2(s))
     best = torch.empty(g, sp, device=x.device, dtype=torch.float32)
     order = torch.empty(g, sp, device=x.device, dtype=torch.int32)
-    _reseed_kernel[(g,)](x.contiguous(), dist.float().contiguous(), counts.contiguous(), c, best, order, n, k, s,
-                         n // s, D=d, SP=sp, BW=max(1, min(32, 8192 // sp)), TB=min(sp, 64), KB=min(sp, 64),
-                         num_warps=8)
+    launch(_reseed_kernel, (g,), x.contiguous(), dist.float().contiguous(), counts.contiguous(), c, best, order, n, k,
+           s, n // s, D=d, SP=sp, BW=max(1, min(32, 8192 // sp)), TB=min(sp, 64), KB=min(sp, 64), num_warps=8)
     return c

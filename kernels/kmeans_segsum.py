@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from .common import INTERPRET
+from .launch import launch
 
 
 @triton.jit
@@ -225,16 +226,16 @@ def sort_by_cluster(ids: torch.Tensor, k: int, item: int = 256, sort_block: int 
     istart = torch.empty(g, k + 1, device=dev, dtype=torch.int32)
     order = torch.empty(g, n, device=dev, dtype=torch.int32)
     if block == "rank":
-        _block_rank_kernel[(nb, g)](ids, keys, hist, n, k, nb, KP=kp, SB=sort_block,
-                                    R=min(rank_rows, sort_block), num_warps=rank_warps)
+        launch(_block_rank_kernel, (nb, g), ids, keys, hist, n, k, nb, KP=kp, SB=sort_block,
+               R=min(rank_rows, sort_block), num_warps=rank_warps)
         scatter, scatter_args = _scatter_rank_kernel, (ids, keys)
     else:
         lstart = torch.empty(g, nb, k, device=dev, dtype=torch.int32)
-        _block_sort_kernel[(nb, g)](ids, keys, hist, lstart, n, k, nb, KP=kp, SB=sort_block,
-                                    BITONIC=not INTERPRET if bitonic is None else bitonic, num_warps=4)
+        launch(_block_sort_kernel, (nb, g), ids, keys, hist, lstart, n, k, nb, KP=kp, SB=sort_block,
+               BITONIC=not INTERPRET if bitonic is None else bitonic, num_warps=4)
         scatter, scatter_args = _scatter_kernel, (keys, lstart)
-    _scan_kernel[(g,)](hist, offs, counts, cstart, istart, k, nb, item, KP=kp,
-                       RB=max(1, min(triton.next_power_of_2(nb), 8192 // kp)), num_warps=4)
+    launch(_scan_kernel, (g,), hist, offs, counts, cstart, istart, k, nb, item, KP=kp,
+           RB=max(1, min(triton.next_power_of_2(nb), 8192 // kp)), num_warps=4)
     scatter[(nb, g)](*scatter_args, offs, order, n, k, nb, SB=sort_block, num_warps=4)
     return order, counts, cstart, istart
 
@@ -260,10 +261,9 @@ def update_segsum(x: torch.Tensor, ids: torch.Tensor, c: torch.Tensor, item: int
     maxi = triton.cdiv(n, item) + k  # >= sum_k ceil(c_k / item)
     part = torch.empty(g, maxi, d, device=x.device, dtype=torch.float32)
     c_new = torch.empty(g, k, d, device=x.device, dtype=torch.float32)
-    _segsum_kernel[(maxi, g)](x.contiguous(), order, cstart, istart, part, part if amax is None else amax, n, k,
-                              item, maxi, KP=triton.next_power_of_2(k), D=d, ROWS=rows, AMAX=amax is not None,
-                              num_warps=num_warps, num_stages=num_stages)
-    _segfinish_kernel[(triton.cdiv(k, finish_block), g)](part, istart, counts, c.contiguous(), c_new,
-                                                         part if sums is None else sums, k, maxi, D=d,
-                                                         BLOCK_K=finish_block, SUMS=sums is not None, num_warps=4)
+    launch(_segsum_kernel, (maxi, g), x.contiguous(), order, cstart, istart, part, part if amax is None else amax, n, k,
+           item, maxi, KP=triton.next_power_of_2(k), D=d, ROWS=rows, AMAX=amax is not None, num_warps=num_warps,
+           num_stages=num_stages)
+    launch(_segfinish_kernel, (triton.cdiv(k, finish_block), g), part, istart, counts, c.contiguous(), c_new,
+           part if sums is None else sums, k, maxi, D=d, BLOCK_K=finish_block, SUMS=sums is not None, num_warps=4)
     return c_new, counts

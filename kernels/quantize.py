@@ -11,6 +11,7 @@ import triton.language as tl
 from qvg.quant import FP8_MAX, TSCALE_MIN, QuantSpec, _div, bound_tscale, scale_bound, scale_divisor, tensor_scale
 
 from .common import INTERPRET, bf16_bits_to_f32, grid_constants, raw_view, to_bf16
+from .launch import launch
 from .encode import _encode, _rne, auto_scales, head_tscale
 from .pack_span import _pack_span_kernel, span_width
 
@@ -194,18 +195,16 @@ def quantize_packed(x: torch.Tensor, spec: QuantSpec, ids: torch.Tensor | None =
     out = quantize_packed_outputs(b, h, n, d, spec, dev)
     zero = out.get("zero")
     raw = torch.empty(b, h, n, ng, device=dev, dtype=torch.float32)
-    _stats_kernel[grid](x, ids_, cent_, raw, raw_view(zero) if zero is not None else raw, n, k, b * h,
-                        D=d, BITS=c["BITS"], GROUP=c["GROUP"], GRID=c["GRID"], OFFSET=c["OFFSET"],
-                        STAGES=stages, BLOCK_N=block_n, INTERP=INTERPRET, HEADMAX=False, num_warps=num_warps,
-                        enable_fp_fusion=False)
+    launch(_stats_kernel, grid, x, ids_, cent_, raw, raw_view(zero) if zero is not None else raw, n, k, b * h, D=d,
+           BITS=c["BITS"], GROUP=c["GROUP"], GRID=c["GRID"], OFFSET=c["OFFSET"], STAGES=stages, BLOCK_N=block_n,
+           INTERP=INTERPRET, HEADMAX=False, num_warps=num_warps, enable_fp_fusion=False)
     if bound is not None:
         out["tscale"] = bound_tscale(scale_bound(bound[0].view(torch.float32), bound[1]), spec).view(b, h)
     elif c["FP8"]:  # auto's stats pass keeps max|x|: the tscale follows its sym candidate (midrise for 1 bit)
         out["tscale"] = tensor_scale(raw if spec.grid != "auto" else _div(raw, c["OFFSET"] if spec.bits > 1 else 0.5))
-    _pack_kernel[grid](x, ids_, cent_, raw, raw_view(zero) if zero is not None else raw,
-                       out.get("tscale", raw), out["codes"], raw_view(out["scale"]), raw, n, k, b * h, D=d,
-                       FP8_MAX=FP8_MAX, STAGES=stages, BLOCK_N=block_n, WORDS=words, num_warps=num_warps,
-                       enable_fp_fusion=False, **c)
+    launch(_pack_kernel, grid, x, ids_, cent_, raw, raw_view(zero) if zero is not None else raw, out.get("tscale", raw),
+           out["codes"], raw_view(out["scale"]), raw, n, k, b * h, D=d, FP8_MAX=FP8_MAX, STAGES=stages, BLOCK_N=block_n,
+           WORDS=words, num_warps=num_warps, enable_fp_fusion=False, **c)
     return out
 
 
@@ -232,24 +231,23 @@ def _quantize_fused(x, spec, c, ids_, cent_, stages, k, grid, block_n, num_warps
         hmax, mc = bound[0].contiguous(), bound[1].float().contiguous()
     elif c["FP8"]:
         hmax = torch.zeros(b * h, device=dev, dtype=torch.int32)
-        _stats_kernel[grid](x, ids_, cent_, hmax, hmax, n, k, b * h, D=d, BITS=c["BITS"], GROUP=c["GROUP"],
-                            GRID=c["GRID"], OFFSET=c["OFFSET"], STAGES=stages, BLOCK_N=block_n, INTERP=INTERPRET,
-                            HEADMAX=True, num_warps=num_warps, enable_fp_fusion=False)
+        launch(_stats_kernel, grid, x, ids_, cent_, hmax, hmax, n, k, b * h, D=d, BITS=c["BITS"], GROUP=c["GROUP"],
+               GRID=c["GRID"], OFFSET=c["OFFSET"], STAGES=stages, BLOCK_N=block_n, INTERP=INTERPRET, HEADMAX=True,
+               num_warps=num_warps, enable_fp_fusion=False)
     if bound is not None:
         ts_div = scale_divisor(spec)
     else:  # see tensor_scale's use above
         ts_div = (c["OFFSET"] if spec.bits > 1 else 0.5) if spec.grid == "auto" else 1.0
     if span_kw:  # one thread per (token, span): BLOCK_N tokens fill the program's threads
         bn = 32 * span_kw["num_warps"] * span_kw["SPAN"] // d
-        _pack_span_kernel[(triton.cdiv(n, bn), b * h)](
-            x, ids_, cent_, hmax, mc, out.get("tscale", hmax), codes, raw_view(scale), n, k, b * h, D=d,
-            BITS=c["BITS"], GROUP=c["GROUP"], GRID=c["GRID"], OFFSET=c["OFFSET"], FP8=c["FP8"], FP8_MAX=FP8_MAX,
-            STAGES=stages, BLOCK_N=bn, TS_DIV=float(ts_div), TSCALE_MIN=TSCALE_MIN,
-            TS_BOUND=bound is not None, INTERP=INTERPRET, enable_fp_fusion=False, **span_kw)
+        launch(_pack_span_kernel, (triton.cdiv(n, bn), b * h), x, ids_, cent_, hmax, mc, out.get("tscale", hmax), codes,
+               raw_view(scale), n, k, b * h, D=d, BITS=c["BITS"], GROUP=c["GROUP"], GRID=c["GRID"], OFFSET=c["OFFSET"],
+               FP8=c["FP8"], FP8_MAX=FP8_MAX, STAGES=stages, BLOCK_N=bn, TS_DIV=float(ts_div), TSCALE_MIN=TSCALE_MIN,
+               TS_BOUND=bound is not None, INTERP=INTERPRET, enable_fp_fusion=False, **span_kw)
     else:
-        _pack_kernel[grid](x, ids_, cent_, hmax, raw_view(zero) if zero is not None else hmax,
-                           out.get("tscale", hmax), codes, raw_view(scale), mc, n, k, b * h, D=d, FP8_MAX=FP8_MAX,
-                           STAGES=stages, BLOCK_N=block_n, RECOMPUTE=True, RINT=not INTERPRET, TS_DIV=float(ts_div),
-                           TSCALE_MIN=TSCALE_MIN, INTERP=INTERPRET, WORDS=words, TS_BOUND=bound is not None,
-                           num_warps=num_warps, enable_fp_fusion=False, **c)
+        launch(_pack_kernel, grid, x, ids_, cent_, hmax, raw_view(zero) if zero is not None else hmax,
+               out.get("tscale", hmax), codes, raw_view(scale), mc, n, k, b * h, D=d, FP8_MAX=FP8_MAX, STAGES=stages,
+               BLOCK_N=block_n, RECOMPUTE=True, RINT=not INTERPRET, TS_DIV=float(ts_div), TSCALE_MIN=TSCALE_MIN,
+               INTERP=INTERPRET, WORDS=words, TS_BOUND=bound is not None, num_warps=num_warps, enable_fp_fusion=False,
+               **c)
     return out

@@ -1,0 +1,150 @@
+"""`launch(kernel, grid, *args, **kw)`: `kernel[grid](*args, **kw)` without Triton's per-call binding once a
+specialization has been launched.
+
+Why: Triton 3.6's `JITFunction.run` spends tens of microseconds of host time on every launch (binding the
+arguments, specializing them, hashing a cache key, building launch metadata) before it calls the compiled kernel's
+launcher. An eager qvg compress is 15 launches (57 for qvg-pro), so on a slow host the call is bound by that, not by
+the GPU (eval/results/compress-host-h200.249597f.json: 1.03 ms of host time for 0.65 ms of GPU work).
+
+How: the first call with a given key goes through Triton (which compiles when needed) and keeps the compiled
+kernel `JITFunction.run` returns; later calls with the same key hand the launcher the argument list Triton would
+build (every parameter in order, defaults filled in, constexprs included), with the same stream, grid and launch
+hooks. The key holds everything Triton specializes a kernel on, or finer: the device; each tensor's dtype and
+whether its data pointer is 16-byte aligned; each int's width class, whether it equals 1 and whether 16 divides it;
+the type of every other runtime argument; the value of every constexpr; the launch options (num_warps, ...). A
+finer key than Triton's only means two entries for one compiled kernel.
+
+Triton's own path runs instead: under TRITON_INTERPRET=1, with QVG_FAST_LAUNCH=0, for a grid given as a function,
+for an argument the key cannot hash, and for a kernel object this Triton does not expose as expected (then for good).
+"""
+from __future__ import annotations
+
+import inspect
+import os
+
+import torch
+from triton import knobs
+
+from .common import INTERPRET
+
+ENABLED = not INTERPRET and os.environ.get("QVG_FAST_LAUNCH", "1") != "0"
+_I32 = (-2 ** 31, 2 ** 31 - 1)
+_EMPTY = object()  # a parameter without a default
+
+
+class Plan:
+    """One kernel's parameters (names, defaults, which are constexprs) and its compiled kernels by key."""
+
+    def __init__(self, fn):
+        params = fn.params
+        self.fn = fn
+        self.names = [p.name for p in params]
+        self.index = {n: i for i, n in enumerate(self.names)}
+        self.defaults = [_EMPTY if p.default is inspect.Parameter.empty else p.default for p in params]
+        self.constexpr = [bool(p.is_constexpr) for p in params]
+        self.compiled: dict = {}
+
+    def bind(self, args: tuple, kw: dict) -> tuple[list, tuple]:
+        """(every parameter's value in order, the launch options as sorted items); TypeError where a parameter
+        has no value (Triton's own path then reports it)."""
+        vals = list(args)
+        options = ()
+        if kw:
+            extra = [k for k in kw if k not in self.index]
+            if extra:
+                options = tuple(sorted((k, kw[k]) for k in extra))
+        for i in range(len(args), len(self.names)):
+            name = self.names[i]
+            if name in kw:
+                vals.append(kw[name])
+            elif self.defaults[i] is not _EMPTY:
+                vals.append(self.defaults[i])
+            else:
+                raise TypeError(f"missing argument {name!r}")
+        return vals, options
+
+    def key(self, vals: list, options: tuple) -> tuple:
+        """The specialization key of `vals` (see the module docstring); TypeError for an unhashable constexpr or a
+        runtime argument of another type than tensor, int, float, bool or None (a numpy integer, say)."""
+        parts = []
+        for a, const in zip(vals, self.constexpr):
+            if const:
+                hash(a)
+                parts.append(a)
+            elif isinstance(a, torch.Tensor):
+                parts.append((a.dtype, not a.data_ptr() & 15))
+            elif type(a) is int:
+                parts.append((a == 1, not a & 15, _I32[0] <= a <= _I32[1], a < 2 ** 63))
+            elif a is None or type(a) is bool:
+                parts.append((type(a), a))
+            elif type(a) is float:
+                parts.append(float)
+            else:
+                raise TypeError(f"no fast-launch key for a {type(a).__name__}")
+        return (tuple(parts), options)
+
+
+_PLANS: dict = {}
+_BROKEN: set = set()
+
+
+def _plan(fn) -> Plan | None:
+    p = _PLANS.get(fn)
+    if p is None and fn not in _BROKEN:
+        try:
+            p = Plan(fn)
+        except (AttributeError, TypeError):
+            _BROKEN.add(fn)
+            return None
+        _PLANS[fn] = p
+    return p
+
+
+def _launchable(kernel) -> bool:
+    return all(hasattr(kernel, a) for a in ("run", "function", "packed_metadata", "launch_metadata"))
+
+
+def launch(fn, grid, *args, **kw):
+    """`fn[grid](*args, **kw)` (a Triton JITFunction), by its compiled kernel's launcher when this key has been
+    launched before (see the module docstring)."""
+    if not ENABLED or not isinstance(grid, tuple):
+        return fn[grid](*args, **kw)
+    plan = _plan(fn)
+    if plan is None:
+        return fn[grid](*args, **kw)
+    try:
+        vals, options = plan.bind(args, kw)
+        dev = _device()
+        key = (dev, plan.key(vals, options))
+        kernel = plan.compiled.get(key)
+    except TypeError:
+        return fn[grid](*args, **kw)
+    if kernel is None:
+        kernel = fn[grid](*args, **kw)
+        if _launchable(kernel):
+            plan.compiled[key] = kernel
+        else:
+            _BROKEN.add(fn)
+            _PLANS.pop(fn, None)
+        return kernel
+    run_compiled(kernel, grid, _stream(dev), vals)
+    return kernel
+
+
+def _device() -> int:
+    return torch.cuda.current_device()
+
+
+def _stream(dev: int) -> int:
+    """The current stream's handle, as Triton's CUDA driver reads it."""
+    return torch._C._cuda_getCurrentRawStream(dev)
+
+
+def run_compiled(kernel, grid: tuple, stream: int, vals: list) -> None:
+    """What `JITFunction.run` does once it holds the compiled kernel (Triton 3.6: grid padded to three dims, launch
+    metadata for the hooks, then the launcher)."""
+    g1 = grid[1] if len(grid) > 1 else 1
+    g2 = grid[2] if len(grid) > 2 else 1
+    hooks = knobs.runtime
+    kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata,
+               kernel.launch_metadata(grid, stream, *vals), hooks.launch_enter_hook, hooks.launch_exit_hook, *vals)
