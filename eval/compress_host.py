@@ -8,16 +8,22 @@ For qvg (S1/B64) and qvg-pro (S4/B16) at the LongCat span [1, 32, 29640, 128], w
 - `eager_ms`: `bench_kernels`'s eager figure (CUDA events around back-to-back calls: the larger of host and GPU time);
 - `graph_ms`: the same call as a CUDA-graph replay (its GPU time);
 - `launches`: Triton launches per call.
-With --profile, a cProfile of 200 fast-path qvg calls (own time) is added. Writes compress-host-<gpu>.json.
+With --profile, a cProfile of 200 fast-path qvg calls (own time) is added; with --trace, a torch.profiler trace of
+10 back-to-back fast-path calls of each method: the GPU's kernel time against the span it was spread over, the
+largest idle gaps (with the kernels around them) and the CUDA runtime calls per compress call, syncs and copies
+included. Writes compress-host-<gpu>.json.
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
 import io
+import json
+import os
 import pstats
 import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -58,7 +64,38 @@ def count_launches(fn) -> int:
     return n[0]
 
 
-def run(profile: bool) -> dict:
+def trace(fn, calls: int = 10) -> dict:
+    """torch.profiler over `calls` back-to-back calls of fn (see the module docstring)."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
+    runtime: dict = {}
+    for e in events:
+        if e.get("cat") == "cuda_runtime" or e.get("cat") == "cuda_driver":
+            r = runtime.setdefault(e["name"], [0, 0.0])
+            r[0] += 1
+            r[1] += e.get("dur", 0)
+    gaps = [(b["ts"] - (a["ts"] + a["dur"]), a["name"][:60], b["name"][:60]) for a, b in zip(kernels, kernels[1:])]
+    gaps.sort(reverse=True)
+    span = kernels[-1]["ts"] + kernels[-1]["dur"] - kernels[0]["ts"] if kernels else 0
+    return {"calls": calls, "kernels_per_call": len(kernels) / calls,
+            "gpu_span_us_per_call": span / calls, "gpu_kernel_us_per_call": sum(k["dur"] for k in kernels) / calls,
+            "largest_gaps_us": [{"us": g, "after": a, "before": b} for g, a, b in gaps[:8]],
+            "runtime_calls_per_call": {k: {"n": v[0] / calls, "us": v[1] / calls}
+                                       for k, v in sorted(runtime.items(), key=lambda kv: -kv[1][1])}}
+
+
+def run(profile: bool, traced: bool = False) -> dict:
     from qvg.kernels import launch as L
     from qvg.kernels.compress import compress_prq
     x0 = clustered(LONGCAT_SPAN, seed=1)
@@ -78,6 +115,17 @@ def run(profile: bool) -> dict:
         L.ENABLED = True
         graph, _ = capture_graph(f)
         row["graph_ms"] = bench(graph.replay, warmup=5, rep=50)
+        for _ in range(5):
+            f()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(200):
+            f()
+        row["fast"]["host_ms_200_calls"] = (time.perf_counter() - t) / 200 * 1e3
+        torch.cuda.synchronize()
+        row["fast"]["wall_ms_200_calls"] = (time.perf_counter() - t) / 200 * 1e3
+        if traced:
+            row["trace_fast"] = trace(f)
         print(method, row, flush=True)
         rows[method] = row
         if profile and method == "qvg":
@@ -98,6 +146,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="eval/results")
     ap.add_argument("--profile", action="store_true", help="add a cProfile of 200 fast-path qvg calls")
+    ap.add_argument("--trace", action="store_true", help="add a torch.profiler trace of 10 fast-path calls")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("compress_host: needs a CUDA GPU", file=sys.stderr)
@@ -105,7 +154,7 @@ def main(argv=None) -> int:
     t0 = time.time()
     res = result_header("compress_host", argv)
     res["shape"] = list(LONGCAT_SPAN)
-    res.update(run(args.profile))
+    res.update(run(args.profile, args.trace))
     from .bench_kernels import gpu_tag
     write_result(res, args.out, f"compress-host-{gpu_tag(res['device'])}.json", t0)
     return 0

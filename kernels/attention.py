@@ -22,7 +22,7 @@ from qvg.rope import RopeTables
 from qvg.sequence import PackedSequence
 
 from .attention_planes import _attn_planes_kernel, _attn_stream_kernel, _merge_splits, _merge_stream
-from .common import INTERPRET, dot_bf16, grid_constants, raw_view, sm_count
+from .common import INTERPRET, cdiv, dot_bf16, grid_constants, raw_view, sm_count
 from .launch import launch
 from .dequant import _rope_args, dequantize
 
@@ -136,7 +136,7 @@ def staged_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
         kbuf = torch.empty(bsz * hkv * window * d, device=q.device, dtype=torch.bfloat16)
         vbuf = torch.empty_like(kbuf)
     scale = d ** -0.5 if scale is None else scale
-    grid = (triton.cdiv(m, block_m), bsz * hq)
+    grid = (cdiv(m, block_m), bsz * hq)
     for i, seg in enumerate(segs):
         if seg is None:  # read in place when each (batch, head) row is contiguous (a view of the cache's zones)
             ks, vs = _rows_view(k_tail), _rows_view(v_tail)
@@ -295,7 +295,7 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
                          f"block_n={block_n}, block_m={block_m} (64-key tiles gave wrong scores in Triton 3.6's sm_90 "
                          "code; larger blocks were not checked): use the defaults or staged_attention")
     block_n = (32 if rope is not None else 64) if block_n is None else block_n
-    tiles = triton.cdiv(n, block_n) + triton.cdiv(t, block_n)
+    tiles = cdiv(n, block_n) + cdiv(t, block_n)
     if splits is not None and (programs is not None or waves):
         raise ValueError("give splits (the grid schedule) or programs / waves (stream-K), not both")
     if programs is not None and int(programs) < 1:
@@ -307,7 +307,7 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
         splits = 1
     elif splits is None and not asked and not join:  # (stream-K ran qvg-pro 22% slower on the H200)
         splits = 0
-    items = triton.cdiv(m, block_m) * bsz * hq
+    items = cdiv(m, block_m) * bsz * hq
     if items * tiles >= 2 ** 30:  # (stream-K indexes the pairs in int32, and a share's end may pass the last)
         if asked:
             raise ValueError(f"stream-K takes < 2^30 (query block, key tile) pairs, got {items * tiles}: use splits")
@@ -328,7 +328,7 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
         if splits > 1:
             part = torch.empty(splits, bsz * hq, m, d, device=q.device, dtype=torch.bfloat16)
             lse = torch.empty(splits, bsz * hq, m, device=q.device, dtype=torch.float32)
-        kernel, grid = _attn_planes_kernel, (triton.cdiv(m, block_m), splits, bsz * hq)
+        kernel, grid = _attn_planes_kernel, (cdiv(m, block_m), splits, bsz * hq)
         extra = dict(args=(splits,), consts=dict(SPLIT=splits > 1))
 
     if rope is not None:
@@ -354,9 +354,9 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
             _NO_THIRD_STAGE.add(key)
             run(2)
     if stream and programs > 1:
-        launch(_merge_stream, (programs - 1, triton.cdiv(block_m, 64)), part, lse, out, m, tiles, items, per, programs,
+        launch(_merge_stream, (programs - 1, cdiv(block_m, 64)), part, lse, out, m, tiles, items, per, programs,
                full, D=d, BLOCK_M=block_m, ROWS=64, INTERP=INTERPRET, num_warps=4)
     elif not stream and splits > 1:
-        launch(_merge_splits, (triton.cdiv(m, 64), bsz * hq), part, lse, out, m, splits, D=d, BLOCK_M=64,
+        launch(_merge_splits, (cdiv(m, 64), bsz * hq), part, lse, out, m, splits, D=d, BLOCK_M=64,
                INTERP=INTERPRET, num_warps=4)
     return out

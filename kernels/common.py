@@ -18,6 +18,17 @@ GRID_IDS = {"sym": 0, "midrise": 1, "asym": 2, "auto": 3}
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for host-side grid sizes (`triton.cdiv` is a constexpr function in Triton 3.6: a wrapper call
+    of a few microseconds per use)."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1), as `triton.next_power_of_2` on the host, without its wrapper."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 @functools.lru_cache(maxsize=None)
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (persistent grids size themselves by it)."""

@@ -16,7 +16,7 @@ import triton.language as tl
 from qvg.compression.registry import token_spec
 from qvg.kmeans import id_dtype
 
-from .common import INTERPRET, to_bf16
+from .common import INTERPRET, cdiv, to_bf16
 from .launch import launch
 from .kmeans import kmeans
 from .quantize import _residual, quantize_packed, quantize_packed_outputs
@@ -163,7 +163,7 @@ def residual_bf16(x: torch.Tensor, ids: torch.Tensor, cents: torch.Tensor, stage
     """x [G, N, D]; ids [S', G, N]; cents [S', G, K, D] BF16 -> BF16(x - sum_{s<stages} cents_s[ids_s]) [G, N, D]."""
     g, n, d = x.shape
     out = torch.empty(g, n, d, device=x.device, dtype=torch.bfloat16)
-    launch(_residual_bf16_kernel, (triton.cdiv(n, block_n), g), x, ids, cents, out, n, cents.shape[-2], g, D=d,
+    launch(_residual_bf16_kernel, (cdiv(n, block_n), g), x, ids, cents, out, n, cents.shape[-2], g, D=d,
            STAGES=stages, BLOCK_N=block_n, INTERP=INTERPRET, num_warps=4)
     return out
 
@@ -189,8 +189,8 @@ def head_absmax(t: torch.Tensor, bits: torch.Tensor | None = None) -> torch.Tens
     if bits is None:
         bits = torch.zeros(g, device=t.device, dtype=torch.int32)
     m = t.numel() // max(g, 1)
-    per = triton.cdiv(triton.cdiv(m, 8), 1024) * 1024
-    launch(_head_absmax_kernel, (g, triton.cdiv(m, per)), t, bits, m, per, BLOCK=1024, num_warps=4)
+    per = cdiv(cdiv(m, 8), 1024) * 1024
+    launch(_head_absmax_kernel, (g, cdiv(m, per)), t, bits, m, per, BLOCK=1024, num_warps=4)
     return bits.view(torch.float32)
 
 

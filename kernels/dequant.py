@@ -11,7 +11,8 @@ from qvg.packed import Packed
 from qvg.rope import RopeTables
 from qvg.sequence import PER_TOKEN_METHODS, PackedSequence
 
-from .common import INTERPRET, bf16_bits_to_f32, decode_scale, dequant_codes, grid_constants, raw_view, to_out
+from .common import (INTERPRET, bf16_bits_to_f32, cdiv, decode_scale, dequant_codes, grid_constants, raw_view,
+                     to_out)
 from .launch import launch
 
 
@@ -183,7 +184,7 @@ def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None,
     _check_out(out, (b, h, r1 - r0, d), t["codes"].device)
     dummy = t["codes"]
     k = t["centroids"].shape[-2] if stages else 1
-    nblk = triton.cdiv(r1 - r0, block_n)
+    nblk = cdiv(r1 - r0, block_n)
     progs = nblk if progs <= 0 else min(progs, nblk)
     planes = 8 // spec.bits if plane_split else 1
     grid = (progs, b * h, planes)

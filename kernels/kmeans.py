@@ -24,7 +24,7 @@ import triton.language as tl
 from qvg.kmeans import KMeansResult, id_dtype
 from qvg.kmeans import kmeans as ref_kmeans
 
-from .common import INTERPRET, dot_bf16, dot_exact, sm_count, to_bf16
+from .common import INTERPRET, cdiv, dot_bf16, dot_exact, next_pow2, sm_count, to_bf16
 from .launch import launch
 from .kmeans_delta import update_delta
 from .kmeans_reseed import RESEED_MAX_K, reseed_empty_fused
@@ -153,7 +153,7 @@ def prep_centroids(c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cb.copy_(c)
         return cb, cb.float().pow(2).sum(-1)
     block = max(1, min(64, 8192 // d))
-    launch(_prep_centroids_kernel, (triton.cdiv(g * k, block),), c, cb, csq, g * k, D=d, BLOCK=block, INTERP=INTERPRET,
+    launch(_prep_centroids_kernel, (cdiv(g * k, block),), c, cb, csq, g * k, D=d, BLOCK=block, INTERP=INTERPRET,
            num_warps=4)
     return cb, csq
 
@@ -178,10 +178,10 @@ def assign(x: torch.Tensor, c: torch.Tensor, want_dist: bool = False, block_n: i
     c, csq = prep_centroids(c)  # the dot's operands are bf16 anyway; |c|^2 of the same values
     ids = torch.empty(g, n, device=x.device, dtype=id_dtype(k))
     dist = torch.empty(g, n, device=x.device, dtype=torch.float32) if want_dist else csq
-    block_n = min(block_n, max(16, triton.next_power_of_2(n)))
-    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    block_n = min(block_n, max(16, next_pow2(n)))
+    block_k = min(block_k, max(16, next_pow2(k)))
     if mode == "min":
-        nblk = triton.cdiv(n, block_n)
+        nblk = cdiv(n, block_n)
         if progs == "auto":
             progs = nblk if INTERPRET or not x.is_cuda else max(1, per_sm * sm_count(x.device) // g)
         progs = nblk if progs <= 0 else min(progs, nblk)
@@ -189,7 +189,7 @@ def assign(x: torch.Tensor, c: torch.Tensor, want_dist: bool = False, block_n: i
                BLOCK_N=block_n, BLOCK_K=block_k, ONE_TILE=block_k >= k, WANT_DIST=want_dist, INTERP=INTERPRET,
                num_warps=num_warps, num_stages=num_stages)
         return ids, (dist if want_dist else None)
-    launch(_assign_kernel, (triton.cdiv(n, block_n), g), x.contiguous(), c, csq, ids, dist, n, k, D=d, BLOCK_N=block_n,
+    launch(_assign_kernel, (cdiv(n, block_n), g), x.contiguous(), c, csq, ids, dist, n, k, D=d, BLOCK_N=block_n,
            BLOCK_K=block_k, WANT_DIST=want_dist, PACKED=packed and k <= 256, INTERP=INTERPRET, num_warps=num_warps,
            num_stages=num_stages)
     return ids, (dist if want_dist else None)
@@ -289,19 +289,19 @@ def _update_onehot(x, ids, c, block_k: int = 64, block_n: int = 32, chunk: int =
                    num_stages: int = 3, amax: torch.Tensor | None = None):
     g, n, d = x.shape
     k = c.shape[1]
-    block_k = min(block_k, max(16, triton.next_power_of_2(k)))
+    block_k = min(block_k, max(16, next_pow2(k)))
     chunk = max(block_n, chunk // block_n * block_n)
-    splits = triton.cdiv(n, chunk)
+    splits = cdiv(n, chunk)
     sums = torch.empty(g, splits, k, d, device=x.device, dtype=torch.float32)
     cnt = torch.empty(g, splits, k, device=x.device, dtype=torch.int32)
-    launch(_onehot_partial_kernel, (triton.cdiv(k, block_k), splits, g), x.contiguous(), ids.contiguous(), sums, cnt,
+    launch(_onehot_partial_kernel, (cdiv(k, block_k), splits, g), x.contiguous(), ids.contiguous(), sums, cnt,
            cnt if amax is None else amax, n, k, chunk, splits, D=d, BLOCK_K=block_k, BLOCK_N=block_n,
            PARTS=1 if x.dtype == torch.bfloat16 else 3, INTERP=INTERPRET, AMAX=amax is not None, num_warps=num_warps,
            num_stages=num_stages)
     c_new = torch.empty(g, k, d, device=x.device, dtype=torch.float32)
     counts = torch.empty(g, k, device=x.device, dtype=torch.int32)
-    fk = min(32, max(16, triton.next_power_of_2(k)))
-    launch(_onehot_finish_kernel, (triton.cdiv(k, fk), g), sums, cnt, c.contiguous(), c_new, counts, k, splits, D=d,
+    fk = min(32, max(16, next_pow2(k)))
+    launch(_onehot_finish_kernel, (cdiv(k, fk), g), sums, cnt, c.contiguous(), c_new, counts, k, splits, D=d,
            BLOCK_K=fk, num_warps=4)
     return c_new, counts
 

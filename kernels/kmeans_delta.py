@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRET, dot_exact
+from .common import INTERPRET, cdiv, dot_exact, next_pow2
 from .launch import launch
 from .kmeans_segsum import store_means
 
@@ -98,18 +98,18 @@ def update_delta(x: torch.Tensor, prev_ids: torch.Tensor, ids: torch.Tensor, c: 
         raise ValueError(f"delta update needs D a power of two >= 16, got {d}")
     dev = x.device
     if progs <= 0:
-        progs = triton.cdiv(n, chunk)
+        progs = cdiv(n, chunk)
     idx = torch.empty(g, n, device=dev, dtype=torch.int32)
-    block_k = max(16, triton.next_power_of_2(k))
+    block_k = max(16, next_pow2(k))
     part = torch.empty(g, progs, k, d, device=dev, dtype=torch.float32)
     dcnt = torch.empty(g, progs, k, device=dev, dtype=torch.int32)
     launch(_delta_kernel, (progs, g), x.contiguous(), prev_ids.contiguous(), ids.contiguous(), idx, part, dcnt, n, k,
-           progs, triton.cdiv(n, progs), D=d, BLOCK_K=block_k, BLOCK_N=block_n, SCAN=scan_block,
+           progs, cdiv(n, progs), D=d, BLOCK_K=block_k, BLOCK_N=block_n, SCAN=scan_block,
            PARTS=1 if x.dtype == torch.bfloat16 else 3, INTERP=INTERPRET, num_warps=num_warps, num_stages=num_stages)
     c_new = torch.empty(g, k, d, device=dev, dtype=torch.float32)
     sums_new = torch.empty_like(c_new)
     counts_new = torch.empty(g, k, device=dev, dtype=torch.int32)
     fk = min(32, block_k)
-    launch(_delta_finish_kernel, (triton.cdiv(k, fk), g), sums.contiguous(), counts.contiguous(), part, dcnt,
+    launch(_delta_finish_kernel, (cdiv(k, fk), g), sums.contiguous(), counts.contiguous(), part, dcnt,
            c.contiguous(), c_new, sums_new, counts_new, k, progs, D=d, BLOCK_K=fk, num_warps=4)
     return c_new, counts_new, sums_new

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import next_pow2
 from .launch import launch
 
 RESEED_MAX_K = 512  # the slice maxima are held in one program's registers
@@ -75,7 +76,7 @@ def reseed_empty_fused(x: torch.Tensor, c: torch.Tensor, counts: torch.Tensor, d
     if k > RESEED_MAX_K or c.dtype != torch.float32 or not c.is_contiguous() or d & (d - 1):
         raise ValueError("reseed_empty_fused: K <= 512, c contiguous fp32, D a power of two")
     s = min(k, n)
-    sp = max(16, triton.next_power_of_2(s))
+    sp = max(16, next_pow2(s))
     best = torch.empty(g, sp, device=x.device, dtype=torch.float32)
     order = torch.empty(g, sp, device=x.device, dtype=torch.int32)
     launch(_reseed_kernel, (g,), x.contiguous(), dist.float().contiguous(), counts.contiguous(), c, best, order, n, k,

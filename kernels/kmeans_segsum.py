@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRET
+from .common import INTERPRET, cdiv, next_pow2
 from .launch import launch
 
 
@@ -216,8 +216,8 @@ def sort_by_cluster(ids: torch.Tensor, k: int, item: int = 256, sort_block: int 
     g, n = ids.shape
     dev = ids.device
     ids = ids.contiguous()
-    kp = max(32, triton.next_power_of_2(k))  # histogram bins: a power of two, at least a warp
-    nb = triton.cdiv(n, sort_block)
+    kp = max(32, next_pow2(k))  # histogram bins: a power of two, at least a warp
+    nb = cdiv(n, sort_block)
     keys = torch.empty(g, n, device=dev, dtype=torch.int32)  # sorted keys, or each token's rank
     hist = torch.empty(g, nb, k, device=dev, dtype=torch.int32)
     offs = torch.empty(g, nb, k, device=dev, dtype=torch.int32)
@@ -235,7 +235,7 @@ def sort_by_cluster(ids: torch.Tensor, k: int, item: int = 256, sort_block: int 
                BITONIC=not INTERPRET if bitonic is None else bitonic, num_warps=4)
         scatter, scatter_args = _scatter_kernel, (keys, lstart)
     launch(_scan_kernel, (g,), hist, offs, counts, cstart, istart, k, nb, item, KP=kp,
-           RB=max(1, min(triton.next_power_of_2(nb), 8192 // kp)), num_warps=4)
+           RB=max(1, min(next_pow2(nb), 8192 // kp)), num_warps=4)
     scatter[(nb, g)](*scatter_args, offs, order, n, k, nb, SB=sort_block, num_warps=4)
     return order, counts, cstart, istart
 
@@ -258,12 +258,12 @@ def update_segsum(x: torch.Tensor, ids: torch.Tensor, c: torch.Tensor, item: int
         raise ValueError("item must be a multiple of rows")
     order, counts, cstart, istart = sort_by_cluster(ids, k, item, sort_block, block=block, rank_rows=rank_rows,
                                                     rank_warps=rank_warps)
-    maxi = triton.cdiv(n, item) + k  # >= sum_k ceil(c_k / item)
+    maxi = cdiv(n, item) + k  # >= sum_k ceil(c_k / item)
     part = torch.empty(g, maxi, d, device=x.device, dtype=torch.float32)
     c_new = torch.empty(g, k, d, device=x.device, dtype=torch.float32)
     launch(_segsum_kernel, (maxi, g), x.contiguous(), order, cstart, istart, part, part if amax is None else amax, n, k,
-           item, maxi, KP=triton.next_power_of_2(k), D=d, ROWS=rows, AMAX=amax is not None, num_warps=num_warps,
+           item, maxi, KP=next_pow2(k), D=d, ROWS=rows, AMAX=amax is not None, num_warps=num_warps,
            num_stages=num_stages)
-    launch(_segfinish_kernel, (triton.cdiv(k, finish_block), g), part, istart, counts, c.contiguous(), c_new,
+    launch(_segfinish_kernel, (cdiv(k, finish_block), g), part, istart, counts, c.contiguous(), c_new,
            part if sums is None else sums, k, maxi, D=d, BLOCK_K=finish_block, SUMS=sums is not None, num_warps=4)
     return c_new, counts

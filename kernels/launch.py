@@ -20,6 +20,7 @@ for an argument the key cannot hash, and for a kernel object this Triton does no
 from __future__ import annotations
 
 import inspect
+import operator
 import os
 
 import torch
@@ -42,46 +43,49 @@ class Plan:
         self.index = {n: i for i, n in enumerate(self.names)}
         self.defaults = [_EMPTY if p.default is inspect.Parameter.empty else p.default for p in params]
         self.constexpr = [bool(p.is_constexpr) for p in params]
+        cidx = [i for i, c in enumerate(self.constexpr) if c]
+        ridx = [i for i, c in enumerate(self.constexpr) if not c]
+        self._consts = operator.itemgetter(*cidx) if cidx else (lambda v: ())
+        self._runtime = operator.itemgetter(*ridx) if len(ridx) > 1 else (lambda v: tuple(v[i] for i in ridx))
         self.compiled: dict = {}
+        self._rests: dict = {}  # positional arguments given -> the (name, default) of the others
 
     def bind(self, args: tuple, kw: dict) -> tuple[list, tuple]:
         """(every parameter's value in order, the launch options as sorted items); TypeError where a parameter
         has no value (Triton's own path then reports it)."""
         vals = list(args)
-        options = ()
-        if kw:
-            extra = [k for k in kw if k not in self.index]
-            if extra:
-                options = tuple(sorted((k, kw[k]) for k in extra))
-        for i in range(len(args), len(self.names)):
-            name = self.names[i]
-            if name in kw:
-                vals.append(kw[name])
-            elif self.defaults[i] is not _EMPTY:
-                vals.append(self.defaults[i])
-            else:
-                raise TypeError(f"missing argument {name!r}")
-        return vals, options
+        for n, d in self._rest(len(args)):
+            v = kw.get(n, d)
+            if v is _EMPTY:
+                raise TypeError(f"missing argument {n!r}")
+            vals.append(v)
+        extra = kw.keys() - self.index.keys()
+        return vals, tuple(sorted((k, kw[k]) for k in extra)) if extra else ()
+
+    def _rest(self, given: int) -> list:
+        r = self._rests.get(given)
+        if r is None:
+            r = self._rests[given] = list(zip(self.names[given:], self.defaults[given:]))
+        return r
 
     def key(self, vals: list, options: tuple) -> tuple:
         """The specialization key of `vals` (see the module docstring); TypeError for an unhashable constexpr or a
         runtime argument of another type than tensor, int, float, bool or None (a numpy integer, say)."""
         parts = []
-        for a, const in zip(vals, self.constexpr):
-            if const:
-                hash(a)
-                parts.append(a)
-            elif isinstance(a, torch.Tensor):
-                parts.append((a.dtype, not a.data_ptr() & 15))
-            elif type(a) is int:
-                parts.append((a == 1, not a & 15, _I32[0] <= a <= _I32[1], a < 2 ** 63))
-            elif a is None or type(a) is bool:
-                parts.append((type(a), a))
-            elif type(a) is float:
-                parts.append(float)
+        for a in self._runtime(vals):
+            t = type(a)
+            if t is torch.Tensor or isinstance(a, torch.Tensor):
+                parts.append((a.dtype, a.data_ptr() & 15 == 0))
+            elif t is int:  # Triton: == 1 (a constant), 16 | a, i32 / i64 / u64
+                parts.append(-1 if a == 1 else (a & 15 == 0) + (0 if _I32[0] <= a <= _I32[1] else 2 if a < 2 ** 63
+                                                                  else 4))
+            elif t is float or a is None or t is bool:
+                parts.append(t if t is float else (t, a))
             else:
-                raise TypeError(f"no fast-launch key for a {type(a).__name__}")
-        return (tuple(parts), options)
+                raise TypeError(f"no fast-launch key for a {t.__name__}")
+        consts = self._consts(vals)
+        hash(consts)
+        return tuple(parts), consts, options
 
 
 _PLANS: dict = {}

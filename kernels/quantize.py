@@ -10,7 +10,7 @@ import triton.language as tl
 
 from qvg.quant import FP8_MAX, TSCALE_MIN, QuantSpec, _div, bound_tscale, scale_bound, scale_divisor, tensor_scale
 
-from .common import INTERPRET, bf16_bits_to_f32, grid_constants, raw_view, to_bf16
+from .common import INTERPRET, bf16_bits_to_f32, cdiv, grid_constants, raw_view, to_bf16
 from .launch import launch
 from .encode import _encode, _rne, auto_scales, head_tscale
 from .pack_span import _pack_span_kernel, span_width
@@ -180,7 +180,7 @@ def quantize_packed(x: torch.Tensor, spec: QuantSpec, ids: torch.Tensor | None =
     k = centroids.shape[-2] if stages else 1
     dev = x.device
     ng = d // spec.group
-    grid = (triton.cdiv(n, block_n), b * h)
+    grid = (cdiv(n, block_n), b * h)
     ids_ = ids.contiguous() if stages else x
     cent_ = centroids.contiguous() if stages else x
     if bound is not None and (not c["FP8"] or spec.grid == "asym"):
@@ -240,7 +240,7 @@ def _quantize_fused(x, spec, c, ids_, cent_, stages, k, grid, block_n, num_warps
         ts_div = (c["OFFSET"] if spec.bits > 1 else 0.5) if spec.grid == "auto" else 1.0
     if span_kw:  # one thread per (token, span): BLOCK_N tokens fill the program's threads
         bn = 32 * span_kw["num_warps"] * span_kw["SPAN"] // d
-        launch(_pack_span_kernel, (triton.cdiv(n, bn), b * h), x, ids_, cent_, hmax, mc, out.get("tscale", hmax), codes,
+        launch(_pack_span_kernel, (cdiv(n, bn), b * h), x, ids_, cent_, hmax, mc, out.get("tscale", hmax), codes,
                raw_view(scale), n, k, b * h, D=d, BITS=c["BITS"], GROUP=c["GROUP"], GRID=c["GRID"], OFFSET=c["OFFSET"],
                FP8=c["FP8"], FP8_MAX=FP8_MAX, STAGES=stages, BLOCK_N=bn, TS_DIV=float(ts_div), TSCALE_MIN=TSCALE_MIN,
                TS_BOUND=bound is not None, INTERP=INTERPRET, enable_fp_fusion=False, **span_kw)
