@@ -236,7 +236,7 @@ def sort_by_cluster(ids: torch.Tensor, k: int, item: int = 256, sort_block: int 
         scatter, scatter_args = _scatter_kernel, (keys, lstart)
     launch(_scan_kernel, (g,), hist, offs, counts, cstart, istart, k, nb, item, KP=kp,
            RB=max(1, min(next_pow2(nb), 8192 // kp)), num_warps=4)
-    scatter[(nb, g)](*scatter_args, offs, order, n, k, nb, SB=sort_block, num_warps=4)
+    launch(scatter, (nb, g), *scatter_args, offs, order, n, k, nb, SB=sort_block, num_warps=4)
     return order, counts, cstart, istart
 
 

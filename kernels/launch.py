@@ -88,19 +88,23 @@ class Plan:
         return tuple(parts), consts, options
 
 
-_PLANS: dict = {}
-_BROKEN: set = set()
+_PLANS: dict = {}  # id(kernel) -> Plan (module-level kernels: never freed)
+_BROKEN: set = set()  # ids of kernels left to Triton
 
 
 def _plan(fn) -> Plan | None:
-    p = _PLANS.get(fn)
-    if p is None and fn not in _BROKEN:
-        try:
-            p = Plan(fn)
-        except (AttributeError, TypeError):
-            _BROKEN.add(fn)
-            return None
-        _PLANS[fn] = p
+    """fn's Plan, made on first use; None for a kernel this module leaves to Triton. (Looked up by id: a
+    JITFunction's own hash recomputes its cache key.)"""
+    p = _PLANS.get(id(fn))
+    if p is not None and p.fn is fn:
+        return p
+    if id(fn) in _BROKEN:
+        return None
+    try:
+        p = _PLANS[id(fn)] = Plan(fn)
+    except (AttributeError, TypeError):
+        _BROKEN.add(id(fn))
+        return None
     return p
 
 
@@ -128,8 +132,8 @@ def launch(fn, grid, *args, **kw):
         if _launchable(kernel):
             plan.compiled[key] = kernel
         else:
-            _BROKEN.add(fn)
-            _PLANS.pop(fn, None)
+            _BROKEN.add(id(fn))
+            _PLANS.pop(id(fn), None)
         return kernel
     run_compiled(kernel, grid, _stream(dev), vals)
     return kernel
@@ -146,9 +150,13 @@ def _stream(dev: int) -> int:
 
 def run_compiled(kernel, grid: tuple, stream: int, vals: list) -> None:
     """What `JITFunction.run` does once it holds the compiled kernel (Triton 3.6: grid padded to three dims, launch
-    metadata for the hooks, then the launcher)."""
+    metadata for the launch hooks, then the launcher); with no hook registered (no profiler), no metadata and no
+    hook calls."""
     g1 = grid[1] if len(grid) > 1 else 1
     g2 = grid[2] if len(grid) > 2 else 1
-    hooks = knobs.runtime
-    kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata,
-               kernel.launch_metadata(grid, stream, *vals), hooks.launch_enter_hook, hooks.launch_exit_hook, *vals)
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    if getattr(enter, "calls", enter) or getattr(leave, "calls", leave):
+        kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata,
+                   kernel.launch_metadata(grid, stream, *vals), enter, leave, *vals)
+    else:
+        kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, None, None, None, *vals)

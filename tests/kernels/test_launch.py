@@ -89,10 +89,34 @@ def test_first_call_goes_through_triton_later_calls_launch_directly(fast):
     assert k2 is k1 and len(fn.slow) == 1
     (call,) = k1.calls
     assert call[:6] == (3, 2, 1, 1234, "fn-handle", "meta")  # grid padded to 3-D, the stream, handle, metadata
-    assert call[6] == ("md", (3, 2), 1234)
+    assert call[6:9] == (None, None, None)  # no launch hook registered: no launch metadata, no hook calls
     assert call[9:] == (x, 9, 16, 7)  # every parameter in order, the constexpr and its default included
     L.launch(fn, (3, 2), x[1:], 9, D=16, num_warps=4)  # another specialization: through Triton again
     assert len(fn.slow) == 2
+
+
+def test_launch_hooks_get_their_metadata(fast, monkeypatch):
+    """With a launch hook registered (a profiler, say), the launcher gets the hooks and the launch metadata, as
+    Triton's own path gives them."""
+    from triton import knobs
+    seen = []
+    hook = seen.append
+    if hasattr(knobs.runtime.launch_enter_hook, "add"):
+        knobs.runtime.launch_enter_hook.add(hook)
+        undo = lambda: knobs.runtime.launch_enter_hook.remove(hook)  # noqa: E731
+    else:
+        old = knobs.runtime.launch_enter_hook
+        knobs.runtime.launch_enter_hook = hook
+        undo = lambda: setattr(knobs.runtime, "launch_enter_hook", old)  # noqa: E731
+    try:
+        fn = _FakeJit()
+        x = torch.zeros(64)
+        L.launch(fn, (2,), x, 5, D=16)
+        k = L.launch(fn, (2,), x, 5, D=16)
+    finally:
+        undo()
+    (call,) = k.calls
+    assert call[6] == ("md", (2,), 1234) and call[7] is knobs.runtime.launch_enter_hook
 
 
 def test_fallbacks(fast, monkeypatch):
@@ -101,7 +125,7 @@ def test_fallbacks(fast, monkeypatch):
     L.launch(fn, lambda meta: (1,), x, 5, D=16)  # a grid function
     L.launch(fn, (1,), x, 5, D=[16])  # an unhashable constexpr
     L.launch(fn, (1,), x, 5, D=[16])
-    assert len(fn.slow) == 3 and not L._PLANS[fn].compiled
+    assert len(fn.slow) == 3 and not L._PLANS[id(fn)].compiled
     monkeypatch.setattr(L, "ENABLED", False)
     L.launch(fn, (1,), x, 5, D=16)
     L.launch(fn, (1,), x, 5, D=16)
@@ -115,7 +139,22 @@ def test_kernel_without_the_expected_attributes_is_left_to_triton(fast):
     fn = Uncompiled()
     for _ in range(3):
         L.launch(fn, (1,), torch.zeros(64), 5, D=16)
-    assert len(fn.slow) == 3 and fn in L._BROKEN and fn not in L._PLANS
+    assert len(fn.slow) == 3 and id(fn) in L._BROKEN and id(fn) not in L._PLANS
+
+
+def test_every_kernel_launch_goes_through_launch():
+    """No `kernel[grid](...)` call is left in kernels/ (each would pay Triton's binding on every call)."""
+    import ast
+    import pathlib
+    folder = pathlib.Path(L.__file__).parent
+    left = []
+    for path in sorted(folder.glob("*.py")):
+        if path.name == "launch.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript):
+                left.append(f"{path.name}:{node.lineno}")
+    assert not left, f"launch these through kernels.launch.launch: {left}"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled launch path needs a GPU")
