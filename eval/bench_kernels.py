@@ -53,14 +53,17 @@ def gpu_tag(device_name: str) -> str:
 
 
 def result_header(module: str, argv: list[str] | None) -> dict:
-    """The provenance every GPU result file opens with: device, UTC date, commit, the command (`python -m
-    qvg.eval.<module> ARGS`), torch, triton and python versions."""
+    """The provenance every GPU result file opens with: device (and its UUID: lent machines differ), UTC date,
+    commit, the command (`python -m qvg.eval.<module> ARGS`, after the QVG_* settings of the environment that change
+    what runs, such as QVG_FAST_LAUNCH=0), torch, triton and python versions."""
     import triton
     from .provenance import command_line
-    return {"device": torch.cuda.get_device_name(),
+    env = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("QVG_") and k != "QVG_COMMIT")
+    uuid = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "uuid", None)
+    return {"device": torch.cuda.get_device_name(), "gpu_uuid": None if uuid is None else str(uuid),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": code_commit(),
-            "command": command_line(f"python -m qvg.eval.{module}", argv), "torch": torch.__version__,
-            "triton": triton.__version__, "python": platform.python_version()}
+            "command": (env + " " if env else "") + command_line(f"python -m qvg.eval.{module}", argv),
+            "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()}
 
 
 def write_result(res: dict, out_dir: str, name: str, t0: float) -> str:

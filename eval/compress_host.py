@@ -6,6 +6,8 @@ For qvg (S1/B64) and qvg-pro (S4/B16) at the LongCat span [1, 32, 29640, 128], w
 - `host_ms`: enqueue time of one call (the median over rounds of a few back-to-back calls between syncs, few enough
   that CUDA's launch queue never fills and blocks the host);
 - `eager_ms`: `bench_kernels`'s eager figure (CUDA events around back-to-back calls: the larger of host and GPU time);
+  both as the median of 7 rounds in which the two paths alternate (each round's figures are kept: the lent hosts'
+  speed drifts within minutes);
 - `graph_ms`: the same call as a CUDA-graph replay (its GPU time);
 - `launches`: Triton launches per call.
 With --profile, a cProfile of 200 fast-path qvg calls (own time) is added; with --trace, a torch.profiler trace of
@@ -95,7 +97,10 @@ def trace(fn, calls: int = 10) -> dict:
                                        for k, v in sorted(runtime.items(), key=lambda kv: -kv[1][1])}}
 
 
-def run(profile: bool, traced: bool = False) -> dict:
+PATHS = (("triton", False), ("fast", True))
+
+
+def run(profile: bool, traced: bool = False, rounds: int = 7) -> dict:
     from qvg.kernels import launch as L
     from qvg.kernels.compress import compress_prq
     x0 = clustered(LONGCAT_SPAN, seed=1)
@@ -107,11 +112,19 @@ def run(profile: bool, traced: bool = False) -> dict:
         def f():
             return compress_prq(x1, o, warm, 2, variant="auto")
         row = {"launches": count_launches(f)}
-        for path, enabled in (("triton", False), ("fast", True)):
+        for path, enabled in PATHS:  # compile and warm both paths
             L.ENABLED = enabled
             for _ in range(5):
                 f()
-            row[path] = {"host_ms": host_ms(f), "eager_ms": bench(f, warmup=5, rep=50)}
+        samples = {path: {"host_ms": [], "eager_ms": []} for path, _ in PATHS}
+        for _ in range(rounds):  # the paths alternate, so that a drift of the host's speed hits both
+            for path, enabled in PATHS:
+                L.ENABLED = enabled
+                samples[path]["host_ms"].append(host_ms(f, rounds=5))
+                samples[path]["eager_ms"].append(bench(f, warmup=3, rep=15))
+        for path, _ in PATHS:
+            row[path] = {k: statistics.median(v) for k, v in samples[path].items()}
+            row[path]["rounds"] = samples[path]
         L.ENABLED = True
         graph, _ = capture_graph(f)
         row["graph_ms"] = bench(graph.replay, warmup=5, rep=50)
