@@ -11,11 +11,14 @@ kernel `JITFunction.run` returns; later calls with the same key hand the launche
 build (every parameter in order, defaults filled in, constexprs included), with the same stream, grid and launch
 hooks. The key holds everything Triton specializes a kernel on, or finer: the device; each tensor's dtype and
 whether its data pointer is 16-byte aligned; each int's width class, whether it equals 1 and whether 16 divides it;
-the type of every other runtime argument; the value of every constexpr; the launch options (num_warps, ...). A
-finer key than Triton's only means two entries for one compiled kernel.
+the type of every other runtime argument; the value and type of every constexpr; the launch options (num_warps,
+...); Triton's debug and instrumentation knobs. A finer key than Triton's only means two entries for one compiled
+kernel.
 
 Triton's own path runs instead: under TRITON_INTERPRET=1, with QVG_FAST_LAUNCH=0, for a grid given as a function,
-for an argument the key cannot hash, and for a kernel object this Triton does not expose as expected (then for good).
+for an argument the key cannot hash or given twice, for a kernel with pre-run hooks, and for one this Triton does
+not expose as expected (then for good). Not repeated per call, unlike Triton's own path: the check that a kernel's
+global constants have not changed since it was compiled (this package's kernels read none that change).
 """
 from __future__ import annotations
 
@@ -45,7 +48,7 @@ class Plan:
         self.constexpr = [bool(p.is_constexpr) for p in params]
         cidx = [i for i, c in enumerate(self.constexpr) if c]
         ridx = [i for i, c in enumerate(self.constexpr) if not c]
-        self._consts = operator.itemgetter(*cidx) if cidx else (lambda v: ())
+        self._consts = operator.itemgetter(*cidx) if len(cidx) > 1 else (lambda v: tuple(v[i] for i in cidx))
         self._runtime = operator.itemgetter(*ridx) if len(ridx) > 1 else (lambda v: tuple(v[i] for i in ridx))
         self.compiled: dict = {}
         self._rests: dict = {}  # positional arguments given -> the (name, default) of the others
@@ -53,6 +56,8 @@ class Plan:
     def bind(self, args: tuple, kw: dict) -> tuple[list, tuple]:
         """(every parameter's value in order, the launch options as sorted items); TypeError where a parameter
         has no value (Triton's own path then reports it)."""
+        if kw and not kw.keys().isdisjoint(self.names[:len(args)]):
+            raise TypeError("an argument given by position and by name")
         vals = list(args)
         for n, d in self._rest(len(args)):
             v = kw.get(n, d)
@@ -84,8 +89,8 @@ class Plan:
             else:
                 raise TypeError(f"no fast-launch key for a {t.__name__}")
         consts = self._consts(vals)
-        hash(consts)
-        return tuple(parts), consts, options
+        hash(consts)  # (1, True and 1.0 are equal keys but different constexprs to Triton: their types join them)
+        return tuple(parts), consts, tuple(map(type, consts)), options, knobs.runtime.debug, _instrumentation()
 
 
 _PLANS: dict = {}  # id(kernel) -> Plan (module-level kernels: never freed)
@@ -115,7 +120,7 @@ def _launchable(kernel) -> bool:
 def launch(fn, grid, *args, **kw):
     """`fn[grid](*args, **kw)` (a Triton JITFunction), by its compiled kernel's launcher when this key has been
     launched before (see the module docstring)."""
-    if not ENABLED or not isinstance(grid, tuple):
+    if not ENABLED or type(grid) is not tuple or getattr(fn, "pre_run_hooks", None):  # (hooks: Triton runs them)
         return fn[grid](*args, **kw)
     plan = _plan(fn)
     if plan is None:
@@ -137,6 +142,10 @@ def launch(fn, grid, *args, **kw):
         return kernel
     run_compiled(kernel, grid, _stream(dev), vals)
     return kernel
+
+
+def _instrumentation():
+    return getattr(knobs.compilation, "instrumentation_mode", None)
 
 
 def _device() -> int:

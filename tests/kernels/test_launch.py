@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import triton.language as tl
 
 from qvg.kernels import launch as L
 
@@ -80,6 +81,42 @@ def test_key_follows_triton_specialization():
         key(base, __import__("numpy").int64(5))  # an int Triton specializes but this key does not know
 
 
+def test_constexprs_equal_in_python_but_not_to_triton_get_their_own_keys():
+    plan = L.Plan(_FakeJit())
+    x = torch.zeros(64)
+    keys = {plan.key(*plan.bind((x, 5), dict(D=d))) for d in (1, True, 1.0)}
+    assert len(keys) == 3
+
+
+def test_key_is_no_coarser_than_this_tritons_specialization():
+    """For one runtime parameter: wherever two values get the same key, Triton's own specialization of them (the
+    installed Triton's, which runs on the CPU) is the same too."""
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import native_specialize_impl
+    P = inspect.Parameter
+    plan = L.Plan(SimpleNamespace(params=[SimpleNamespace(name="a", default=P.empty, is_constexpr=False)]))
+    f32, bf16, i32 = torch.zeros(64), torch.zeros(64, dtype=torch.bfloat16), torch.zeros(64, dtype=torch.int32)
+    values = [0, 1, 2, 15, 16, 17, 48, -1, -16, 2 ** 31 - 1, 2 ** 31, 2 ** 40, 2 ** 40 + 1, 2 ** 63 - 16, 2 ** 63,
+              True, False, 0.5, 16.0, None, f32, f32[1:], f32[4:], bf16, bf16[8:], bf16[1:], i32, i32[2:]]
+    spec = [native_specialize_impl(BaseBackend, v, False, True, True) for v in values]
+    keys = [plan.key([v], ()) for v in values]
+    for i in range(len(values)):
+        for j in range(len(values)):
+            if keys[i] == keys[j]:
+                assert spec[i] == spec[j], (values[i], values[j])
+
+
+def _probe(x_ptr, n, D: tl.constexpr, FLAG: tl.constexpr = 7):  # a kernel's signature, for Plan
+    pass
+
+
+def test_plan_reads_a_real_jit_functions_parameters():
+    from triton.runtime.jit import JITFunction
+    plan = L.Plan(JITFunction(_probe))
+    assert plan.names == ["x_ptr", "n", "D", "FLAG"] and plan.constexpr == [False, False, True, True]
+    assert plan.defaults[:3] == [L._EMPTY] * 3 and plan.defaults[3] == 7
+
+
 def test_first_call_goes_through_triton_later_calls_launch_directly(fast):
     fn = _FakeJit()
     x = torch.zeros(64)
@@ -122,6 +159,13 @@ def test_launch_hooks_get_their_metadata(fast, monkeypatch):
 def test_fallbacks(fast, monkeypatch):
     fn = _FakeJit()
     x = torch.zeros(64)
+    L.launch(fn, (1,), x, 5, D=16)
+    L.launch(fn, (1,), x, 5, D=16, n=6)  # n given twice: Triton's path (which refuses it)
+    assert len(fn.slow) == 2
+    fn.pre_run_hooks = [lambda *a, **k: None]  # hooks added after the key was cached: Triton's path runs them
+    L.launch(fn, (1,), x, 5, D=16)
+    assert len(fn.slow) == 3
+    fn = _FakeJit()
     L.launch(fn, lambda meta: (1,), x, 5, D=16)  # a grid function
     L.launch(fn, (1,), x, 5, D=[16])  # an unhashable constexpr
     L.launch(fn, (1,), x, 5, D=[16])
@@ -130,6 +174,18 @@ def test_fallbacks(fast, monkeypatch):
     L.launch(fn, (1,), x, 5, D=16)
     L.launch(fn, (1,), x, 5, D=16)
     assert len(fn.slow) == 5
+
+
+def test_debug_knob_is_part_of_the_key(fast, monkeypatch):
+    """Triton compiles another kernel when its debug knob is on; so does the key."""
+    from triton import knobs
+    fn = _FakeJit()
+    x = torch.zeros(64)
+    L.launch(fn, (1,), x, 5, D=16)
+    L.launch(fn, (1,), x, 5, D=16)
+    monkeypatch.setattr(knobs.runtime, "debug", True)
+    L.launch(fn, (1,), x, 5, D=16)
+    assert len(fn.slow) == 2
 
 
 def test_kernel_without_the_expected_attributes_is_left_to_triton(fast):
