@@ -9,7 +9,8 @@ For qvg (S1/B64) and qvg-pro (S4/B16) at the LongCat span [1, 32, 29640, 128], w
   both as the median of 7 rounds in which the two paths alternate (each round's figures are kept: the lent hosts'
   speed drifts within minutes);
 - `graph_ms`: the same call as a CUDA-graph replay (its GPU time);
-- `launches`: Triton launches per call.
+- `launches`: Triton launches per call;
+- `host_ms_200_calls` / `wall_ms_200_calls` (fast path): 200 calls without a sync between them.
 With --profile, a cProfile of 200 fast-path qvg calls (own time) is added; with --trace, a torch.profiler trace of
 10 back-to-back fast-path calls of each method: the GPU's kernel time against the span it was spread over, the
 largest idle gaps (with the kernels around them) and the CUDA runtime calls per compress call, syncs and copies
@@ -100,59 +101,76 @@ def trace(fn, calls: int = 10) -> dict:
 PATHS = (("triton", False), ("fast", True))
 
 
-def run(profile: bool, traced: bool = False, rounds: int = 7) -> dict:
+def compare_paths(fn, rounds: int = 7) -> dict:
+    """Per launch path: medians of `host_ms` and of the eager figure over `rounds` rounds in which the paths
+    alternate (so that a drift of the host's speed hits both), and each round's figures."""
     from qvg.kernels import launch as L
+    for _, enabled in PATHS:  # compile and warm both paths
+        L.ENABLED = enabled
+        for _ in range(5):
+            fn()
+    samples = {path: {"host_ms": [], "eager_ms": []} for path, _ in PATHS}
+    for _ in range(rounds):
+        for path, enabled in PATHS:
+            L.ENABLED = enabled
+            samples[path]["host_ms"].append(host_ms(fn, rounds=5))
+            samples[path]["eager_ms"].append(bench(fn, warmup=3, rep=15))
+    L.ENABLED = True
+    return {path: {**{k: statistics.median(v) for k, v in samples[path].items()}, "rounds": samples[path]}
+            for path, _ in PATHS}
+
+
+def back_to_back(fn, calls: int = 200) -> dict:
+    """Host time per call of `calls` calls with no sync between them, and the wall time per call once the GPU is
+    done (here the launch queue may fill and hold the host back)."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - t) / calls * 1e3
+    torch.cuda.synchronize()
+    return {"host_ms_200_calls": host, "wall_ms_200_calls": (time.perf_counter() - t) / calls * 1e3}
+
+
+def cprofile(fn, calls: int = 200) -> str:
+    """cProfile of `calls` calls, by own time (the top 30 rows)."""
+    pr = cProfile.Profile()
+    torch.cuda.synchronize()
+    pr.enable()
+    for _ in range(calls):
+        fn()
+    pr.disable()
+    torch.cuda.synchronize()
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(30)
+    return s.getvalue()
+
+
+def run(profile: bool, traced: bool = False) -> dict:
     from qvg.kernels.compress import compress_prq
     x0 = clustered(LONGCAT_SPAN, seed=1)
     x1 = (x0.float() + 0.1 * torch.randn_like(x0.float())).bfloat16()
-    rows, prof = {}, None
+    out: dict = {"rows": {}}
     for method in ("qvg", "qvg-pro"):
         _, o, warm = warm_start(x0, method, LONGCAT_SPAN)
 
         def f():
             return compress_prq(x1, o, warm, 2, variant="auto")
-        row = {"launches": count_launches(f)}
-        for path, enabled in PATHS:  # compile and warm both paths
-            L.ENABLED = enabled
-            for _ in range(5):
-                f()
-        samples = {path: {"host_ms": [], "eager_ms": []} for path, _ in PATHS}
-        for _ in range(rounds):  # the paths alternate, so that a drift of the host's speed hits both
-            for path, enabled in PATHS:
-                L.ENABLED = enabled
-                samples[path]["host_ms"].append(host_ms(f, rounds=5))
-                samples[path]["eager_ms"].append(bench(f, warmup=3, rep=15))
-        for path, _ in PATHS:
-            row[path] = {k: statistics.median(v) for k, v in samples[path].items()}
-            row[path]["rounds"] = samples[path]
-        L.ENABLED = True
+        row = {"launches": count_launches(f), **compare_paths(f)}  # (ends on the fast path)
         graph, _ = capture_graph(f)
         row["graph_ms"] = bench(graph.replay, warmup=5, rep=50)
-        for _ in range(5):
-            f()
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(200):
-            f()
-        row["fast"]["host_ms_200_calls"] = (time.perf_counter() - t) / 200 * 1e3
-        torch.cuda.synchronize()
-        row["fast"]["wall_ms_200_calls"] = (time.perf_counter() - t) / 200 * 1e3
+        row["fast"].update(back_to_back(f))
         if traced:
             row["trace_fast"] = trace(f)
-        print(method, row, flush=True)
-        rows[method] = row
+        out["rows"][method] = row
+        print(f"{method}: host / eager ms, Triton's path {row['triton']['host_ms']:.3f} / "
+              f"{row['triton']['eager_ms']:.3f}, fast {row['fast']['host_ms']:.3f} / {row['fast']['eager_ms']:.3f}; "
+              f"graph {row['graph_ms']:.3f}; {row['launches']} launches", flush=True)
         if profile and method == "qvg":
-            pr = cProfile.Profile()
-            torch.cuda.synchronize()
-            pr.enable()
-            for _ in range(200):
-                f()
-            pr.disable()
-            torch.cuda.synchronize()
-            s = io.StringIO()
-            pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(30)
-            prof = s.getvalue()
-    return {"rows": rows, **({"profile_qvg_fast": prof} if prof else {})}
+            out["profile_qvg_fast"] = cprofile(f)
+    return out
 
 
 def main(argv=None) -> int:

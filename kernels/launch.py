@@ -43,7 +43,7 @@ class Plan:
         params = fn.params
         self.fn = fn
         self.names = [p.name for p in params]
-        self.index = {n: i for i, n in enumerate(self.names)}
+        self._known = frozenset(self.names)
         self.defaults = [_EMPTY if p.default is inspect.Parameter.empty else p.default for p in params]
         self.constexpr = [bool(p.is_constexpr) for p in params]
         cidx = [i for i, c in enumerate(self.constexpr) if c]
@@ -64,7 +64,7 @@ class Plan:
             if v is _EMPTY:
                 raise TypeError(f"missing argument {n!r}")
             vals.append(v)
-        extra = kw.keys() - self.index.keys()
+        extra = kw.keys() - self._known
         return vals, tuple(sorted((k, kw[k]) for k in extra)) if extra else ()
 
     def _rest(self, given: int) -> list:
