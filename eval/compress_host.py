@@ -21,12 +21,9 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import json
-import os
 import pstats
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
@@ -76,11 +73,8 @@ def trace(fn, calls: int = 10) -> dict:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = json.load(f)["traceEvents"]
+    from .trace_overlap import trace_events
+    events = trace_events(prof)
     kernels = sorted((e for e in events if e.get("cat") == "kernel"), key=lambda e: e["ts"])
     runtime: dict = {}
     for e in events:

@@ -25,9 +25,16 @@ from .bench_pipeline import _fill, method_runner, new_cache, parse_method, wan_m
 ATTENTION = ("fmha", "flash", "sdpa", "attention")  # substrings of the SDPA kernels' names (cuDNN, flash)
 
 
-def _kernels(trace: str) -> list[dict]:
-    with open(trace) as f:
-        events = json.load(f)["traceEvents"]
+def trace_events(prof) -> list[dict]:
+    """A finished torch.profiler run's events, as its Chrome trace holds them."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            return json.load(f)["traceEvents"]
+
+
+def _kernels(events: list[dict]) -> list[dict]:
     return [dict(name=e["name"], stream=e["args"].get("stream"), t0=e["ts"], t1=e["ts"] + e["dur"])
             for e in events if e.get("cat") == "kernel"]
 
@@ -73,10 +80,7 @@ def trace_chunk(chunk) -> list[dict]:
         chunk()
         chunk()
         torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        return _kernels(path)
+    return _kernels(trace_events(prof))
 
 
 def main(argv=None) -> int:
