@@ -30,6 +30,16 @@ def bench(fn, warmup=25, rep=100) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
+def host_probe_ms(loops: int = 200_000) -> float:
+    """Milliseconds of a fixed pure-Python loop: the host's speed at that moment, recorded beside host-bound figures
+    (the lent hosts' speed drifts within minutes; an eager compress round that slows with it is the host's doing)."""
+    t = time.perf_counter()
+    s = 0
+    for i in range(loops):
+        s += i & 7
+    return (time.perf_counter() - t) * 1e3
+
+
 def capture_graph(fn):
     """(CUDA graph of fn, its output): fn run twice on a side stream first (compiles the kernels, settles the
     allocator), then captured and replayed once."""
@@ -227,7 +237,10 @@ def _compress_row(x1, o, warm, name, pk, shape) -> dict:
     v = resolve_variant(name, shape[0] * shape[1], shape[2], o["centroids"])  # ("auto": the preset it picks)
     # eager: the median of 5 rounds, each round's figure kept (the eager call is host-bound on slow hosts, whose
     # speed drifts within seconds: one round per run read 0.669 and 0.844 ms for qvg in two runs, kernels-h100.md)
-    eager = [bench(lambda: compress_prq(x1, o, warm, 2, variant=name), warmup=3, rep=15) for _ in range(5)]
+    eager, probes = [], []
+    for _ in range(5):
+        probes.append(host_probe_ms())
+        eager.append(bench(lambda: compress_prq(x1, o, warm, 2, variant=name), warmup=3, rep=15))
     ms = statistics.median(eager)
     # the same pipeline replayed from a CUDA graph (chunks have a fixed shape, so a cache can capture it once):
     # GPU time without Python/launch overhead
@@ -249,6 +262,7 @@ def _compress_row(x1, o, warm, name, pk, shape) -> dict:
     bound = _pack_bound(xg, pk, o) if v.get("tscale", "bound") == "bound" else None
     ukw = {key: val for key, val in v["update_kw"].items() if key != "incremental"}  # (the first update's form)
     parts = {"variant": name, "preset": picked, "config": v, "ms": ms, "eager_rounds_ms": eager,
+             "host_probe_rounds_ms": probes,
              "cuda_graph_ms": graph_ms,
              "assign_ms": bench(lambda: assign(xg, c0, True, **v["assign_kw"])),
              "update_ms": bench(lambda: update(xg, ids0, c0, **ukw)),

@@ -8,6 +8,8 @@ For qvg (S1/B64) and qvg-pro (S4/B16) at the LongCat span [1, 32, 29640, 128], w
 - `eager_ms`: `bench_kernels`'s eager figure (CUDA events around back-to-back calls: the larger of host and GPU time);
   both as the median of 7 rounds in which the two paths alternate (each round's figures are kept: the lent hosts'
   speed drifts within minutes);
+- `host_probe_ms`: before each round, a fixed pure-Python loop's time (`bench_kernels.host_probe_ms`: the host's
+  speed then);
 - `graph_ms`: the same call as a CUDA-graph replay (its GPU time);
 - `launches`: Triton launches per call;
 - `host_ms_200_calls` / `wall_ms_200_calls` (fast path): 200 calls without a sync between them.
@@ -28,7 +30,8 @@ import time
 
 import torch
 
-from .bench_kernels import LONGCAT_SPAN, bench, capture_graph, clustered, result_header, warm_start, write_result
+from .bench_kernels import (LONGCAT_SPAN, bench, capture_graph, clustered, host_probe_ms, result_header, warm_start,
+                            write_result)
 
 
 def host_ms(fn, calls: int = 8, rounds: int = 30) -> float:
@@ -103,10 +106,11 @@ def compare_paths(fn, rounds: int = 7) -> dict:
         L.ENABLED = enabled
         for _ in range(5):
             fn()
-    samples = {path: {"host_ms": [], "eager_ms": []} for path, _ in PATHS}
+    samples = {path: {"host_ms": [], "eager_ms": [], "host_probe_ms": []} for path, _ in PATHS}
     for _ in range(rounds):
         for path, enabled in PATHS:
             L.ENABLED = enabled
+            samples[path]["host_probe_ms"].append(host_probe_ms())
             samples[path]["host_ms"].append(host_ms(fn, rounds=5))
             samples[path]["eager_ms"].append(bench(fn, warmup=3, rep=15))
     L.ENABLED = True

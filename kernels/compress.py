@@ -238,11 +238,9 @@ def _stages(xg, o, v, warm, iters, m_in, ids_t, cents_t) -> None:
     s_count, k = ids_t.shape[0], cents_t.shape[2]
     for s in range(s_count):
         r = xg.to(torch.bfloat16) if s == 0 else residual_bf16(xg, ids_t, cents_t, s)
-        res = kmeans(r, k, iters=iters, init=None if warm is None else warm[s], seed=o["seed"] + s,
-                     seeding=o["seeding"], assign_kw=v.get("assign_kw"), update_kw=v.get("update_kw"),
-                     reseed=v.get("reseed", "torch"), amax=m_in if s == s_count - 1 else None)
-        ids_t[s] = res.ids
-        cents_t[s] = res.centroids
+        kmeans(r, k, iters=iters, init=None if warm is None else warm[s], seed=o["seed"] + s, seeding=o["seeding"],
+               assign_kw=v.get("assign_kw"), update_kw=v.get("update_kw"), reseed=v.get("reseed", "torch"),
+               amax=m_in if s == s_count - 1 else None, ids_out=ids_t[s], cents_out=cents_t[s])  # (no copies)
 
 
 _SIDE_STREAMS: dict = {}

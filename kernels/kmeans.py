@@ -28,7 +28,7 @@ from .common import INTERPRET, cdiv, dot_bf16, dot_exact, next_pow2, sm_count, t
 from .launch import launch
 from .kmeans_delta import update_delta
 from .kmeans_reseed import RESEED_MAX_K, reseed_empty_fused
-from .kmeans_segsum import store_means, update_segsum
+from .kmeans_segsum import check_bf16_out, store_means, update_segsum
 
 
 @triton.jit
@@ -163,20 +163,27 @@ ASSIGN_MODES = ("tiles", "min")
 
 def assign(x: torch.Tensor, c: torch.Tensor, want_dist: bool = False, block_n: int = 64, block_k: int = 64,
            num_warps: int = 4, num_stages: int = 2, packed: bool = False, mode: str = "tiles", progs: int = 0,
-           per_sm: int = 2):
+           per_sm: int = 2, out: torch.Tensor | None = None):
     """x [G, N, D] (bf16/fp32), c [G, K, D] fp32 -> (ids [G, N] narrow dtype, squared distance [G, N] or None).
     packed (K <= 256; measured no faster on an H100, eval/results/profile-compress-h100.json): the argmin is one
     integer min over (distance with its last 8 mantissa bits replaced by the id): ties within 2^-15 relative go to
     the lower id, the returned distance is that truncated value.
     mode "min" (`_assign_min_kernel`, same result as "tiles"): one reduction per token; block_k >= K puts all
     centroids in one tile; progs > 0: that many programs per group loop over the token blocks (persistent);
-    progs="auto": about per_sm programs per SM over all groups (at least one per group)."""
+    progs="auto": about per_sm programs per SM over all groups (at least one per group). out: a contiguous [G, N]
+    tensor of the ids' dtype that receives the ids (returned as them)."""
     if mode not in ASSIGN_MODES:
         raise ValueError(f"unknown assign mode {mode!r}; choose one of {ASSIGN_MODES}")
     g, n, d = x.shape
     k = c.shape[1]
     c, csq = prep_centroids(c)  # the dot's operands are bf16 anyway; |c|^2 of the same values
-    ids = torch.empty(g, n, device=x.device, dtype=id_dtype(k))
+    if out is None:
+        ids = torch.empty(g, n, device=x.device, dtype=id_dtype(k))
+    elif out.dtype != id_dtype(k) or tuple(out.shape) != (g, n) or not out.is_contiguous() or out.device != x.device:
+        raise ValueError(f"assign: out must be a contiguous {id_dtype(k)} tensor of shape {(g, n)} on {x.device}, "
+                         f"got {out.dtype} {tuple(out.shape)} on {out.device}")
+    else:
+        ids = out
     dist = torch.empty(g, n, device=x.device, dtype=torch.float32) if want_dist else csq
     block_n = min(block_n, max(16, next_pow2(n)))
     block_k = min(block_k, max(16, next_pow2(k)))
@@ -234,8 +241,8 @@ def _onehot_partial_kernel(x_ptr, ids_ptr, sums_ptr, cnt_ptr, amax_ptr, N, K, CH
 
 
 @triton.jit
-def _onehot_finish_kernel(sums_ptr, cnt_ptr, c_old_ptr, c_new_ptr, counts_ptr, K, SPLITS, D: tl.constexpr,
-                          BLOCK_K: tl.constexpr):
+def _onehot_finish_kernel(sums_ptr, cnt_ptr, c_old_ptr, c_new_ptr, counts_ptr, cb_ptr, K, SPLITS, D: tl.constexpr,
+                          BLOCK_K: tl.constexpr, CB: tl.constexpr, INTERP: tl.constexpr):
     """Sum the splits in order, divide by the cluster size (IEEE), keep the old centroid of an empty cluster."""
     kb = tl.program_id(0)
     g = tl.program_id(1).to(tl.int64)
@@ -248,7 +255,7 @@ def _onehot_finish_kernel(sums_ptr, cnt_ptr, c_old_ptr, c_new_ptr, counts_ptr, K
         base = (g * SPLITS + sp) * K + ks
         acc += tl.load(sums_ptr + base[:, None] * D + dcols[None, :], mask=kmask[:, None], other=0.0)
         cnt += tl.load(cnt_ptr + base, mask=kmask, other=0)
-    store_means(acc, cnt, c_old_ptr, c_new_ptr, g, ks, kmask, K, D)
+    store_means(acc, cnt, c_old_ptr, c_new_ptr, g, ks, kmask, K, D, cb_ptr, CB, INTERP)
     tl.store(counts_ptr + g * K + ks, cnt, mask=kmask)
 
 
@@ -267,7 +274,9 @@ def update_with_counts(x: torch.Tensor, ids: torch.Tensor, c: torch.Tensor, meth
     tensor cores, split over tokens, splits summed in a fixed order), "sort" (stable sort by id + segmented sum) or
     "segsum" (counting sort + load-balanced segmented sum, memory-bound: kernels/kmeans_segsum.py).
     amax: an int32 [G] tensor of zeros that receives each group's max|x| as FP32 bits (`amax_bits`); the onehot and
-    segsum kernels take it while they read x, "sort" with a torch reduction."""
+    segsum kernels take it while they read x, "sort" with a torch reduction. bf16_out (keyword, every method): a
+    contiguous BF16 [G, K, D] tensor that receives the new centroids' BF16 rounding too (the finishing kernel writes
+    it; "sort" copies)."""
     method = method or ("onehot" if c.shape[1] <= ONEHOT_MAX_K else "sort")
     if method == "segsum":
         return update_segsum(x, ids, c, amax=amax, **kw)
@@ -286,7 +295,7 @@ def amax_bits(x: torch.Tensor) -> torch.Tensor:
 
 
 def _update_onehot(x, ids, c, block_k: int = 64, block_n: int = 32, chunk: int = 4096, num_warps: int = 4,
-                   num_stages: int = 3, amax: torch.Tensor | None = None):
+                   num_stages: int = 3, amax: torch.Tensor | None = None, bf16_out: torch.Tensor | None = None):
     g, n, d = x.shape
     k = c.shape[1]
     block_k = min(block_k, max(16, next_pow2(k)))
@@ -301,12 +310,13 @@ def _update_onehot(x, ids, c, block_k: int = 64, block_n: int = 32, chunk: int =
     c_new = torch.empty(g, k, d, device=x.device, dtype=torch.float32)
     counts = torch.empty(g, k, device=x.device, dtype=torch.int32)
     fk = min(32, max(16, next_pow2(k)))
-    launch(_onehot_finish_kernel, (cdiv(k, fk), g), sums, cnt, c.contiguous(), c_new, counts, k, splits, D=d,
-           BLOCK_K=fk, num_warps=4)
+    launch(_onehot_finish_kernel, (cdiv(k, fk), g), sums, cnt, c.contiguous(), c_new, counts,
+           c_new if bf16_out is None else check_bf16_out(bf16_out, c_new.shape), k, splits, D=d, BLOCK_K=fk,
+           CB=bf16_out is not None, INTERP=INTERPRET, num_warps=4)
     return c_new, counts
 
 
-def _update_sort(x, ids, c, block_n: int = 32, num_warps: int = 2):
+def _update_sort(x, ids, c, block_n: int = 32, num_warps: int = 2, bf16_out: torch.Tensor | None = None):
     g, n, d = x.shape
     k = c.shape[1]
     keys = ids.to(torch.int32)
@@ -317,12 +327,15 @@ def _update_sort(x, ids, c, block_n: int = 32, num_warps: int = 2):
     c_new = torch.empty_like(c_old)
     launch(_segment_mean_kernel, (k, g), x.contiguous(), order.to(torch.int32), bounds, c_old, c_new, n, k, D=d,
            BLOCK_N=block_n, num_warps=num_warps)
+    if bf16_out is not None:
+        check_bf16_out(bf16_out, c_new.shape).copy_(c_new)
     return c_new, bounds[:, 1:] - bounds[:, :-1]
 
 
 def kmeans(x: torch.Tensor, k: int, *, iters: int = 2, init: torch.Tensor | None = None, seed: int = 0,
            seeding: str = "k-means++", track: bool = False, assign_kw: dict | None = None,
-           update_kw: dict | None = None, reseed: str = "torch", amax: torch.Tensor | None = None) -> KMeansResult:
+           update_kw: dict | None = None, reseed: str = "torch", amax: torch.Tensor | None = None,
+           ids_out: torch.Tensor | None = None, cents_out: torch.Tensor | None = None) -> KMeansResult:
     """`qvg.kmeans.kmeans` (same seeding, loop and result) with the Triton assignment and update steps.
     assign_kw / update_kw: options of `assign` / `update_with_counts` (variants, tiles); reseed: "torch"
     (`qvg.kmeans.reseed_empty`) or "fused" (the same in one launch, K <= 512: kernels/kmeans_reseed.py).
@@ -331,7 +344,11 @@ def kmeans(x: torch.Tensor, k: int, *, iters: int = 2, init: torch.Tensor | None
     update_kw incremental=True (with method="segsum"): on warm starts with K <= DELTA_MAX_K, every update after the
     first reads only the tokens whose id changed (kernels/kmeans_delta.py), from the previous update's cluster sums
     (a cold start's early iterations move many tokens, and the delta's one-hot product costs K x D per moved token);
-    otherwise every update is the segmented sum."""
+    otherwise every update is the segmented sum.
+    ids_out / cents_out: tensors [G, N] of the ids' dtype / BF16 [G, K, D] (contiguous) that receive the result's
+    ids / the BF16 rounding of its centroids: the last assignment writes the ids there, and with iters > 0 and the
+    fused reseeding the last update and reseeding write the BF16 table (else it is copied at the end); the result's
+    ids are ids_out. A warm start is read in its own dtype (the kernels take any float dtype; no FP32 copy)."""
     akw, ukw = dict(assign_kw or {}), dict(update_kw or {})
     incremental = ukw.pop("incremental", False)
     if incremental and ukw.get("method") != "segsum":
@@ -339,26 +356,38 @@ def kmeans(x: torch.Tensor, k: int, *, iters: int = 2, init: torch.Tensor | None
     incremental = incremental and init is not None and k <= DELTA_MAX_K  # (measured there: warm starts, K <= 256)
     if amax is not None and iters == 0:
         amax.copy_(amax_bits(x))
+    if reseed not in ("torch", "fused"):
+        raise ValueError(f"unknown reseed {reseed!r}; choose torch or fused")
+    fused = reseed == "fused" and k <= RESEED_MAX_K
+    direct = cents_out is not None and iters > 0 and fused  # the last update + reseeding write cents_out
     first = [amax]
     last = {}  # incremental: the previous update's ids, cluster sums and sizes
+    calls = {"assign": 0, "update": 0}
+
+    def assign_fn(x_, c_):
+        calls["assign"] += 1  # the last one (number max(iters, 1)) gives the returned ids
+        return assign(x_, c_, True, out=ids_out if calls["assign"] == max(iters, 1) else None, **akw)
 
     def update_fn(x_, i_, c_):
         a, first[0] = first[0], None  # the first update only: x is the same at every iteration
+        calls["update"] += 1
+        cb = cents_out if direct and calls["update"] == iters else None
         if not incremental:
-            return update_with_counts(x_, i_, c_, amax=a, **ukw)
+            return update_with_counts(x_, i_, c_, amax=a, bf16_out=cb, **ukw)
         if last:
-            c_new, counts, sums = update_delta(x_, last["ids"], i_, c_, last["sums"], last["counts"])
+            c_new, counts, sums = update_delta(x_, last["ids"], i_, c_, last["sums"], last["counts"], bf16_out=cb)
         else:
             sums = torch.empty(c_.shape, device=c_.device, dtype=torch.float32)
-            c_new, counts = update_with_counts(x_, i_, c_, amax=a, sums=sums, **ukw)
+            c_new, counts = update_with_counts(x_, i_, c_, amax=a, sums=sums, bf16_out=cb, **ukw)
         last.update(ids=i_, sums=sums, counts=counts)
         return c_new, counts
 
-    reseed_fn = None
-    if reseed == "fused" and k <= RESEED_MAX_K:
-        reseed_fn = reseed_empty_fused
-    elif reseed not in ("torch", "fused"):
-        raise ValueError(f"unknown reseed {reseed!r}; choose torch or fused")
-    return ref_kmeans(x, k, iters=iters, init=init, seed=seed, seeding=seeding, track=track,
-                      assign_fn=lambda x_, c: assign(x_, c, True, **akw),
-                      update_fn=update_fn, reseed_fn=reseed_fn)
+    def reseed_fn(x_, c_, counts, dist):
+        cb = cents_out if direct and calls["update"] == iters else None
+        return reseed_empty_fused(x_, c_, counts, dist, bf16_out=cb)
+
+    res = ref_kmeans(x, k, iters=iters, init=init, seed=seed, seeding=seeding, track=track, assign_fn=assign_fn,
+                     update_fn=update_fn, reseed_fn=reseed_fn if fused else None, init_fp32=iters == 0)
+    if cents_out is not None and not direct:
+        check_bf16_out(cents_out, res.centroids.shape, res.centroids.device).copy_(res.centroids)
+    return res

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from .common import INTERPRET, cdiv, dot_exact, next_pow2
 from .launch import launch
-from .kmeans_segsum import store_means
+from .kmeans_segsum import check_bf16_out, store_means
 
 
 @triton.jit
@@ -69,7 +69,8 @@ def _delta_kernel(x_ptr, prev_ptr, ids_ptr, idx_ptr, part_ptr, dcnt_ptr, N, K, P
 
 @triton.jit
 def _delta_finish_kernel(sums_ptr, counts_ptr, part_ptr, dcnt_ptr, c_old_ptr, c_new_ptr, sums_out_ptr,
-                         counts_out_ptr, K, PROGS, D: tl.constexpr, BLOCK_K: tl.constexpr):
+                         counts_out_ptr, cb_ptr, K, PROGS, D: tl.constexpr, BLOCK_K: tl.constexpr, CB: tl.constexpr,
+                         INTERP: tl.constexpr):
     g = tl.program_id(1).to(tl.int64)
     ks = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)
     kmask, dcols = ks < K, tl.arange(0, D)
@@ -80,18 +81,19 @@ def _delta_finish_kernel(sums_ptr, counts_ptr, part_ptr, dcnt_ptr, c_old_ptr, c_
         base = (g * PROGS + p) * K + ks
         acc += tl.load(part_ptr + base[:, None] * D + dcols[None, :], mask=kmask[:, None], other=0.0)
         cnt += tl.load(dcnt_ptr + base, mask=kmask, other=0)
-    store_means(acc, cnt, c_old_ptr, c_new_ptr, g, ks, kmask, K, D)
+    store_means(acc, cnt, c_old_ptr, c_new_ptr, g, ks, kmask, K, D, cb_ptr, CB, INTERP)
     tl.store(sums_out_ptr + off, tl.where((cnt > 0)[:, None], acc, 0.0), mask=kmask[:, None])  # emptied: exactly 0
     tl.store(counts_out_ptr + g * K + ks, cnt, mask=kmask)
 
 
 def update_delta(x: torch.Tensor, prev_ids: torch.Tensor, ids: torch.Tensor, c: torch.Tensor, sums: torch.Tensor,
                  counts: torch.Tensor, progs: int = 0, chunk: int = 8192, block_n: int = 32, num_warps: int = 8,
-                 num_stages: int = 3, scan_block: int = 1024):
+                 num_stages: int = 3, scan_block: int = 1024, bf16_out: torch.Tensor | None = None):
     """x [G, N, D] (made contiguous: pass it so, or the whole of x is copied); prev_ids, ids [G, N] (the previous
     and this assignment); c [G, K, D] (the centroids ids were assigned to); sums [G, K, D] FP32 / counts [G, K]
     int32 of prev_ids -> (centroids [G, K, D] FP32, sizes [G, K] int32, sums [G, K, D] FP32) of ids.
-    progs: programs per group (0: one per `chunk` tokens; 4 at the LongCat span's 29,640)."""
+    progs: programs per group (0: one per `chunk` tokens; 4 at the LongCat span's 29,640). bf16_out: a contiguous
+    BF16 [G, K, D] tensor to receive the centroids' BF16 rounding as well."""
     g, n, d = x.shape
     k = c.shape[1]
     if d & (d - 1) or d < 16:
@@ -111,5 +113,7 @@ def update_delta(x: torch.Tensor, prev_ids: torch.Tensor, ids: torch.Tensor, c: 
     counts_new = torch.empty(g, k, device=dev, dtype=torch.int32)
     fk = min(32, block_k)
     launch(_delta_finish_kernel, (cdiv(k, fk), g), sums.contiguous(), counts.contiguous(), part, dcnt,
-           c.contiguous(), c_new, sums_new, counts_new, k, progs, D=d, BLOCK_K=fk, num_warps=4)
+           c.contiguous(), c_new, sums_new, counts_new,
+           c_new if bf16_out is None else check_bf16_out(bf16_out, c_new.shape), k, progs, D=d, BLOCK_K=fk,
+           CB=bf16_out is not None, INTERP=INTERPRET, num_warps=4)
     return c_new, counts_new, sums_new

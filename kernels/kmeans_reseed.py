@@ -12,27 +12,31 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import next_pow2
+from .common import INTERPRET, next_pow2, to_bf16
+from .kmeans_segsum import check_bf16_out
 from .launch import launch
 
 RESEED_MAX_K = 512  # the slice maxima are held in one program's registers
 
 
 @triton.jit
-def _reseed_kernel(x_ptr, dist_ptr, counts_ptr, c_ptr, best_ptr, sorted_ptr, N, K, S, W, D: tl.constexpr,
-                   SP: tl.constexpr, BW: tl.constexpr, TB: tl.constexpr, KB: tl.constexpr):
+def _reseed_kernel(x_ptr, dist_ptr, counts_ptr, c_ptr, best_ptr, sorted_ptr, cb_ptr, N, K, S, W, D: tl.constexpr,
+                   SP: tl.constexpr, BW: tl.constexpr, TB: tl.constexpr, KB: tl.constexpr, CB: tl.constexpr,
+                   INTERP: tl.constexpr):
     g = tl.program_id(0).to(tl.int64)
     n_empty = tl.program_id(0) * 0  # usually none: then the candidate passes (over all of dist) are skipped
     for k0 in range(0, K, KB):
         ks = k0 + tl.arange(0, KB)
         n_empty += tl.sum(((tl.load(counts_ptr + g * K + ks, mask=ks < K, other=1) == 0) & (ks < K)).to(tl.int32), 0)
     if n_empty > 0:
-        _reseed_group(x_ptr, dist_ptr, counts_ptr, c_ptr, best_ptr, sorted_ptr, N, K, S, W, D, SP, BW, TB, KB, g)
+        _reseed_group(x_ptr, dist_ptr, counts_ptr, c_ptr, best_ptr, sorted_ptr, cb_ptr, N, K, S, W, D, SP, BW, TB,
+                      KB, CB, INTERP, g)
 
 
 @triton.jit
-def _reseed_group(x_ptr, dist_ptr, counts_ptr, c_ptr, best_ptr, sorted_ptr, N, K, S, W, D: tl.constexpr,
-                  SP: tl.constexpr, BW: tl.constexpr, TB: tl.constexpr, KB: tl.constexpr, g):
+def _reseed_group(x_ptr, dist_ptr, counts_ptr, c_ptr, best_ptr, sorted_ptr, cb_ptr, N, K, S, W, D: tl.constexpr,
+                  SP: tl.constexpr, BW: tl.constexpr, TB: tl.constexpr, KB: tl.constexpr, CB: tl.constexpr,
+                  INTERP: tl.constexpr, g):
     ss = tl.arange(0, SP)
     smask = ss < S
     best = tl.full((SP,), -float("inf"), tl.float32)
@@ -65,12 +69,18 @@ def _reseed_group(x_ptr, dist_ptr, counts_ptr, c_ptr, best_ptr, sorted_ptr, N, K
         seen += tl.sum(e, 0)
         tok = tl.load(sorted_ptr + g * SP + rank, mask=empty, other=0)
         row = tl.load(x_ptr + (g * N + tok)[:, None] * D + dcols[None, :], mask=empty[:, None], other=0.0)
-        tl.store(c_ptr + (g * K + ks)[:, None] * D + dcols[None, :], row.to(tl.float32), mask=empty[:, None])
+        rf = row.to(tl.float32)
+        tl.store(c_ptr + (g * K + ks)[:, None] * D + dcols[None, :], rf, mask=empty[:, None])
+        if CB:  # the BF16 table the update wrote: its reseeded rows too
+            tl.store(cb_ptr + (g * K + ks)[:, None] * D + dcols[None, :], to_bf16(rf, INTERP), mask=empty[:, None])
 
 
-def reseed_empty_fused(x: torch.Tensor, c: torch.Tensor, counts: torch.Tensor, dist: torch.Tensor) -> torch.Tensor:
+def reseed_empty_fused(x: torch.Tensor, c: torch.Tensor, counts: torch.Tensor, dist: torch.Tensor,
+                       bf16_out: torch.Tensor | None = None) -> torch.Tensor:
     """`qvg.kmeans.reseed_empty` (x [G, N, D], c [G, K, D] fp32, counts [G, K], dist [G, N] fp32) in one launch.
-    Writes the reseeded rows into `c` IN PLACE (the update's fresh output) and returns it. K <= RESEED_MAX_K."""
+    Writes the reseeded rows into `c` IN PLACE (the update's fresh output) and returns it. K <= RESEED_MAX_K.
+    bf16_out: the BF16 rounding of c (as the update wrote it with its `bf16_out`): its reseeded rows are rewritten
+    too, so that it stays the BF16 rounding of the returned c."""
     g, n, d = x.shape
     k = c.shape[1]
     if k > RESEED_MAX_K or c.dtype != torch.float32 or not c.is_contiguous() or d & (d - 1):
@@ -79,6 +89,8 @@ def reseed_empty_fused(x: torch.Tensor, c: torch.Tensor, counts: torch.Tensor, d
     sp = max(16, next_pow2(s))
     best = torch.empty(g, sp, device=x.device, dtype=torch.float32)
     order = torch.empty(g, sp, device=x.device, dtype=torch.int32)
-    launch(_reseed_kernel, (g,), x.contiguous(), dist.float().contiguous(), counts.contiguous(), c, best, order, n, k,
-           s, n // s, D=d, SP=sp, BW=max(1, min(32, 8192 // sp)), TB=min(sp, 64), KB=min(sp, 64), num_warps=8)
+    cb = c if bf16_out is None else check_bf16_out(bf16_out, c.shape, c.device)
+    launch(_reseed_kernel, (g,), x.contiguous(), dist.float().contiguous(), counts.contiguous(), c, best, order, cb, n,
+           k, s, n // s, D=d, SP=sp, BW=max(1, min(32, 8192 // sp)), TB=min(sp, 64), KB=min(sp, 64),
+           CB=bf16_out is not None, INTERP=INTERPRET, num_warps=8)
     return c

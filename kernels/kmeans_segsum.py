@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRET, cdiv, next_pow2
+from .common import INTERPRET, cdiv, next_pow2, to_bf16
 from .launch import launch
 
 
@@ -169,19 +169,34 @@ def _segsum_kernel(x_ptr, order_ptr, cstart_ptr, istart_ptr, part_ptr, amax_ptr,
             tl.atomic_max(amax_ptr + g, tl.max(tl.max(big, 1), 0).to(tl.float32).to(tl.int32, bitcast=True))
 
 
+def check_bf16_out(t: torch.Tensor, shape, device=None) -> torch.Tensor:
+    """t if it can take a k-means' BF16 centroid table of `shape` in place (contiguous BF16 of that shape, on
+    `device` when given), else ValueError."""
+    if t.dtype != torch.bfloat16 or tuple(t.shape) != tuple(shape) or not t.is_contiguous() or (
+            device is not None and t.device != device):
+        raise ValueError(f"bf16_out must be a contiguous bfloat16 tensor of shape {tuple(shape)}"
+                         f"{'' if device is None else f' on {device}'}, got {t.dtype} {tuple(t.shape)} on {t.device}")
+    return t
+
+
 @triton.jit
-def store_means(acc, cnt, c_old_ptr, c_new_ptr, g, ks, kmask, K, D: tl.constexpr):
+def store_means(acc, cnt, c_old_ptr, c_new_ptr, g, ks, kmask, K, D: tl.constexpr, cb_ptr, CB: tl.constexpr,
+                INTERP: tl.constexpr):
     """Centroid rows ks of group g: the sums acc [BLOCK_K, D] divided by the sizes cnt (IEEE), the old centroid where
-    a cluster is empty."""
+    a cluster is empty (c_old in any float dtype). CB: their BF16 rounding (RNE) into cb_ptr too (a k-means' last
+    update writes the stored BF16 table directly)."""
     off = (g * K + ks)[:, None] * D + tl.arange(0, D)[None, :]
     old = tl.load(c_old_ptr + off, mask=kmask[:, None], other=0.0).to(tl.float32)
     new = tl.where((cnt > 0)[:, None], tl.math.div_rn(acc, tl.maximum(cnt, 1).to(tl.float32)[:, None]), old)
     tl.store(c_new_ptr + off, new, mask=kmask[:, None])
+    if CB:
+        tl.store(cb_ptr + off, to_bf16(new, INTERP), mask=kmask[:, None])
 
 
 @triton.jit
-def _segfinish_kernel(part_ptr, istart_ptr, counts_ptr, c_old_ptr, c_new_ptr, sums_ptr, K, MAXI, D: tl.constexpr,
-                      BLOCK_K: tl.constexpr, SUMS: tl.constexpr):
+def _segfinish_kernel(part_ptr, istart_ptr, counts_ptr, c_old_ptr, c_new_ptr, sums_ptr, cb_ptr, K, MAXI,
+                      D: tl.constexpr, BLOCK_K: tl.constexpr, SUMS: tl.constexpr, CB: tl.constexpr,
+                      INTERP: tl.constexpr):
     """Each cluster of the block adds its items' partial sums in item order, then `store_means`; SUMS: the cluster
     sums too, into sums_ptr [G, K, D] FP32."""
     g = tl.program_id(1).to(tl.int64)
@@ -193,7 +208,8 @@ def _segfinish_kernel(part_ptr, istart_ptr, counts_ptr, c_old_ptr, c_new_ptr, su
     for j in range(0, tl.max(nit, 0)):  # each cluster's items in order
         acc += tl.load(part_ptr + (g * MAXI + s + j)[:, None] * D + dcols[None, :], mask=(j < nit)[:, None],
                        other=0.0)
-    store_means(acc, tl.load(counts_ptr + g * K + ks, mask=kmask, other=0), c_old_ptr, c_new_ptr, g, ks, kmask, K, D)
+    store_means(acc, tl.load(counts_ptr + g * K + ks, mask=kmask, other=0), c_old_ptr, c_new_ptr, g, ks, kmask, K, D,
+                cb_ptr, CB, INTERP)
     if SUMS:
         tl.store(sums_ptr + (g * K + ks)[:, None] * D + dcols[None, :], acc, mask=kmask[:, None])
 
@@ -243,13 +259,15 @@ def sort_by_cluster(ids: torch.Tensor, k: int, item: int = 256, sort_block: int 
 def update_segsum(x: torch.Tensor, ids: torch.Tensor, c: torch.Tensor, item: int = 256, rows: int = 32,
                   sort_block: int = 1024, num_warps: int = 4, num_stages: int = 2, finish_block: int = 16,
                   block: str = "sort", rank_rows: int = 32, rank_warps: int = 1,
-                  amax: torch.Tensor | None = None, sums: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  amax: torch.Tensor | None = None, sums: torch.Tensor | None = None,
+                  bf16_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [G, N, D] (bf16 / fp32), ids [G, N] (any integer dtype, values < K), c [G, K, D] -> (centroids [G, K, D]
     fp32, cluster sizes [G, K] int32). item: most tokens one work item sums (a multiple of rows); rows: tokens
     summed per step; sort_block: tokens per counting-sort block (a power of two); block: how a block orders its
     tokens ("sort": tl.sort; "rank": counted ranks, no sort; rank_rows / rank_warps: its tiling; `sort_by_cluster`).
     amax: an int32 [G] tensor of zeros to receive each group's max|x| as FP32 bits (read while summing).
-    sums: an FP32 [G, K, D] tensor to receive the cluster sums (what kernels/kmeans_delta.py updates)."""
+    sums: an FP32 [G, K, D] tensor to receive the cluster sums (what kernels/kmeans_delta.py updates).
+    bf16_out: a contiguous BF16 [G, K, D] tensor to receive the centroids' BF16 rounding as well."""
     g, n, d = x.shape
     k = c.shape[1]
     if d & (d - 1) or d < 16:
@@ -265,5 +283,7 @@ def update_segsum(x: torch.Tensor, ids: torch.Tensor, c: torch.Tensor, item: int
            item, maxi, KP=next_pow2(k), D=d, ROWS=rows, AMAX=amax is not None, num_warps=num_warps,
            num_stages=num_stages)
     launch(_segfinish_kernel, (cdiv(k, finish_block), g), part, istart, counts, c.contiguous(), c_new,
-           part if sums is None else sums, k, maxi, D=d, BLOCK_K=finish_block, SUMS=sums is not None, num_warps=4)
+           part if sums is None else sums, c_new if bf16_out is None else check_bf16_out(bf16_out, c_new.shape), k,
+           maxi, D=d, BLOCK_K=finish_block, SUMS=sums is not None, CB=bf16_out is not None, INTERP=INTERPRET,
+           num_warps=4)
     return c_new, counts

@@ -131,7 +131,7 @@ def objective(x: torch.Tensor, ids: torch.Tensor, c: torch.Tensor) -> torch.Tens
 
 def kmeans(x: torch.Tensor, k: int, *, iters: int = 2, init: torch.Tensor | None = None, seed: int = 0,
            seeding: str = "k-means++", track: bool = False, assign_fn=None, update_fn=None,
-           reseed_fn=None) -> KMeansResult:
+           reseed_fn=None, init_fp32: bool = True) -> KMeansResult:
     """Batched Lloyd k-means. x [G, N, D]; init [G, K, D] warm-starts (the seeding is then skipped).
 
     One iteration = assign every token to its nearest centroid, then move each centroid to the mean of its
@@ -143,7 +143,9 @@ def kmeans(x: torch.Tensor, k: int, *, iters: int = 2, init: torch.Tensor | None
     track=True also returns the mean squared token-to-centroid distance after each assignment plus that of the
     returned (ids, centroids) pair: [iters + 1] values (a device tensor; reading it is the caller's only sync).
     assign_fn (-> ids, distances) / update_fn (-> centroids, cluster sizes) / reseed_fn (`reseed_empty`'s contract)
-    swap in other implementations of the steps (the Triton kernels use this loop).
+    swap in other implementations of the steps (the Triton kernels use this loop). init_fp32=False: `init` is used in
+    its own dtype (no FP32 copy) by step implementations that read any float dtype; the centroids returned after an
+    update are FP32 either way.
     """
     if x.dim() != 3:
         raise ValueError(f"k-means input must be [G, N, D], got shape {tuple(x.shape)}")
@@ -156,7 +158,7 @@ def kmeans(x: torch.Tensor, k: int, *, iters: int = 2, init: torch.Tensor | None
     else:
         if tuple(init.shape) != (g, k, d):
             raise ValueError(f"init centroids must have shape {(g, k, d)}, got {tuple(init.shape)}")
-        c = init.to(device=x.device, dtype=torch.float32)
+        c = init.to(device=x.device, dtype=torch.float32) if init_fp32 else init.to(x.device)
     if assign_fn is None:
         x = x.float()
     assign_fn = assign_fn or assign

@@ -11,3 +11,8 @@ def test_refuses_without_gpu(capsys):
     assert compress_host.main(["--out", "unused"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["compress_host: needs a CUDA GPU"]
+
+
+def test_host_probe_times_a_fixed_loop():
+    from qvg.eval.bench_kernels import host_probe_ms
+    assert 0 < host_probe_ms(1000) < host_probe_ms(200_000) * 10
