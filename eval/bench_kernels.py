@@ -2,8 +2,8 @@
 
 In one run: the device's own ceilings (device-to-device copy bandwidth counting read + write bytes, a large bf16
 matmul); fused dequant at the LongCat and Self-Forcing spans for S1/B64 and S4/B16 (time, fraction of copy
-bandwidth); compress (2 warm-started k-means iterations + PRQ + pack; eager as the median of 5 rounds, and as a
-CUDA-graph replay); attention over the packed cache vs SDPA
+bandwidth); compress (2 warm-started k-means iterations + PRQ + pack; eager as the median of 5 rounds, each after a
+host-speed probe, and as a CUDA-graph replay); attention over the packed cache vs SDPA
 (flash) on the materialized BF16 cache and vs the "dequant then SDPA" read path (time, TFLOP/s, peak memory);
 and GPU correctness checks of every kernel against its torch reference. Writes kernels-<gpu>.json and .md.
 """
