@@ -50,6 +50,22 @@ def _ok(flag: bool) -> str:
     return "met" if flag else "**missed**"
 
 
+def _eager_rounds(rows: list) -> list[str]:
+    """Each compress row's eager rounds beside the host-speed probe timed before each (`host_probe_rounds_ms`, since
+    a460072): the eager call is host-bound on slow hosts, and a lent host's speed drifts within seconds."""
+    lines = []
+    for r in rows:
+        eager, probes = r.get("eager_rounds_ms"), r.get("host_probe_rounds_ms")
+        if eager and probes and len(eager) == len(probes):
+            lines.append(f"- {r['method']}" + (f" [{r['variant']}]" if "variant" in r else "") + ": eager rounds "
+                         + ", ".join(f"{e:.3f} ms (probe {p:.1f} ms)" for e, p in zip(eager, probes)))
+    if lines:
+        lines = ["Eager rounds (ms) with the host-speed probe before each (a fixed Python loop: a higher probe is a "
+                 "slower host, and the eager figure follows it where enqueueing outlasts the GPU work; the CUDA-graph "
+                 "replay is the GPU time):", "", *lines, ""]
+    return lines
+
+
 def render(d: dict, notes: str = "") -> str:
     c = d["ceilings"]
     out = [f"# Kernel benchmark: {d['device']}", "",
@@ -91,6 +107,7 @@ def render(d: dict, notes: str = "") -> str:
                             f"{r['mse_kernels']:.4g} / {r['mse_reference']:.4g}",
                             f"<= {tgt} ms: {_ok(r['ms'] <= tgt)}"))
         out.append("")
+        out += _eager_rounds(d["compress"])
     elif d.get("compress"):
         out += ["## Compress", "", f"Not measured in this run: `{d['compress'].get('error')}`", ""]
     if isinstance(d.get("attention"), list):

@@ -164,7 +164,8 @@ ASSIGN_MODES = ("tiles", "min")
 def assign(x: torch.Tensor, c: torch.Tensor, want_dist: bool = False, block_n: int = 64, block_k: int = 64,
            num_warps: int = 4, num_stages: int = 2, packed: bool = False, mode: str = "tiles", progs: int = 0,
            per_sm: int = 2, out: torch.Tensor | None = None):
-    """x [G, N, D] (bf16/fp32), c [G, K, D] fp32 -> (ids [G, N] narrow dtype, squared distance [G, N] or None).
+    """x [G, N, D] (bf16/fp32), c [G, K, D] (fp32, or any float dtype: the dot reads its BF16 rounding) -> (ids
+    [G, N] narrow dtype, squared distance [G, N] or None).
     packed (K <= 256; measured no faster on an H100, eval/results/profile-compress-h100.json): the argmin is one
     integer min over (distance with its last 8 mantissa bits replaced by the id): ties within 2^-15 relative go to
     the lower id, the returned distance is that truncated value.
@@ -348,7 +349,8 @@ def kmeans(x: torch.Tensor, k: int, *, iters: int = 2, init: torch.Tensor | None
     ids_out / cents_out: tensors [G, N] of the ids' dtype / BF16 [G, K, D] (contiguous) that receive the result's
     ids / the BF16 rounding of its centroids: the last assignment writes the ids there, and with iters > 0 and the
     fused reseeding the last update and reseeding write the BF16 table (else it is copied at the end); the result's
-    ids are ids_out. A warm start is read in its own dtype (the kernels take any float dtype; no FP32 copy)."""
+    ids are ids_out. With iters > 0 a warm start is read in its own dtype (the steps take any float dtype: no FP32
+    copy of it); the returned centroids are FP32."""
     akw, ukw = dict(assign_kw or {}), dict(update_kw or {})
     incremental = ukw.pop("incremental", False)
     if incremental and ukw.get("method") != "segsum":
