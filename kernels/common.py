@@ -30,6 +30,15 @@ def next_pow2(n: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
+def check_out(t: torch.Tensor, shape, dtype: torch.dtype, device: torch.device, what: str) -> torch.Tensor:
+    """t if a kernel can write a [shape] `dtype` result on `device` into it (contiguous), else ValueError naming
+    `what` (device: a tensor's, so with its index)."""
+    if t.dtype != dtype or tuple(t.shape) != tuple(shape) or not t.is_contiguous() or t.device != device:
+        raise ValueError(f"{what} must be a contiguous {dtype} tensor of shape {tuple(shape)} on {device}, got "
+                         f"{t.dtype} {tuple(t.shape)} on {t.device}")
+    return t
+
+
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (persistent grids size themselves by it)."""
     return torch.cuda.get_device_properties(device).multi_processor_count

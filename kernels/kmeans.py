@@ -24,7 +24,7 @@ import triton.language as tl
 from qvg.kmeans import KMeansResult, id_dtype
 from qvg.kmeans import kmeans as ref_kmeans
 
-from .common import INTERPRET, cdiv, dot_bf16, dot_exact, next_pow2, sm_count, to_bf16
+from .common import INTERPRET, cdiv, check_out, dot_bf16, dot_exact, next_pow2, sm_count, to_bf16
 from .launch import launch
 from .kmeans_delta import update_delta
 from .kmeans_reseed import RESEED_MAX_K, reseed_empty_fused
@@ -178,13 +178,8 @@ def assign(x: torch.Tensor, c: torch.Tensor, want_dist: bool = False, block_n: i
     g, n, d = x.shape
     k = c.shape[1]
     c, csq = prep_centroids(c)  # the dot's operands are bf16 anyway; |c|^2 of the same values
-    if out is None:
-        ids = torch.empty(g, n, device=x.device, dtype=id_dtype(k))
-    elif out.dtype != id_dtype(k) or tuple(out.shape) != (g, n) or not out.is_contiguous() or out.device != x.device:
-        raise ValueError(f"assign: out must be a contiguous {id_dtype(k)} tensor of shape {(g, n)} on {x.device}, "
-                         f"got {out.dtype} {tuple(out.shape)} on {out.device}")
-    else:
-        ids = out
+    ids = (torch.empty(g, n, device=x.device, dtype=id_dtype(k)) if out is None
+           else check_out(out, (g, n), id_dtype(k), x.device, "assign: out"))
     dist = torch.empty(g, n, device=x.device, dtype=torch.float32) if want_dist else csq
     block_n = min(block_n, max(16, next_pow2(n)))
     block_k = min(block_k, max(16, next_pow2(k)))
@@ -312,7 +307,7 @@ def _update_onehot(x, ids, c, block_k: int = 64, block_n: int = 32, chunk: int =
     counts = torch.empty(g, k, device=x.device, dtype=torch.int32)
     fk = min(32, max(16, next_pow2(k)))
     launch(_onehot_finish_kernel, (cdiv(k, fk), g), sums, cnt, c.contiguous(), c_new, counts,
-           c_new if bf16_out is None else check_bf16_out(bf16_out, c_new.shape), k, splits, D=d, BLOCK_K=fk,
+           c_new if bf16_out is None else check_bf16_out(bf16_out, c_new), k, splits, D=d, BLOCK_K=fk,
            CB=bf16_out is not None, INTERP=INTERPRET, num_warps=4)
     return c_new, counts
 
@@ -329,7 +324,7 @@ def _update_sort(x, ids, c, block_n: int = 32, num_warps: int = 2, bf16_out: tor
     launch(_segment_mean_kernel, (k, g), x.contiguous(), order.to(torch.int32), bounds, c_old, c_new, n, k, D=d,
            BLOCK_N=block_n, num_warps=num_warps)
     if bf16_out is not None:
-        check_bf16_out(bf16_out, c_new.shape).copy_(c_new)
+        check_bf16_out(bf16_out, c_new).copy_(c_new)
     return c_new, bounds[:, 1:] - bounds[:, :-1]
 
 
@@ -391,5 +386,5 @@ def kmeans(x: torch.Tensor, k: int, *, iters: int = 2, init: torch.Tensor | None
     res = ref_kmeans(x, k, iters=iters, init=init, seed=seed, seeding=seeding, track=track, assign_fn=assign_fn,
                      update_fn=update_fn, reseed_fn=reseed_fn if fused else None, init_fp32=iters == 0)
     if cents_out is not None and not direct:
-        check_bf16_out(cents_out, res.centroids.shape, res.centroids.device).copy_(res.centroids)
+        check_bf16_out(cents_out, res.centroids).copy_(res.centroids)
     return res

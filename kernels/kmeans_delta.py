@@ -114,6 +114,6 @@ def update_delta(x: torch.Tensor, prev_ids: torch.Tensor, ids: torch.Tensor, c: 
     fk = min(32, block_k)
     launch(_delta_finish_kernel, (cdiv(k, fk), g), sums.contiguous(), counts.contiguous(), part, dcnt,
            c.contiguous(), c_new, sums_new, counts_new,
-           c_new if bf16_out is None else check_bf16_out(bf16_out, c_new.shape), k, progs, D=d, BLOCK_K=fk,
+           c_new if bf16_out is None else check_bf16_out(bf16_out, c_new), k, progs, D=d, BLOCK_K=fk,
            CB=bf16_out is not None, INTERP=INTERPRET, num_warps=4)
     return c_new, counts_new, sums_new

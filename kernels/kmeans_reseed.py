@@ -89,7 +89,7 @@ def reseed_empty_fused(x: torch.Tensor, c: torch.Tensor, counts: torch.Tensor, d
     sp = max(16, next_pow2(s))
     best = torch.empty(g, sp, device=x.device, dtype=torch.float32)
     order = torch.empty(g, sp, device=x.device, dtype=torch.int32)
-    cb = c if bf16_out is None else check_bf16_out(bf16_out, c.shape, c.device)
+    cb = c if bf16_out is None else check_bf16_out(bf16_out, c)
     launch(_reseed_kernel, (g,), x.contiguous(), dist.float().contiguous(), counts.contiguous(), c, best, order, cb, n,
            k, s, n // s, D=d, SP=sp, BW=max(1, min(32, 8192 // sp)), TB=min(sp, 64), KB=min(sp, 64),
            CB=bf16_out is not None, INTERP=INTERPRET, num_warps=8)

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRET, cdiv, next_pow2, to_bf16
+from .common import INTERPRET, cdiv, check_out, next_pow2, to_bf16
 from .launch import launch
 
 
@@ -169,14 +169,9 @@ def _segsum_kernel(x_ptr, order_ptr, cstart_ptr, istart_ptr, part_ptr, amax_ptr,
             tl.atomic_max(amax_ptr + g, tl.max(tl.max(big, 1), 0).to(tl.float32).to(tl.int32, bitcast=True))
 
 
-def check_bf16_out(t: torch.Tensor, shape, device=None) -> torch.Tensor:
-    """t if it can take a k-means' BF16 centroid table of `shape` in place (contiguous BF16 of that shape, on
-    `device` when given), else ValueError."""
-    if t.dtype != torch.bfloat16 or tuple(t.shape) != tuple(shape) or not t.is_contiguous() or (
-            device is not None and t.device != device):
-        raise ValueError(f"bf16_out must be a contiguous bfloat16 tensor of shape {tuple(shape)}"
-                         f"{'' if device is None else f' on {device}'}, got {t.dtype} {tuple(t.shape)} on {t.device}")
-    return t
+def check_bf16_out(t: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """t if it can take the BF16 rounding of the centroid table c in place, else ValueError."""
+    return check_out(t, c.shape, torch.bfloat16, c.device, "bf16_out")
 
 
 @triton.jit
@@ -283,7 +278,7 @@ def update_segsum(x: torch.Tensor, ids: torch.Tensor, c: torch.Tensor, item: int
            item, maxi, KP=next_pow2(k), D=d, ROWS=rows, AMAX=amax is not None, num_warps=num_warps,
            num_stages=num_stages)
     launch(_segfinish_kernel, (cdiv(k, finish_block), g), part, istart, counts, c.contiguous(), c_new,
-           part if sums is None else sums, c_new if bf16_out is None else check_bf16_out(bf16_out, c_new.shape), k,
+           part if sums is None else sums, c_new if bf16_out is None else check_bf16_out(bf16_out, c_new), k,
            maxi, D=d, BLOCK_K=finish_block, SUMS=sums is not None, CB=bf16_out is not None, INTERP=INTERPRET,
            num_warps=4)
     return c_new, counts
