@@ -29,7 +29,6 @@ def next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-@functools.lru_cache(maxsize=None)
 def check_out(t: torch.Tensor, shape, dtype: torch.dtype, device: torch.device, what: str) -> torch.Tensor:
     """t if a kernel can write a [shape] `dtype` result on `device` into it (contiguous), else ValueError naming
     `what` (device: a tensor's, so with its index)."""
@@ -39,6 +38,7 @@ def check_out(t: torch.Tensor, shape, dtype: torch.dtype, device: torch.device, 
     return t
 
 
+@functools.lru_cache(maxsize=None)
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (persistent grids size themselves by it)."""
     return torch.cuda.get_device_properties(device).multi_processor_count

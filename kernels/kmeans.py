@@ -385,6 +385,10 @@ def kmeans(x: torch.Tensor, k: int, *, iters: int = 2, init: torch.Tensor | None
 
     res = ref_kmeans(x, k, iters=iters, init=init, seed=seed, seeding=seeding, track=track, assign_fn=assign_fn,
                      update_fn=update_fn, reseed_fn=reseed_fn if fused else None, init_fp32=iters == 0)
+    if (ids_out is not None or cents_out is not None) and (calls["assign"], calls["update"]) != (max(iters, 1), iters):
+        raise RuntimeError(f"kmeans: the loop made {calls['assign']} assignments and {calls['update']} updates for "
+                           f"{iters} iterations; ids_out / cents_out are written by assignment {max(iters, 1)} and "
+                           f"update {iters}")
     if cents_out is not None and not direct:
         check_bf16_out(cents_out, res.centroids).copy_(res.centroids)
     return res

@@ -15,4 +15,4 @@ def test_refuses_without_gpu(capsys):
 
 def test_host_probe_times_a_fixed_loop():
     from qvg.eval.bench_kernels import host_probe_ms
-    assert 0 < host_probe_ms(1000) < host_probe_ms(200_000) * 10
+    assert 0 < host_probe_ms(1000) < host_probe_ms(400_000)  # 400x the loop: longer on any host
