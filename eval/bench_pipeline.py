@@ -15,7 +15,6 @@ accounting. Writes pipeline-<gpu>.json.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -25,9 +24,8 @@ import time
 import torch
 
 from qvg.compression.graphed import pool_free_bytes
-from qvg.revision import code_commit
 
-from .bench_kernels import gpu_tag, write_result
+from .bench_kernels import gpu_tag, result_header, write_result
 
 WAN_1_3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16,
                 out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
@@ -398,11 +396,9 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         raise SystemExit("bench_pipeline: needs a CUDA GPU")
     t0 = time.time()
-    res = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
-        timespec="seconds"), "commit": code_commit(), "torch": torch.__version__,
-        "command": "python -m qvg.eval.bench_pipeline " + " ".join(sys.argv[1:] if argv is None else argv),
-        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
-        "gpu_uuid": str(getattr(torch.cuda.get_device_properties(0), "uuid", ""))}  # (runs on one machine share it)
+    # (the header every GPU result file opens with: device and its UUID, date, commit, command with its QVG_*
+    # settings, torch / triton / python versions)
+    res = {**result_header("bench_pipeline", argv), "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
     opts = json.loads(args.options)
     if args.max_history:
         res["max_history"] = run_max_history([(m, {} if m == "bf16" else opts) for m in args.max_history.split(",")])
