@@ -28,7 +28,7 @@ from .common import INTERPRET, cdiv, check_out, dot_bf16, dot_exact, next_pow2, 
 from .launch import launch
 from .kmeans_delta import update_delta
 from .kmeans_reseed import RESEED_MAX_K, reseed_empty_fused
-from .kmeans_segsum import check_bf16_out, store_means, update_segsum
+from .kmeans_segsum import bf16_out_args, check_bf16_out, store_means, update_segsum
 
 
 @triton.jit
@@ -306,9 +306,9 @@ def _update_onehot(x, ids, c, block_k: int = 64, block_n: int = 32, chunk: int =
     c_new = torch.empty(g, k, d, device=x.device, dtype=torch.float32)
     counts = torch.empty(g, k, device=x.device, dtype=torch.int32)
     fk = min(32, max(16, next_pow2(k)))
-    launch(_onehot_finish_kernel, (cdiv(k, fk), g), sums, cnt, c.contiguous(), c_new, counts,
-           c_new if bf16_out is None else check_bf16_out(bf16_out, c_new), k, splits, D=d, BLOCK_K=fk,
-           CB=bf16_out is not None, INTERP=INTERPRET, num_warps=4)
+    cb, cb_kw = bf16_out_args(bf16_out, c_new)
+    launch(_onehot_finish_kernel, (cdiv(k, fk), g), sums, cnt, c.contiguous(), c_new, counts, cb, k, splits, D=d,
+           BLOCK_K=fk, num_warps=4, **cb_kw)
     return c_new, counts
 
 

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from .common import INTERPRET, cdiv, dot_exact, next_pow2
 from .launch import launch
-from .kmeans_segsum import check_bf16_out, store_means
+from .kmeans_segsum import bf16_out_args, store_means
 
 
 @triton.jit
@@ -112,8 +112,7 @@ def update_delta(x: torch.Tensor, prev_ids: torch.Tensor, ids: torch.Tensor, c: 
     sums_new = torch.empty_like(c_new)
     counts_new = torch.empty(g, k, device=dev, dtype=torch.int32)
     fk = min(32, block_k)
+    cb, cb_kw = bf16_out_args(bf16_out, c_new)
     launch(_delta_finish_kernel, (cdiv(k, fk), g), sums.contiguous(), counts.contiguous(), part, dcnt,
-           c.contiguous(), c_new, sums_new, counts_new,
-           c_new if bf16_out is None else check_bf16_out(bf16_out, c_new), k, progs, D=d, BLOCK_K=fk,
-           CB=bf16_out is not None, INTERP=INTERPRET, num_warps=4)
+           c.contiguous(), c_new, sums_new, counts_new, cb, k, progs, D=d, BLOCK_K=fk, num_warps=4, **cb_kw)
     return c_new, counts_new, sums_new

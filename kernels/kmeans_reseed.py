@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import INTERPRET, next_pow2, to_bf16
-from .kmeans_segsum import check_bf16_out
+from .common import next_pow2, to_bf16
+from .kmeans_segsum import bf16_out_args
 from .launch import launch
 
 RESEED_MAX_K = 512  # the slice maxima are held in one program's registers
@@ -89,8 +89,8 @@ def reseed_empty_fused(x: torch.Tensor, c: torch.Tensor, counts: torch.Tensor, d
     sp = max(16, next_pow2(s))
     best = torch.empty(g, sp, device=x.device, dtype=torch.float32)
     order = torch.empty(g, sp, device=x.device, dtype=torch.int32)
-    cb = c if bf16_out is None else check_bf16_out(bf16_out, c)
+    cb, cb_kw = bf16_out_args(bf16_out, c)
     launch(_reseed_kernel, (g,), x.contiguous(), dist.float().contiguous(), counts.contiguous(), c, best, order, cb, n,
-           k, s, n // s, D=d, SP=sp, BW=max(1, min(32, 8192 // sp)), TB=min(sp, 64), KB=min(sp, 64),
-           CB=bf16_out is not None, INTERP=INTERPRET, num_warps=8)
+           k, s, n // s, D=d, SP=sp, BW=max(1, min(32, 8192 // sp)), TB=min(sp, 64), KB=min(sp, 64), num_warps=8,
+           **cb_kw)
     return c

@@ -174,6 +174,12 @@ def check_bf16_out(t: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return check_out(t, c.shape, torch.bfloat16, c.device, "bf16_out")
 
 
+def bf16_out_args(bf16_out: torch.Tensor | None, c: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """The (cb_ptr, constexprs) a kernel that writes the FP32 centroid table c takes for an optional BF16 copy of it
+    (`store_means`' CB; with none, c stands in as the unused pointer)."""
+    return (c if bf16_out is None else check_bf16_out(bf16_out, c)), {"CB": bf16_out is not None, "INTERP": INTERPRET}
+
+
 @triton.jit
 def store_means(acc, cnt, c_old_ptr, c_new_ptr, g, ks, kmask, K, D: tl.constexpr, cb_ptr, CB: tl.constexpr,
                 INTERP: tl.constexpr):
@@ -277,8 +283,8 @@ def update_segsum(x: torch.Tensor, ids: torch.Tensor, c: torch.Tensor, item: int
     launch(_segsum_kernel, (maxi, g), x.contiguous(), order, cstart, istart, part, part if amax is None else amax, n, k,
            item, maxi, KP=next_pow2(k), D=d, ROWS=rows, AMAX=amax is not None, num_warps=num_warps,
            num_stages=num_stages)
+    cb, cb_kw = bf16_out_args(bf16_out, c_new)
     launch(_segfinish_kernel, (cdiv(k, finish_block), g), part, istart, counts, c.contiguous(), c_new,
-           part if sums is None else sums, c_new if bf16_out is None else check_bf16_out(bf16_out, c_new), k,
-           maxi, D=d, BLOCK_K=finish_block, SUMS=sums is not None, CB=bf16_out is not None, INTERP=INTERPRET,
-           num_warps=4)
+           part if sums is None else sums, cb, k, maxi, D=d, BLOCK_K=finish_block, SUMS=sums is not None, num_warps=4,
+           **cb_kw)
     return c_new, counts
