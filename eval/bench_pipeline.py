@@ -43,7 +43,7 @@ def wan_model(**config):
 def new_cache(model, method: str, window: int, options: dict):
     """A 30-layer cache of 3-frame chunks with a rolling window (options apply to the compressed methods).
     method "NAME[:pre-rope][:sync][:eager-commit][:noprefetch|:prefetch-after][:plain-writes][:high-priority]
-    [:staged-read|:fused-read][:compress=PRESET]" (`parse_method`): keys packed before RoPE (KVCache key_storage);
+    [:staged-read|:fused-read][:compress=PRESET][:shift]" (`parse_method`): keys packed before RoPE (KVCache key_storage);
     commits in line with the forward instead of on the cache's side stream (KVCache async_commit=False); side-stream commits queued by each
     layer's commit_layer (KVCache defer_commits=False); every history decoded in line before its attention (KVCache
     prefetch_bytes=0), or its prefetch queued after each SDPA call instead of just before it (prefetch_at="after", the
@@ -54,14 +54,15 @@ def new_cache(model, method: str, window: int, options: dict):
     read="staged" / "fused", rtn / qvg / qvg-pro only; with pre-rope both rotate the keys as they decode them)
     instead of decode + cuDNN;
     compress=PRESET: the cache compresses with kernels/compress.py's preset PRESET instead of the default "auto"
-    (KVCache compress_preset)."""
+    (KVCache compress_preset); shift (bf16 only): the full window makes room by copying the history one chunk back,
+    as upstream Self-Forcing's cache does, instead of the ring (KVCache bf16_rolling="shift")."""
     from qvg.cache import KVCache
     name, flags, preset = parse_method(method)
     return KVCache(30, name, chunk_frames=3, tokens_per_frame=model.tokens_per_latent_frame(*LATENT_HW),
                    window_frames=window, key_storage=_key_storage(flags),
                    async_commit="sync" not in flags, defer_commits="eager-commit" not in flags,
                    prefetch_at="after" if "prefetch-after" in flags else "before",
-                   read=_read(flags),
+                   read=_read(flags), bf16_rolling="shift" if "shift" in flags else "ring",
                    **({"prefetch_bytes": 0} if "noprefetch" in flags else {}),
                    **({} if name == "bf16" else dict(options, compress_preset=preset)))
 
@@ -75,7 +76,7 @@ def _read(flags: list[str]) -> str:
 
 
 FLAGS = ("pre-rope", "sync", "eager-commit", "noprefetch", "prefetch-after", "plain-writes", "high-priority",
-         "staged-read", "fused-read")
+         "staged-read", "fused-read", "shift")
 
 
 def parse_method(method: str) -> tuple[str, list[str], str | None]:
@@ -92,6 +93,8 @@ def parse_method(method: str) -> tuple[str, list[str], str | None]:
     if unknown:
         raise ValueError(f"unknown method flag(s) {', '.join(sorted(unknown))} in {method!r} "
                          f"({', '.join(FLAGS)}, compress=PRESET)")
+    if "shift" in flags and name != "bf16":
+        raise ValueError(f"{method!r}: shift is for bf16 (the packed methods' rolling window is a ring)")
     if "staged-read" in flags and "fused-read" in flags:
         raise ValueError(f"{method!r}: staged-read or fused-read, not both")
     if len(presets) > 1 or (presets and name == "bf16"):
@@ -261,9 +264,12 @@ def run(histories, methods, options, repeat: int = 7, split: bool = False) -> li
         runs = caches = None
         torch.cuda.empty_cache()
         base = next(r for r in rows if r["history_frames"] == hist and r["method"] == "bf16")
+        shift = next((r for r in rows if r["history_frames"] == hist and r["method"] == "bf16:shift"), None)
         for r in rows:
             if r["history_frames"] == hist:
                 r["overhead_vs_bf16"] = r["chunk_ms"] / base["chunk_ms"] - 1
+                if shift is not None:  # (against upstream's rolling cache, the anchors' baseline)
+                    r["overhead_vs_bf16_shift"] = r["chunk_ms"] / shift["chunk_ms"] - 1
                 if split:
                     r["forwards_overhead_vs_bf16"] = r["forwards_ms"] / base["forwards_ms"] - 1
     return rows

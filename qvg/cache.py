@@ -81,6 +81,12 @@ Per layer, three zones, for keys and values alike ([B, H, tokens, D], H = kv hea
   bf16_residual), which sum to it exactly.
 
 Method "bf16" keeps everything in the BF16 buffer (no compression): the reference every method is compared with.
+With a rolling window it is a ring too (`bf16_rolling="ring"`, the default): once the window is full, the next
+chunk is written over the slot of the chunk that leaves it, so a commit moves no bytes, as the packed methods'
+`replace_oldest` does; the buffer then holds the chunks in slot order, which attention (no mask) does not see, and
+`read` returns them in time order. `bf16_rolling="shift"` copies the history one chunk back at each commit instead
+(upstream Self-Forcing's rolling cache does so): 5.9 ms of a 21-frame Wan-1.3B chunk on the H100
+(eval/results/pipeline-h100.md).
 Attention has no mask: past chunks are fully visible, the current chunk attends to itself (block-causal).
 """
 from __future__ import annotations
@@ -106,6 +112,8 @@ PREFETCH_AT = ("before", "after")  # where the next layer's decode is queued: ju
 # how the GPU path reads a packed history for attention (see the module docstring): the default decodes it into
 # staging windows for cuDNN's SDPA (fastest on Hopper); the others run this project's packed-cache attention kernels
 READ_MODES = ("window", "staged", "fused")
+# how method bf16's full rolling window makes room for the next chunk (see the module docstring)
+BF16_ROLLING = ("ring", "shift")
 
 
 def read_modes(method: str) -> tuple[str, ...]:
@@ -145,10 +153,12 @@ def gpu_read(read: str, pre_rope: bool, device) -> str:
 class _Layer:
     """One layer's K and V zones."""
 
-    def __init__(self):
+    def __init__(self, chunk: int):
+        self.chunk = chunk  # tokens of a chunk (every write)
         self.buf: list[torch.Tensor] | None = None  # [K, V] BF16 [B, H, capacity, D]: sink | pending | current
         self.n_sink = 0  # tokens in the sink
         self.n_pending = 0  # tokens committed but not packed (bf16: the whole history)
+        self.head = 0  # method bf16, rolling ring: the pending zone's slot (in chunks) holding its oldest chunk
         self.n_cur = 0  # tokens of the current chunk
         self.hist: list = [None, None]  # K, V history: PackedSequence (rtn/qvg/qvg-pro) or list[Packed]
         self.warm: list = [None, None]  # centroids of the last packed unit when no history holds them
@@ -163,8 +173,31 @@ class _Layer:
         self.transient = False  # the current chunk came from a transient write (it serves one attention)
         self.spent = False  # a transient write was attended: no current chunk to attend, commit or read
 
+    def slots(self) -> list[int]:
+        """The pending zone's chunk slots (in chunks past the sink) in time order, the current chunk's last when
+        written. Slots run in order until method bf16's rolling ring turns (`head`): then the j-th oldest pending
+        chunk is in slot (head + j) mod R and the current one in the slot after the newest, R = pending chunks + 1."""
+        p = self.n_pending // self.chunk
+        return [(self.head + j) % (p + 1) for j in range(p + (self.n_cur > 0))]
+
+    def cur_start(self) -> int:
+        """First token of the current chunk's slot."""
+        p = self.n_pending // self.chunk
+        return self.n_sink + (self.head + p) % (p + 1) * self.chunk
+
     def tail(self, i: int) -> torch.Tensor:
-        return self.buf[i][:, :, :self.n_sink + self.n_pending + self.n_cur]
+        """Sink, pending and current tokens for attention (no mask: any order): a view of the buffer, in slot order
+        once the ring has turned; the pending chunks gathered only when the ring has turned and no current chunk
+        fills its slot."""
+        n = self.n_sink + self.n_pending + self.n_cur
+        if not self.head or self.n_cur:
+            return self.buf[i][:, :, :n]
+        return torch.cat([self.buf[i][:, :, :self.n_sink]] + self.chunks(i), 2)
+
+    def chunks(self, i: int) -> list[torch.Tensor]:
+        """Views of the pending and current chunks in time order."""
+        c, a = self.chunk, self.n_sink
+        return [self.buf[i][:, :, a + s * c:a + (s + 1) * c] for s in self.slots()]
 
 
 # The commits' compress preset by method where it differs from the kernels' "auto". The commits run beside the next
@@ -194,6 +227,9 @@ class KVCache:
     or "fused" (`packed_attention`: codes, scales and centroids dequantized on chip, nothing decoded to memory;
     post-RoPE keys, any grid but asym, 2- 4- or 8-bit codes). bf16 / kivi / quarot have no packed read: "window" only
     (`read_modes`; any other read is refused, see `read_error`). See the module docstring for what each costs.
+    bf16_rolling: method bf16 with a full rolling window: "ring" (the next chunk is written over the evicted one's
+    slot; nothing moves) or "shift" (the history is copied one chunk back, as upstream Self-Forcing's cache does;
+    kept to time that baseline). Other methods: ignored.
     compress_preset: on CUDA, the compress kernels' preset (a kernels/compress.py COMPRESS_VARIANTS name); None: the
     method's entry in COMMIT_PRESETS, else the kernels' default "auto" (picked by shape). Same compression either way
     (ids equal, centroids up to the order of the FP32 sums).
@@ -203,7 +239,7 @@ class KVCache:
                  sink_frames: int = 0, window_frames: int | None = None, commit_every: int = 1,
                  cuda_graphs: bool = True, key_storage: str = "post-rope", async_commit: bool = True,
                  prefetch_bytes: int = PREFETCH_BYTES, defer_commits: bool = True, compress_preset: str | None = None,
-                 prefetch_at: str = "before", read: str = "window", **options):
+                 prefetch_at: str = "before", read: str = "window", bf16_rolling: str = "ring", **options):
         if method not in CACHE_METHODS:
             raise ValueError(f"unknown cache method {method!r}; choose one of: {', '.join(CACHE_METHODS)}")
         if key_storage not in KEY_STORAGE:
@@ -225,6 +261,8 @@ class KVCache:
             raise ValueError(f"prefetch_bytes must be a non-negative integer (0: no prefetch), got {prefetch_bytes!r}")
         if prefetch_at not in PREFETCH_AT:
             raise ValueError(f"prefetch_at must be one of {', '.join(PREFETCH_AT)}, got {prefetch_at!r}")
+        if bf16_rolling not in BF16_ROLLING:
+            raise ValueError(f"bf16_rolling must be one of {', '.join(BF16_ROLLING)}, got {bf16_rolling!r}")
         bad_read = read_error(method, read, options)
         if bad_read:
             raise ValueError(bad_read)
@@ -242,7 +280,7 @@ class KVCache:
         self._positions = None  # pre-rope: the current chunk's positions [B, F, 3] (set_positions)
         self._grid = None  # pre-rope: (height, width, theta) of the token grid
         self._rope_memo: dict = {}  # the dequant kernel's rotation tables by positions (shared by the layers)
-        self.layers = [_Layer() for _ in range(num_layers)]
+        self.layers = [_Layer(self.chunk_tokens) for _ in range(num_layers)]
         self.frames = 0  # frames committed so far (the next chunk's start frame: its RoPE time offset)
         self.commits = 0
         self._graphed = GraphedCompress() if cuda_graphs and method != "bf16" else None
@@ -250,6 +288,7 @@ class KVCache:
         self._side: dict = {}  # device -> the CUDA side stream of the async commits
         self.prefetch_bytes, self.prefetch_at = prefetch_bytes, prefetch_at
         self.read_mode = read
+        self.bf16_rolling = bf16_rolling
         # attends that read a compressed history, by the path that ran: "window" / "staged" / "fused" (the GPU
         # reads) or "reference" (the torch path: CPU, kivi / quarot, pre-RoPE keys the kernels' tables can't rotate)
         self.reads = collections.Counter()
@@ -324,18 +363,19 @@ class KVCache:
                 raise ValueError(f"layer {layer}: K/V of shape {tuple(k.shape)} on {k.device} do not match the "
                                  f"cached tokens' {tuple(L.buf[0].shape)} on {L.buf[0].device}")
             L.buf = None
-        start = L.n_sink + L.n_pending
-        need = start + self.chunk_tokens
-        if L.buf is None or L.buf[0].shape[2] < need:  # grows to sink + commit_every chunks (bf16: + history)
-            L.buf = [_grown(L.buf[i] if L.buf else None, start, need, k) for i in range(2)]
+        held = L.n_sink + L.n_pending
+        if L.buf is None or L.buf[0].shape[2] < held + self.chunk_tokens:  # grows to sink + commit_every chunks
+            # (bf16: + history; its rolling ring turns only once the buffer holds the whole window)
+            L.buf = [_grown(L.buf[i] if L.buf else None, held, held + self.chunk_tokens, k) for i in range(2)]
         L.n_cur = self.chunk_tokens
         L.spent, L.transient = False, transient
-        if transient and start == 0 and isinstance(L.hist[0], PackedSequence):
+        if transient and held == 0 and isinstance(L.hist[0], PackedSequence):
             L.loose = (k, v)
             return
         L.loose = None
-        L.buf[0][:, :, start:need] = k
-        L.buf[1][:, :, start:need] = v
+        start = L.cur_start()
+        L.buf[0][:, :, start:start + self.chunk_tokens] = k
+        L.buf[1][:, :, start:start + self.chunk_tokens] = v
 
     def _store_loose(self, L: _Layer, what: str) -> None:
         """Copy a transient write still held by reference into the current zone (before any other use of it)."""
@@ -343,7 +383,7 @@ class KVCache:
             raise RuntimeError(f"{what}: layer {self.layers.index(L)}'s current chunk was written with transient=True "
                                "and has been attended (it serves one attention): write it again first")
         if L.loose is not None:
-            start = L.n_sink + L.n_pending
+            start = L.cur_start()
             for i in range(2):
                 L.buf[i][:, :, start:start + L.n_cur] = L.loose[i]
             L.loose = None
@@ -536,6 +576,12 @@ class KVCache:
         if over > 0 and L.n_pending and L.hist[0] is None:
             drop = min(L.n_pending, -(-over // self.chunk_tokens) * self.chunk_tokens)
             keep = L.n_pending - drop
+            if self.method == "bf16" and self.bf16_rolling == "ring" and drop == self.chunk_tokens:
+                # the oldest chunk's slot takes the next chunk: no copy (bf16 grows by one chunk per commit, so a
+                # full window drops exactly one)
+                L.head = (L.head + 1) % (L.n_pending // self.chunk_tokens)
+                L.n_pending = keep
+                return
             a = L.n_sink
             for buf in L.buf:  # shift left in place, `drop` tokens per copy (no slice overlaps its source)
                 for s in range(0, keep, drop):
@@ -681,7 +727,8 @@ class KVCache:
         self._take_prefetch(L, None)
 
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layer's K and V as BF16 [B, H, tokens, D] in attention order (decoded: tests and analyses only)."""
+        """The layer's K and V as BF16 [B, H, tokens, D]: sink, history, pending and current tokens in time order
+        (decoded: tests and analyses only)."""
         L = self.layers[layer]
         self._settle(L)
         self._wait(L)
@@ -697,7 +744,7 @@ class KVCache:
                 parts.append(y)
             elif h is not None:
                 parts += [compression.decompress(p) for p in h]
-            parts.append(L.buf[i][:, :, L.n_sink:L.n_sink + L.n_pending + L.n_cur])
+            parts += L.chunks(i)
             out.append(torch.cat([p.to(torch.bfloat16) for p in parts], 2))
         return out[0], out[1]
 
@@ -768,7 +815,7 @@ class KVCache:
         self._join()  # (queued commits still read the buffers dropped here)
         for L in self.layers:
             self._drop_prefetch(L)  # (and queued decodes still write theirs)
-        self.layers = [_Layer() for _ in range(self.num_layers)]
+        self.layers = [_Layer(self.chunk_tokens) for _ in range(self.num_layers)]
         self.frames = 0
         self.commits = 0
         self._clear_prefetch_state()

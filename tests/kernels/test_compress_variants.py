@@ -208,11 +208,13 @@ def test_bench_pipeline_compress_flag():
     assert bp.new_cache(model, "qvg-pro:fused-read", 6, {}).read_mode == "fused"
     assert bp.new_cache(model, "qvg:pre-rope:fused-read", 6, {}).key_storage == "pre-rope"  # (read staged on a GPU)
     assert bp.new_cache(model, "qvg", 6, {}).read_mode == "window"
+    assert bp.new_cache(model, "bf16:shift", 6, {}).bf16_rolling == "shift"
+    assert bp.new_cache(model, "bf16", 6, {}).bf16_rolling == "ring"
     for bad, msg in (("qvg:compress=nope", "unknown compress variant 'nope'"), ("qvg:bogus", "unknown method flag"),
                      ("bf16:compress=fast", "not for bf16"), ("qvg:compress=fast:compress=fast-sort", "at most"),
                      ("nope", "unknown cache method"),
                      ("qvg:staged-read:fused-read", "not both"), ("bf16:staged-read", "supports read='window' only"),
-                     ("kivi:fused-read", "supports read='window' only")):
+                     ("kivi:fused-read", "supports read='window' only"), ("qvg:shift", "shift is for bf16")):
         with pytest.raises(ValueError, match=msg):
             bp.parse_method(bad)
     assert bp.main(["--methods", "bf16,qvg:bogus"]) == 2
