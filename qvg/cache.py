@@ -220,8 +220,7 @@ class KVCache:
     prefetch_bytes: on CUDA, while a layer attends, the next layer's history is decoded on a side stream when its
     staging window (BF16 K + V of history and tail) takes at most this many bytes (see the module docstring); 0: no
     prefetch. prefetch_at: "before" (the next layer's decode queued just before a layer's SDPA call, so it runs
-    during the attention) or "after" (once the SDPA call is queued). prefetch_priority: the CUDA priority of the
-    prefetch's side stream (lower is higher; 0: the default streams' priority, which the commits' side stream keeps).
+    during the attention) or "after" (once the SDPA call is queued).
     read: on CUDA, how a packed history (rtn / qvg / qvg-pro) is read for attention: "window" (decoded into staging
     windows of <= 1 GiB BF16 K + V, then cuDNN SDPA, with the decode prefetch), "staged" (kernels/attention.py's
     `staged_attention`: windows of <= 32 MiB, each attended by a Triton flash kernel that carries the softmax state)
@@ -240,8 +239,7 @@ class KVCache:
                  sink_frames: int = 0, window_frames: int | None = None, commit_every: int = 1,
                  cuda_graphs: bool = True, key_storage: str = "post-rope", async_commit: bool = True,
                  prefetch_bytes: int = PREFETCH_BYTES, defer_commits: bool = True, compress_preset: str | None = None,
-                 prefetch_at: str = "before", read: str = "window", bf16_rolling: str = "ring",
-                 prefetch_priority: int = 0, **options):
+                 prefetch_at: str = "before", read: str = "window", bf16_rolling: str = "ring", **options):
         if method not in CACHE_METHODS:
             raise ValueError(f"unknown cache method {method!r}; choose one of: {', '.join(CACHE_METHODS)}")
         if key_storage not in KEY_STORAGE:
@@ -261,9 +259,6 @@ class KVCache:
                 raise ValueError(f"{name} must be True or False, got {v!r}")
         if isinstance(prefetch_bytes, bool) or not isinstance(prefetch_bytes, int) or prefetch_bytes < 0:
             raise ValueError(f"prefetch_bytes must be a non-negative integer (0: no prefetch), got {prefetch_bytes!r}")
-        if isinstance(prefetch_priority, bool) or not isinstance(prefetch_priority, int):
-            raise ValueError(f"prefetch_priority must be an integer (a CUDA stream priority), got "
-                             f"{prefetch_priority!r}")
         if prefetch_at not in PREFETCH_AT:
             raise ValueError(f"prefetch_at must be one of {', '.join(PREFETCH_AT)}, got {prefetch_at!r}")
         if bf16_rolling not in BF16_ROLLING:
@@ -292,7 +287,6 @@ class KVCache:
         self.async_commit, self.defer_commits = async_commit, defer_commits
         self._side: dict = {}  # device -> the CUDA side stream of the async commits
         self.prefetch_bytes, self.prefetch_at = prefetch_bytes, prefetch_at
-        self.prefetch_priority = prefetch_priority
         self.read_mode = read
         self.bf16_rolling = bf16_rolling
         # attends that read a compressed history, by the path that ran: "window" / "staged" / "fused" (the GPU
@@ -700,7 +694,7 @@ class KVCache:
             self.prefetch_stats["no_memory"] += 1  # other prefetch is tried before commit() (each failure makes the
             self._prefetch_off = True  # allocator free its whole cache first)
             return
-        side = _stream(self._ahead, dev, self.prefetch_priority)
+        side = _stream(self._ahead, dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         if L.done is not None:  # (a commit of L still queued on the commit stream)
             side.wait_event(L.done[1])
@@ -846,10 +840,10 @@ def _window_pair(b: int, h: int, n: int, d: int, dev) -> tuple[torch.Tensor, tor
     return ks, torch.empty_like(ks)
 
 
-def _stream(streams: dict, dev, priority: int = 0) -> torch.cuda.Stream:
-    """The side stream of `dev` in `streams` (made on first use; CUDA priority: lower is higher, 0 the default)."""
+def _stream(streams: dict, dev) -> torch.cuda.Stream:
+    """The side stream of `dev` in `streams` (made on first use)."""
     if dev not in streams:
-        streams[dev] = torch.cuda.Stream(dev, priority=priority)
+        streams[dev] = torch.cuda.Stream(dev)
     return streams[dev]
 
 

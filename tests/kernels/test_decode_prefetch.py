@@ -38,11 +38,10 @@ def _chunk(c, x, q, denoise: int = 2):
     return outs
 
 
-@pytest.mark.parametrize("at,priority", [(at, 0) for at in PREFETCH_AT] + [("before", -5)])
+@pytest.mark.parametrize("at", PREFETCH_AT)
 @pytest.mark.parametrize("method,opts,storage", CASES)
-def test_prefetch_equals_in_line(method, opts, storage, at, priority):
-    caches = [_cache(method, opts, storage, prefetch_at=at, prefetch_priority=priority),
-              _cache(method, opts, storage, prefetch_bytes=0)]
+def test_prefetch_equals_in_line(method, opts, storage, at):
+    caches = [_cache(method, opts, storage, prefetch_at=at), _cache(method, opts, storage, prefetch_bytes=0)]
     q = torch.randn(1, 4, CF * TPF, 64, device="cuda").bfloat16()  # 4 query heads over 2 kv heads (GQA)
     for i in range(6):  # sink, growth, then the ring fills and wraps
         x = clustered(2 * LAYERS, 2, CF * TPF, 64, spread=1.0, noise=0.5, seed=60 + i).bfloat16().cuda()
@@ -57,7 +56,6 @@ def test_prefetch_equals_in_line(method, opts, storage, at, priority):
     # once the history exists: every read but each chunk's first one of layer 0 (4 chunks x (3 forwards x 3 - 1))
     assert used >= 4 * (3 * LAYERS - 1), caches[0].prefetch_stats
     assert caches[1].prefetch_stats == {"used": 0, "dropped": 0, "no_memory": 0} and not caches[1]._ahead
-    assert [s.priority < 0 for s in caches[0]._ahead.values()] == [priority < 0]  # (-5: the device's highest)
 
 
 def test_stale_prefetch_is_dropped():
