@@ -85,8 +85,8 @@ With a rolling window it is a ring too (`bf16_rolling="ring"`, the default): onc
 chunk is written over the slot of the chunk that leaves it, so a commit moves no bytes, as the packed methods'
 `replace_oldest` does; the buffer then holds the chunks in slot order, which attention (no mask) does not see, and
 `read` returns them in time order. `bf16_rolling="shift"` copies the history one chunk back at each commit instead
-(upstream Self-Forcing's rolling cache does so): 5.9 ms of a 21-frame Wan-1.3B chunk on the H100
-(eval/results/pipeline-h100.md).
+(upstream Self-Forcing's rolling cache does so): a Wan-1.3B chunk took 3.6 ms (21 frames of history) and 11.3 ms
+(60) longer with it on an H200 (eval/results/pipeline-h100.md, section "the BF16 baseline a ring").
 Attention has no mask: past chunks are fully visible, the current chunk attends to itself (block-causal).
 """
 from __future__ import annotations
