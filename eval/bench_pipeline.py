@@ -43,11 +43,12 @@ def wan_model(**config):
 def new_cache(model, method: str, window: int, options: dict):
     """A 30-layer cache of 3-frame chunks with a rolling window (options apply to the compressed methods).
     method "NAME[:pre-rope][:sync][:eager-commit][:noprefetch|:prefetch-after][:plain-writes][:high-priority]
-    [:staged-read|:fused-read][:compress=PRESET][:shift]" (`parse_method`): keys packed before RoPE (KVCache key_storage);
-    commits in line with the forward instead of on the cache's side stream (KVCache async_commit=False); side-stream commits queued by each
-    layer's commit_layer (KVCache defer_commits=False); every history decoded in line before its attention (KVCache
-    prefetch_bytes=0), or its prefetch queued after each SDPA call instead of just before it (prefetch_at="after", the
-    default before 525b5c6); plain-writes: the chunk's denoising steps write as the re-run does, not transient;
+    [:staged-read|:fused-read][:compress=PRESET][:shift]" (`parse_method`): keys packed before RoPE (KVCache
+    key_storage); commits in line with the forward instead of on the cache's side stream (KVCache
+    async_commit=False); side-stream commits queued by each layer's commit_layer (KVCache defer_commits=False);
+    every history decoded in line before its attention (KVCache prefetch_bytes=0), or its prefetch queued after each
+    SDPA call instead of just before it (prefetch_at="after", the default before 525b5c6); plain-writes: the chunk's
+    denoising steps write as the re-run does, not transient;
     high-priority: the chunk runs on a high-priority CUDA stream, so the cache's side streams (prefetched decodes,
     queued commits) get only the SMs its kernels leave idle (these two flags are read by `method_runner`; the cache
     ignores them); staged-read / fused-read: the history read through the packed-cache attention kernels (KVCache

@@ -186,9 +186,8 @@ class _Layer:
         return self.n_sink + (self.head + p) % (p + 1) * self.chunk
 
     def tail(self, i: int) -> torch.Tensor:
-        """Sink, pending and current tokens for attention (no mask: any order): a view of the buffer, in slot order
-        once the ring has turned; the pending chunks gathered only when the ring has turned and no current chunk
-        fills its slot."""
+        """Sink, pending and current tokens for attention, which has no mask, so slot order serves: a view of the
+        buffer, unless the ring has turned and no current chunk fills its slot (then a copy without that slot)."""
         n = self.n_sink + self.n_pending + self.n_cur
         if not self.head or self.n_cur:
             return self.buf[i][:, :, :n]
