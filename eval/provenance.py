@@ -17,8 +17,11 @@ import torch
 from qvg.revision import REPO, git_commit
 
 
-def changed_files() -> list[str]:
-    """Tracked files that differ from the commit (what git_dirty is about)."""
+def changed_files() -> list[str] | None:
+    """Tracked files that differ from the commit (what git_dirty is about); None when QVG_COMMIT names the commit
+    (then, as for git_dirty, this checkout's git metadata may lag the code: it cannot say)."""
+    if os.environ.get("QVG_COMMIT"):
+        return None
     out = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
                          capture_output=True, text=True, timeout=10)
     return [line[3:] for line in out.stdout.splitlines()] if out.returncode == 0 else []

@@ -25,21 +25,20 @@ from .bench_kernels import gpu_tag, result_header, write_result
 def layouts(n: int, h: int = 12, d: int = 128, chunk: int = 4680) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """K / V pairs of n tokens [1, h, n, d] (BF16, CUDA) in each layout, same values."""
     from qvg.cache import _grown
-    like = torch.empty(1, h, 1, d, device="cuda", dtype=torch.bfloat16)
     g = torch.Generator(device="cuda").manual_seed(0)
     k, v = (torch.randn(1, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
-    out = {"contiguous": (k, v)}
-    for name, buf in (("cache view", lambda: _grown(None, 0, n, like)),
-                      ("view, one chunk of room", lambda: torch.empty(1, h, n + chunk, d, device="cuda",
-                                                                      dtype=torch.bfloat16))):
-        pair = []
-        for t in (k, v):
-            b = buf()
-            b[:, :, :n] = t
-            pair.append(b[:, :, :n])
-        out[name] = tuple(pair)
-    out["[B, n, H, D] transposed"] = tuple(t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))
-    return out
+    cache_cap = _grown(None, 0, n, k).shape[2]  # (what the BF16 cache allocates for n tokens)
+    return {"contiguous": (k, v),
+            "cache view": tuple(_in_buffer(t, cache_cap) for t in (k, v)),
+            "view, one chunk of room": tuple(_in_buffer(t, n + chunk) for t in (k, v)),
+            "[B, n, H, D] transposed": tuple(t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))}
+
+
+def _in_buffer(t: torch.Tensor, cap: int) -> torch.Tensor:
+    """t [B, H, n, D] copied into the first n tokens of a [B, H, cap, D] buffer, as a view."""
+    buf = torch.empty(*t.shape[:2], cap, t.shape[3], device=t.device, dtype=t.dtype)
+    buf[:, :, :t.shape[2]] = t
+    return buf[:, :, :t.shape[2]]
 
 
 def run(keys: list[int], rounds: int = 7, calls: int = 20) -> list[dict]:

@@ -61,6 +61,15 @@ def apply_rope(x: torch.Tensor, angles: torch.Tensor, inverse: bool = False) -> 
     return torch.stack([xe * cos - xo * sin, xe * sin + xo * cos], -1).flatten(-2)
 
 
+def _to_device(x: torch.Tensor, device) -> torch.Tensor:
+    """Host tensor x on `device`. To a GPU it goes from pinned memory without blocking the host (a blocking copy
+    waits for the stream's queued work: once per chunk here, in the middle of the forward); the caching host
+    allocator keeps the pinned buffer until the copy has run."""
+    if torch.device(device).type == "cuda":
+        return x.pin_memory().to(device, non_blocking=True)
+    return x.to(device)
+
+
 class RopeTables:
     """Factorized RoPE for keys stored before RoPE and rotated on read (by `PackedSequence.decompress` or the
     dequant kernel). Frame f of slot c of a packed sequence of chunks (L = frames * height * width tokens each) sits
@@ -106,7 +115,7 @@ class RopeTables:
         ang[:nt, :bt // 2] = axis_angles(torch.arange(t_lo, t_hi + 1), bt, theta)
         ang[nt:nt + nh, bt // 2:(bt + bh) // 2] = axis_angles(torch.arange(h_lo, h_hi + 1), bh, theta)
         ang[nt + nh:, (bt + bh) // 2:] = axis_angles(torch.arange(w_lo, w_hi + 1), bw, theta)
-        self.table = torch.stack([ang.cos(), ang.sin()]).float().to(device)
+        self.table = _to_device(torch.stack([ang.cos(), ang.sin()]).float(), device)
         self._device = device
         self._kpos: dict[int, torch.Tensor] = {}
         if self.positions is not None:
@@ -131,7 +140,7 @@ class RopeTables:
         the kernels index them, on the tables' device (kept per frames per chunk; counted in `nbytes`)."""
         if frames not in self._kpos:
             base = torch.tensor([self._time0, self._row0, self._col0], dtype=torch.int32)
-            self._kpos[frames] = (self.frame_positions(frames).reshape(-1, 3) + base).to(self._device)
+            self._kpos[frames] = _to_device(self.frame_positions(frames).reshape(-1, 3) + base, self._device)
         return self._kpos[frames]
 
     def check(self, head_dim: int, chunk_len: int, chunks: int) -> None:
