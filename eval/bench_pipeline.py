@@ -397,6 +397,8 @@ def main(argv=None) -> int:
     try:  # every method string checked before anything runs
         for m in (args.max_history or args.methods).split(","):
             parse_method(m)
+        if not args.max_history and "bf16" not in args.methods.split(","):
+            raise ValueError("--methods must include bf16: every overhead is against it")
     except ValueError as e:
         print(f"bench_pipeline: {e}", file=sys.stderr)
         return 2
@@ -405,7 +407,8 @@ def main(argv=None) -> int:
     t0 = time.time()
     # (the header every GPU result file opens with: device and its UUID, date, commit, command with its QVG_*
     # settings, torch / triton / python versions)
-    res = {**result_header("bench_pipeline", argv), "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")}
+    res = {**result_header("bench_pipeline", argv), "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
+           "bf16_baseline": "ring"}  # (the `bf16` row's cache, every overhead_vs_bf16's reference; before ffe3555 it shifted)
     opts = json.loads(args.options)
     if args.max_history:
         res["max_history"] = run_max_history([(m, {} if m == "bf16" else opts) for m in args.max_history.split(",")])

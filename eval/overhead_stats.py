@@ -5,9 +5,10 @@
 
 Each run's overhead is its own `overhead_vs_bf16` (the method's median chunk over the same run's bf16 median, less
 one): the same chunk code has differed by up to ~0.9 points between runs, so the run, not the round, is the unit.
-Runs on one machine are not independent: with `--machine-sizes 3,1,2` (consecutive files: the first three on one
-machine, the next on another, ...) or, when every file records its GPU's `gpu_uuid` (bench_pipeline since 29328c7),
-by that, each machine's mean run overhead is one sample, and the verdict is taken over the machines: the JSON's
+Runs against different BF16 caches are refused (the file's `bf16_baseline`; files without it: "ring" from
+BASELINE_RING on, "shift" before, by git). Runs on one machine are not independent: with `--machine-sizes 3,1,2`
+(consecutive files: the first three on one machine, the next on another, ...) or, when every file records its GPU's
+`gpu_uuid` (bench_pipeline since 29328c7), by that, each machine's mean run overhead is one sample, and the verdict is taken over the machines: the JSON's
 top-level summary (n, mean, upper95_of_mean, met) is then the machines', the runs' is under `over_runs`.
 The criterion (fixed before the runs it judges, eval/results/pipeline-h100.md): the target is met when the one-sided
 95% upper confidence bound of the mean, mean + t(0.95, n - 1) * sd / sqrt(n), is at most the target. The median, the
@@ -23,8 +24,13 @@ import itertools
 import json
 import math
 import statistics
+import subprocess
 import sys
 from pathlib import Path
+
+from qvg.revision import REPO
+
+BASELINE_RING = "ffe3555"  # since this commit bench_pipeline's `bf16` row is the BF16 cache as a ring (before: shift)
 
 # one-sided 95% quantiles of Student's t by degrees of freedom (1..30); beyond: the Cornish-Fisher expansion
 _T95 = [6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812, 1.796, 1.782, 1.771, 1.761, 1.753,
@@ -58,8 +64,26 @@ def run_overheads(paths: list[str], method: str, history: int) -> list[dict]:
         if isinstance(o, bool) or not isinstance(o, (int, float)) or not math.isfinite(o):
             raise ValueError(f"{p}: no single {method!r} row at history {history} with a numeric overhead")
         out.append({"file": Path(p).name, "commit": d.get("commit"), "date": d.get("date"),
-                    "device": d.get("device"), "gpu_uuid": d.get("gpu_uuid") or None, "overhead": float(o)})
+                    "device": d.get("device"), "gpu_uuid": d.get("gpu_uuid") or None, "overhead": float(o),
+                    "bf16_baseline": d.get("bf16_baseline") or _baseline_of(d.get("commit"))})
+    kinds = sorted({r["bf16_baseline"] for r in out})
+    if len(kinds) > 1:
+        raise ValueError("these runs' overheads are against different BF16 caches (" + ", ".join(
+            f"{r['file']}: {r['bf16_baseline']}" for r in out) + "): pool runs of one baseline")
     return out
+
+
+def _baseline_of(commit) -> str:
+    """The `bf16` row's cache in a file that does not say: "ring" from commit BASELINE_RING on, "shift" before;
+    "unknown" when git cannot tell (no such commit here)."""
+    if not isinstance(commit, str) or not commit:
+        return "unknown"
+    try:
+        rc = subprocess.run(["git", "-C", str(REPO), "merge-base", "--is-ancestor", BASELINE_RING,
+                             commit.split("-")[0]], capture_output=True, timeout=10).returncode
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return {0: "ring", 1: "shift"}.get(rc, "unknown")
 
 
 def machines(runs: list[dict], sizes: str | None) -> list[list[int]] | None:

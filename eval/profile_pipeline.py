@@ -12,14 +12,10 @@ profile-pipeline-<gpu>.json.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import sys
 
 import torch
-
-from qvg.revision import code_commit
 
 from .bench_pipeline import _fill, cuda_ms, method_runner, new_cache, steady_ms, wan_model
 from .profile_compress import _host_profile, _profile
@@ -89,10 +85,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("profile_pipeline: needs a CUDA GPU")
-    res = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
-        timespec="seconds"), "commit": code_commit(), "torch": torch.__version__,
-        "command": "python -m qvg.eval.profile_pipeline " + " ".join(sys.argv[1:] if argv is None else argv),
-        "sdpa_ms": sdpa_backends(),
+    from .bench_kernels import result_header
+    res = {**result_header("profile_pipeline", argv), "sdpa_ms": sdpa_backends(),
         "rows": run([int(h) for h in args.history.split(",")], args.methods.split(","), json.loads(args.options))}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "profile-pipeline-" + res["device"].split()[1].lower() + ".json"), "w") as f:

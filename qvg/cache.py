@@ -287,12 +287,16 @@ class KVCache:
         self._side: dict = {}  # device -> the CUDA side stream of the async commits
         self.prefetch_bytes, self.prefetch_at = prefetch_bytes, prefetch_at
         self.read_mode = read
-        self.bf16_rolling = bf16_rolling
+        self._bf16_rolling = bf16_rolling  # (fixed: a turned ring can't start shifting)
         # attends that read a compressed history, by the path that ran: "window" / "staged" / "fused" (the GPU
         # reads) or "reference" (the torch path: CPU, kivi / quarot, pre-RoPE keys the kernels' tables can't rotate)
         self.reads = collections.Counter()
         self._ahead: dict = {}  # device -> the CUDA side stream of the prefetched decodes
         self._clear_prefetch_state()
+
+    @property
+    def bf16_rolling(self) -> str:
+        return self._bf16_rolling
 
     @property
     def chunk_tokens(self) -> int:
@@ -365,6 +369,7 @@ class KVCache:
         held = L.n_sink + L.n_pending
         if L.buf is None or L.buf[0].shape[2] < held + self.chunk_tokens:  # grows to sink + commit_every chunks
             # (bf16: + history; its rolling ring turns only once the buffer holds the whole window)
+            assert not L.head, "a turned ring does not grow (its chunks are in slot order)"
             L.buf = [_grown(L.buf[i] if L.buf else None, held, held + self.chunk_tokens, k) for i in range(2)]
         L.n_cur = self.chunk_tokens
         L.spent, L.transient = False, transient
@@ -575,7 +580,7 @@ class KVCache:
         if over > 0 and L.n_pending and L.hist[0] is None:
             drop = min(L.n_pending, -(-over // self.chunk_tokens) * self.chunk_tokens)
             keep = L.n_pending - drop
-            if self.method == "bf16" and self.bf16_rolling == "ring" and drop == self.chunk_tokens:
+            if self.method == "bf16" and self._bf16_rolling == "ring" and drop == self.chunk_tokens:
                 # the oldest chunk's slot takes the next chunk: no copy (bf16 grows by one chunk per commit, so a
                 # full window drops exactly one)
                 L.head = (L.head + 1) % (L.n_pending // self.chunk_tokens)

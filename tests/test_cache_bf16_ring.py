@@ -76,3 +76,44 @@ def test_a_full_window_commit_moves_nothing_and_the_next_chunk_takes_the_evicted
 def test_bad_rolling_mode():
     with pytest.raises(ValueError, match="bf16_rolling must be one of ring, shift"):
         _cache("roll", 0, 2)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_ring_equals_shift_on_random_schedules(seed):
+    """Random layouts and call orders (2-frame chunks, batch 2, sinks, windows, commit_every, pre-rope storage,
+    per-layer commits, attends right after a commit, reset after the ring turned): the ring and the shift agree."""
+    r = torch.Generator().manual_seed(seed)
+    pick = lambda *xs: xs[int(torch.randint(len(xs), (1,), generator=r))]  # noqa: E731
+    cf, layers = 2, 2
+    opts = dict(chunk_frames=cf, tokens_per_frame=4, sink_frames=cf * pick(0, 1, 2),
+                window_frames=pick(None, 0, cf, 2 * cf, 4 * cf), commit_every=pick(1, 2),
+                key_storage=pick("post-rope", "pre-rope"))
+    caches = [KVCache(layers, "bf16", bf16_rolling=m, **opts) for m in ("ring", "shift")]
+    g = torch.Generator().manual_seed(100 + seed)
+    for step in range(12):
+        if step == 8 and pick(True, False):
+            for c in caches:
+                c.reset()
+        kv = [torch.randn(2, 2, 2, 8, 8, generator=g).to(torch.bfloat16) for _ in range(layers)]
+        q = torch.randn(2, 4, 8, 8, generator=g).to(torch.bfloat16)
+        per_layer = pick(True, False)
+        outs = []
+        for c in caches:
+            got = []
+            for layer in range(layers):
+                c.write(layer, kv[layer][0], kv[layer][1])
+                got.append(c.attend(layer, q))
+                if per_layer:
+                    c.commit_layer(layer)
+                    got.append(c.read(layer))
+            c.commit()
+            got += [c.attend(layer, q) for layer in range(layers)] + [c.read(layer) for layer in range(layers)]
+            got += [c.memory(), c.tokens()]
+            outs.append(got)
+        for a, b in zip(*outs):
+            if isinstance(a, torch.Tensor):
+                torch.testing.assert_close(a.float(), b.float(), atol=8e-3, rtol=0)
+            elif isinstance(a, tuple):
+                assert all(torch.equal(x, y) for x, y in zip(a, b)), (seed, step)
+            else:
+                assert a == b, (seed, step)

@@ -6,11 +6,11 @@ import math
 from qvg.eval import overhead_stats as st
 
 
-def _run(path, overhead, commit="abc1234"):
+def _run(path, overhead, commit="abc1234", **header):
     rows = [{"history_frames": 21, "method": "bf16", "overhead_vs_bf16": 0.0},
             {"history_frames": 21, "method": "qvg-pro", "overhead_vs_bf16": overhead},
             {"history_frames": 60, "method": "qvg-pro", "overhead_vs_bf16": 0.5}]
-    path.write_text(json.dumps({"commit": commit, "date": "2026-11-27", "device": "GPU X", "rows": rows}))
+    path.write_text(json.dumps({"commit": commit, "date": "2026-11-27", "device": "GPU X", "rows": rows, **header}))
     return str(path)
 
 
@@ -104,3 +104,22 @@ def test_bad_machine_sizes_are_one_line(tmp_path, capsys):
     assert st.main(u + ["--machine-sizes", "1,2"]) == 2  # A's runs split, B's with A's
     assert st.main(u + ["--machine-sizes", "2,1"]) == 0
     assert "holds runs of 2 GPUs" in capsys.readouterr().err
+
+
+def test_runs_against_different_bf16_caches_are_not_pooled(tmp_path, capsys):
+    """A file's bf16_baseline (or, without one, its commit: the ring since BASELINE_RING) must agree."""
+    ring = [_run(tmp_path / f"r{i}.json", 0.02, bf16_baseline="ring") for i in range(2)]
+    assert st.main(ring) == 0
+    shift = _run(tmp_path / "s.json", 0.01, bf16_baseline="shift")
+    assert st.main(ring + [shift]) == 2
+    err = capsys.readouterr().err
+    assert "against different BF16 caches" in err and "s.json: shift" in err and len(err.strip().splitlines()) == 1
+    assert st._baseline_of("not-a-commit") == "unknown" and st._baseline_of(None) == "unknown"
+
+
+def test_baseline_of_a_commit_by_git():
+    import subprocess
+    if subprocess.run(["git", "-C", str(st.REPO), "cat-file", "-e", "72bb8a4^{commit}"], capture_output=True).returncode:
+        return  # (a checkout without this history: nothing to check)
+    assert st._baseline_of("72bb8a4") == "shift" and st._baseline_of("fa6c326") == "ring"
+    assert st._baseline_of(st.BASELINE_RING + "-dirty") == "ring"

@@ -218,3 +218,4 @@ def test_bench_pipeline_compress_flag():
         with pytest.raises(ValueError, match=msg):
             bp.parse_method(bad)
     assert bp.main(["--methods", "bf16,qvg:bogus"]) == 2
+    assert bp.main(["--methods", "bf16:shift,qvg"]) == 2  # (no plain bf16 row to take the overheads against)
