@@ -406,9 +406,10 @@ def main(argv=None) -> int:
         raise SystemExit("bench_pipeline: needs a CUDA GPU")
     t0 = time.time()
     # (the header every GPU result file opens with: device and its UUID, date, commit, command with its QVG_*
-    # settings, torch / triton / python versions)
+    # settings, torch / triton / python versions; bf16_baseline: the `bf16` row's cache, which every
+    # overhead_vs_bf16 is against: a ring since ffe3555, before it shifted its history)
     res = {**result_header("bench_pipeline", argv), "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
-           "bf16_baseline": "ring"}  # (the `bf16` row's cache, every overhead_vs_bf16's reference; before ffe3555 it shifted)
+           "bf16_baseline": "ring"}
     opts = json.loads(args.options)
     if args.max_history:
         res["max_history"] = run_max_history([(m, {} if m == "bf16" else opts) for m in args.max_history.split(",")])

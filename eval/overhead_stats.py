@@ -8,8 +8,9 @@ one): the same chunk code has differed by up to ~0.9 points between runs, so the
 Runs against different BF16 caches are refused (the file's `bf16_baseline`; files without it: "ring" from
 BASELINE_RING on, "shift" before, by git). Runs on one machine are not independent: with `--machine-sizes 3,1,2`
 (consecutive files: the first three on one machine, the next on another, ...) or, when every file records its GPU's
-`gpu_uuid` (bench_pipeline since 29328c7), by that, each machine's mean run overhead is one sample, and the verdict is taken over the machines: the JSON's
-top-level summary (n, mean, upper95_of_mean, met) is then the machines', the runs' is under `over_runs`.
+`gpu_uuid` (bench_pipeline since 29328c7), by that, each machine's mean run overhead is one sample, and the
+verdict is taken over the machines: the JSON's top-level summary (n, mean, upper95_of_mean, met) is then the
+machines', the runs' is under `over_runs`.
 The criterion (fixed before the runs it judges, eval/results/pipeline-h100.md): the target is met when the one-sided
 95% upper confidence bound of the mean, mean + t(0.95, n - 1) * sd / sqrt(n), is at most the target. The median, the
 range and how many runs are over the target are printed beside it. Exit 0 either way; 2 on bad input (one line).

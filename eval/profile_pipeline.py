@@ -17,6 +17,7 @@ import os
 
 import torch
 
+from .bench_kernels import result_header
 from .bench_pipeline import _fill, cuda_ms, method_runner, new_cache, steady_ms, wan_model
 from .profile_compress import _host_profile, _profile
 
@@ -85,7 +86,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("profile_pipeline: needs a CUDA GPU")
-    from .bench_kernels import result_header
     res = {**result_header("profile_pipeline", argv), "sdpa_ms": sdpa_backends(),
         "rows": run([int(h) for h in args.history.split(",")], args.methods.split(","), json.loads(args.options))}
     os.makedirs(args.out, exist_ok=True)

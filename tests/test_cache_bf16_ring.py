@@ -34,18 +34,24 @@ def _steps(mode, sink, window, chunks=9):
     return seen, cache
 
 
+def _same(ring: list, shift: list) -> None:
+    """What a ring cache and a shifting one gave, item by item: attention (tensors) up to BF16 rounding (the same
+    tokens summed in slot order), reads (K, V pairs) bitwise, memory and token counts equal."""
+    for x, y in zip(ring, shift, strict=True):
+        if isinstance(x, torch.Tensor):
+            torch.testing.assert_close(x.float(), y.float(), atol=8e-3, rtol=0)
+        elif isinstance(x, tuple):
+            assert all(torch.equal(u, w) for u, w in zip(x, y))
+        else:
+            assert x == y
+
+
 @pytest.mark.parametrize("sink,window", [(0, 3), (1, 3), (2, 2), (0, 1), (1, 0), (1, None)])
 def test_ring_equals_shift(sink, window):
     ring, cr = _steps("ring", sink, window)
     shift, cs = _steps("shift", sink, window)
     for a, b in zip(ring, shift):
-        for x, y in zip(a, b):
-            if isinstance(x, torch.Tensor):  # attention: the same tokens, summed in slot order
-                torch.testing.assert_close(x.float(), y.float(), atol=8e-3, rtol=0)
-            elif isinstance(x, tuple):  # read: time order, bitwise
-                assert all(torch.equal(u, w) for u, w in zip(x, y))
-            else:  # memory, tokens
-                assert x == y
+        _same(a, b)
     if window:  # the ring turned: 9 commits, sink chunks first, then one turn per commit past the window
         turns = 9 - sink - window
         assert [L.head for L in cr.layers] == [turns % (window + 1)] * 2
@@ -110,10 +116,4 @@ def test_ring_equals_shift_on_random_schedules(seed):
             got += [c.attend(layer, q) for layer in range(layers)] + [c.read(layer) for layer in range(layers)]
             got += [c.memory(), c.tokens()]
             outs.append(got)
-        for a, b in zip(*outs):
-            if isinstance(a, torch.Tensor):
-                torch.testing.assert_close(a.float(), b.float(), atol=8e-3, rtol=0)
-            elif isinstance(a, tuple):
-                assert all(torch.equal(x, y) for x, y in zip(a, b)), (seed, step)
-            else:
-                assert a == b, (seed, step)
+        _same(*outs)
