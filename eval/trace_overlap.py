@@ -7,11 +7,15 @@ one the SDPA kernels run on. For the decode kernels (`_dequant_kernel`) and the 
 kernel on a side stream) it reports their GPU time split by what the main stream ran meanwhile: SDPA (self- or
 cross-attention), another kernel, or nothing (the main stream idle: waiting for them, or for the host);
 side-stream work left after the main stream's last kernel (the second chunk's own commits) is counted apart.
+`gaps` places the main stream's idle time: by gap length, by what the side streams ran during it (a decode, a
+commit's kernel, nothing: the host or an event wait), and by the forward and layer it fell in (counted from the
+attention kernels before it: self- and cross-attention per layer, 30 layers, 5 forwards per chunk).
 Writes trace-overlap-<gpu>.json (after each method).
 """
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import os
 import sys
@@ -72,6 +76,64 @@ def split(kernels: list[dict]) -> dict:
     return out
 
 
+def _union(spans: list[tuple[float, float]]) -> tuple[list[float], list[float]]:
+    """The union of spans as disjoint sorted intervals: (starts, ends)."""
+    starts, ends = [], []
+    for b0, b1 in sorted(spans):
+        if ends and b0 <= ends[-1]:
+            ends[-1] = max(ends[-1], b1)
+        else:
+            starts.append(b0)
+            ends.append(b1)
+    return starts, ends
+
+
+def _covered(a0: float, a1: float, union: tuple[list[float], list[float]]) -> float:
+    """Length of [a0, a1] covered by a `_union`."""
+    starts, ends = union
+    got, i = 0.0, bisect.bisect_right(ends, a0)
+    while i < len(starts) and starts[i] < a1:
+        got += min(a1, ends[i]) - max(a0, starts[i])
+        i += 1
+    return got
+
+
+def gaps(kernels: list[dict], layers: int = 30, forwards: int = 5, attn_per_layer: int = 2, top: int = 12) -> dict:
+    """The main stream's idle gaps (us): total by length (< 20, 20-200, >= 200 us), by what ran on the side streams
+    meanwhile (decode kernels, commit kernels, nothing), by forward slot of the chunk (0..forwards-1) and by layer,
+    and the `top` longest with their place."""
+    attn = [k for k in kernels if any(s in k["name"].lower() for s in ATTENTION)]
+    main = max({k["stream"] for k in attn}, key=lambda s: sum(k["stream"] == s for k in attn))
+    on_main = sorted((k for k in kernels if k["stream"] == main), key=lambda k: k["t0"])
+    side = {w: _union([(k["t0"], k["t1"]) for k in kernels if k["stream"] != main and pick(k)])
+            for w, pick in (("decode", lambda k: "_dequant_kernel" in k["name"]),
+                            ("commit", lambda k: "_dequant_kernel" not in k["name"]))}
+    both = _union([(a, b) for w in side.values() for a, b in zip(*w)])
+    by_len = {"lt20": 0.0, "20to200": 0.0, "ge200": 0.0}
+    by_side = {"decode": 0.0, "commit": 0.0, "nothing": 0.0}
+    by_forward, by_layer, listed = [0.0] * forwards, [0.0] * layers, []
+    is_attn = [any(s in k["name"].lower() for s in ATTENTION) for k in on_main]
+    n_attn, edge = int(is_attn[0]), on_main[0]["t1"]
+    for k, k_attn in zip(on_main[1:], is_attn[1:]):
+        g0, g1 = edge, k["t0"]
+        if g1 > g0:
+            d = g1 - g0
+            by_len["lt20" if d < 20 else "20to200" if d < 200 else "ge200"] += d
+            dec, com = _covered(g0, g1, side["decode"]), _covered(g0, g1, side["commit"])
+            by_side["decode"] += dec
+            by_side["commit"] += com
+            by_side["nothing"] += d - _covered(g0, g1, both)
+            lf = n_attn // attn_per_layer  # layer-forwards started before the gap
+            by_forward[(lf // layers) % forwards] += d
+            by_layer[lf % layers] += d
+            listed.append({"us": d, "layer_forwards_before": lf, "decode_us": dec, "commit_us": com})
+        n_attn += k_attn
+        edge = max(edge, k["t1"])
+    listed.sort(key=lambda g: -g["us"])
+    return {"by_length_us": by_len, "by_side_us": by_side, "by_forward_us": by_forward, "by_layer_us": by_layer,
+            "longest": listed[:top]}
+
+
 def trace_chunk(chunk) -> list[dict]:
     from torch.profiler import ProfilerActivity, profile
     chunk()
@@ -111,7 +173,8 @@ def main(argv=None) -> int:
             _fill(cache, args.history, 12)
             chunk = method_runner(model, cache, method)[0]
             chunk()
-            row = {"method": method, "history_frames": args.history, **split(trace_chunk(chunk))}
+            row = {"method": method, "history_frames": args.history, **split(kernels := trace_chunk(chunk)),
+                   "gaps": gaps(kernels)}
             rows.append(row)
             print(method, json.dumps({k: v for k, v in row.items() if isinstance(v, dict)}), flush=True)
             del cache, chunk

@@ -26,3 +26,17 @@ def test_split_by_main_stream_activity():
 def test_split_needs_attention():
     with pytest.raises(RuntimeError, match="no attention kernel"):
         split([_k("gemm", 7, 0, 1)])
+
+
+def test_gaps_place_the_main_streams_idle_time():
+    from qvg.eval.trace_overlap import gaps
+    kernels = [_k("fmha_self", 7, 0, 10), _k("fmha_cross", 7, 10, 12),  # layer-forward 0 (2 attention kernels)
+               _k("gemm", 7, 112, 120),  # 100 us gap in layer-forward 1: 30 of it under a decode, 50 under commits
+               _k("_dequant_kernel", 20, 20, 50),
+               _k("_assign_kernel", 13, 40, 60), _k("_pack_kernel", 13, 55, 90),  # union 40-90, 10 shared
+               _k("fmha_self", 7, 125, 130)]  # 5 us gap
+    got = gaps(kernels, layers=2, forwards=2)
+    assert got["by_length_us"] == {"lt20": 5, "20to200": 100, "ge200": 0}
+    assert got["by_side_us"] == {"decode": 30, "commit": 50, "nothing": 100 - 70 + 5}
+    assert got["by_forward_us"] == [105, 0] and got["by_layer_us"] == [0, 105]
+    assert got["longest"][0] == {"us": 100, "layer_forwards_before": 1, "decode_us": 30, "commit_us": 50}
