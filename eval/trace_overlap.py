@@ -38,9 +38,15 @@ def trace_events(prof) -> list[dict]:
             return json.load(f)["traceEvents"]
 
 
+GPU_OPS = ("kernel", "gpu_memcpy", "gpu_memset")  # trace categories of what runs on a stream
+
+
 def _kernels(events: list[dict]) -> list[dict]:
-    return [dict(name=e["name"], stream=e["args"].get("stream"), t0=e["ts"], t1=e["ts"] + e["dur"])
-            for e in events if e.get("cat") == "kernel"]
+    """The GPU operations: kernels, and copies and fills named by their category (`[gpu_memcpy] ...`), which also
+    occupy a stream."""
+    return [dict(name=e["name"] if e["cat"] == "kernel" else f"[{e['cat']}] {e['name']}",
+                 stream=e["args"].get("stream"), t0=e["ts"], t1=e["ts"] + e["dur"])
+            for e in events if e.get("cat") in GPU_OPS]
 
 
 def _overlap(a0: float, a1: float, spans: list[tuple[float, float]]) -> float:
@@ -101,7 +107,8 @@ def _covered(a0: float, a1: float, union: tuple[list[float], list[float]]) -> fl
 def gaps(kernels: list[dict], layers: int = 30, forwards: int = 5, attn_per_layer: int = 2, top: int = 12) -> dict:
     """The main stream's idle gaps (us): total by length (< 20, 20-200, >= 200 us), by what ran on the side streams
     meanwhile (decode kernels, commit kernels, nothing), by forward slot of the chunk (0..forwards-1) and by layer,
-    and the `top` longest with their place."""
+    by the main-stream operation that ends the gap (its name's first 80 characters: the `top` largest totals, with
+    their counts), and the `top` longest with their place."""
     attn = [k for k in kernels if any(s in k["name"].lower() for s in ATTENTION)]
     main = max({k["stream"] for k in attn}, key=lambda s: sum(k["stream"] == s for k in attn))
     on_main = sorted((k for k in kernels if k["stream"] == main), key=lambda k: k["t0"])
@@ -112,6 +119,7 @@ def gaps(kernels: list[dict], layers: int = 30, forwards: int = 5, attn_per_laye
     by_len = {"lt20": 0.0, "20to200": 0.0, "ge200": 0.0}
     by_side = {"decode": 0.0, "commit": 0.0, "nothing": 0.0}
     by_forward, by_layer, listed = [0.0] * forwards, [0.0] * layers, []
+    by_next: dict[str, list] = {}
     is_attn = [any(s in k["name"].lower() for s in ATTENTION) for k in on_main]
     n_attn, edge = int(is_attn[0]), on_main[0]["t1"]
     for k, k_attn in zip(on_main[1:], is_attn[1:]):
@@ -126,12 +134,17 @@ def gaps(kernels: list[dict], layers: int = 30, forwards: int = 5, attn_per_laye
             lf = n_attn // attn_per_layer  # layer-forwards started before the gap
             by_forward[(lf // layers) % forwards] += d
             by_layer[lf % layers] += d
-            listed.append({"us": d, "layer_forwards_before": lf, "decode_us": dec, "commit_us": com})
+            nxt = by_next.setdefault(k["name"][:80], [0.0, 0])
+            nxt[0] += d
+            nxt[1] += 1
+            listed.append({"us": d, "layer_forwards_before": lf, "decode_us": dec, "commit_us": com,
+                           "next_op": k["name"][:80]})
         n_attn += k_attn
         edge = max(edge, k["t1"])
     listed.sort(key=lambda g: -g["us"])
+    ends = sorted(by_next.items(), key=lambda kv: -kv[1][0])[:top]
     return {"by_length_us": by_len, "by_side_us": by_side, "by_forward_us": by_forward, "by_layer_us": by_layer,
-            "longest": listed[:top]}
+            "by_next_op": [{"op": name, "us": us, "gaps": n} for name, (us, n) in ends], "longest": listed[:top]}
 
 
 def trace_chunk(chunk) -> list[dict]:

@@ -39,4 +39,14 @@ def test_gaps_place_the_main_streams_idle_time():
     assert got["by_length_us"] == {"lt20": 5, "20to200": 100, "ge200": 0}
     assert got["by_side_us"] == {"decode": 30, "commit": 50, "nothing": 100 - 70 + 5}
     assert got["by_forward_us"] == [105, 0] and got["by_layer_us"] == [0, 105]
-    assert got["longest"][0] == {"us": 100, "layer_forwards_before": 1, "decode_us": 30, "commit_us": 50}
+    assert got["longest"][0] == {"us": 100, "layer_forwards_before": 1, "decode_us": 30, "commit_us": 50,
+                                 "next_op": "gemm"}
+    assert got["by_next_op"] == [{"op": "gemm", "us": 100, "gaps": 1}, {"op": "fmha_self", "us": 5, "gaps": 1}]
+
+
+def test_copies_and_fills_count_as_stream_operations():
+    from qvg.eval.trace_overlap import _kernels
+    ev = [{"cat": "kernel", "name": "gemm", "ts": 0, "dur": 2, "args": {"stream": 7}},
+          {"cat": "gpu_memcpy", "name": "Memcpy DtoD", "ts": 3, "dur": 1, "args": {"stream": 7}},
+          {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 0, "dur": 1, "args": {}}]
+    assert [k["name"] for k in _kernels(ev)] == ["gemm", "[gpu_memcpy] Memcpy DtoD"]
