@@ -64,13 +64,18 @@ def gpu_tag(device_name: str) -> str:
     return "h200" if "H200" in device_name else device_name.replace(" ", "-").lower()
 
 
+# settings of the environment outside QVG_* that change how a GPU run behaves (recorded in its command)
+RUN_SETTINGS = ("CUDA_DEVICE_MAX_CONNECTIONS", "PYTORCH_CUDA_ALLOC_CONF")
+
+
 def result_header(module: str, argv: list[str] | None) -> dict:
     """The provenance every GPU result file opens with: device (and its UUID: lent machines differ), UTC date,
     commit, the command (`python -m qvg.eval.<module> ARGS`, after the QVG_* settings of the environment that change
-    what runs, such as QVG_FAST_LAUNCH=0), torch, triton and python versions."""
+    what runs, such as QVG_FAST_LAUNCH=0, and those of `RUN_SETTINGS`), torch, triton and python versions."""
     import triton
     from .provenance import command_line
-    env = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("QVG_") and k != "QVG_COMMIT")
+    env = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items())
+                   if (k.startswith("QVG_") and k != "QVG_COMMIT") or k in RUN_SETTINGS)
     uuid = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "uuid", None)
     return {"device": torch.cuda.get_device_name(), "gpu_uuid": None if uuid is None else str(uuid),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": code_commit(),
