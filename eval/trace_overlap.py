@@ -164,6 +164,8 @@ def main(argv=None) -> int:
     ap.add_argument("--history", type=int, default=21)
     ap.add_argument("--methods", default="qvg,qvg-pro")
     ap.add_argument("--options", default='{"centroids": 64}', help="JSON options of the compressed methods")
+    ap.add_argument("--burn-streams", type=int, default=0, metavar="N",
+                    help="take N streams from torch's stream pool (and hold them) before any cache makes its own")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: trace_overlap needs a CUDA GPU", file=sys.stderr)
@@ -179,6 +181,7 @@ def main(argv=None) -> int:
     from .bench_kernels import gpu_tag, result_header, write_result
     t0, header = time.time(), result_header("trace_overlap", argv)  # (the date is the run's start)
     model = wan_model()
+    burnt = [torch.cuda.Stream() for _ in range(args.burn_streams)]  # noqa: F841 (held: the pool hands out others)
     rows = []
     with torch.no_grad():
         for method in methods:
@@ -187,7 +190,9 @@ def main(argv=None) -> int:
             chunk = method_runner(model, cache, method)[0]
             chunk()
             row = {"method": method, "history_frames": args.history, **split(kernels := trace_chunk(chunk)),
-                   "gaps": gaps(kernels)}
+                   "gaps": gaps(kernels), "side_stream_ids": {name: [s.stream_id for s in streams.values()]
+                                                              for name, streams in (("commit", cache._side),
+                                                                                    ("decode", cache._ahead))}}
             rows.append(row)
             print(method, json.dumps({k: v for k, v in row.items() if isinstance(v, dict)}), flush=True)
             del cache, chunk
