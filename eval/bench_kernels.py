@@ -15,6 +15,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 import traceback
@@ -68,10 +69,23 @@ def gpu_tag(device_name: str) -> str:
 RUN_SETTINGS = ("CUDA_DEVICE_MAX_CONNECTIONS", "PYTORCH_CUDA_ALLOC_CONF")
 
 
+def driver_version() -> str | None:
+    """The NVIDIA driver's version (nvidia-smi), or None where it cannot be read: lent machines differ in it."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    return out.stdout.split("\n")[0].strip() or None
+
+
 def result_header(module: str, argv: list[str] | None) -> dict:
     """The provenance every GPU result file opens with: device (and its UUID: lent machines differ), UTC date,
     commit, the command (`python -m qvg.eval.<module> ARGS`, after the QVG_* settings of the environment that change
-    what runs, such as QVG_FAST_LAUNCH=0, and those of `RUN_SETTINGS`), torch, triton and python versions."""
+    what runs, such as QVG_FAST_LAUNCH=0, and those of `RUN_SETTINGS`), torch, triton and python versions, and the
+    NVIDIA driver's."""
     import triton
     from .provenance import command_line
     env = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items())
@@ -80,7 +94,8 @@ def result_header(module: str, argv: list[str] | None) -> dict:
     return {"device": torch.cuda.get_device_name(), "gpu_uuid": None if uuid is None else str(uuid),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "commit": code_commit(),
             "command": (env + " " if env else "") + command_line(f"python -m qvg.eval.{module}", argv),
-            "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version()}
+            "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
+            "driver": driver_version()}
 
 
 def write_result(res: dict, out_dir: str, name: str, t0: float) -> str:

@@ -31,3 +31,17 @@ def test_header_records_cuda_run_settings(monkeypatch):
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32")
     h = bench_kernels.result_header("trace_overlap", [])
     assert h["command"] == "CUDA_DEVICE_MAX_CONNECTIONS=32 python -m qvg.eval.trace_overlap"
+
+
+def test_driver_version_from_nvidia_smi_or_none(monkeypatch):
+    import subprocess
+    ok = SimpleNamespace(returncode=0, stdout="580.95.05\n580.95.05\n")
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: ok)
+    assert bench_kernels.driver_version() == "580.95.05"
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: SimpleNamespace(returncode=9, stdout=""))
+    assert bench_kernels.driver_version() is None
+
+    def missing(*a, **k):
+        raise FileNotFoundError("nvidia-smi")
+    monkeypatch.setattr(subprocess, "run", missing)
+    assert bench_kernels.driver_version() is None
