@@ -109,6 +109,18 @@ def parse_method(method: str) -> tuple[str, list[str], str | None]:
     return name, flags, (presets[0] if presets else None)
 
 
+def parse_methods(text: str, options: str | None = None) -> tuple[list[str], dict | None]:
+    """(method strings, compressed methods' options) of comma-separated `new_cache` methods and a JSON options
+    string (None: none given); ValueError names what is wrong (checked before anything runs)."""
+    methods = text.split(",")
+    for m in methods:
+        parse_method(m)
+    try:
+        return methods, None if options is None else json.loads(options)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--options is not JSON: {e}") from None
+
+
 def cuda_ms(fn) -> float:
     """Milliseconds of fn() between two CUDA events on the current stream (synchronized)."""
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -395,8 +407,7 @@ def main(argv=None) -> int:
                     help="instead: the largest history that still runs one chunk, for these methods (e.g. bf16,qvg)")
     args = ap.parse_args(argv)
     try:  # every method string checked before anything runs
-        for m in (args.max_history or args.methods).split(","):
-            parse_method(m)
+        parse_methods(args.max_history or args.methods)
         if not args.max_history and "bf16" not in args.methods.split(","):
             raise ValueError("--methods must include bf16: every overhead is against it")
     except ValueError as e:

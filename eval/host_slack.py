@@ -13,14 +13,13 @@ without a synchronize; it includes any blocking the launch queue does). Writes h
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 
 import torch
 
-from .bench_pipeline import _fill, method_runner, new_cache, parse_method, rotated, steady_ms, wan_model
+from .bench_pipeline import _fill, method_runner, new_cache, parse_methods, rotated, steady_ms, wan_model
 
 
 def spin(us: float) -> None:
@@ -66,19 +65,16 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--options", default='{"centroids": 64}', help="JSON options of the compressed methods")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("error: host_slack needs a CUDA GPU", file=sys.stderr)
-        return 2
     try:
-        methods = args.methods.split(",")
-        for m in methods:
-            parse_method(m)
+        methods, options = parse_methods(args.methods, args.options)
         delays = [float(d) for d in args.delays.split(",")]
         if any(d < 0 for d in delays) or args.repeat < 1:
             raise ValueError("delays must be >= 0 and --repeat >= 1")
-        options = json.loads(args.options)
-    except (ValueError, json.JSONDecodeError) as e:
+    except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("error: host_slack needs a CUDA GPU", file=sys.stderr)
         return 2
     from .bench_kernels import gpu_tag, result_header, write_result
     t0, header = time.time(), result_header("host_slack", argv)

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from .bench_pipeline import _fill, method_runner, new_cache, parse_method, wan_model
+from .bench_pipeline import _fill, method_runner, new_cache, parse_methods, wan_model
 
 ATTENTION = ("fmha", "flash", "sdpa", "attention")  # substrings of the SDPA kernels' names (cuDNN, flash)
 
@@ -167,21 +167,18 @@ def main(argv=None) -> int:
     ap.add_argument("--burn-streams", type=int, default=0, metavar="N",
                     help="take N streams from torch's stream pool (and hold them) before any cache makes its own")
     args = ap.parse_args(argv)
+    try:
+        methods, options = parse_methods(args.methods, args.options)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("error: trace_overlap needs a CUDA GPU", file=sys.stderr)
-        return 2
-    try:
-        methods = args.methods.split(",")
-        for m in methods:
-            parse_method(m)
-        options = json.loads(args.options)
-    except (ValueError, json.JSONDecodeError) as e:
-        print(f"error: {e}", file=sys.stderr)
         return 2
     from .bench_kernels import gpu_tag, result_header, write_result
     t0, header = time.time(), result_header("trace_overlap", argv)  # (the date is the run's start)
     model = wan_model()
-    burnt = [torch.cuda.Stream() for _ in range(args.burn_streams)]  # noqa: F841 (held: the pool hands out others)
+    burnt = [torch.cuda.Stream() for _ in range(args.burn_streams)]  # (held: the pool hands out others)
     rows = []
     with torch.no_grad():
         for method in methods:
@@ -197,7 +194,7 @@ def main(argv=None) -> int:
             print(method, json.dumps({k: v for k, v in row.items() if isinstance(v, dict)}), flush=True)
             del cache, chunk
             torch.cuda.empty_cache()
-            res = {**header, "rows": rows}
+            res = {**header, "burnt_stream_ids": [b.stream_id for b in burnt], "rows": rows}
             write_result(res, args.out, f"trace-overlap-{gpu_tag(res['device'])}.json", t0)
     return 0
 

@@ -1,4 +1,4 @@
-"""bench_pipeline's round order (CPU: the order only; the timing needs a GPU)."""
+"""bench_pipeline's round order and method-list check (CPU: the timing needs a GPU)."""
 from qvg.eval.bench_pipeline import rotated
 
 
@@ -14,3 +14,15 @@ def test_rotated_places_each_method_in_each_place_equally():
 def test_rotated_edge_cases():
     assert rotated([], 4) == []
     assert rotated(["a"], 7) == ["a"]
+
+
+def test_parse_methods_checks_every_method_and_the_options():
+    import pytest
+
+    from qvg.eval.bench_pipeline import parse_methods
+    assert parse_methods("bf16,qvg:noprefetch") == (["bf16", "qvg:noprefetch"], None)
+    assert parse_methods("qvg", '{"centroids": 64}') == (["qvg"], {"centroids": 64})
+    with pytest.raises(ValueError, match="unknown cache method 'nope'"):
+        parse_methods("bf16,nope")
+    with pytest.raises(ValueError, match="--options is not JSON"):
+        parse_methods("qvg", "{centroids: 64")
