@@ -43,7 +43,7 @@ def wan_model(**config):
 def new_cache(model, method: str, window: int, options: dict):
     """A 30-layer cache of 3-frame chunks with a rolling window (options apply to the compressed methods).
     method "NAME[:pre-rope][:sync][:eager-commit][:noprefetch|:prefetch-after][:plain-writes][:high-priority]
-    [:staged-read|:fused-read][:compress=PRESET][:shift]" (`parse_method`): keys packed before RoPE (KVCache
+    [:staged-read|:fused-read][:compress=PRESET][:shift][:nographs]" (`parse_method`): keys packed before RoPE (KVCache
     key_storage); commits in line with the forward instead of on the cache's side stream (KVCache
     async_commit=False); side-stream commits queued by each layer's commit_layer (KVCache defer_commits=False);
     every history decoded in line before its attention (KVCache prefetch_bytes=0), or its prefetch queued after each
@@ -56,7 +56,8 @@ def new_cache(model, method: str, window: int, options: dict):
     instead of decode + cuDNN;
     compress=PRESET: the cache compresses with kernels/compress.py's preset PRESET instead of the default "auto"
     (KVCache compress_preset); shift (bf16 only): the full window makes room by copying the history one chunk back,
-    as upstream Self-Forcing's cache does, instead of the ring (KVCache bf16_rolling="shift")."""
+    as upstream Self-Forcing's cache does, instead of the ring (KVCache bf16_rolling="shift"); nographs: the commits
+    compress eagerly instead of replaying CUDA graphs (KVCache cuda_graphs=False)."""
     from qvg.cache import KVCache
     name, flags, preset = parse_method(method)
     return KVCache(30, name, chunk_frames=3, tokens_per_frame=model.tokens_per_latent_frame(*LATENT_HW),
@@ -64,6 +65,7 @@ def new_cache(model, method: str, window: int, options: dict):
                    async_commit="sync" not in flags, defer_commits="eager-commit" not in flags,
                    prefetch_at="after" if "prefetch-after" in flags else "before",
                    read=_read(flags), bf16_rolling="shift" if "shift" in flags else "ring",
+                   cuda_graphs="nographs" not in flags,
                    **({"prefetch_bytes": 0} if "noprefetch" in flags else {}),
                    **({} if name == "bf16" else dict(options, compress_preset=preset)))
 
@@ -77,7 +79,7 @@ def _read(flags: list[str]) -> str:
 
 
 FLAGS = ("pre-rope", "sync", "eager-commit", "noprefetch", "prefetch-after", "plain-writes", "high-priority",
-         "staged-read", "fused-read", "shift")
+         "staged-read", "fused-read", "shift", "nographs")
 
 
 def parse_method(method: str) -> tuple[str, list[str], str | None]:

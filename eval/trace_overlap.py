@@ -164,6 +164,9 @@ def main(argv=None) -> int:
     ap.add_argument("--history", type=int, default=21)
     ap.add_argument("--methods", default="qvg,qvg-pro")
     ap.add_argument("--options", default='{"centroids": 64}', help="JSON options of the compressed methods")
+    ap.add_argument("--keep", action="store_true",
+                    help="keep every method's cache alive to the end (as bench_pipeline does) instead of deleting each "
+                         "before the next is built")
     ap.add_argument("--burn-streams", type=int, default=0, metavar="N",
                     help="take N streams from torch's stream pool (and hold them) before any cache makes its own")
     args = ap.parse_args(argv)
@@ -179,7 +182,7 @@ def main(argv=None) -> int:
     t0, header = time.time(), result_header("trace_overlap", argv)  # (the date is the run's start)
     model = wan_model()
     burnt = [torch.cuda.Stream() for _ in range(args.burn_streams)]  # (held: the pool hands out others)
-    rows = []
+    rows, kept = [], []
     with torch.no_grad():
         for method in methods:
             cache = new_cache(model, method, args.history, options)
@@ -192,8 +195,11 @@ def main(argv=None) -> int:
                                                                                     ("decode", cache._ahead))}}
             rows.append(row)
             print(method, json.dumps({k: v for k, v in row.items() if isinstance(v, dict)}), flush=True)
-            del cache, chunk
-            torch.cuda.empty_cache()
+            if args.keep:
+                kept.append((cache, chunk))
+            else:
+                del cache, chunk
+                torch.cuda.empty_cache()
             res = {**header, "burnt_stream_ids": [b.stream_id for b in burnt], "rows": rows}
             write_result(res, args.out, f"trace-overlap-{gpu_tag(res['device'])}.json", t0)
     return 0

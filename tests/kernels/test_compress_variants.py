@@ -210,6 +210,8 @@ def test_bench_pipeline_compress_flag():
     assert bp.new_cache(model, "qvg", 6, {}).read_mode == "window"
     assert bp.new_cache(model, "bf16:shift", 6, {}).bf16_rolling == "shift"
     assert bp.new_cache(model, "bf16", 6, {}).bf16_rolling == "ring"
+    assert bp.new_cache(model, "qvg:nographs", 6, {})._graphed is None
+    assert bp.new_cache(model, "qvg", 6, {})._graphed is not None
     for bad, msg in (("qvg:compress=nope", "unknown compress variant 'nope'"), ("qvg:bogus", "unknown method flag"),
                      ("bf16:compress=fast", "not for bf16"), ("qvg:compress=fast:compress=fast-sort", "at most"),
                      ("nope", "unknown cache method"),
