@@ -53,20 +53,33 @@ def _overlap(a0: float, a1: float, spans: list[tuple[float, float]]) -> float:
     return sum(max(0.0, min(a1, b1) - max(a0, b0)) for b0, b1 in spans)
 
 
+def _is_attention(k: dict) -> bool:
+    return any(s in k["name"].lower() for s in ATTENTION)
+
+
+def _main_stream(kernels: list[dict]):
+    """The stream most attention kernels ran on."""
+    attn = [k["stream"] for k in kernels if _is_attention(k)]
+    if not attn:
+        raise RuntimeError("no attention kernel in the trace")
+    return max(set(attn), key=attn.count)
+
+
+# side-stream work by kind: the decodes, and everything else (the commits' kernels, copies and fills)
+SIDE_KINDS = (("decode", lambda k: "_dequant_kernel" in k["name"]),
+              ("commit", lambda k: "_dequant_kernel" not in k["name"]))
+
+
 def split(kernels: list[dict]) -> dict:
     """The side-stream kernels' time (us) by what the main stream ran meanwhile (or after its last kernel), and the
     main stream's idle time."""
-    attn = [k for k in kernels if any(s in k["name"].lower() for s in ATTENTION)]
-    if not attn:
-        raise RuntimeError("no attention kernel in the trace")
-    main = max({k["stream"] for k in attn}, key=lambda s: sum(k["stream"] == s for k in attn))
+    main = _main_stream(kernels)
     on_main = [k for k in kernels if k["stream"] == main]
-    attn_spans = [(k["t0"], k["t1"]) for k in on_main if k in attn]
-    other_spans = [(k["t0"], k["t1"]) for k in on_main if k not in attn]
+    attn_spans = [(k["t0"], k["t1"]) for k in on_main if _is_attention(k)]
+    other_spans = [(k["t0"], k["t1"]) for k in on_main if not _is_attention(k)]
     end = max(k["t1"] for k in on_main)
     out = {}
-    for what, pick in (("decode", lambda k: "_dequant_kernel" in k["name"]),
-                       ("commit", lambda k: "_dequant_kernel" not in k["name"])):
+    for what, pick in SIDE_KINDS:
         side = [k for k in kernels if k["stream"] != main and pick(k)]
         total = sum(k["t1"] - k["t0"] for k in side)
         during_attn = sum(_overlap(k["t0"], k["t1"], attn_spans) for k in side)
@@ -109,18 +122,16 @@ def gaps(kernels: list[dict], layers: int = 30, forwards: int = 5, attn_per_laye
     meanwhile (decode kernels, commit kernels, nothing), by forward slot of the chunk (0..forwards-1) and by layer,
     by the main-stream operation that ends the gap (its name's first 80 characters: the `top` largest totals, with
     their counts), and the `top` longest with their place."""
-    attn = [k for k in kernels if any(s in k["name"].lower() for s in ATTENTION)]
-    main = max({k["stream"] for k in attn}, key=lambda s: sum(k["stream"] == s for k in attn))
+    main = _main_stream(kernels)
     on_main = sorted((k for k in kernels if k["stream"] == main), key=lambda k: k["t0"])
     side = {w: _union([(k["t0"], k["t1"]) for k in kernels if k["stream"] != main and pick(k)])
-            for w, pick in (("decode", lambda k: "_dequant_kernel" in k["name"]),
-                            ("commit", lambda k: "_dequant_kernel" not in k["name"]))}
+            for w, pick in SIDE_KINDS}
     both = _union([(a, b) for w in side.values() for a, b in zip(*w)])
     by_len = {"lt20": 0.0, "20to200": 0.0, "ge200": 0.0}
     by_side = {"decode": 0.0, "commit": 0.0, "nothing": 0.0}
     by_forward, by_layer, listed = [0.0] * forwards, [0.0] * layers, []
     by_next: dict[str, list] = {}
-    is_attn = [any(s in k["name"].lower() for s in ATTENTION) for k in on_main]
+    is_attn = [_is_attention(k) for k in on_main]
     n_attn, edge = int(is_attn[0]), on_main[0]["t1"]
     for k, k_attn in zip(on_main[1:], is_attn[1:]):
         g0, g1 = edge, k["t0"]
