@@ -117,10 +117,15 @@ def parse_methods(text: str, options: str | None = None) -> tuple[list[str], dic
     methods = text.split(",")
     for m in methods:
         parse_method(m)
+    if options is None:
+        return methods, None
     try:
-        return methods, None if options is None else json.loads(options)
+        opts = json.loads(options)
     except json.JSONDecodeError as e:
         raise ValueError(f"--options is not JSON: {e}") from None
+    if not isinstance(opts, dict):
+        raise ValueError(f"--options must be a JSON object of option names and values, got {options!r}")
+    return methods, opts
 
 
 def cuda_ms(fn) -> float:

@@ -7,12 +7,14 @@ calls (150 per chunk). If a method's chunk is bound by the GPU, a little more ho
 host's lead over the GPU and the chunk time stays flat; if it already waits for the host somewhere, each added
 microsecond shows (up to 150 us of chunk time per us of delay). So the slope of chunk time over delay says how much
 of the host's time per layer reaches the wall clock, per method. The chunks run in rounds (every method and delay
-once per round, order rotated). Also records `host_ms`: the host's time to queue one chunk (the call's wall time
-without a synchronize; it includes any blocking the launch queue does). Writes host-slack-<gpu>.json.
+once per round, order rotated). Also records `host_ms`: the host's time to queue one chunk on an idle GPU (the
+call's wall time; it includes any blocking the launch queue does), without delay and at the largest one (which
+shows the spin took effect). Writes host-slack-<gpu>.json.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -40,7 +42,8 @@ def delayed(cache, delay: list[float]) -> None:
 
 
 def host_ms(chunk) -> float:
-    """Host milliseconds to queue one chunk (then synchronized)."""
+    """Host milliseconds to queue one chunk on an idle GPU (synchronized before and after)."""
+    torch.cuda.synchronize()
     t = time.perf_counter()
     chunk()
     dt = time.perf_counter() - t
@@ -68,8 +71,8 @@ def main(argv=None) -> int:
     try:
         methods, options = parse_methods(args.methods, args.options)
         delays = [float(d) for d in args.delays.split(",")]
-        if any(d < 0 for d in delays) or args.repeat < 1:
-            raise ValueError("delays must be >= 0 and --repeat >= 1")
+        if not all(math.isfinite(d) and d >= 0 for d in delays) or args.repeat < 1:
+            raise ValueError("delays must be finite and >= 0, and --repeat >= 1")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -91,19 +94,24 @@ def main(argv=None) -> int:
         cells = [(m, d) for m in methods for d in delays]
         times = {c: [] for c in cells}
         host = {m: host_ms(runs[m]) for m in methods}  # (no delay: the queueing time as the bench has it)
+        for m in methods:  # (and at the largest delay: the spin took effect)
+            knobs[m][0] = max(delays)
+        host_max = {m: host_ms(runs[m]) for m in methods}
         for i in range(args.repeat):
             for m, d in rotated(cells, i):
                 knobs[m][0] = d
                 times[m, d].append(steady_ms(runs[m]))
     rows = [{"method": m, "delay_us": d, "chunk_ms": statistics.median(times[m, d]), "chunk_ms_all": times[m, d]}
             for m, d in cells]
-    summary = {m: {"host_ms": host[m], "chunk_ms_at_0": next(r["chunk_ms"] for r in rows if r["method"] == m
-                                                             and r["delay_us"] == delays[0]),
+    summary = {m: {"host_ms": host[m], f"host_ms_at_{max(delays):g}us": host_max[m],
+                   "chunk_ms_at_0": next((r["chunk_ms"] for r in rows if r["method"] == m and r["delay_us"] == 0),
+                                         None),
                    "slope_ms_per_us": slope([r for r in rows if r["method"] == m]),
                    "slope_fraction_of_150": slope([r for r in rows if r["method"] == m]) / 0.150}
                for m in methods}
     for m, s in summary.items():
-        print(f"{m}: host {s['host_ms']:.1f} ms to queue a chunk; chunk {s['chunk_ms_at_0']:.1f} ms; "
+        at0 = "-" if s["chunk_ms_at_0"] is None else f"{s['chunk_ms_at_0']:.1f}"
+        print(f"{m}: host {s['host_ms']:.1f} ms to queue a chunk; chunk {at0} ms without delay; "
               f"slope {1e3 * s['slope_ms_per_us']:.1f} us of chunk per us of delay per attend "
               f"({100 * s['slope_fraction_of_150']:.0f}% of the 150 attend calls')", flush=True)
     res = {**header, "history_frames": args.history, "delays_us": delays, "repeat": args.repeat,

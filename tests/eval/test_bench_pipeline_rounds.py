@@ -26,3 +26,5 @@ def test_parse_methods_checks_every_method_and_the_options():
         parse_methods("bf16,nope")
     with pytest.raises(ValueError, match="--options is not JSON"):
         parse_methods("qvg", "{centroids: 64")
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        parse_methods("qvg", "[64]")

@@ -29,3 +29,13 @@ def test_slope_of_chunk_time_over_delay():
     rows = [{"delay_us": d, "chunk_ms": 500 + 0.15 * d} for d in (0, 50, 100, 200)]
     assert slope(rows) == pytest.approx(0.15)
     assert slope([{"delay_us": 0, "chunk_ms": 1.0}]) == 0.0
+
+
+def test_bad_delays_give_one_error_line(capsys):
+    from qvg.eval.host_slack import main
+    for bad in ("0,-5", "0,nan", "0,inf", "x"):
+        assert main(["--delays", bad]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: "), err
+    assert main(["--methods", "bf16,nope"]) == 2
+    assert "unknown cache method 'nope'" in capsys.readouterr().err

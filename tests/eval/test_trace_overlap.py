@@ -50,3 +50,11 @@ def test_copies_and_fills_count_as_stream_operations():
           {"cat": "gpu_memcpy", "name": "Memcpy DtoD", "ts": 3, "dur": 1, "args": {"stream": 7}},
           {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 0, "dur": 1, "args": {}}]
     assert [k["name"] for k in _kernels(ev)] == ["gemm", "[gpu_memcpy] Memcpy DtoD"]
+
+
+def test_bad_arguments_give_one_error_line(capsys):
+    from qvg.eval.trace_overlap import main
+    for args in (["--methods", "bf16,nope"], ["--options", "[1]"], ["--options", "{x"]):
+        assert main(args) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: "), err
