@@ -93,7 +93,7 @@ def main(argv=None) -> int:
             runs[m]()  # warm-up
         cells = [(m, d) for m in methods for d in delays]
         times = {c: [] for c in cells}
-        host = {m: host_ms(runs[m]) for m in methods}  # (no delay: the queueing time as the bench has it)
+        host = {m: host_ms(runs[m]) for m in methods}  # (no delay yet)
         for m in methods:  # (and at the largest delay: the spin took effect)
             knobs[m][0] = max(delays)
         host_max = {m: host_ms(runs[m]) for m in methods}
@@ -103,12 +103,13 @@ def main(argv=None) -> int:
                 times[m, d].append(steady_ms(runs[m]))
     rows = [{"method": m, "delay_us": d, "chunk_ms": statistics.median(times[m, d]), "chunk_ms_all": times[m, d]}
             for m, d in cells]
-    summary = {m: {"host_ms": host[m], f"host_ms_at_{max(delays):g}us": host_max[m],
-                   "chunk_ms_at_0": next((r["chunk_ms"] for r in rows if r["method"] == m and r["delay_us"] == 0),
-                                         None),
-                   "slope_ms_per_us": slope([r for r in rows if r["method"] == m]),
-                   "slope_fraction_of_150": slope([r for r in rows if r["method"] == m]) / 0.150}
-               for m in methods}
+    summary = {}
+    for m in methods:
+        mine = [r for r in rows if r["method"] == m]
+        k = slope(mine)
+        summary[m] = {"host_ms": host[m], f"host_ms_at_{max(delays):g}us": host_max[m],
+                      "chunk_ms_at_0": next((r["chunk_ms"] for r in mine if r["delay_us"] == 0), None),
+                      "slope_ms_per_us": k, "slope_fraction_of_150": k / 0.150}
     for m, s in summary.items():
         at0 = "-" if s["chunk_ms_at_0"] is None else f"{s['chunk_ms_at_0']:.1f}"
         print(f"{m}: host {s['host_ms']:.1f} ms to queue a chunk; chunk {at0} ms without delay; "
