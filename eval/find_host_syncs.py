@@ -19,7 +19,9 @@ import warnings
 
 import torch
 
-from .provenance import REPO, command_line, emit_json, meta
+from qvg.revision import REPO
+
+from .provenance import command_line, emit_json, meta
 
 _OURS = (str(REPO) + os.sep, f"{os.sep}diffusers{os.sep}")  # this checkout (any folder name), diffusers
 

@@ -14,17 +14,19 @@ from pathlib import Path
 
 import torch
 
-from qvg.revision import REPO, git_commit
+from qvg.revision import changed_code, git_commit
 
 
 def changed_files() -> list[str] | None:
-    """Tracked files that differ from the commit (what git_dirty is about); None when QVG_COMMIT names the commit
-    (then, as for git_dirty, this checkout's git metadata may lag the code: it cannot say)."""
+    """What makes the code differ from the commit (what git_dirty is about: changed tracked files, new Python
+    files); None when QVG_COMMIT names the commit (then, as for git_dirty, this checkout's git metadata may lag the
+    code: it cannot say)."""
     if os.environ.get("QVG_COMMIT"):
         return None
-    out = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-                         capture_output=True, text=True, timeout=10)
-    return [line[3:] for line in out.stdout.splitlines()] if out.returncode == 0 else []
+    try:
+        return changed_code() or []
+    except (OSError, subprocess.SubprocessError):
+        return []
 
 
 def device_name(device) -> str:

@@ -10,8 +10,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def git_commit() -> tuple[str, bool | None]:
-    """(commit, dirty): "unknown" outside a git checkout; dirty = tracked files changed (None when QVG_COMMIT gives
-    the commit, or git cannot say)."""
+    """(commit, dirty): "unknown" outside a git checkout; dirty = tracked files changed or new Python files
+    (`changed_code`; None when QVG_COMMIT gives the commit, or git cannot say)."""
     env = os.environ.get("QVG_COMMIT")
     if env:
         return env, None
@@ -20,15 +20,25 @@ def git_commit() -> tuple[str, bool | None]:
                               timeout=10)
         if head.returncode:
             return "unknown", None
-        st = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-                            capture_output=True, text=True, timeout=10)
-        return head.stdout.strip(), (bool(st.stdout.strip()) if st.returncode == 0 else None)
+        changed = changed_code()
+        return head.stdout.strip(), (bool(changed) if changed is not None else None)
     except (OSError, subprocess.SubprocessError):
         return "unknown", None
 
 
+def changed_code() -> list[str] | None:
+    """Paths that make the tree differ from its commit: changed tracked files and untracked, not ignored Python
+    files (new code; new results or other untracked data do not count). None where git cannot say."""
+    st = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=all"],
+                        capture_output=True, text=True, timeout=10)
+    if st.returncode:
+        return None
+    lines = st.stdout.splitlines()
+    return [ln[3:] for ln in lines if not ln.startswith("??") or ln.endswith(".py")]
+
+
 def code_commit() -> str:
-    """The commit as one string (see `git_commit`), "-dirty" appended when tracked files differ from it (so a copy
+    """The commit as one string (see `git_commit`), "-dirty" appended when the code differs from it (so a copy
     of the tree whose git metadata lags, run without QVG_COMMIT, does not pass for that old commit)."""
     commit, dirty = git_commit()
     return commit + "-dirty" if dirty else commit
