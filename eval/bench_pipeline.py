@@ -11,6 +11,11 @@ one untimed round, in an order rotated from round to round (with --repeat a mult
 method runs in each place of a round equally often). KV bytes: `torch.cuda.memory_allocated` delta across the fill, plus the free
 blocks of the compression graphs' private pools (held for the replays; memory_allocated omits them), vs the cache's own
 accounting. Writes pipeline-<gpu>.json.
+
+Build order matters on some machines: there the packed cache built first in the process ran 1.5-2.1 points slower
+than the same cache built second (eval/results/pipeline-h100.md, section of the 15:33-16:05 UTC runs). A real run
+holds one cache, built first, so for real-use figures time each packed method in its own process (`--methods
+bf16,qvg`, then `--methods bf16,qvg-pro`).
 """
 from __future__ import annotations
 
