@@ -7,6 +7,9 @@ from pathlib import Path
 import torch
 
 
+FFMPEG_SUFFIXES = (".mp4", ".m4v", ".mov", ".mkv", ".webm", ".avi")  # read by ffmpeg itself (others: imageio)
+
+
 def to_uint8(video: torch.Tensor) -> torch.Tensor:
     """[3, F, H, W] in [-1, 1] -> [F, 3, H, W] uint8, rounded as the mp4 writer rounds."""
     return ((video.float() + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).transpose(0, 1)
@@ -24,6 +27,9 @@ def read_video(path: str | Path) -> torch.Tensor:
         elif p.suffix == ".npy":
             import numpy as np
             a = torch.from_numpy(np.load(p))
+        elif p.suffix.lower() in FFMPEG_SUFFIXES:  # (ffmpeg started without imageio's pre-exec step: app/mp4.py)
+            from qvg.app.mp4 import read_frames
+            a = torch.from_numpy(read_frames(p).copy())
         else:
             import imageio.v2 as imageio
             import numpy as np

@@ -1,5 +1,5 @@
-"""app/mp4.py: the mp4 writer that starts imageio-ffmpeg's ffmpeg itself (no preexec_fn fork), against imageio's
-reader; bounded close, ffmpeg's own error, abort, no file without frames."""
+"""app/mp4.py: the mp4 writer and reader that start imageio-ffmpeg's ffmpeg themselves (no preexec_fn fork),
+against imageio's reader; bounded close, ffmpeg's own error, abort, no file without frames."""
 import subprocess
 import sys
 
@@ -116,3 +116,50 @@ def test_ffmpeg_that_cannot_start_is_one_line(tmp_path):
         w.append_data(_frames(1)[0])
     assert "\n" not in str(e.value) and w.closed
     w.close()  # (nothing left to do)
+
+
+def test_read_frames_matches_imageios_reader_and_starts_ffmpeg_without_pre_exec(tmp_path, monkeypatch):
+    import imageio.v2 as imageio
+
+    from qvg.app.mp4 import read_frames
+    path = tmp_path / "v.mp4"
+    with Mp4Writer(path, fps=8) as w:
+        for f in _frames(7, 40, 72):
+            w.append_data(f)
+    with imageio.get_reader(str(path)) as r:
+        want = np.stack([np.asarray(f) for f in r])
+    seen = {}
+    real = subprocess.run
+
+    def run(cmd, **kw):
+        seen.update(kw, cmd=cmd)
+        return real(cmd, **kw)
+    monkeypatch.setattr(subprocess, "run", run)
+    got = read_frames(path)
+    assert got.shape == (7, 40, 72, 3) and got.dtype == np.uint8 and np.array_equal(got, want)
+    assert seen["start_new_session"] is True and seen.get("preexec_fn") is None
+
+
+def test_read_frames_failure_is_one_line_with_ffmpegs_reason(tmp_path):
+    from qvg.app.mp4 import read_frames
+    (tmp_path / "bad.mp4").write_text("not a video")
+    for name, why in (("missing.mp4", "No such file"), ("bad.mp4", "Invalid data")):
+        with pytest.raises(RuntimeError) as e:
+            read_frames(tmp_path / name)
+        assert "\n" not in str(e.value) and why in str(e.value) and name in str(e.value)
+
+
+def test_qvg_eval_reads_mp4_through_read_frames(tmp_path, monkeypatch):
+    import imageio.v2 as imageio
+
+    from qvg.eval.video import read_video
+    path = tmp_path / "v.mp4"
+    with Mp4Writer(path, fps=8) as w:
+        for f in _frames(3):
+            w.append_data(f)
+
+    def no_imageio(*a, **k):
+        raise AssertionError("imageio's reader starts ffmpeg with a pre-exec hook")
+    monkeypatch.setattr(imageio, "get_reader", no_imageio)
+    v = read_video(path)
+    assert v.shape == (3, 3, 48, 64) and v.min() >= -1 and v.max() <= 1
