@@ -27,14 +27,19 @@ def test_writes_an_mp4_that_reads_back(tmp_path):
     assert w.closed and w.proc.returncode == 0
 
 
-def test_ffmpeg_starts_in_its_own_session_without_a_python_pre_exec_hook(tmp_path, monkeypatch):
-    seen = {}
-    real = subprocess.Popen
+def _spy(monkeypatch, name: str) -> dict:
+    """subprocess.<name> wrapped: the returned dict takes its last call's keywords and command."""
+    seen, real = {}, getattr(subprocess, name)
 
-    def popen(cmd, **kw):
+    def call(cmd, **kw):
         seen.update(kw, cmd=cmd)
         return real(cmd, **kw)
-    monkeypatch.setattr(subprocess, "Popen", popen)
+    monkeypatch.setattr(subprocess, name, call)
+    return seen
+
+
+def test_ffmpeg_starts_in_its_own_session_without_a_python_pre_exec_hook(tmp_path, monkeypatch):
+    seen = _spy(monkeypatch, "Popen")
     with Mp4Writer(tmp_path / "v.mp4", fps=8) as w:
         w.append_data(_frames(1)[0])
     assert seen["start_new_session"] is True and seen.get("preexec_fn") is None
@@ -128,13 +133,7 @@ def test_read_frames_matches_imageios_reader_and_starts_ffmpeg_without_pre_exec(
             w.append_data(f)
     with imageio.get_reader(str(path)) as r:
         want = np.stack([np.asarray(f) for f in r])
-    seen = {}
-    real = subprocess.run
-
-    def run(cmd, **kw):
-        seen.update(kw, cmd=cmd)
-        return real(cmd, **kw)
-    monkeypatch.setattr(subprocess, "run", run)
+    seen = _spy(monkeypatch, "run")
     got = read_frames(path)
     assert got.shape == (7, 40, 72, 3) and got.dtype == np.uint8 and np.array_equal(got, want)
     assert seen["start_new_session"] is True and seen.get("preexec_fn") is None
