@@ -116,6 +116,17 @@ def parse_method(method: str) -> tuple[str, list[str], str | None]:
     return name, flags, (presets[0] if presets else None)
 
 
+def pipeline_args(doc: str, methods: str, history: int = 21) -> argparse.ArgumentParser:
+    """An argument parser with the options every one-history pipeline tool shares (--out, --history, --methods,
+    --options; check them with `parse_methods`), described by the first paragraph of `doc`."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--out", default="eval/results")
+    ap.add_argument("--history", type=int, default=history)
+    ap.add_argument("--methods", default=methods)
+    ap.add_argument("--options", default='{"centroids": 64}', help="JSON options of the compressed methods")
+    return ap
+
+
 def parse_methods(text: str, options: str | None = None) -> tuple[list[str], dict | None]:
     """(method strings, compressed methods' options) of comma-separated `new_cache` methods and a JSON options
     string (None: none given); ValueError names what is wrong (checked before anything runs)."""

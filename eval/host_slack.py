@@ -13,7 +13,6 @@ shows the spin took effect). Writes host-slack-<gpu>.json.
 """
 from __future__ import annotations
 
-import argparse
 import math
 import statistics
 import sys
@@ -21,7 +20,8 @@ import time
 
 import torch
 
-from .bench_pipeline import _fill, method_runner, new_cache, parse_methods, rotated, steady_ms, wan_model
+from .bench_pipeline import (_fill, method_runner, new_cache, parse_methods, pipeline_args, rotated, steady_ms,
+                             wan_model)
 
 
 def spin(us: float) -> None:
@@ -60,13 +60,9 @@ def slope(rows: list[dict]) -> float:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="eval/results")
-    ap.add_argument("--history", type=int, default=21)
-    ap.add_argument("--methods", default="bf16,qvg,qvg-pro")
+    ap = pipeline_args(__doc__, "bf16,qvg,qvg-pro")
     ap.add_argument("--delays", default="0,50,100,200", help="host microseconds added before each attend call")
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--options", default='{"centroids": 64}', help="JSON options of the compressed methods")
     args = ap.parse_args(argv)
     try:
         methods, options = parse_methods(args.methods, args.options)

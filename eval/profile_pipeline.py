@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from .bench_kernels import result_header
+from .bench_kernels import gpu_tag, result_header
 from .bench_pipeline import _fill, cuda_ms, method_runner, new_cache, steady_ms, wan_model
 from .profile_compress import _host_profile, _profile
 
@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     res = {**result_header("profile_pipeline", argv), "sdpa_ms": sdpa_backends(),
         "rows": run([int(h) for h in args.history.split(",")], args.methods.split(","), json.loads(args.options))}
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "profile-pipeline-" + res["device"].split()[1].lower() + ".json"), "w") as f:
+    with open(os.path.join(args.out, f"profile-pipeline-{gpu_tag(res['device'])}.json"), "w") as f:
         json.dump(res, f, indent=1)
     return 0
 

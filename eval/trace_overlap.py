@@ -14,7 +14,6 @@ Writes trace-overlap-<gpu>.json (after each method).
 """
 from __future__ import annotations
 
-import argparse
 import bisect
 import json
 import os
@@ -24,7 +23,7 @@ import time
 
 import torch
 
-from .bench_pipeline import _fill, method_runner, new_cache, parse_methods, wan_model
+from .bench_pipeline import _fill, method_runner, new_cache, parse_methods, pipeline_args, wan_model
 
 ATTENTION = ("fmha", "flash", "sdpa", "attention")  # substrings of the SDPA kernels' names (cuDNN, flash)
 
@@ -170,11 +169,7 @@ def trace_chunk(chunk) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="eval/results")
-    ap.add_argument("--history", type=int, default=21)
-    ap.add_argument("--methods", default="qvg,qvg-pro")
-    ap.add_argument("--options", default='{"centroids": 64}', help="JSON options of the compressed methods")
+    ap = pipeline_args(__doc__, "qvg,qvg-pro")
     ap.add_argument("--keep", action="store_true",
                     help="keep every method's cache alive to the end (as bench_pipeline does) instead of deleting each "
                          "before the next is built")
