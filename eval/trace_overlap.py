@@ -9,7 +9,8 @@ cross-attention), another kernel, or nothing (the main stream idle: waiting for 
 side-stream work left after the main stream's last kernel (the second chunk's own commits) is counted apart.
 `gaps` places the main stream's idle time: by gap length, by what the side streams ran during it (a decode, a
 commit's kernel, nothing: the host or an event wait), and by the forward and layer it fell in (counted from the
-attention kernels before it: self- and cross-attention per layer, 30 layers, 5 forwards per chunk).
+attention kernels before it: self- and cross-attention per layer, 30 layers, 5 forwards per chunk), and splits it
+into the host's part (the call that queued the next operation had not begun yet) and the GPU's own.
 Writes trace-overlap-<gpu>.json (after each method).
 """
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import bisect
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -46,6 +48,18 @@ def _kernels(events: list[dict]) -> list[dict]:
     return [dict(name=e["name"] if e["cat"] == "kernel" else f"[{e['cat']}] {e['name']}",
                  stream=e["args"].get("stream"), t0=e["ts"], t1=e["ts"] + e["dur"])
             for e in events if e.get("cat") in GPU_OPS]
+
+
+LAUNCH_CATS = ("cuda_runtime", "cuda_driver")  # trace categories of the host calls that queue GPU operations
+
+
+def with_launches(events: list[dict]) -> list[dict]:
+    """`_kernels`, each with `launch`: (start, duration) of the runtime or driver call that queued it (a launch, a
+    graph launch, an async copy or fill), matched by the trace's correlation id; None where the trace holds none."""
+    calls = {e["args"]["correlation"]: (e["ts"], e["dur"]) for e in events
+             if e.get("cat") in LAUNCH_CATS and "correlation" in e.get("args", {})}
+    ops = [e for e in events if e.get("cat") in GPU_OPS]
+    return [{**k, "launch": calls.get(e["args"].get("correlation"))} for k, e in zip(_kernels(ops), ops)]
 
 
 def _overlap(a0: float, a1: float, spans: list[tuple[float, float]]) -> float:
@@ -120,7 +134,11 @@ def gaps(kernels: list[dict], layers: int = 30, forwards: int = 5, attn_per_laye
     """The main stream's idle gaps (us): total by length (< 20, 20-200, >= 200 us), by what ran on the side streams
     meanwhile (decode kernels, commit kernels, nothing), by forward slot of the chunk (0..forwards-1) and by layer,
     by the main-stream operation that ends the gap (its name's first 80 characters: the `top` largest totals, with
-    their counts), and the `top` longest with their place."""
+    their counts), and the `top` longest with their place.
+    Where the operations carry their `launch` call (`with_launches`), `host` splits each gap: the part before the
+    host began the call that queued the operation ending it (the host's: it had not queued it yet when the stream
+    became free) and the rest (the GPU's own: from queued and free to started); also how far ahead of its start the
+    median operation was queued, and the mean call time; by_next_op gets each op's host part and mean call time."""
     main = _main_stream(kernels)
     on_main = sorted((k for k in kernels if k["stream"] == main), key=lambda k: k["t0"])
     side = {w: _union([(k["t0"], k["t1"]) for k in kernels if k["stream"] != main and pick(k)])
@@ -130,6 +148,7 @@ def gaps(kernels: list[dict], layers: int = 30, forwards: int = 5, attn_per_laye
     by_side = {"decode": 0.0, "commit": 0.0, "nothing": 0.0}
     by_forward, by_layer, listed = [0.0] * forwards, [0.0] * layers, []
     by_next: dict[str, list] = {}
+    host = {"matched_gaps": 0, "gaps": 0, "host_us": 0.0, "gpu_us": 0.0, "lt20_host_us": 0.0}
     is_attn = [_is_attention(k) for k in on_main]
     n_attn, edge = int(is_attn[0]), on_main[0]["t1"]
     for k, k_attn in zip(on_main[1:], is_attn[1:]):
@@ -144,17 +163,34 @@ def gaps(kernels: list[dict], layers: int = 30, forwards: int = 5, attn_per_laye
             lf = n_attn // attn_per_layer  # layer-forwards started before the gap
             by_forward[(lf // layers) % forwards] += d
             by_layer[lf % layers] += d
-            nxt = by_next.setdefault(k["name"][:80], [0.0, 0])
+            nxt = by_next.setdefault(k["name"][:80], [0.0, 0, 0.0, 0.0, 0])
             nxt[0] += d
             nxt[1] += 1
+            host["gaps"] += 1
+            if k.get("launch") is not None:
+                late = min(d, max(0.0, k["launch"][0] - g0))
+                host["matched_gaps"] += 1
+                host["host_us"] += late
+                host["gpu_us"] += d - late
+                host["lt20_host_us"] += late if d < 20 else 0.0
+                nxt[2] += late
+                nxt[3] += k["launch"][1]
+                nxt[4] += 1
             listed.append({"us": d, "layer_forwards_before": lf, "decode_us": dec, "commit_us": com,
                            "next_op": k["name"][:80]})
         n_attn += k_attn
         edge = max(edge, k["t1"])
     listed.sort(key=lambda g: -g["us"])
     ends = sorted(by_next.items(), key=lambda kv: -kv[1][0])[:top]
-    return {"by_length_us": by_len, "by_side_us": by_side, "by_forward_us": by_forward, "by_layer_us": by_layer,
-            "by_next_op": [{"op": name, "us": us, "gaps": n} for name, (us, n) in ends], "longest": listed[:top]}
+    out = {"by_length_us": by_len, "by_side_us": by_side, "by_forward_us": by_forward, "by_layer_us": by_layer,
+           "by_next_op": [{"op": name, "us": us, "gaps": n} for name, (us, n, *_) in ends], "longest": listed[:top]}
+    if host["matched_gaps"]:
+        queued = [k for k in on_main if k.get("launch") is not None]
+        out["host"] = {**host, "median_lead_us": statistics.median(k["t0"] - k["launch"][0] for k in queued),
+                       "mean_call_us": statistics.fmean(k["launch"][1] for k in queued)}
+        for e, (_, (_, _, late, call, matched)) in zip(out["by_next_op"], ends):
+            e.update(host_us=late, mean_call_us=call / matched if matched else None)
+    return out
 
 
 def trace_chunk(chunk) -> list[dict]:
@@ -165,7 +201,7 @@ def trace_chunk(chunk) -> list[dict]:
         chunk()
         chunk()
         torch.cuda.synchronize()
-    return _kernels(trace_events(prof))
+    return with_launches(trace_events(prof))
 
 
 def main(argv=None) -> int:

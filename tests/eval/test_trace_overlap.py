@@ -52,6 +52,29 @@ def test_copies_and_fills_count_as_stream_operations():
     assert [k["name"] for k in _kernels(ev)] == ["gemm", "[gpu_memcpy] Memcpy DtoD"]
 
 
+def test_gaps_split_into_the_hosts_part_and_the_gpus():
+    from qvg.eval.trace_overlap import gaps, with_launches
+
+    def op(name, t0, t1, corr):
+        return {"cat": "kernel", "name": name, "ts": t0, "dur": t1 - t0, "args": {"stream": 7, "correlation": corr}}
+
+    def call(t0, dur, corr):
+        return {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": t0, "dur": dur, "args": {"correlation": corr}}
+    ev = [op("fmha", 0, 10, 1), call(-50, 4, 1),
+          op("add", 12, 20, 2), call(-40, 4, 2),  # queued long before: the 2 us gap is the GPU's
+          op("gemm", 30, 40, 3), call(27, 2, 3),  # called 7 us after the stream freed, started 3 us later
+          op("add", 45, 50, 4)]  # no call in the trace: counted apart
+    ks = with_launches(ev)
+    assert [k["launch"] for k in ks] == [(-50, 4), (-40, 4), (27, 2), None]
+    got = gaps(ks, layers=1, forwards=1)
+    assert got["host"] == {"matched_gaps": 2, "gaps": 3, "host_us": 7, "gpu_us": 2 + 3, "lt20_host_us": 7,
+                           "median_lead_us": 50, "mean_call_us": 10 / 3}
+    by_op = {e["op"]: e for e in got["by_next_op"]}
+    assert by_op["gemm"]["host_us"] == 7 and by_op["gemm"]["mean_call_us"] == 2
+    assert by_op["add"]["host_us"] == 0 and by_op["add"]["mean_call_us"] == 4 and by_op["add"]["gaps"] == 2
+    assert "host" not in gaps([{**k, "launch": None} for k in ks], layers=1, forwards=1)
+
+
 def test_bad_arguments_give_one_error_line(capsys):
     from qvg.eval.trace_overlap import main
     for args in (["--methods", "bf16,nope"], ["--options", "[1]"], ["--options", "{x"]):
