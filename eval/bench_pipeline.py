@@ -20,6 +20,7 @@ bf16,qvg`, then `--methods bf16,qvg-pro`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -48,18 +49,18 @@ def wan_model(**config):
 def new_cache(model, method: str, window: int, options: dict):
     """A 30-layer cache of 3-frame chunks with a rolling window (options apply to the compressed methods).
     method "NAME[:pre-rope][:sync][:eager-commit][:noprefetch|:prefetch-after][:plain-writes]
-    [:high-priority|:own-stream][:staged-read|:fused-read][:compress=PRESET][:shift][:nographs]" (`parse_method`):
+    [:high-priority|:default-stream][:staged-read|:fused-read][:compress=PRESET][:shift][:nographs]" (`parse_method`):
     keys packed before RoPE (KVCache key_storage); commits in line with the forward instead of on the cache's side
     stream (KVCache async_commit=False); side-stream commits queued by each layer's commit_layer (KVCache
     defer_commits=False); every history decoded in line before its attention (KVCache prefetch_bytes=0), or its
     prefetch queued after each SDPA call instead of just before it (prefetch_at="after", the default before
     525b5c6); plain-writes: the chunk's denoising steps write as the re-run does, not transient;
     high-priority: the chunk runs on a high-priority CUDA stream, so the cache's side streams (prefetched decodes,
-    queued commits) get only the SMs its kernels leave idle; own-stream: the chunk runs on a normal-priority CUDA
-    stream of its own instead of the default (legacy) stream (these three flags are read by `method_runner`; the
-    cache ignores them); staged-read / fused-read: the history read through the packed-cache attention kernels
-    (KVCache read="staged" / "fused", rtn / qvg / qvg-pro only; with pre-rope both rotate the keys as they decode
-    them) instead of decode + cuDNN;
+    queued commits) get only the SMs its kernels leave idle; default-stream: the chunk runs on the device's default
+    (legacy) stream, as before 2026-11-29, instead of the generation stream the pipelines use (qvg.streams; these
+    three flags are read by `method_runner`; the cache ignores them); staged-read / fused-read: the history read
+    through the packed-cache attention kernels (KVCache read="staged" / "fused", rtn / qvg / qvg-pro only; with
+    pre-rope both rotate the keys as they decode them) instead of decode + cuDNN;
     compress=PRESET: the cache compresses with kernels/compress.py's preset PRESET instead of the default "auto"
     (KVCache compress_preset); shift (bf16 only): the full window makes room by copying the history one chunk back,
     as upstream Self-Forcing's cache does, instead of the ring (KVCache bf16_rolling="shift"); nographs: the commits
@@ -85,7 +86,7 @@ def _read(flags: list[str]) -> str:
 
 
 FLAGS = ("pre-rope", "sync", "eager-commit", "noprefetch", "prefetch-after", "plain-writes", "high-priority",
-         "own-stream", "staged-read", "fused-read", "shift", "nographs")
+         "default-stream", "staged-read", "fused-read", "shift", "nographs")
 
 
 def parse_method(method: str) -> tuple[str, list[str], str | None]:
@@ -106,8 +107,8 @@ def parse_method(method: str) -> tuple[str, list[str], str | None]:
         raise ValueError(f"{method!r}: shift is for bf16 (the packed methods' rolling window is a ring)")
     if "staged-read" in flags and "fused-read" in flags:
         raise ValueError(f"{method!r}: staged-read or fused-read, not both")
-    if "high-priority" in flags and "own-stream" in flags:
-        raise ValueError(f"{method!r}: high-priority or own-stream, not both")
+    if "high-priority" in flags and "default-stream" in flags:
+        raise ValueError(f"{method!r}: high-priority or default-stream, not both")
     if len(presets) > 1 or (presets and name == "bf16"):
         raise ValueError(f"{method!r}: one compress=PRESET at most, and not for bf16 (it compresses nothing)")
     for p in presets:
@@ -198,38 +199,47 @@ def _fill(cache, frames: int, heads: int, seed: int = 0):
         cache.commit()
 
 
-def chunk_runner(model, cache, commit_layers: bool = True, transient: bool = True):
+def chunk_runner(model, cache, commit_layers: bool = True, transient: bool = True, own_stream: bool = True):
     """(chunk, forwards): one whole chunk at the cache's next frame (forwards + the final commit), and its
     forwards alone: the 4 denoising steps + the clean re-run at t = 0, each layer committed right after its
     re-run attention as the pipeline does unless not commit_layers; the denoising steps' writes transient as in the
-    pipeline unless not transient (fixed inputs: the cache's time and memory do not depend on the values)."""
+    pipeline unless not transient (fixed inputs: the cache's time and memory do not depend on the values). Both run
+    on the generation stream as the pipeline's chunks do (qvg.streams), unless not own_stream (the caller's)."""
     from qvg.pipelines.causal_wan import CrossKV
     from qvg.pipelines.self_forcing import flow_sigmas
+    from qvg.streams import generation_stream
     g = torch.Generator(device="cuda").manual_seed(1)
     text = torch.randn(1, 512, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
     x = torch.randn(1, 16, 3, *LATENT_HW, device="cuda", dtype=torch.bfloat16, generator=g)
     cross = CrossKV()
 
+    def on_own_stream():
+        return generation_stream("cuda") if own_stream else contextlib.nullcontext()
+
     def forwards():
-        f0 = cache.frames
-        for sigma in flow_sigmas():
-            model(x, torch.full((1,), sigma * 1000, device="cuda"), text, frame_offset=f0, cache=cache, cross=cross,
-                  transient=transient)
-        model(x, torch.zeros(1, device="cuda"), text, frame_offset=f0, cache=cache, cross=cross, commit=commit_layers)
+        with on_own_stream():
+            f0 = cache.frames
+            for sigma in flow_sigmas():
+                model(x, torch.full((1,), sigma * 1000, device="cuda"), text, frame_offset=f0, cache=cache,
+                      cross=cross, transient=transient)
+            model(x, torch.zeros(1, device="cuda"), text, frame_offset=f0, cache=cache, cross=cross,
+                  commit=commit_layers)
 
     def chunk():
-        forwards()
-        cache.commit()
+        with on_own_stream():
+            forwards()
+            cache.commit()
     return chunk, forwards
 
 
 def method_runner(model, cache, method: str, commit_layers: bool = True):
-    """`chunk_runner` for a `new_cache` method name: its plain-writes / high-priority / own-stream flags applied."""
+    """`chunk_runner` for a `new_cache` method name: its plain-writes / high-priority / default-stream flags
+    applied."""
     flags = method.split(":")[1:]
-    stream = (torch.cuda.Stream(priority=-1) if "high-priority" in flags
-              else torch.cuda.Stream() if "own-stream" in flags else None)
-    chunk, forwards = chunk_runner(model, cache, commit_layers, transient="plain-writes" not in flags)
-    return on_stream(chunk, stream), on_stream(forwards, stream)
+    high = torch.cuda.Stream(priority=-1) if "high-priority" in flags else None
+    chunk, forwards = chunk_runner(model, cache, commit_layers, transient="plain-writes" not in flags,
+                                   own_stream="default-stream" not in flags)
+    return on_stream(chunk, high), on_stream(forwards, high)
 
 
 def rotated(items: list, i: int) -> list:

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from qvg.streams import generation_stream
+
 
 def flow_sigmas(steps=(1000, 750, 500, 250), shift: float = 5.0, train_steps: int = 1000) -> list[float]:
     """The denoising steps' noise levels (sigma in (0, 1]) after the shift warp."""
@@ -108,32 +110,40 @@ class SelfForcingPipeline:
         if context is not None:
             if tuple(context.shape) != shape:
                 raise ValueError(f"context must be {list(shape)}, got {list(context.shape)}")
-            model(context.to(dev, dtype), torch.zeros(batch, device=dev), text, frame_offset=0, cache=cache,
-                  cross=cross, commit=True, **extra(0))
-            cache.commit()
+            with generation_stream(dev):
+                model(context.to(dev, dtype), torch.zeros(batch, device=dev), text, frame_offset=0, cache=cache,
+                      cross=cross, commit=True, **extra(0))
+                cache.commit()
             first = 1
         for c in range(chunks):
-            f0 = (c + first) * cf
-            kw = extra(c + first)
-            x = torch.randn(shape, generator=gen).to(dev, dtype)
-            x0 = x
-            for i, sigma in enumerate(self.sigmas):
-                t = torch.full((batch,), sigma * 1000.0, device=dev)
-                v = model(x, t, text, frame_offset=f0, cache=cache, cross=cross, transient=True, **kw)
-                x0 = (x.float() - sigma * v.float()).to(dtype)
-                if i + 1 < len(self.sigmas):
-                    nxt = self.sigmas[i + 1]
-                    noise = torch.randn(shape, generator=gen).to(dev, torch.float32)
-                    x = ((1 - nxt) * x0.float() + nxt * noise).to(dtype)
-            # the clean re-run at t = 0 writes the chunk's clean K/V, then it becomes history (the last chunk too:
-            # the cache then holds the whole video, ready for a continuation)
-            xc, cs = x0, self.context_sigma
-            if cs > 0:
-                xc = ((1 - cs) * x0.float() + cs * torch.randn(shape, generator=gen).to(dev)).to(dtype)
-            model(xc, torch.full((batch,), cs * 1000.0, device=dev), text, frame_offset=f0, cache=cache, cross=cross,
-                  commit=True, **kw)
-            cache.commit()
-            keep = min(cf, latent_frames - c * cf)
-            lat = x0[:, :, :keep]
-            video = decoder.decode(lat.float()) if decoder is not None else None
+            with generation_stream(dev):  # (not across the yield: the caller's code runs on its own stream)
+                f0 = (c + first) * cf
+                lat, video = self._chunk(shape, gen, text, f0, cache, cross, extra(c + first), decoder,
+                                         keep=min(cf, latent_frames - c * cf))
             yield ChunkResult(c, f0, lat, video)
+
+    def _chunk(self, shape, gen, text, f0, cache, cross, kw, decoder, keep):
+        """One chunk: the denoising steps (x0 prediction, re-noised between steps), the clean re-run that writes its
+        K/V, the commit; its first `keep` latent frames and their decoded video (None without a decoder)."""
+        model, dtype, batch = self.transformer, self.transformer.dtype, shape[0]
+        dev = model.device
+        x = torch.randn(shape, generator=gen).to(dev, dtype)
+        x0 = x
+        for i, sigma in enumerate(self.sigmas):
+            t = torch.full((batch,), sigma * 1000.0, device=dev)
+            v = model(x, t, text, frame_offset=f0, cache=cache, cross=cross, transient=True, **kw)
+            x0 = (x.float() - sigma * v.float()).to(dtype)
+            if i + 1 < len(self.sigmas):
+                nxt = self.sigmas[i + 1]
+                noise = torch.randn(shape, generator=gen).to(dev, torch.float32)
+                x = ((1 - nxt) * x0.float() + nxt * noise).to(dtype)
+        # the clean re-run at t = 0 writes the chunk's clean K/V, then it becomes history (the last chunk too: the
+        # cache then holds the whole video, ready for a continuation)
+        xc, cs = x0, self.context_sigma
+        if cs > 0:
+            xc = ((1 - cs) * x0.float() + cs * torch.randn(shape, generator=gen).to(dev)).to(dtype)
+        model(xc, torch.full((batch,), cs * 1000.0, device=dev), text, frame_offset=f0, cache=cache, cross=cross,
+              commit=True, **kw)
+        cache.commit()
+        lat = x0[:, :, :keep]
+        return lat, decoder.decode(lat.float()) if decoder is not None else None

@@ -102,6 +102,7 @@ from .compression.graphed import GraphedCompress
 from .packed import COMPONENTS
 from .rope import RopeTables, apply_rope, frame_angles
 from .sequence import PER_TOKEN_METHODS, PackedSequence
+from .streams import reserved
 
 CACHE_METHODS = ("bf16", *compression.methods())
 KEY_STORAGE = ("post-rope", "pre-rope")
@@ -845,9 +846,15 @@ def _window_pair(b: int, h: int, n: int, d: int, dev) -> tuple[torch.Tensor, tor
 
 
 def _stream(streams: dict, dev) -> torch.cuda.Stream:
-    """The side stream of `dev` in `streams` (made on first use)."""
+    """The side stream of `dev` in `streams` (made on first use). torch hands out its pool's streams in turn, so a
+    new one can be the stream the chunk runs on (the current one, or the generation stream): such a draw is skipped,
+    or the side stream's work would queue behind the forward."""
     if dev not in streams:
-        streams[dev] = torch.cuda.Stream(dev)
+        avoid = (torch.cuda.current_stream(dev), reserved(dev))
+        s = torch.cuda.Stream(dev)
+        while s in avoid:
+            s = torch.cuda.Stream(dev)
+        streams[dev] = s
     return streams[dev]
 
 

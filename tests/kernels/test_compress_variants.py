@@ -215,7 +215,7 @@ def test_bench_pipeline_compress_flag():
     for bad, msg in (("qvg:compress=nope", "unknown compress variant 'nope'"), ("qvg:bogus", "unknown method flag"),
                      ("bf16:compress=fast", "not for bf16"), ("qvg:compress=fast:compress=fast-sort", "at most"),
                      ("nope", "unknown cache method"),
-                     ("qvg:staged-read:fused-read", "not both"), ("qvg:own-stream:high-priority", "not both"),
+                     ("qvg:staged-read:fused-read", "not both"), ("qvg:default-stream:high-priority", "not both"),
                      ("bf16:staged-read", "supports read='window' only"),
                      ("kivi:fused-read", "supports read='window' only"), ("qvg:shift", "shift is for bf16")):
         with pytest.raises(ValueError, match=msg):

@@ -273,6 +273,35 @@ def test_streaming_vae_decode_equals_one_shot_decode(tiny):
     torch.testing.assert_close(torch.cat([c.video for c in chunks], 2), full, atol=1e-5, rtol=0)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_chunks_run_on_the_generation_stream_with_the_default_streams_result(monkeypatch):
+    """On CUDA every chunk's forwards run on qvg.streams' generation stream (side-stream commits and prefetched
+    decodes included: a full rolling window), and the video equals the one made on the default stream."""
+    import contextlib
+
+    from qvg.pipelines import self_forcing
+    from qvg.streams import reserved
+    tr, vae, text = build_tiny(seed=0, device="cuda")
+    seen = []
+    hook = tr.register_forward_pre_hook(lambda *_: seen.append(torch.cuda.current_stream()))
+
+    def run():
+        cache = KVCache(len(tr.blocks), "qvg", chunk_frames=3, tokens_per_frame=16, centroids=8, window_frames=6)
+        chunks = list(SelfForcingPipeline(tr, vae).generate(text("a prompt"), 15, (8, 8), cache, seed=3))
+        return torch.cat([c.video for c in chunks], 2), cache
+    try:
+        own, cache = run()
+        assert seen and set(seen) == {reserved("cuda")} and torch.cuda.current_stream() == torch.cuda.default_stream()
+        assert cache.prefetch_stats["used"] > 0 and cache._side  # the side streams ran
+        monkeypatch.setattr(self_forcing, "generation_stream", lambda dev: contextlib.nullcontext())
+        seen.clear()
+        default, _ = run()
+        assert set(seen) == {torch.cuda.default_stream()}
+    finally:
+        hook.remove()
+    assert torch.equal(own, default)
+
+
 def _rope_with(rope, x, offsets):
     rope.spatial_offsets = offsets
     try:

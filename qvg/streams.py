@@ -1,0 +1,54 @@
+"""`generation_stream(device)`: run a block on a CUDA stream of its own instead of the device's default stream.
+
+Why: with the forward on the default (legacy) stream, the first cache in a process that decodes its history ahead on
+a side stream ran every default-stream operation about 1.3 us later on the GPU (not the host: the launches were
+queued tens of ms ahead), about 12 ms per Self-Forcing chunk at 480x832. On one H200 a qvg chunk cost +2.68% over
+the BF16 ring with both on the default stream, +0.75% with both on streams of their own (eval/results/pipeline-h100.md,
+section of the 18:09-18:26 UTC runs of 2026-11-29). The mechanism is not known; the pipelines run each chunk
+inside this block, and bench_pipeline times them the same way.
+
+The stream is made once per device (normal priority, from torch's pool) and handed over both ways: it waits for
+the caller's stream on entry, and the caller's stream waits for it on exit (exception or not). So work queued
+before, inside and after the block runs in that order, and memory freed outside the block is reused inside it
+only after the caller's stream has finished with it. A caller already on a stream other than the default keeps
+it (the block then changes nothing). On a CPU device the block changes nothing.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _index(device) -> int:
+    dev = torch.device(device)
+    return dev.index if dev.index is not None else torch.cuda.current_device()
+
+
+def reserved(device) -> torch.cuda.Stream | None:
+    """The device's generation stream if one was made (side streams must not be it)."""
+    return _STREAMS.get(_index(device))
+
+
+@contextlib.contextmanager
+def generation_stream(device):
+    """The block on the device's generation stream (yields the stream it runs on; None on a CPU device)."""
+    if torch.device(device).type != "cuda":
+        yield None
+        return
+    index = _index(device)
+    caller = torch.cuda.current_stream(index)
+    if caller != torch.cuda.default_stream(index):
+        yield caller
+        return
+    if index not in _STREAMS:
+        _STREAMS[index] = torch.cuda.Stream(index)
+    stream = _STREAMS[index]
+    stream.wait_stream(caller)
+    try:
+        with torch.cuda.stream(stream):
+            yield stream
+    finally:
+        caller.wait_stream(stream)
