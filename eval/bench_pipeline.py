@@ -12,10 +12,12 @@ method runs in each place of a round equally often). KV bytes: `torch.cuda.memor
 blocks of the compression graphs' private pools (held for the replays; memory_allocated omits them), vs the cache's own
 accounting. Writes pipeline-<gpu>.json.
 
-Build order matters on some machines: there the packed cache built first in the process ran 1.5-2.1 points slower
-than the same cache built second (eval/results/pipeline-h100.md, section of the 15:33-16:05 UTC runs). A real run
-holds one cache, built first, so for real-use figures time each packed method in its own process (`--methods
-bf16,qvg`, then `--methods bf16,qvg-pro`).
+Each chunk runs on the generation stream, as in the pipelines (qvg.streams; flag `default-stream`: the device's
+default stream). On the default stream the first cache in a process that prefetches its decodes ran every kernel
+~1.3 us later, so the packed cache built first there ran 1.5-2.1 points slower than the same cache built second
+(eval/results/pipeline-h100.md, first section); on the generation stream one run showed no order effect. A real run
+holds one cache: the figures of record time each packed method alone with bf16 (`--methods bf16,qvg`, then
+`--methods bf16,qvg-pro`).
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Why: with the forward on the default (legacy) stream, the first cache in a proce
 a side stream ran every default-stream operation about 1.3 us later on the GPU (not the host: the launches were
 queued tens of ms ahead), about 12 ms per Self-Forcing chunk at 480x832. On one H200 a qvg chunk cost +2.68% over
 the BF16 ring with both on the default stream, +0.75% with both on streams of their own (eval/results/pipeline-h100.md,
-section of the 18:09-18:26 UTC runs of 2026-11-29). The mechanism is not known; the pipelines run each chunk
+section of the 18:09-18:45 UTC runs of 2026-11-29). The mechanism is not known; the pipelines run each chunk
 inside this block, and bench_pipeline times them the same way.
 
 The stream is made once per device (normal priority, from torch's pool) and handed over both ways: it waits for
