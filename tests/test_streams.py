@@ -1,5 +1,7 @@
 """qvg/streams.py: the generation stream (a no-op on CPU; on CUDA: the block off the default stream, handed over
 both ways) and the cache's side streams never being it."""
+import contextlib
+
 import pytest
 import torch
 
@@ -61,3 +63,67 @@ def test_cache_side_streams_skip_the_stream_the_chunk_runs_on():
     with torch.cuda.stream(mine):  # the current stream is avoided
         side = _stream({}, torch.device("cuda"))
     assert side not in (gen, mine)
+
+
+class _FakeStream:
+    """Records the handoffs (CPU: the CUDA calls of qvg.streams replaced by fakes)."""
+
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def wait_stream(self, other):
+        self.log.append(f"{self.name} waits for {other.name}")
+
+
+def test_handoffs_both_ways_on_entry_and_exit_exceptions_included(monkeypatch):
+    from qvg import streams
+    log, current = [], []
+    default = _FakeStream("default", log)
+    made = []
+
+    def new_stream(index):
+        made.append(_FakeStream(f"gen{index}", log))
+        return made[-1]
+
+    @contextlib.contextmanager
+    def on(stream):
+        current.append(stream)
+        try:
+            yield
+        finally:
+            current.pop()
+    monkeypatch.setattr(streams, "_STREAMS", {})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda index=None: current[-1] if current else default)
+    monkeypatch.setattr(torch.cuda, "default_stream", lambda index=None: default)
+    monkeypatch.setattr(torch.cuda, "Stream", new_stream)
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    with streams.generation_stream("cuda") as s:
+        assert current == [s] and s.name == "gen0" and streams.reserved("cuda:0") is s
+        with streams.generation_stream("cuda:0") as inner:  # already off the default stream: unchanged
+            assert inner is s
+    assert log == ["gen0 waits for default", "default waits for gen0"] and current == []
+    log.clear()
+    with pytest.raises(KeyError):
+        with streams.generation_stream("cuda"):
+            raise KeyError("boom")
+    assert log == ["gen0 waits for default", "default waits for gen0"] and current == [] and len(made) == 1
+    mine = _FakeStream("mine", log)
+    log.clear()
+    with on(mine), streams.generation_stream("cuda") as kept:  # a caller's own stream is kept, no handoff
+        assert kept is mine
+    assert log == []
+
+
+def test_side_stream_draws_skip_the_current_and_the_generation_stream(monkeypatch):
+    from qvg import cache as cache_mod
+    from qvg import streams
+    cur, gen, other = (_FakeStream(n, []) for n in ("current", "gen", "other"))
+    draws = iter([cur, gen, other])  # the pool's next draws: the chunk's stream, the generation stream, a free one
+    monkeypatch.setattr(streams, "_STREAMS", {0: gen})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda dev=None: cur)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda dev=None: next(draws))
+    held = {}
+    assert cache_mod._stream(held, torch.device("cuda")) is other
+    assert cache_mod._stream(held, torch.device("cuda")) is other  # made once
