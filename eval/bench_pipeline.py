@@ -13,11 +13,11 @@ blocks of the compression graphs' private pools (held for the replays; memory_al
 accounting. Writes pipeline-<gpu>.json.
 
 Each chunk runs on the generation stream, as in the pipelines (qvg.streams; flag `default-stream`: the device's
-default stream). On the default stream the first cache in a process that prefetches its decodes ran every kernel
-~1.3 us later, so the packed cache built first there ran 1.5-2.1 points slower than the same cache built second
-(eval/results/pipeline-h100.md, first section); on the generation stream one run showed no order effect. A real run
-holds one cache: the figures of record time each packed method alone with bf16 (`--methods bf16,qvg`, then
-`--methods bf16,qvg-pro`).
+default stream). On the default stream the first cache in a process that prefetches its decodes started each
+default-stream kernel ~1.1-1.4 us later, so the packed cache built first there ran 1.5-2.1 points slower than the
+same cache built second (eval/results/pipeline-h100.md, first section); on the generation stream one run showed no
+order effect. A real run holds one cache: the figures of record time each packed method alone with bf16
+(`--methods bf16,qvg`, then `--methods bf16,qvg-pro`).
 """
 from __future__ import annotations
 

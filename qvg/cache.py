@@ -482,22 +482,22 @@ class KVCache:
             torch.cuda.current_stream(L.done[0]).wait_event(L.done[1])
 
     def _join(self) -> None:
-        """The current stream waits for every queued commit (the next chunk then writes over what they read)."""
-        for dev, side in self._side.items():
-            torch.cuda.current_stream(dev).wait_stream(side)
+        """The current stream (and the generation stream) waits for every queued commit (the next chunk then writes
+        over what they read)."""
+        _owners_wait(self._side)
         for L in self.layers:
             L.done = None
 
     def wait_side_streams(self) -> None:
-        """The current stream waits for every commit and decode the cache queued on its side streams (no host
-        sync): timing a `commit()` whole, or before the cache's memory is handed back."""
+        """The current stream (and the generation stream) waits for every commit and decode the cache queued on its
+        side streams (no host sync): timing a `commit()` whole, or before the cache's memory is handed back."""
         self._join()
-        for dev, side in self._ahead.items():
-            torch.cuda.current_stream(dev).wait_stream(side)
+        _owners_wait(self._ahead)
 
     def __del__(self):
         # a cache dropped between chunks may still have commits (or a prefetch) queued that read and write blocks
-        # of the current stream's pool: make that stream wait for them before those blocks go back to it
+        # of the current stream's or the generation stream's pool: make both wait for them before those blocks go
+        # back to them
         try:
             self.wait_side_streams()
         except Exception:  # (interpreter shutdown)
@@ -843,6 +843,18 @@ def _window_pair(b: int, h: int, n: int, d: int, dev) -> tuple[torch.Tensor, tor
     """Empty BF16 K and V staging buffers [b, h, n, d] for a prefetched window."""
     ks = torch.empty(b, h, n, d, device=dev, dtype=torch.bfloat16)
     return ks, torch.empty_like(ks)
+
+
+def _owners_wait(streams: dict) -> None:
+    """The streams whose memory pools the cache's blocks can come from wait for these side streams: the current
+    one, and the generation stream (qvg.streams) when that is another (a cache dropped or reset outside the
+    pipeline's block, or on another thread, hands its blocks back to the pool of the stream that made them)."""
+    for dev, side in streams.items():
+        current = torch.cuda.current_stream(dev)
+        current.wait_stream(side)
+        gen = reserved(dev)
+        if gen is not None and gen != current:
+            gen.wait_stream(side)
 
 
 def _stream(streams: dict, dev) -> torch.cuda.Stream:

@@ -1,11 +1,11 @@
 """`generation_stream(device)`: run a block on a CUDA stream of its own instead of the device's default stream.
 
 Why: with the forward on the default (legacy) stream, the first cache in a process that decodes its history ahead on
-a side stream ran every default-stream operation about 1.3 us later on the GPU (not the host: the launches were
-queued tens of ms ahead), about 12 ms per Self-Forcing chunk at 480x832. On one H200 a qvg chunk cost +2.68% over
-the BF16 ring with both on the default stream, +0.75% with both on streams of their own (eval/results/pipeline-h100.md,
-section of the 18:09-18:45 UTC runs of 2026-11-29). The mechanism is not known; the pipelines run each chunk
-inside this block, and bench_pipeline times them the same way.
+a side stream started each default-stream kernel about 1.1-1.4 us later on the GPU (traces on two machines; not the
+host: the launches were queued tens of ms ahead), about 12 ms per Self-Forcing chunk at 480x832. On one H200 a qvg
+chunk cost +2.68% over the BF16 ring with both on the default stream, +0.74% with both on streams of their own
+(eval/results/pipeline-h100.md, section of the 18:09-18:45 UTC runs of 2026-11-29). The mechanism is not known; the
+pipelines run each chunk inside this block, and bench_pipeline times them the same way.
 
 The stream is made once per device (normal priority, from torch's pool) and handed over both ways: it waits for
 the caller's stream on entry, and the caller's stream waits for it on exit (exception or not). So work queued
@@ -16,10 +16,12 @@ it (the block then changes nothing). On a CPU device the block changes nothing.
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 
 _STREAMS: dict[int, torch.cuda.Stream] = {}
+_MAKING = threading.Lock()  # (threads entering at once make one stream per device)
 
 
 def _index(device) -> int:
@@ -43,9 +45,10 @@ def generation_stream(device):
     if caller != torch.cuda.default_stream(index):
         yield caller
         return
-    if index not in _STREAMS:
-        _STREAMS[index] = torch.cuda.Stream(index)
-    stream = _STREAMS[index]
+    with _MAKING:
+        if index not in _STREAMS:
+            _STREAMS[index] = torch.cuda.Stream(index)
+        stream = _STREAMS[index]
     stream.wait_stream(caller)
     try:
         with torch.cuda.stream(stream):

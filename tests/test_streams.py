@@ -21,9 +21,11 @@ def test_cpu_block_changes_nothing():
 def test_block_runs_on_its_own_stream_in_order():
     default = torch.cuda.default_stream()
     a = torch.zeros(1 << 22, device="cuda")
+    torch.cuda._sleep(200_000_000)  # (the default stream busy for a while: a missing wait would read zeros below)
     a.add_(1)  # queued on the default stream before the block
     with generation_stream("cuda") as s:
         assert torch.cuda.current_stream() == s != default and reserved("cuda") == s
+        torch.cuda._sleep(200_000_000)  # (and the block's stream: a missing wait on exit would read b unwritten)
         b = a * 3  # waits for the add
         with generation_stream("cuda") as inner:  # already off the default stream: unchanged
             assert inner == s
@@ -127,3 +129,48 @@ def test_side_stream_draws_skip_the_current_and_the_generation_stream(monkeypatc
     held = {}
     assert cache_mod._stream(held, torch.device("cuda")) is other
     assert cache_mod._stream(held, torch.device("cuda")) is other  # made once
+
+
+def test_dropped_or_reset_caches_make_the_generation_stream_wait_too(monkeypatch):
+    """Blocks of a cache freed outside the pipeline's block go back to the generation stream's pool: that stream
+    waits for the cache's side streams as well as the current one (once when they are the same)."""
+    from qvg import cache as cache_mod
+    from qvg import streams
+    log = []
+    default, gen, side = (_FakeStream(n, log) for n in ("default", "gen", "side"))
+    monkeypatch.setattr(streams, "_STREAMS", {0: gen})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    for current, want in ((default, ["default waits for side", "gen waits for side"]), (gen, ["gen waits for side"])):
+        log.clear()
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda dev=None, c=current: c)
+        cache_mod._owners_wait({torch.device("cuda", 0): side})
+        assert log == want
+
+
+def test_the_pipeline_runs_each_chunk_inside_the_block_and_leaves_it_before_yielding(monkeypatch):
+    from qvg.cache import KVCache
+    from qvg.pipelines import self_forcing
+    from qvg.pipelines.tiny import build_tiny
+    tr, _, text = build_tiny(seed=0)
+    inside, events = [], []
+
+    @contextlib.contextmanager
+    def block(dev):
+        events.append(("enter", str(dev)))
+        inside.append(True)
+        try:
+            yield None
+        finally:
+            inside.pop()
+            events.append(("exit",))
+    monkeypatch.setattr(self_forcing, "generation_stream", block)
+    hook = tr.register_forward_pre_hook(lambda *_: events.append(("forward", bool(inside))))
+    try:
+        cache = KVCache(len(tr.blocks), "qvg", chunk_frames=3, tokens_per_frame=16, centroids=8)
+        for _ in self_forcing.SelfForcingPipeline(tr).generate(text("a prompt"), 6, (8, 8), cache, seed=3):
+            assert not inside  # the caller's code runs outside the block
+            events.append(("yield",))
+    finally:
+        hook.remove()
+    one_chunk = [("enter", "cpu")] + [("forward", True)] * 5 + [("exit",), ("yield",)]
+    assert events == one_chunk * 2

@@ -287,7 +287,10 @@ def test_chunks_run_on_the_generation_stream_with_the_default_streams_result(mon
 
     def run():
         cache = KVCache(len(tr.blocks), "qvg", chunk_frames=3, tokens_per_frame=16, centroids=8, window_frames=6)
-        chunks = list(SelfForcingPipeline(tr, vae).generate(text("a prompt"), 15, (8, 8), cache, seed=3))
+        chunks = []
+        for c in SelfForcingPipeline(tr, vae).generate(text("a prompt"), 15, (8, 8), cache, seed=3):
+            assert torch.cuda.current_stream() == torch.cuda.default_stream()  # the block is left before the yield
+            chunks.append(c)
         return torch.cat([c.video for c in chunks], 2), cache
     try:
         own, cache = run()
