@@ -22,7 +22,6 @@ order effect. A real run holds one cache: the figures of record time each packed
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -201,47 +200,52 @@ def _fill(cache, frames: int, heads: int, seed: int = 0):
         cache.commit()
 
 
-def chunk_runner(model, cache, commit_layers: bool = True, transient: bool = True, own_stream: bool = True):
+def chunk_runner(model, cache, commit_layers: bool = True, transient: bool = True):
     """(chunk, forwards): one whole chunk at the cache's next frame (forwards + the final commit), and its
     forwards alone: the 4 denoising steps + the clean re-run at t = 0, each layer committed right after its
     re-run attention as the pipeline does unless not commit_layers; the denoising steps' writes transient as in the
-    pipeline unless not transient (fixed inputs: the cache's time and memory do not depend on the values). Both run
-    on the generation stream as the pipeline's chunks do (qvg.streams), unless not own_stream (the caller's)."""
+    pipeline unless not transient (fixed inputs: the cache's time and memory do not depend on the values)."""
     from qvg.pipelines.causal_wan import CrossKV
     from qvg.pipelines.self_forcing import flow_sigmas
-    from qvg.streams import generation_stream
     g = torch.Generator(device="cuda").manual_seed(1)
     text = torch.randn(1, 512, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
     x = torch.randn(1, 16, 3, *LATENT_HW, device="cuda", dtype=torch.bfloat16, generator=g)
     cross = CrossKV()
 
-    def on_own_stream():
-        return generation_stream("cuda") if own_stream else contextlib.nullcontext()
-
     def forwards():
-        with on_own_stream():
-            f0 = cache.frames
-            for sigma in flow_sigmas():
-                model(x, torch.full((1,), sigma * 1000, device="cuda"), text, frame_offset=f0, cache=cache,
-                      cross=cross, transient=transient)
-            model(x, torch.zeros(1, device="cuda"), text, frame_offset=f0, cache=cache, cross=cross,
-                  commit=commit_layers)
+        f0 = cache.frames
+        for sigma in flow_sigmas():
+            model(x, torch.full((1,), sigma * 1000, device="cuda"), text, frame_offset=f0, cache=cache, cross=cross,
+                  transient=transient)
+        model(x, torch.zeros(1, device="cuda"), text, frame_offset=f0, cache=cache, cross=cross, commit=commit_layers)
 
     def chunk():
-        with on_own_stream():
-            forwards()
-            cache.commit()
+        forwards()
+        cache.commit()
     return chunk, forwards
 
 
+def on_generation_stream(fn):
+    """fn run on the generation stream, as the pipelines run each chunk (qvg.streams)."""
+    from qvg.streams import generation_stream
+
+    def run():
+        with generation_stream("cuda"):
+            fn()
+    return run
+
+
 def method_runner(model, cache, method: str, commit_layers: bool = True):
-    """`chunk_runner` for a `new_cache` method name: its plain-writes / high-priority / default-stream flags
-    applied."""
+    """`chunk_runner` for a `new_cache` method name, on the generation stream as in the pipelines, or on a
+    high-priority stream / the default stream with those flags; plain-writes applied."""
     flags = method.split(":")[1:]
-    high = torch.cuda.Stream(priority=-1) if "high-priority" in flags else None
-    chunk, forwards = chunk_runner(model, cache, commit_layers, transient="plain-writes" not in flags,
-                                   own_stream="default-stream" not in flags)
-    return on_stream(chunk, high), on_stream(forwards, high)
+    chunk, forwards = chunk_runner(model, cache, commit_layers, transient="plain-writes" not in flags)
+    if "high-priority" in flags:
+        high = torch.cuda.Stream(priority=-1)
+        return on_stream(chunk, high), on_stream(forwards, high)
+    if "default-stream" in flags:
+        return chunk, forwards
+    return on_generation_stream(chunk), on_generation_stream(forwards)
 
 
 def rotated(items: list, i: int) -> list:
