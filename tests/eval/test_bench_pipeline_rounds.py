@@ -28,3 +28,30 @@ def test_parse_methods_checks_every_method_and_the_options():
         parse_methods("qvg", "{centroids: 64")
     with pytest.raises(ValueError, match="must be a JSON object"):
         parse_methods("qvg", "[64]")
+
+
+def test_chunks_run_on_the_generation_stream_unless_default_stream(monkeypatch):
+    """method_runner wraps the chunk and its forwards in qvg.streams' block, as the pipelines do, except with
+    `default-stream` (CPU: the chunk and the block replaced by recorders)."""
+    import contextlib
+
+    from qvg import streams
+    from qvg.eval import bench_pipeline as bp
+    log = []
+
+    @contextlib.contextmanager
+    def block(dev):
+        log.append("enter")
+        yield None
+        log.append("exit")
+    monkeypatch.setattr(streams, "generation_stream", block)
+    monkeypatch.setattr(bp, "chunk_runner", lambda *a, **k: (lambda: log.append("chunk"), lambda: log.append("fwd")))
+    chunk, forwards = bp.method_runner(None, None, "qvg")
+    chunk()
+    forwards()
+    assert log == ["enter", "chunk", "exit", "enter", "fwd", "exit"]
+    log.clear()
+    chunk, forwards = bp.method_runner(None, None, "qvg:default-stream")
+    chunk()
+    forwards()
+    assert log == ["chunk", "fwd"]
