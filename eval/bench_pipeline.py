@@ -132,6 +132,22 @@ def pipeline_args(doc: str, methods: str, history: int = 21) -> argparse.Argumen
     return ap
 
 
+def checked_methods(args, tool: str, check=None):
+    """(methods, options, check(args)) from `pipeline_args`' --methods / --options, `check` (None, or the tool's
+    other checks, raising ValueError) run on args; None after one error line on stderr ("error: ..."): bad input, or
+    no CUDA GPU."""
+    try:
+        methods, options = parse_methods(args.methods, args.options)
+        extra = check(args) if check is not None else None
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None
+    if not torch.cuda.is_available():
+        print(f"error: {tool} needs a CUDA GPU", file=sys.stderr)
+        return None
+    return methods, options, extra
+
+
 def parse_methods(text: str, options: str | None = None) -> tuple[list[str], dict | None]:
     """(method strings, compressed methods' options) of comma-separated `new_cache` methods and a JSON options
     string (None: none given); ValueError names what is wrong (checked before anything runs)."""

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from .bench_pipeline import (_fill, method_runner, new_cache, parse_methods, pipeline_args, rotated, steady_ms,
+from .bench_pipeline import (_fill, checked_methods, method_runner, new_cache, pipeline_args, rotated, steady_ms,
                              wan_model)
 
 
@@ -59,22 +59,22 @@ def slope(rows: list[dict]) -> float:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / den if den else 0.0
 
 
+def _delays(args) -> list[float]:
+    delays = [float(d) for d in args.delays.split(",")]
+    if not all(math.isfinite(d) and d >= 0 for d in delays) or args.repeat < 1:
+        raise ValueError("delays must be finite and >= 0, and --repeat >= 1")
+    return delays
+
+
 def main(argv=None) -> int:
     ap = pipeline_args(__doc__, "bf16,qvg,qvg-pro")
     ap.add_argument("--delays", default="0,50,100,200", help="host microseconds added before each attend call")
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args(argv)
-    try:
-        methods, options = parse_methods(args.methods, args.options)
-        delays = [float(d) for d in args.delays.split(",")]
-        if not all(math.isfinite(d) and d >= 0 for d in delays) or args.repeat < 1:
-            raise ValueError("delays must be finite and >= 0, and --repeat >= 1")
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+    got = checked_methods(args, "host_slack", _delays)
+    if got is None:
         return 2
-    if not torch.cuda.is_available():
-        print("error: host_slack needs a CUDA GPU", file=sys.stderr)
-        return 2
+    methods, options, delays = got
     from .bench_kernels import gpu_tag, result_header, write_result
     t0, header = time.time(), result_header("host_slack", argv)
     model = wan_model()

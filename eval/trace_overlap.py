@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from .bench_pipeline import _fill, method_runner, new_cache, parse_methods, pipeline_args, wan_model
+from .bench_pipeline import _fill, checked_methods, method_runner, new_cache, pipeline_args, wan_model
 
 ATTENTION = ("fmha", "flash", "sdpa", "attention")  # substrings of the SDPA kernels' names (cuDNN, flash)
 
@@ -212,14 +212,10 @@ def main(argv=None) -> int:
     ap.add_argument("--burn-streams", type=int, default=0, metavar="N",
                     help="take N streams from torch's stream pool (and hold them) before any cache makes its own")
     args = ap.parse_args(argv)
-    try:
-        methods, options = parse_methods(args.methods, args.options)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+    got = checked_methods(args, "trace_overlap")
+    if got is None:
         return 2
-    if not torch.cuda.is_available():
-        print("error: trace_overlap needs a CUDA GPU", file=sys.stderr)
-        return 2
+    methods, options, _ = got
     from .bench_kernels import gpu_tag, result_header, write_result
     t0, header = time.time(), result_header("trace_overlap", argv)  # (the date is the run's start)
     model = wan_model()
