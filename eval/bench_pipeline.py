@@ -5,19 +5,19 @@ The full Wan2.1-T2V-1.3B transformer config with random weights, 480x832 (1560 t
 bf16. For each history length and method: the cache is filled with synthetic committed chunks (clustered K/V,
 compressed by the method as the pipeline would), then one chunk runs (4 denoising steps + the clean re-run at
 t = 0 + commit) with a rolling window of that history, timed with CUDA events right behind an untimed chunk
-(`steady_ms`: the steady state of generation, where a chunk's queued commits run into the next one; text encoder and VAE
-excluded: the cache does not change them). The methods' chunks are timed in rounds, one chunk of each per round, after
-one untimed round, in an order rotated from round to round (with --repeat a multiple of the number of methods, each
-method runs in each place of a round equally often). KV bytes: `torch.cuda.memory_allocated` delta across the fill, plus the free
-blocks of the compression graphs' private pools (held for the replays; memory_allocated omits them), vs the cache's own
-accounting. Writes pipeline-<gpu>.json.
+(`steady_ms`: the steady state of generation, where a chunk's queued commits run into the next one; text encoder
+and VAE excluded: the cache does not change them). The methods' chunks are timed in rounds, one chunk of each per
+round, after one untimed round, in an order rotated from round to round (with --repeat a multiple of the number of
+methods, each method runs in each place of a round equally often). KV bytes: `torch.cuda.memory_allocated` delta
+across the fill, plus the free blocks of the compression graphs' private pools (held for the replays;
+memory_allocated omits them), vs the cache's own accounting. Writes pipeline-<gpu>.json.
 
 Each chunk runs on the generation stream, as in the pipelines (qvg.streams; flag `default-stream`: the device's
 default stream). On the default stream the first cache in a process that prefetches its decodes started each
 default-stream kernel ~1.1-1.4 us later, so the packed cache built first there ran 1.5-2.1 points slower than the
-same cache built second (eval/results/pipeline-h100.md, first section); on the generation stream one run showed no
-order effect. A real run holds one cache: the figures of record time each packed method alone with bf16
-(`--methods bf16,qvg`, then `--methods bf16,qvg-pro`).
+same cache built second (eval/results/pipeline-h100.md, section of the 18:09-18:45 UTC runs); on the generation
+stream one run showed no order effect. A real run holds one cache: the figures of record time each packed method
+alone with bf16 (`--methods bf16,qvg`, then `--methods bf16,qvg-pro`).
 """
 from __future__ import annotations
 
