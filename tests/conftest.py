@@ -21,6 +21,15 @@ os.environ.setdefault("IMAGEIO_FFMPEG_NO_PREVENT_SIGINT", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Without CUDA the Triton kernels run under Triton's CPU interpreter, and TRITON_INTERPRET=1 must be set before triton
+# is first imported: triton.language's own @jit helpers are built then, in the mode then set (built compiled, an
+# interpreted kernel that calls one fails with "Cannot call @triton.jit'd outside of the scope of a kernel"). Test
+# modules outside tests/kernels/ can import triton while pytest collects them, before tests/kernels/conftest.py
+# runs (`pytest tests/ -k rope` did), so it is set here, in the conftest pytest loads first. An explicit
+# TRITON_INTERPRET in the environment wins.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 
 # --- pytest plumbing ----------------------------------------------------------------------------------------------
 

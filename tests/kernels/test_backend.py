@@ -22,6 +22,25 @@ def test_kernel_tests_run_in_the_right_mode():
     assert (os.environ.get("TRITON_INTERPRET") == "1") is interp
     from qvg.kernels.dequant import _dequant_kernel
     assert (type(_dequant_kernel).__name__ == "InterpretedFunction") is interp
+    import triton.language.standard as standard  # triton's own @jit helpers, which the kernels call
+    assert (type(standard.max).__name__ == "InterpretedFunction") is interp
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's set-up: CPU only")
+def test_mode_set_before_diffusers_loads_triton():
+    """`pytest tests/ -k rope` once failed in interpreted kernel tests: collecting tests/eval/ imports the pipelines
+    and so diffusers, which imports torch._dynamo and so triton, before tests/kernels/conftest.py had set
+    TRITON_INTERPRET; triton's own @jit helpers were then built compiled. tests/conftest.py now sets it first."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # (the whole folder, so that tests/kernels/conftest.py is loaded when pytest reaches it, after the other folders)
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests", "-k",
+                        "test_kernel_tests_run_in_the_right_mode"],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "1 passed" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
 
 
 def test_poisoned_helper():
