@@ -23,8 +23,8 @@ _common = sys.modules.get("qvg.kernels.common")
 if _common is not None and _common.INTERPRET != (os.environ.get("TRITON_INTERPRET", "0") == "1"):
     raise RuntimeError("qvg.kernels was imported before tests/kernels/conftest.py set TRITON_INTERPRET; the "
                        "kernels would run in the wrong mode. Import qvg.kernels only inside tests/kernels/.")
-_standard = sys.modules.get("triton.language.standard")  # (triton's own @jit helpers, built when triton loads)
-if _standard is not None and not CUDA and type(_standard.max).__name__ != "InterpretedFunction":
+_helper = getattr(sys.modules.get("triton.language.standard"), "max", None)  # (one of triton's own @jit helpers,
+if _helper is not None and not CUDA and type(_helper).__name__ != "InterpretedFunction":  # built when triton loads)
     raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set (tests/conftest.py sets it): its own "
                        "@jit helpers were built compiled, and the interpreted kernels that call them would fail.")
 
