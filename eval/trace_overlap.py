@@ -147,7 +147,7 @@ def gaps(kernels: list[dict], layers: int = 30, forwards: int = 5, attn_per_laye
     by_len = {"lt20": 0.0, "20to200": 0.0, "ge200": 0.0}
     by_side = {"decode": 0.0, "commit": 0.0, "nothing": 0.0}
     by_forward, by_layer, listed = [0.0] * forwards, [0.0] * layers, []
-    by_next: dict[str, list] = {}
+    by_next: dict[str, dict] = {}  # per operation ending gaps: their total, count, host part, launch calls' time
     host = {"matched_gaps": 0, "gaps": 0, "host_us": 0.0, "gpu_us": 0.0, "lt20_host_us": 0.0}
     is_attn = [_is_attention(k) for k in on_main]
     n_attn, edge = int(is_attn[0]), on_main[0]["t1"]
@@ -163,9 +163,10 @@ def gaps(kernels: list[dict], layers: int = 30, forwards: int = 5, attn_per_laye
             lf = n_attn // attn_per_layer  # layer-forwards started before the gap
             by_forward[(lf // layers) % forwards] += d
             by_layer[lf % layers] += d
-            nxt = by_next.setdefault(k["name"][:80], [0.0, 0, 0.0, 0.0, 0])
-            nxt[0] += d
-            nxt[1] += 1
+            nxt = by_next.setdefault(k["name"][:80], {"us": 0.0, "gaps": 0, "host_us": 0.0, "call_us": 0.0,
+                                                      "calls": 0})
+            nxt["us"] += d
+            nxt["gaps"] += 1
             host["gaps"] += 1
             if k.get("launch") is not None:
                 late = min(d, max(0.0, k["launch"][0] - g0))
@@ -173,23 +174,24 @@ def gaps(kernels: list[dict], layers: int = 30, forwards: int = 5, attn_per_laye
                 host["host_us"] += late
                 host["gpu_us"] += d - late
                 host["lt20_host_us"] += late if d < 20 else 0.0
-                nxt[2] += late
-                nxt[3] += k["launch"][1]
-                nxt[4] += 1
+                nxt["host_us"] += late
+                nxt["call_us"] += k["launch"][1]
+                nxt["calls"] += 1
             listed.append({"us": d, "layer_forwards_before": lf, "decode_us": dec, "commit_us": com,
                            "next_op": k["name"][:80]})
         n_attn += k_attn
         edge = max(edge, k["t1"])
     listed.sort(key=lambda g: -g["us"])
-    ends = sorted(by_next.items(), key=lambda kv: -kv[1][0])[:top]
+    ends = sorted(by_next.items(), key=lambda kv: -kv[1]["us"])[:top]
     out = {"by_length_us": by_len, "by_side_us": by_side, "by_forward_us": by_forward, "by_layer_us": by_layer,
-           "by_next_op": [{"op": name, "us": us, "gaps": n} for name, (us, n, *_) in ends], "longest": listed[:top]}
+           "by_next_op": [{"op": name, "us": e["us"], "gaps": e["gaps"]} for name, e in ends],
+           "longest": listed[:top]}
     if host["matched_gaps"]:
         queued = [k for k in on_main if k.get("launch") is not None]
         out["host"] = {**host, "median_lead_us": statistics.median(k["t0"] - k["launch"][0] for k in queued),
                        "mean_call_us": statistics.fmean(k["launch"][1] for k in queued)}
-        for e, (_, (_, _, late, call, matched)) in zip(out["by_next_op"], ends):
-            e.update(host_us=late, mean_call_us=call / matched if matched else None)
+        for row, (_, e) in zip(out["by_next_op"], ends):
+            row.update(host_us=e["host_us"], mean_call_us=e["call_us"] / e["calls"] if e["calls"] else None)
     return out
 
 
