@@ -8,10 +8,13 @@ JSON are written to temporary files and renamed into place only when both are co
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +23,7 @@ PIPELINES = ("tiny", "self-forcing")
 DEFAULT_PROMPT = "a red fox running through fresh snow, cinematic"
 DEFAULT_IMAGE = "astronaut"
 DEFAULT_ACTIONS = "right*3,down*2,left*3,up*2"  # a loop: the camera comes back to where it started
+MIN_IMAGE_SIDE = 16  # pixels: a start image is scaled to the model's view; below this it holds next to nothing
 
 
 class UsageError(Exception):
@@ -33,7 +37,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     from qvg.cache import CACHE_METHODS
-    p = _Parser(prog="qvg-generate", description=__doc__.splitlines()[0])
+    p = _Parser(prog="qvg-generate", description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("--pipeline", default="tiny", help=f"one of {', '.join(PIPELINES)} (default tiny: the embedded model)")
     p.add_argument("--checkpoint", default=None, help="checkpoint directory (self-forcing)")
     p.add_argument("--prompt", default=None, help="text prompt (self-forcing; the embedded model has no text input)")
@@ -46,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "self-forcing 49 at 16 fps)")
     p.add_argument("--method", default="qvg", help=f"KV cache method: {', '.join(CACHE_METHODS)} (default qvg)")
     p.add_argument("--bits", default=None, help="2, 4 or 8 (default: the method's)")
-    p.add_argument("--stages", default=None, help="k-means stages S (qvg, qvg-pro)")
+    p.add_argument("--stages", default=None, help="k-means stages S (qvg, qvg-pro; 0: none, which is plain RTN)")
     p.add_argument("--block-size", default=None, help="quantization group size (divides the head dim)")
     p.add_argument("--centroids", default=None, help="k-means centroids K (qvg, qvg-pro)")
     p.add_argument("--commit-every", default="1", help="compress every k chunks (default 1)")
@@ -137,7 +141,9 @@ def _key_storage(given: str, method: str, pipeline: str) -> str:
         return "pre-rope" if method in PER_TOKEN_METHODS and pipeline == "tiny" else "post-rope"
     if given not in KEY_STORAGE:
         raise UsageError(f"--key-storage must be auto, {' or '.join(KEY_STORAGE)}, got {given!r}")
-    if given == "pre-rope" and method not in ("bf16", *PER_TOKEN_METHODS):
+    if given == "pre-rope" and method == "bf16":  # (the cache takes it and keeps BF16 keys after RoPE anyway)
+        raise UsageError("--method bf16 stores keys as written, after RoPE: --key-storage pre-rope does not apply")
+    if given == "pre-rope" and method not in PER_TOKEN_METHODS:
         raise UsageError(f"--key-storage pre-rope is for {', '.join(PER_TOKEN_METHODS)}, not --method {method}")
     return given
 
@@ -185,8 +191,9 @@ def parse(argv) -> dict:
     if out.suffix.lower() != ".mp4":
         raise UsageError(f"--out must end in .mp4, got {a.out!r}")
     parent = out.resolve().parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK):
-        raise UsageError(f"--out: cannot write to {str(parent)!r} (no such directory or not writable)")
+    if not parent.is_dir():
+        raise UsageError(f"--out: cannot write to {str(parent)!r} (no such directory)")
+    _check_writable(parent)
     for path in (out, out.with_suffix(".json")):
         if path.is_dir():
             raise UsageError(f"--out: {str(path)!r} is a directory")
@@ -194,6 +201,9 @@ def parse(argv) -> dict:
     if a.pipeline == "self-forcing":
         if not a.checkpoint:
             raise UsageError("--pipeline self-forcing needs --checkpoint DIR")
+        if Path(a.checkpoint).exists() and not Path(a.checkpoint).is_dir():
+            raise UsageError(f"--checkpoint: {a.checkpoint!r} is a file; give the directory that holds the generator "
+                             "checkpoint and the Wan2.1-T2V-1.3B files")
         if not Path(a.checkpoint).is_dir():
             raise UsageError(f"--checkpoint: no such directory: {a.checkpoint!r}")
     elif a.checkpoint:
@@ -203,13 +213,49 @@ def parse(argv) -> dict:
         if a.prompt is not None:
             raise UsageError("--prompt: the embedded world model is not text-conditioned; steer it with --image and "
                              "--actions")
-        s.update(_world_inputs(a.image or DEFAULT_IMAGE, a.actions or DEFAULT_ACTIONS))
+        if a.image is not None and not a.image.strip():
+            raise UsageError(f"--image: empty; give a bundled photo's name or an image file, or leave it out for "
+                             f"{DEFAULT_IMAGE!r}")
+        if a.actions is not None and not a.actions.strip():
+            raise UsageError(f"--actions: empty; give e.g. 'right*4,left*4' or leave it out for '{DEFAULT_ACTIONS}'")
+        s.update(_world_inputs(a.image or DEFAULT_IMAGE, DEFAULT_ACTIONS if a.actions is None else a.actions))
     else:
         for name in ("image", "actions"):
             if getattr(a, name) is not None:
                 raise UsageError(f"--{name} applies to --pipeline tiny (the embedded world model)")
         s["prompt"] = a.prompt or DEFAULT_PROMPT
     return s
+
+
+def _check_writable(folder: Path) -> None:
+    """UsageError unless a file can be made in `folder` (tried, then removed: `os.access` says yes to root in
+    /proc or /sys, where making one fails)."""
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".qvg-write-check.", dir=folder)
+    except OSError as e:
+        raise UsageError(f"--out: cannot create files in {str(folder)!r} ({e.strerror or type(e).__name__})") from None
+    os.close(fd)
+    os.remove(probe)
+
+
+def _image_array(path: Path):
+    """An image file -> uint8 [H, W, 3]: greyscale (with or without alpha) repeated to RGB, alpha dropped, 16-bit
+    and float images scaled to 8 bits; ValueError naming what is unusable."""
+    import imageio.v2 as imageio
+    import numpy as np
+    a = np.asarray(imageio.imread(path))
+    if a.ndim == 2:
+        a = a[..., None]
+    if a.ndim != 3 or a.shape[-1] not in (1, 2, 3, 4):
+        raise ValueError(f"not a single image with 1-4 channels (array of shape {a.shape})")
+    a = a[..., :1].repeat(3, -1) if a.shape[-1] <= 2 else a[..., :3]
+    if a.dtype == np.uint16:
+        a = (a.astype(np.float32) / 257).round()
+    elif a.dtype.kind == "f":  # floats in [0, 1]
+        a = np.clip(np.nan_to_num(a.astype(np.float32)), 0, 1) * 255
+    elif a.dtype != np.uint8:
+        raise ValueError(f"pixels of type {a.dtype}")
+    return a.astype(np.uint8)
 
 
 def _world_inputs(image: str, actions: str) -> dict:
@@ -230,20 +276,17 @@ def _world_inputs(image: str, actions: str) -> dict:
             raise UsageError(f"--image: {image!r} is neither a bundled photo ({', '.join(photo_names('all'))}) nor "
                              "a file")
         try:
-            import imageio.v2 as imageio
-            import numpy as np
-            import torch
-            a = np.asarray(imageio.imread(path))
-            if a.ndim == 2:
-                a = np.repeat(a[..., None], 3, -1)
-            if a.ndim != 3 or a.shape[-1] < 3 or min(a.shape[:2]) < 16 or a.dtype != np.uint8:
-                raise ValueError(f"shape {a.shape} dtype {a.dtype}")
-            img = torch.from_numpy(a[..., :3].copy()).permute(2, 0, 1).float() / 127.5 - 1
-            from qvg.pipelines.world_data import photo_view  # the scale the model was trained at
-            img = photo_view(img)
+            a = _image_array(path)
         except Exception as e:
-            raise UsageError(f"--image: cannot read {image!r} as an 8-bit RGB image "
-                             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+            from qvg.pipelines.state_dicts import first_line
+            raise UsageError(f"--image: cannot read {image!r} as an image ({first_line(e)})") from None
+        if min(a.shape[:2]) < MIN_IMAGE_SIDE:
+            raise UsageError(f"--image: {image!r} is {a.shape[1]} x {a.shape[0]} pixels; give one at least "
+                             f"{MIN_IMAGE_SIDE} pixels on each side (it is scaled to the model's view)")
+        import torch
+
+        from qvg.pipelines.world_data import photo_view  # the scale the model was trained at
+        img = photo_view(torch.from_numpy(a.copy()).permute(2, 0, 1).float() / 127.5 - 1)
         source = str(path)
     return {"image": img, "image_source": source, "actions": ids, "actions_text": actions}
 
@@ -505,23 +548,55 @@ def _umask() -> int:
     return m
 
 
+class Terminated(BaseException):
+    """SIGTERM (`timeout`, Slurm, `docker stop`) raised in the main thread, so a run cleans up as on Ctrl-C."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated
+
+
+@contextlib.contextmanager
+def sigterm_raises():
+    """Within: SIGTERM raises Terminated (in the main thread only: elsewhere signals can't be caught)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def ratio_words(ratio: float) -> str:
+    """How the cache compares with BF16: "3.10x smaller than BF16", "1.14x larger than BF16" or "the size of BF16"."""
+    if round(ratio, 2) == 1:
+        return "the size of BF16"
+    return f"{ratio:.2f}x smaller than BF16" if ratio > 1 else f"{1 / ratio:.2f}x larger than BF16"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
-        s = parse(argv)
-        report = run(s)
+        with sigterm_raises():
+            s = parse(argv)
+            report = run(s)
     except UsageError as e:
         print(f"qvg-generate: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("qvg-generate: interrupted; nothing written", file=sys.stderr)
         return 130
+    except Terminated:
+        print("qvg-generate: terminated; nothing written", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except Exception as e:  # anything else (ffmpeg, disk full, out of memory): one line, nothing left behind
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
         print(f"qvg-generate: error: {type(e).__name__}: {msg}; nothing written", file=sys.stderr)
         return 1
     print(f"wrote {s['out']} ({report['frames']} frames, {report['seconds']:.1f} s; KV cache "
-          f"{report['kv_bytes']['total'] / 2**20:.2f} MiB, {report['compression_ratio']:.2f}x smaller than BF16) "
+          f"{report['kv_bytes']['total'] / 2**20:.2f} MiB, {ratio_words(report['compression_ratio'])}) "
           f"and {s['out'].with_suffix('.json')}")
     return 0
 

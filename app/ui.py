@@ -276,7 +276,7 @@ def launch(app, host: str = "127.0.0.1", port: int | None = None, **kw):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="qvg-app", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="qvg-app", description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=None, help="port (default: gradio's, 7860, or the next free one)")
     p.add_argument("--checkpoint-root", default=None, help="the folder checkpoint directories must be inside "

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .generate import ratio_words
+
 # the KV cache's bytes by component (qvg.cache.KVCache.memory; the BF16 buffers split by zone), as the plot stacks
 # them; the BF16 reference of a comparison holds only the zones
 COMPONENTS = ("codes", "scales", "ids", "centroids", "positions", "bf16_sink", "bf16_pending", "bf16_current",
@@ -79,7 +81,7 @@ def summary(up) -> str:
         m = r.memory[lb]
         secs = [row.seconds[lb] for row in up.rows]
         lines.append(f"- **{lb}**: KV cache **{human(m['total'])}** now vs **{human(m['bf16_equivalent'])}** in BF16 "
-                     f"→ **{m['compression_ratio']:.2f}×** smaller · chunk {secs[-1]:.2f} s (mean "
+                     f"→ **{ratio_words(m['compression_ratio'])}** · chunk {secs[-1]:.2f} s (mean "
                      f"{sum(secs) / len(secs):.2f} s)")
     ui = [row.ui_seconds for row in up.rows if row.ui_seconds is not None]
     if ui:

@@ -120,9 +120,18 @@ def summary_line(res: dict) -> str:
             f"first frame below {res['threshold_db']:g} dB: {res['first_below']}")
 
 
-def save(res: dict, out: str | Path) -> list[str]:
+def output_paths(out: str | Path) -> tuple[Path, Path]:
+    """The JSON and PNG paths of output stem `out`: ".json" / ".png" are appended, not swapped for a suffix the
+    stem already has ("qvg.compare" -> qvg.compare.json, not qvg.json: that is the generation's own report); a
+    stem given with either extension loses it first."""
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")
-    return [f"wrote {out.with_suffix('.json')}", plot(res, out.with_suffix(".png"), res.get("meta", {}).get("title",
-                                                                                                            ""))]
+    if out.suffix in (".json", ".png"):
+        out = out.with_suffix("")
+    return out.with_name(out.name + ".json"), out.with_name(out.name + ".png")
+
+
+def save(res: dict, out: str | Path) -> list[str]:
+    js, png = output_paths(out)
+    js.parent.mkdir(parents=True, exist_ok=True)
+    js.write_text(json.dumps(res, indent=1) + "\n")
+    return [f"wrote {js}", plot(res, png, res.get("meta", {}).get("title", ""))]

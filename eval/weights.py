@@ -16,6 +16,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..pipelines.state_dicts import first_line
+
 ENV = "QVG_WEIGHTS"
 
 
@@ -55,8 +57,6 @@ class BadWeights(ValueError):
     """A pretrained file is there but is not the weights it should be (str(e) is one line naming it)."""
 
 
-def first_line(e: BaseException) -> str:
-    return f"{type(e).__name__}: " + (str(e).strip().splitlines() or [""])[0][:200]
 
 
 @contextmanager

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 from pathlib import Path
 
 import torch
@@ -22,8 +23,18 @@ class CheckpointError(ValueError):
 
 
 def first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+    """`Type: reason` of e as one short line: its message's first sentence (the advice libraries append, such as
+    miniz's "This is an internal miniz error...", is not the user's), at most 200 characters. A weights-only
+    `torch.load` that refused a file says what that means here instead of PyTorch's advice to load it with
+    weights_only=False, which this project never does."""
+    name, text = type(e).__name__, str(e).strip()
+    if name == "UnpicklingError" and "weights only load failed" in text.lower():
+        return (f"{name}: a weights-only load refused it: the file is corrupt, or it holds pickled Python objects "
+                "besides tensors, which are never unpickled here")
+    if not text:
+        return name
+    line = re.split(r"(?<=[.!?])\s+(?=[A-Z])", text.splitlines()[0], maxsplit=1)[0]
+    return f"{name}: {line[:200]}"
 
 
 def read_torch(path: Path) -> dict:

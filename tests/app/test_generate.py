@@ -82,6 +82,10 @@ BAD = [
     (["--image", "/no/such/photo.png"], "neither a bundled photo"),
     (["--prompt", "a fox"], "not text-conditioned"),
     (["--pipeline", "self-forcing", "--checkpoint", ".", "--actions", "left"], "applies to --pipeline tiny"),
+    (["--method", "bf16", "--key-storage", "pre-rope"], "--key-storage pre-rope does not apply"),
+    (["--actions", ""], "--actions: empty"),
+    (["--actions", " "], "--actions: empty"),
+    (["--image", ""], "--image: empty"),
 ]
 
 
@@ -103,6 +107,66 @@ def test_unwritable_output(tmp_path, capsys, case):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("qvg-generate: error:")
     assert sorted(p.name for p in tmp_path.iterdir()) == (["v.json"] if case == "json-is-a-dir" else [])
+
+
+def test_output_folder_that_refuses_files(tmp_path, capsys, monkeypatch):
+    """A folder where no file can be made (root in /proc: os.access says yes, creating fails) is bad input: one
+    line naming the folder and why, status 2, before anything is generated."""
+    import errno
+    import tempfile
+
+    def refuse(*a, **k):
+        raise PermissionError(errno.EACCES, "Permission denied")
+    monkeypatch.setattr(tempfile, "mkstemp", refuse)
+    assert main(["--out", str(tmp_path / "v.mp4"), "--quiet", "--frames", "4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    folder = str(tmp_path.resolve())
+    assert err == [f"qvg-generate: error: --out: cannot create files in {folder!r} (Permission denied)"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_sigterm_leaves_nothing(tmp_path, capsys, monkeypatch):
+    """SIGTERM (timeout, Slurm, docker stop) mid-run: like Ctrl-C, one line, status 143, no partial mp4 or JSON."""
+    import os
+    import signal
+
+    import qvg.app.generate as g
+    calls = []
+    real = g.to_uint8
+
+    def kill_on_second(video):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(video)
+    monkeypatch.setattr(g, "to_uint8", kill_on_second)
+    before = signal.getsignal(signal.SIGTERM)
+    assert main(["--out", str(tmp_path / "v.mp4"), "--quiet", "--frames", "7", "--method", "bf16"]) == 143
+    assert capsys.readouterr().err.strip().splitlines() == ["qvg-generate: terminated; nothing written"]
+    assert list(tmp_path.iterdir()) == []
+    assert signal.getsignal(signal.SIGTERM) is before  # restored
+
+
+def test_checkpoint_that_is_a_file(tmp_path, capsys):
+    (tmp_path / "self_forcing_dmd.pt").write_bytes(b"x")
+    assert main(["--pipeline", "self-forcing", "--checkpoint", str(tmp_path / "self_forcing_dmd.pt"),
+                 "--out", str(tmp_path / "v.mp4"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is a file; give the directory" in err[0]
+
+
+def test_summary_line_words():
+    from qvg.app.generate import ratio_words
+    assert ratio_words(3.1) == "3.10x smaller than BF16"
+    assert ratio_words(1.0) == ratio_words(0.999) == "the size of BF16"
+    assert ratio_words(0.88) == "1.14x larger than BF16"
+
+
+def test_help_describes_the_tool_in_whole_sentences(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "write an mp4 and a JSON report" in " ".join(out.split())
 
 
 def test_failure_after_the_temporary_files_exist_leaves_nothing(tmp_path, capsys, monkeypatch):
@@ -168,6 +232,36 @@ def test_start_image_from_a_file(tmp_path):
     assert abs(first[32, 8] - (200, 30, 30)).max() < 40 and abs(first[32, 56] - (20, 40, 220)).max() < 40
     rep = json.loads(out.with_suffix(".json").read_text())
     assert rep["image"] == str(tmp_path / "start.png") and rep["actions"] == ["stay"]
+
+
+@pytest.mark.parametrize("kind", ["grey16", "grey-alpha", "rgba", "float"])
+def test_start_images_of_other_pixel_formats(tmp_path, monkeypatch, kind):
+    """16-bit, greyscale (+ alpha), RGBA and float images are taken as the 8-bit RGB image they show."""
+    import numpy as np
+
+    from qvg.app.generate import _image_array
+    base = np.linspace(0, 1, 40 * 30).reshape(30, 40)
+    arr = {"grey16": (base * 65535).astype(np.uint16), "grey-alpha": np.stack([(base * 255).astype(np.uint8)] * 2, -1),
+           "rgba": np.stack([(base * 255).astype(np.uint8)] * 4, -1), "float": base.astype(np.float32)}[kind]
+    import imageio.v2 as imageio
+    path = tmp_path / "x.png"
+    if kind == "float":  # (no common format stores it: the reader's result stands in)
+        monkeypatch.setattr(imageio, "imread", lambda p: arr)
+    else:
+        imageio.imwrite(path, arr)
+    a = _image_array(path)
+    assert a.shape == (30, 40, 3) and a.dtype == np.uint8
+    assert abs(a[..., 0].astype(int) - (base * 255).round().astype(int)).max() <= 1
+
+
+def test_too_small_start_image(tmp_path, capsys):
+    import imageio.v3 as iio
+    import numpy as np
+    iio.imwrite(tmp_path / "tiny.png", np.zeros((5, 7, 3), np.uint8))
+    assert main(["--image", str(tmp_path / "tiny.png"), "--out", str(tmp_path / "v.mp4"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"qvg-generate: error: --image: {str(tmp_path / 'tiny.png')!r} is 7 x 5 pixels; give one at "
+                   "least 16 pixels on each side (it is scaled to the model's view)"]
 
 
 def test_unreadable_start_image(tmp_path, capsys):

@@ -60,6 +60,24 @@ def test_cli_compare_mp4(tmp_path, capsys):
     assert "onset (1-3)" in capsys.readouterr().out
 
 
+def test_cli_compare_default_out_keeps_the_reports(tmp_path, capsys):
+    """The default output stem is TEST + ".compare": it writes qvg.compare.json / .png beside qvg.mp4 and leaves
+    qvg.json (qvg-generate's report of that video) alone; a stem given with ".json" is not doubled."""
+    rng = np.random.default_rng(1)
+    base = (rng.random((7, 16, 16, 3)) * 255).astype(np.uint8)
+    _write_mp4(tmp_path / "ref.mp4", base, {"pipeline": "tiny"})
+    _write_mp4(tmp_path / "qvg.mp4", base, {"pipeline": "tiny", "method": "qvg"})
+    assert main(["compare", str(tmp_path / "ref.mp4"), str(tmp_path / "qvg.mp4"), "--lpips", "none"]) == 0
+    assert json.loads((tmp_path / "qvg.json").read_text()) == {"pipeline": "tiny", "method": "qvg"}
+    assert "windows" in json.loads((tmp_path / "qvg.compare.json").read_text())
+    assert (tmp_path / "qvg.compare.png").stat().st_size > 0
+    assert main(["compare", str(tmp_path / "ref.mp4"), str(tmp_path / "qvg.mp4"), "--lpips", "none",
+                 "--out", str(tmp_path / "named.json")]) == 0
+    assert (tmp_path / "named.json").exists() and (tmp_path / "named.png").exists()
+    out = capsys.readouterr().out
+    assert f"wrote {tmp_path / 'qvg.compare.json'}" in out and f"wrote {tmp_path / 'named.json'}" in out
+
+
 def test_cli_errors(tmp_path, capsys):
     assert main(["compare", str(tmp_path / "nope.mp4"), str(tmp_path / "x.mp4")]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -388,3 +388,29 @@ def test_our_modules_import_transformers_lazily():
     code = ("import sys; import qvg.app.generate, qvg.pipelines.checkpoints, qvg.pipelines.umt5, "
             "qvg.pipelines.state_dicts; assert 'transformers' not in sys.modules, 'transformers imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+class _Pickled:  # an object a weights-only load refuses
+    pass
+
+
+@pytest.mark.parametrize("case", ["random-bytes", "pickled-object", "truncated-zip"])
+def test_unreadable_torch_file_reason_is_ours(tmp_path, case):
+    """read_torch's one line gives the reason without the library's advice: a weights-only refusal says what it means
+    here (never PyTorch's 'set weights_only=False'), miniz's paragraph is cut to its first sentence."""
+    from qvg.pipelines.state_dicts import read_torch
+    path = tmp_path / "g.pt"
+    if case == "random-bytes":
+        path.write_bytes(bytes(range(256)) * 8)
+    elif case == "pickled-object":
+        torch.save({"x": _Pickled()}, path)
+    else:
+        torch.save({"w": torch.zeros(64)}, path)
+        path.write_bytes(path.read_bytes()[:-40])
+    with pytest.raises(CheckpointError) as e:
+        read_torch(path)
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(f"{path}: not a readable PyTorch checkpoint (")
+    assert "weights_only` set to `False`" not in msg and "If you are seeing this error" not in msg, msg
+    if case == "pickled-object":
+        assert "pickled Python objects besides tensors, which are never unpickled here" in msg
