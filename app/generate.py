@@ -138,7 +138,7 @@ def _key_storage(given: str, method: str, pipeline: str) -> str:
     from qvg.cache import KEY_STORAGE
     from qvg.sequence import PER_TOKEN_METHODS
     if given == "auto":
-        return "pre-rope" if method in PER_TOKEN_METHODS and pipeline == "tiny" else "post-rope"
+        return auto_key_storage(method, pipeline)
     if given not in KEY_STORAGE:
         raise UsageError(f"--key-storage must be auto, {' or '.join(KEY_STORAGE)}, got {given!r}")
     if given == "pre-rope" and method == "bf16":  # (the cache takes it and keeps BF16 keys after RoPE anyway)
@@ -146,6 +146,13 @@ def _key_storage(given: str, method: str, pipeline: str) -> str:
     if given == "pre-rope" and method not in PER_TOKEN_METHODS:
         raise UsageError(f"--key-storage pre-rope is for {', '.join(PER_TOKEN_METHODS)}, not --method {method}")
     return given
+
+
+def auto_key_storage(method: str, pipeline: str) -> str:
+    """--key-storage auto (see `_key_storage`): pre-rope for rtn / qvg / qvg-pro on the embedded model ("tiny"),
+    post-rope otherwise. The eval runners build their caches by it too."""
+    from qvg.sequence import PER_TOKEN_METHODS
+    return "pre-rope" if method in PER_TOKEN_METHODS and pipeline == "tiny" else "post-rope"
 
 
 def parse(argv) -> dict:

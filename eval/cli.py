@@ -63,29 +63,33 @@ def _lpips(net: str, weights, device):
         raise UsageError(f"LPIPS weights: {e}") from None
 
 
-def _vbench(dims: str, weights, device) -> dict:
+def _vbench(dims: str, weights, device, flag: str = "--vbench") -> dict:
     if dims == "none":
         return {}
     from .vbench import DIMENSIONS, load_dimensions
     from .weights import BadWeights
     names = list(DIMENSIONS) if dims == "all" else [d.strip() for d in dims.split(",") if d.strip()]
+    if not names:
+        raise UsageError(f"{flag}: give dimensions ({', '.join(DIMENSIONS)}), 'all' or 'none'")
     try:
         out = load_dimensions(names, weights, device)
     except BadWeights as e:
         raise UsageError(f"VBench weights: {e}") from None
     except ValueError as e:
-        raise UsageError(f"--vbench: {e}") from None
+        raise UsageError(f"{flag}: {e}") from None
     for k, v in out.items():
         if isinstance(v, str):
             print(f"qvg-eval: VBench {k} not computed: {v}", file=sys.stderr)
     return out
 
 
-def _common(p):
+def _common(p, lpips: bool = True):
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
     p.add_argument("--weights", default=None, help="folder of pretrained weights (default $QVG_WEIGHTS, else "
                    "~/.cache/qvg/weights)")
-    p.add_argument("--lpips", default="alex", choices=["alex", "vgg", "none"], help="LPIPS backbone (default alex)")
+    if lpips:
+        p.add_argument("--lpips", default="alex", choices=["alex", "vgg", "none"],
+                       help="LPIPS backbone (default alex)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
 
@@ -112,6 +116,7 @@ def build_parser():
     r.add_argument("--vbench", default="all", help="VBench dimensions (comma list), 'all' or 'none' (default all: "
                    "those whose weights are missing are reported as not computed)")
     r.add_argument("--skip", default="", help="parts to skip: sweep,long,block,kv,warm,rope")
+    _key_storage_arg(r)
     _common(r)
     s = sub.add_parser("sweep", help="inputs x seeds x methods x bits -> Table 1")
     s.add_argument("outdir")
@@ -120,27 +125,54 @@ def build_parser():
     s.add_argument("--checkpoint", default=None, help="self-forcing checkpoint directory")
     s.add_argument("--inputs", default="coffee,camera", help="start images (embedded / tiny) or prompts "
                    "(self-forcing), separated by '|' for prompts or ',' for images")
-    s.add_argument("--seeds", default="0,1")
-    s.add_argument("--methods", default="rtn,kivi,quarot,qvg,qvg-pro")
-    s.add_argument("--bits", default="2,4")
-    s.add_argument("--kmeans-seeds", default="0,1")
-    s.add_argument("--chunks", type=int, default=4)
-    s.add_argument("--onset-chunks", type=int, default=1)
-    s.add_argument("--vbench", default="all")
+    s.add_argument("--seeds", default="0,1", help="sampling seeds (default 0,1; two or more give the sampling floor: "
+                   "BF16 at the next seed)")
+    s.add_argument("--methods", default="rtn,kivi,quarot,qvg,qvg-pro", help="cache methods against the BF16 cache "
+                   "(default rtn,kivi,quarot,qvg,qvg-pro)")
+    s.add_argument("--bits", default="2,4", help="2, 4 and/or 8 (default 2,4)")
+    s.add_argument("--kmeans-seeds", default="0,1", help="k-means seeds of qvg / qvg-pro (default 0,1; two or more "
+                   "give the k-means floor)")
+    s.add_argument("--chunks", type=int, default=4, help="generated chunks per video (default 4)")
+    s.add_argument("--onset-chunks", type=int, default=1, help="chunks in the onset window (default 1)")
+    s.add_argument("--vbench", default="all", help="VBench dimensions (comma list), 'all' or 'none' (default all: "
+                   "those whose weights are missing are reported as not computed)")
+    _key_storage_arg(s)
     _common(s)
     v = sub.add_parser("vbench", help="VBench dimensions of video files")
     v.add_argument("videos", nargs="+")
-    v.add_argument("--dims", default="all")
+    v.add_argument("--dims", default="all", help="dimensions (comma list) or 'all' (default)")
     v.add_argument("--out", default=None, help="JSON output (default: print)")
-    _common(v)
+    _common(v, lpips=False)
     return p
+
+
+def _key_storage_arg(p):
+    p.add_argument("--key-storage", default="auto", help="auto (default: as qvg-generate runs the cache, keys packed "
+                   "before RoPE for rtn / qvg / qvg-pro on the embedded model) or post-rope (every method's keys "
+                   "after RoPE, as the reports before 2026-11-29)")
+
+
+def _out_dir(path: str | Path) -> Path:
+    """An output folder, made (with its parents) and checked writable before any work: UsageError otherwise."""
+    import tempfile
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".qvg-write-check.", dir=out)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        raise UsageError(f"cannot write to {str(out)!r} ({e.strerror or type(e).__name__})") from None
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         a = build_parser().parse_args(argv)
-        if a.threads:
+        if a.threads is not None:
+            if a.threads < 1:
+                raise UsageError(f"--threads must be >= 1, got {a.threads}")
             import torch
             torch.set_num_threads(a.threads)
         return {"compare": _compare, "report": _report, "sweep": _sweep, "vbench": _vbench_cmd}[a.cmd](a, argv)
@@ -150,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("qvg-eval: interrupted", file=sys.stderr)
         return 130
+    except OSError as e:  # a write that failed after the checks (disk full, a folder removed meanwhile): one line
+        print(f"qvg-eval: error: {e}", file=sys.stderr)
+        return 1
 
 
 def _compare(a, argv) -> int:
@@ -157,6 +192,12 @@ def _compare(a, argv) -> int:
     from .provenance import command_line, meta, weight_files
     from .video import read_video, sidecar
     dev = _device(a.device)
+    out = a.out or str(Path(a.test).with_suffix("")) + ".compare"
+    js, png = compare.output_paths(out)
+    for video in (a.ref, a.test):  # never over a video's own qvg-generate report (REF's is read for the layout)
+        if js.resolve() == Path(video).with_suffix(".json").resolve():
+            raise UsageError(f"--out {out}: would overwrite {str(js)!r}, the report of {video!r}; choose another name")
+    _out_dir(js.parent)
     try:
         ref, test = read_video(a.ref), read_video(a.test)
     except ValueError as e:
@@ -164,8 +205,14 @@ def _compare(a, argv) -> int:
     if ref.shape[0] != test.shape[0] or ref.shape[2:] != test.shape[2:]:
         raise UsageError(f"frame sizes differ: {tuple(ref.shape[2:])} vs {tuple(test.shape[2:])}")
     n = min(ref.shape[1], test.shape[1])
+    notes = []  # (printed once the comparison is written: an error stays the only line)
+    if ref.shape[1] != test.shape[1]:
+        notes.append(f"REF has {ref.shape[1]} frames, TEST {test.shape[1]}: the first {n} were compared")
     side = sidecar(a.ref)
     lay = dict(compare.LAYOUTS.get(side.get("pipeline"), {"lead": 0, "first": 3, "chunk": 3}))
+    if side.get("pipeline") not in compare.LAYOUTS and any(getattr(a, k) is None for k in ("lead", "first", "chunk")):
+        notes.append(f"no qvg-generate report beside {a.ref!r} names its pipeline: chunk layout lead {lay['lead']}, "
+                     f"first {lay['first']}, chunk {lay['chunk']} where --lead / --first / --chunk did not say")
     for k in ("lead", "first", "chunk"):
         if getattr(a, k) is not None:
             lay[k] = getattr(a, k)
@@ -180,18 +227,29 @@ def _compare(a, argv) -> int:
     res["meta"] = meta(command_line("qvg-eval", argv), dev, ref=a.ref, test=a.test, lpips=status,
                        weight_files=weight_files(model), frames_compared=n, frames=[ref.shape[1], test.shape[1]],
                        title=f"{Path(a.test).name} vs {Path(a.ref).name}")
-    out = a.out or str(Path(a.test).with_suffix("")) + ".compare"
-    notes = compare.save(res, out)
+    written = compare.save(res, out)
     print(compare.summary_line(res))
-    for n_ in notes:
+    for n_ in written:
         print(n_)
+    _notes(notes)
     return 0
+
+
+def _notes(notes: list[str]) -> None:
+    for n in notes:
+        print(f"qvg-eval: note: {n}", file=sys.stderr)
 
 
 def _report(a, argv) -> int:
     from . import report
     from .provenance import command_line
     out = Path(a.outdir)
+    if a.preset not in report.PRESETS:
+        raise UsageError(f"--preset must be one of {', '.join(report.PRESETS)}, got {a.preset!r}")
+    skip = tuple(x.strip() for x in a.skip.split(",") if x.strip())
+    bad = [x for x in skip if x not in ("sweep", "long", "block", "kv", "warm", "rope")]
+    if bad:
+        raise UsageError(f"--skip: unknown part(s) {', '.join(bad)}")
     if a.from_json:
         try:
             res = json.loads((out / "results.json").read_text())
@@ -200,14 +258,9 @@ def _report(a, argv) -> int:
         for n in report.render(res, out):
             print(n)
         return 0
-    if a.preset not in report.PRESETS:
-        raise UsageError(f"--preset must be one of {', '.join(report.PRESETS)}, got {a.preset!r}")
-    skip = tuple(x.strip() for x in a.skip.split(",") if x.strip())
-    bad = [x for x in skip if x not in ("sweep", "long", "block", "kv", "warm", "rope")]
-    if bad:
-        raise UsageError(f"--skip: unknown part(s) {', '.join(bad)}")
     dev = _device(a.device)
-    runner = _embedded(a.model, dev)
+    _out_dir(out)
+    runner = _embedded(a.model, dev, a.key_storage)
     model, status = _lpips(a.lpips, a.weights, dev)
     vb = _vbench(a.vbench, a.weights, dev)
     report.run(out, report.PRESETS[a.preset], runner, command=command_line("qvg-eval", argv), device=dev,
@@ -217,64 +270,102 @@ def _report(a, argv) -> int:
     return 0
 
 
-def _embedded(model_dir, dev):
+def _embedded(model_dir, dev, key_storage: str = "auto"):
     from qvg.pipelines.world_model import WorldModelError, load_world
 
-    from .runners import EmbeddedRunner
+    from .runners import EmbeddedRunner, check_key_storage
+    try:
+        check_key_storage(key_storage)
+    except ValueError as e:
+        raise UsageError(f"--key-storage: {e}") from None
     try:
         model, cfg = load_world(model_dir, device=dev)
     except WorldModelError as e:
         raise UsageError(f"--model: {e}") from None
-    return EmbeddedRunner(model, cfg, dev)
+    return EmbeddedRunner(model, cfg, dev, key_storage=key_storage)
 
 
 def _sweep(a, argv) -> int:
     from . import sweep
     from .provenance import command_line, meta, weight_files
-    from .runners import GenerateRunner
-    dev = _device(a.device)
-    if a.pipeline == "embedded":
-        runner = _embedded(None, dev)
-    elif a.pipeline in ("tiny", "self-forcing"):
-        runner = GenerateRunner(a.pipeline, a.checkpoint, str(dev), Path(a.outdir) / "videos")
-    else:
+    from .runners import GenerateRunner, check_key_storage
+    if a.pipeline not in ("embedded", "tiny", "self-forcing"):
         raise UsageError(f"--pipeline must be embedded, tiny or self-forcing, got {a.pipeline!r}")
     sep = "|" if a.pipeline == "self-forcing" else ","
     spec = dict(inputs=[x.strip() for x in a.inputs.split(sep) if x.strip()], seeds=_ints(a.seeds, "seeds"),
                 methods=[m.strip() for m in a.methods.split(",") if m.strip()], bits=_ints(a.bits, "bits"),
                 kmeans_seeds=_ints(a.kmeans_seeds, "kmeans-seeds"), chunks=a.chunks, onset_chunks=a.onset_chunks)
-    from qvg.cache import CACHE_METHODS
-    bad = [m for m in spec["methods"] if m not in CACHE_METHODS or m == "bf16"]
-    if bad or not spec["inputs"] or not spec["seeds"] or not spec["kmeans_seeds"] or a.chunks < 1:
-        raise UsageError(f"bad sweep: methods {bad} unknown (bf16 is always the reference)" if bad else
-                         "--inputs, --seeds, --kmeans-seeds need one value at least and --chunks >= 1")
+    notes = _check_sweep(spec, a.pipeline)
+    try:
+        check_key_storage(a.key_storage)
+    except ValueError as e:
+        raise UsageError(f"--key-storage: {e}") from None
+    dev = _device(a.device)
+    out = _out_dir(a.outdir)
+    if a.pipeline == "embedded":
+        runner = _embedded(None, dev, a.key_storage)
+    else:
+        runner = GenerateRunner(a.pipeline, a.checkpoint, str(dev), out / "videos", key_storage=a.key_storage)
     model, status = _lpips(a.lpips, a.weights, dev)
     vb = _vbench(a.vbench, a.weights, dev)
     res = sweep.run(runner, spec, lpips_model=model, vbench=vb, progress=not a.no_progress)
     res["meta"] = meta(command_line("qvg-eval", argv), dev, lpips=status, runner=runner.describe(),
                        weight_files=weight_files(model, *vb.values()))
-    out = Path(a.outdir)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "sweep.json").write_text(json.dumps(res, indent=1) + "\n")
     (out / "sweep.md").write_text(sweep.table_markdown(res) + "\n")
     print(sweep.table_markdown(res))
     print(f"wrote {out / 'sweep.json'} and {out / 'sweep.md'}")
+    _notes(notes)
     return 0
+
+
+def _check_sweep(spec: dict, pipeline: str) -> list[str]:
+    """Every sweep value checked before anything loads or runs (UsageError naming the first bad one) -> notes for
+    after the run (a floor that one seed can't give)."""
+    from qvg.cache import CACHE_METHODS
+    bad = [m for m in spec["methods"] if m not in CACHE_METHODS or m == "bf16"]
+    if bad:
+        raise UsageError(f"--methods: unknown {', '.join(bad)} (choose among {', '.join(CACHE_METHODS[1:])}; bf16 is "
+                         "always the reference)")
+    for name in ("inputs", "seeds", "methods", "bits", "kmeans_seeds"):
+        if not spec[name]:
+            raise UsageError(f"--{name.replace('_', '-')}: give one value at least")
+    wrong = [b for b in spec["bits"] if b not in (2, 4, 8)]
+    if wrong:
+        raise UsageError(f"--bits must be 2, 4 or 8, got {', '.join(map(str, wrong))}")
+    if spec["chunks"] < 1 or not 1 <= spec["onset_chunks"] <= spec["chunks"]:
+        raise UsageError(f"--chunks must be >= 1 and --onset-chunks in [1, chunks], got {spec['chunks']} and "
+                         f"{spec['onset_chunks']}")
+    if pipeline in ("embedded", "tiny"):
+        from qvg.pipelines.world_data import photo_names
+        names = photo_names("all")
+        missing = [x for x in spec["inputs"] if x not in names and not Path(x).is_file()]
+        if missing:
+            raise UsageError(f"--inputs: {', '.join(map(repr, missing))} neither a bundled photo "
+                             f"({', '.join(names)}) nor a file")
+    return [f"one {what}" for n, what in ((len(spec["seeds"]), "sampling seed: no sampling floor (give --seeds 0,1)"),
+                                          (len(spec["kmeans_seeds"]), "k-means seed: no k-means floor (give "
+                                           "--kmeans-seeds 0,1)")) if n == 1]
 
 
 def _vbench_cmd(a, argv) -> int:
     from .provenance import command_line, meta, weight_files
     from .video import read_video
     dev = _device(a.device)
-    dims = _vbench(a.dims, a.weights, dev)
+    for path in a.videos:  # every input readable before any weights are loaded
+        if not Path(path).is_file():
+            raise UsageError(f"no such file: {path!r}" + (" (a directory)" if Path(path).is_dir() else ""))
+    if a.out:
+        _out_dir(Path(a.out).resolve().parent)
+    dims = _vbench(a.dims, a.weights, dev, "--dims")
     res = {"meta": meta(command_line("qvg-eval", argv), dev, weight_files=weight_files(*dims.values())),
-           "videos": {}}
+           "not_computed": {k: f for k, f in dims.items() if isinstance(f, str)}, "videos": {}}
     for path in a.videos:
         try:
             v = read_video(path)
         except ValueError as e:
             raise UsageError(str(e)) from None
-        res["videos"][path] = {k: (f if isinstance(f, str) else f(v)) for k, f in dims.items()}
+        res["videos"][path] = {k: (None if isinstance(f, str) else f(v)) for k, f in dims.items()}
     text = json.dumps(res, indent=1)
     if a.out:
         Path(a.out).write_text(text + "\n")

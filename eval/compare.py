@@ -117,7 +117,8 @@ def summary_line(res: dict) -> str:
     return (f"onset ({w['onset']['frames'][0]}-{w['onset']['frames'][1] - 1}): PSNR {f(w['onset']['psnr'])} dB, "
             f"SSIM {f(w['onset']['ssim'], 4)}, LPIPS {f(w['onset']['lpips'], 4)}; whole video: PSNR "
             f"{f(w['video']['psnr'])} dB, SSIM {f(w['video']['ssim'], 4)}, LPIPS {f(w['video']['lpips'], 4)}; "
-            f"first frame below {res['threshold_db']:g} dB: {res['first_below']}")
+            f"first frame below {res['threshold_db']:g} dB: "
+            f"{'none' if res['first_below'] is None else res['first_below']}")
 
 
 def output_paths(out: str | Path) -> tuple[Path, Path]:

@@ -25,9 +25,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from .weights import BadWeights, read_state_dict, weight_path
+from .weights import BadWeights, read_state_dict, weight_paths
 
 SHIFT = (-0.030, -0.088, -0.188)
 SCALE = (0.458, 0.448, 0.450)
@@ -128,7 +127,7 @@ def load_lpips(net: str = "alex", weights=None, device="cpu") -> LPIPS:
     if net not in NETS:
         raise ValueError(f"LPIPS net must be one of {', '.join(NETS)}, got {net!r}")
     _, _, backbone, linear = NETS[net]
-    pb, pl = weight_path(backbone, weights), weight_path(linear, weights)
+    pb, pl = weight_paths([backbone, linear], weights)
     m = LPIPS(net)
     m.load_backbone(read_state_dict(pb), str(pb))
     m.load_linear(read_state_dict(pl), str(pl))

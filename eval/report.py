@@ -146,7 +146,7 @@ def render(res: dict, out: Path) -> list[str]:
          f"- LPIPS: {m['lpips'] or 'computed'}",
          "- VBench: " + ("; ".join(f"{k}: {v}" for k, v in m["vbench"].items()) or "not asked for"),
          *_weights_md(m),
-         f"- everything below is drawn from [results.json](results.json) (`qvg-eval report {out.name} --from-json` "
+         f"- everything below is drawn from [results.json](results.json) (`qvg-eval report {out} --from-json` "
          "re-renders it)", ""]
     notes = []
     if "sweep" in res:
@@ -211,7 +211,8 @@ def _long_md(lv: dict) -> list[str]:
          "the floor is the BF16 video at the next seed. PSNR dB per window of frames:", ""]
     head = ["cache", "ratio"] + [f"{a}-{a + lv['every'] - 1}" for a in lv["window_starts"]] + ["first < 30 dB"]
     rows = [[k, _f(lv["compression_ratio"].get(k), 3) + ("x" if k in lv["compression_ratio"] else "")]
-            + [_f(v, 3) for v in c["psnr"]] + [str(c["first_below"])] for k, c in lv["curves"].items()]
+            + [_f(v, 3) for v in c["psnr"]] + ["none" if c["first_below"] is None else str(c["first_below"])]
+            for k, c in lv["curves"].items()]
     return L + _table(head, rows) + ["", "![long video](long_video.png)", ""]
 
 

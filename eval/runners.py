@@ -2,7 +2,9 @@
 
 - `EmbeddedRunner` rolls out the embedded world model (`qvg.pipelines.world_model`, or any WorldModel + config)
   in memory: start image (a bundled photo's centre view or an image file) + camera actions, the cache built as
-  `qvg-generate` builds it (`qvg.cache.KVCache`, K = `default_centroids` for qvg / qvg-pro).
+  `qvg-generate` builds it (`qvg.cache.KVCache`, K = `default_centroids` for qvg / qvg-pro, keys packed before
+  RoPE for rtn / qvg / qvg-pro: `--key-storage auto`), or with every method's keys after RoPE
+  (key_storage="post-rope", as every runner did before 2026-11-29).
 - `GenerateRunner` runs any `qvg-generate` pipeline (`--pipeline self-forcing --checkpoint DIR` ...) through its
   own code (`qvg.app.generate.parse` + `run`), writing the mp4 + JSON into a work folder and reading them back
   (the mp4's 8-bit H.264 coding is then part of what every video holds, reference and test alike).
@@ -20,6 +22,7 @@ from pathlib import Path
 import torch
 
 DEFAULT_ACTIONS = "right*3,down*2,left*3,up*2"  # qvg-generate's default loop
+KEY_STORAGES = ("auto", "post-rope")  # the runners' key storage: qvg-generate's default, or after RoPE for all
 
 
 @dataclass
@@ -38,11 +41,19 @@ def cache_options(method: str, options: dict, unit_tokens: int) -> dict:
     return o
 
 
+def check_key_storage(key_storage: str) -> str:
+    if key_storage not in KEY_STORAGES:
+        raise ValueError(f"key storage must be {' or '.join(KEY_STORAGES)}, got {key_storage!r}")
+    return key_storage
+
+
 class EmbeddedRunner:
     kind = "embedded"
 
-    def __init__(self, model=None, config: dict | None = None, device="cpu", actions: str = DEFAULT_ACTIONS):
+    def __init__(self, model=None, config: dict | None = None, device="cpu", actions: str = DEFAULT_ACTIONS,
+                 key_storage: str = "auto"):
         from qvg.pipelines.world_model import load_world, parse_actions
+        self.key_storage = check_key_storage(key_storage)
         if model is None:
             model, config = load_world(device=device)
         self.model, self.config, self.device = model, config, torch.device(device)
@@ -59,7 +70,12 @@ class EmbeddedRunner:
                 "head_dim": c.attention_head_dim, "frame_size": self.config["frame_size"],
                 "chunk_frames": self.config["chunk_frames"], "tokens_per_chunk": self.unit_tokens,
                 "actions": self.actions_text, "parameters": sum(p.numel() for p in self.model.parameters()),
-                "trained_steps": self.config.get("training", {}).get("steps")}
+                "trained_steps": self.config.get("training", {}).get("steps"), "key_storage": self.key_storage}
+
+    def keys(self, method: str) -> str:
+        """The cache's key storage for `method`."""
+        from qvg.app.generate import auto_key_storage
+        return auto_key_storage(method, "tiny") if self.key_storage == "auto" else "post-rope"
 
     @property
     def unit_tokens(self) -> int:
@@ -85,7 +101,7 @@ class EmbeddedRunner:
         cf = self.config["chunk_frames"]
         opts = cache_options(method, options, self.unit_tokens)
         cache = KVCache(len(self.model.blocks), method, chunk_frames=cf, tokens_per_frame=self.tokens_per_frame,
-                        **opts)
+                        key_storage=self.keys(method), **opts)
         start = self.start_frame(image).to(self.device)
         acts = [self.actions[i % len(self.actions)] for i in range(chunks)]
         t0 = time.perf_counter()
@@ -103,9 +119,10 @@ class GenerateRunner:
     kind = "qvg-generate"
 
     def __init__(self, pipeline: str, checkpoint: str | None, device: str, workdir: str | Path,
-                 frames_per_chunk: tuple[int, int, int] | None = None):
+                 frames_per_chunk: tuple[int, int, int] | None = None, key_storage: str = "auto"):
         from .compare import LAYOUTS
         self.pipeline, self.checkpoint, self.device = pipeline, checkpoint, device
+        self.key_storage = check_key_storage(key_storage)
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         lay = LAYOUTS.get(pipeline, LAYOUTS["self-forcing"])
@@ -114,7 +131,7 @@ class GenerateRunner:
         self._n = 0
 
     def describe(self) -> dict:
-        return {"pipeline": self.pipeline, "checkpoint": self.checkpoint}
+        return {"pipeline": self.pipeline, "checkpoint": self.checkpoint, "key_storage": self.key_storage}
 
     def frames(self, chunks: int) -> int:
         return self.lead + self.first + (chunks - 1) * self.chunk
@@ -127,7 +144,8 @@ class GenerateRunner:
         self._n += 1
         out = self.workdir / f"run{self._n}.mp4"
         argv = ["--pipeline", self.pipeline, "--method", method, "--seed", str(seed), "--frames",
-                str(self.frames(chunks)), "--out", str(out), "--quiet", "--device", str(self.device)]
+                str(self.frames(chunks)), "--out", str(out), "--quiet", "--device", str(self.device),
+                "--key-storage", self.key_storage]
         if self.checkpoint:
             argv += ["--checkpoint", self.checkpoint]
         argv += ["--image", text] if self.pipeline == "tiny" else ["--prompt", text]

@@ -19,6 +19,8 @@ def read_video(path: str | Path) -> torch.Tensor:
     """An mp4 (or anything imageio reads: gif, a folder is not) or a .npy/.pt array [F, H, W, 3] uint8 ->
     [3, F, H, W] float in [-1, 1]. Raises ValueError with one line on a file that is not a video."""
     p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"{str(p)!r} is a folder, not a video file")
     if not p.is_file():
         raise ValueError(f"no such file: {str(p)!r}")
     try:

@@ -108,12 +108,20 @@ def weights_dir(explicit: str | os.PathLike | None = None) -> Path:
 
 def weight_path(key: str, directory: str | os.PathLike | None = None) -> Path:
     """The path of weight `key` (a FILES key), or MissingWeights naming the file and its source."""
-    f = FILES[key]
-    p = weights_dir(directory) / f.name
-    if not p.exists():
-        raise MissingWeights(f"missing {p} ({f.what}); put it there, or point --weights / ${ENV} at the folder "
-                             f"that holds {f.name}")
-    return p
+    return weight_paths([key], directory)[0]
+
+
+def weight_paths(keys, directory: str | os.PathLike | None = None) -> list[Path]:
+    """The paths of weights `keys` (FILES keys), or one MissingWeights naming every one that is missing (a metric
+    that needs two files names both at once, not one per run)."""
+    paths = [weights_dir(directory) / FILES[k].name for k in keys]
+    missing = [(p, FILES[k]) for p, k in zip(paths, keys) if not p.exists()]
+    if missing:
+        names = " and ".join(f"{p} ({f.what})" for p, f in missing)
+        them = "it" if len(missing) == 1 else "them"
+        raise MissingWeights(f"missing {names}; put {them} there, or point --weights / ${ENV} at the folder that "
+                             f"holds {' and '.join(f.name for _, f in missing)}")
+    return paths
 
 
 def available(key: str, directory=None) -> bool:

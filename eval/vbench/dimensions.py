@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..weights import used_files
+from ..weights import MissingWeights, available, used_files, weight_paths
 from . import backbones, musiq, preprocess
 
 DIMENSIONS = ("subject_consistency", "background_consistency", "aesthetic_quality", "imaging_quality")
@@ -83,6 +83,13 @@ class AestheticQuality(BackgroundConsistency):
     clip_key = "clip-l14"
 
     def __init__(self, weights=None, device="cpu", config=None, batch: int = 16):
+        if config is None:  # both files, or one error naming every missing one
+            try:
+                weight_paths([self.clip_key, "laion-aesthetic"], weights)
+            except MissingWeights:
+                if available(self.clip_key, weights):  # a CLIP folder that is there but broken: that error first
+                    backbones.load_clip(self.clip_key, weights, device)
+                raise
         super().__init__(weights, device, config, batch)
         dim = self.model.config.projection_dim if config is not None else None
         self.head = backbones.load_aesthetic_head(weights, device, dim)

@@ -42,7 +42,7 @@ def test_sweep_through_qvg_generate(sf_checkpoint, small_frames, tmp_path, capsy
                  "--chunks", "2", "--device", "cpu", "--lpips", "none", "--vbench", "none", "--no-progress"]) == 0
     res = json.loads((out / "sweep.json").read_text())
     assert res["layout"] == {"lead": 0, "first": 9, "chunk": 12}
-    assert res["meta"]["runner"] == {"pipeline": "self-forcing", "checkpoint": str(sf_checkpoint)}
+    assert res["meta"]["runner"] == {"pipeline": "self-forcing", "checkpoint": str(sf_checkpoint), "key_storage": "auto"}
     assert res["meta"]["command"].startswith("qvg-eval sweep") and res["meta"]["weight_files"] == []
     # 1 prompt x 2 seeds x (bf16, qvg at k-means seeds 0 and 1), each an mp4 + qvg-generate's JSON
     runs = res["runs"]

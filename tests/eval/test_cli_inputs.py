@@ -1,0 +1,137 @@
+"""qvg-eval's input checks (a new-user walkthrough's findings): every bad value is one `qvg-eval: error:` line and
+status 2 before any model loads or any output is written; notes (videos of different lengths, a chunk layout
+guessed, a floor one seed can't give) come after the work, so an error stays the only line; the eval runners
+build the cache as qvg-generate does (keys before RoPE for rtn / qvg / qvg-pro on the embedded model)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from qvg.eval.cli import main
+
+
+def _video(path, frames=6, size=16, seed=0):
+    np.save(path, (np.random.default_rng(seed).random((frames, size, size, 3)) * 255).astype(np.uint8))
+    return str(path)
+
+
+def _one_error(capsys, *needles):
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("qvg-eval: error: "), err
+    assert all(n in err[0] for n in needles), err
+
+
+SWEEP = ["--inputs", "coffee", "--seeds", "0", "--methods", "qvg", "--bits", "2", "--kmeans-seeds", "0",
+         "--chunks", "1", "--lpips", "none", "--vbench", "none", "--no-progress"]
+
+
+@pytest.mark.parametrize("change,needle", [
+    (["--bits", "3"], "--bits must be 2, 4 or 8, got 3"),
+    (["--bits", ""], "--bits: give one value at least"),
+    (["--inputs", "nosuchphoto"], "'nosuchphoto' neither a bundled photo (astronaut"),
+    (["--onset-chunks", "0"], "--onset-chunks in [1, chunks]"),
+    (["--methods", "fp4"], "--methods: unknown fp4"),
+    (["--key-storage", "pre"], "--key-storage: key storage must be auto or post-rope"),
+    (["--threads", "-3"], "--threads must be >= 1, got -3"),
+])
+def test_sweep_bad_values_before_any_work(tmp_path, capsys, change, needle):
+    args = list(SWEEP)
+    for flag, value in zip(change[::2], change[1::2]):
+        if flag in args:
+            args[args.index(flag) + 1] = value
+        else:
+            args += [flag, value]
+    assert main(["sweep", str(tmp_path / "sw")] + args) == 2
+    _one_error(capsys, needle)
+    assert not (tmp_path / "sw").exists()
+
+
+@pytest.mark.parametrize("cmd", ["sweep", "report"])
+def test_unwritable_output_folder_before_any_work(tmp_path, capsys, cmd):
+    (tmp_path / "file").write_text("x")
+    extra = SWEEP if cmd == "sweep" else ["--skip", "sweep,long,kv,warm,rope", "--no-progress", "--lpips", "none",
+                                          "--vbench", "none"]
+    assert main([cmd, str(tmp_path / "file" / "out")] + extra) == 2
+    _one_error(capsys, f"cannot write to {str(tmp_path / 'file' / 'out')!r}")
+
+
+def test_report_from_json_still_checks_its_values(tmp_path, capsys):
+    assert main(["report", str(tmp_path), "--from-json", "--preset", "nope"]) == 2
+    _one_error(capsys, "--preset must be one of")
+    assert main(["report", str(tmp_path), "--from-json", "--skip", "bogus"]) == 2
+    _one_error(capsys, "--skip: unknown part(s) bogus")
+
+
+def test_compare_refuses_to_write_over_a_video_report(tmp_path, capsys):
+    ref, test = _video(tmp_path / "ref.npy"), _video(tmp_path / "qvg.npy", seed=1)
+    (tmp_path / "ref.json").write_text(json.dumps({"pipeline": "tiny"}))
+    for stem in ("ref", "qvg", "qvg.json"):
+        assert main(["compare", ref, test, "--out", str(tmp_path / stem), "--lpips", "none"]) == 2
+        _one_error(capsys, "would overwrite", "choose another name")
+    assert json.loads((tmp_path / "ref.json").read_text()) == {"pipeline": "tiny"}
+
+
+def test_compare_notes_come_after_the_result(tmp_path, capsys):
+    """Different lengths and a guessed chunk layout are said (stderr, after the summary), not silent."""
+    ref, test = _video(tmp_path / "ref.npy", frames=8), _video(tmp_path / "t.npy", frames=5)
+    assert main(["compare", ref, test, "--lpips", "none"]) == 0
+    cap = capsys.readouterr()
+    assert "PSNR" in cap.out and (tmp_path / "t.compare.json").exists()
+    err = cap.err.strip().splitlines()
+    assert err[0] == "qvg-eval: note: REF has 8 frames, TEST 5: the first 5 were compared"
+    assert err[1].startswith("qvg-eval: note: no qvg-generate report beside") and len(err) == 2
+    assert main(["compare", ref, ref, "--lpips", "none", "--lead", "1", "--first", "3", "--chunk", "3"]) == 0
+    assert capsys.readouterr().err == ""  # the layout given: nothing to say
+
+
+def test_compare_unwritable_out_and_a_folder_as_video(tmp_path, capsys):
+    ref = _video(tmp_path / "ref.npy")
+    assert main(["compare", ref, ref, "--out", ref + "/x", "--lpips", "none"]) == 2
+    _one_error(capsys, "cannot write to")
+    assert main(["compare", ref, str(tmp_path), "--lpips", "none"]) == 2
+    _one_error(capsys, "is a folder, not a video file")
+
+
+def test_vbench_inputs_first_and_missing_metrics_are_null(tmp_path, capsys):
+    assert main(["vbench", str(tmp_path / "missing.mp4"), "--weights", str(tmp_path)]) == 2
+    _one_error(capsys, "no such file")  # (before any "weights missing" line)
+    assert main(["vbench", _video(tmp_path / "v.npy"), "--dims", ""]) == 2
+    _one_error(capsys, "--dims: give dimensions")
+    assert main(["vbench", _video(tmp_path / "v.npy"), "--dims", "nonsense"]) == 2
+    _one_error(capsys, "--dims:")
+    out = tmp_path / "vb.json"
+    assert main(["vbench", str(tmp_path / "v.npy"), "--dims", "aesthetic_quality", "--weights", str(tmp_path),
+                 "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "clip-vit-large-patch14" in err and "sa_0_4_vit_l_14_linear.pth" in err  # both files named at once
+    res = json.loads(out.read_text())
+    assert res["videos"][str(tmp_path / "v.npy")] == {"aesthetic_quality": None}
+    assert "missing" in res["not_computed"]["aesthetic_quality"]
+
+
+def test_vbench_has_no_lpips_option(tmp_path, capsys):
+    assert main(["vbench", _video(tmp_path / "v.npy"), "--lpips", "alex"]) == 2
+    _one_error(capsys, "unrecognized arguments: --lpips")
+
+
+def test_runner_keys_as_qvg_generate(tiny_runner):
+    from qvg.eval.runners import EmbeddedRunner
+    assert tiny_runner.key_storage == "auto" and tiny_runner.describe()["key_storage"] == "auto"
+    assert [tiny_runner.keys(m) for m in ("bf16", "rtn", "kivi", "quarot", "qvg", "qvg-pro")] == \
+        ["post-rope", "pre-rope", "post-rope", "post-rope", "pre-rope", "pre-rope"]
+    post = EmbeddedRunner(tiny_runner.model, tiny_runner.config, "cpu", key_storage="post-rope")
+    assert {post.keys(m) for m in ("rtn", "qvg", "qvg-pro", "kivi")} == {"post-rope"}
+    with pytest.raises(ValueError, match="key storage must be auto or post-rope"):
+        EmbeddedRunner(tiny_runner.model, tiny_runner.config, "cpu", key_storage="pre-rope")
+
+
+def test_runner_packs_keys_before_rope_by_default(tiny_runner):
+    """The runner's qvg cache keeps keys before RoPE (their positions are stored), as qvg-generate's does on this
+    model, so its video differs from the post-RoPE cache's."""
+    from qvg.eval.runners import EmbeddedRunner
+    auto = tiny_runner.run("coffee", 0, "qvg", {"bits": 2}, 2).video
+    post = EmbeddedRunner(tiny_runner.model, tiny_runner.config, "cpu", key_storage="post-rope")
+    assert not np.array_equal(auto.numpy(), post.run("coffee", 0, "qvg", {"bits": 2}, 2).video.numpy())
+    assert tiny_runner.run("coffee", 0, "qvg", {"bits": 2}, 2).memory["positions"] > 0  # pre-RoPE keys keep them
