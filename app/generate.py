@@ -200,7 +200,9 @@ def parse(argv) -> dict:
     parent = out.resolve().parent
     if not parent.is_dir():
         raise UsageError(f"--out: cannot write to {str(parent)!r} (no such directory)")
-    _check_writable(parent)
+    err = writable_error(parent)
+    if err:
+        raise UsageError(f"--out: cannot create files in {str(parent)!r} ({err})")
     for path in (out, out.with_suffix(".json")):
         if path.is_dir():
             raise UsageError(f"--out: {str(path)!r} is a directory")
@@ -234,15 +236,16 @@ def parse(argv) -> dict:
     return s
 
 
-def _check_writable(folder: Path) -> None:
-    """UsageError unless a file can be made in `folder` (tried, then removed: `os.access` says yes to root in
-    /proc or /sys, where making one fails)."""
+def writable_error(folder: Path) -> str | None:
+    """Why no file can be made in `folder`, or None if one can (tried, then removed: `os.access` says yes to root in
+    /proc or /sys, where making one fails). qvg-eval checks its output folders with it too."""
     try:
         fd, probe = tempfile.mkstemp(prefix=".qvg-write-check.", dir=folder)
     except OSError as e:
-        raise UsageError(f"--out: cannot create files in {str(folder)!r} ({e.strerror or type(e).__name__})") from None
+        return e.strerror or type(e).__name__
     os.close(fd)
     os.remove(probe)
+    return None
 
 
 def _image_array(path: Path):

@@ -149,20 +149,20 @@ def build_parser():
 def _key_storage_arg(p):
     p.add_argument("--key-storage", default="auto", help="auto (default: as qvg-generate runs the cache, keys packed "
                    "before RoPE for rtn / qvg / qvg-pro on the embedded model) or post-rope (every method's keys "
-                   "after RoPE, as the reports before 2026-11-29)")
+                   "after RoPE, as the reports before 2026-11-30)")
 
 
 def _out_dir(path: str | Path) -> Path:
     """An output folder, made (with its parents) and checked writable before any work: UsageError otherwise."""
-    import tempfile
+    from qvg.app.generate import writable_error
     out = Path(path)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".qvg-write-check.", dir=out)
-        os.close(fd)
-        os.remove(probe)
     except OSError as e:
         raise UsageError(f"cannot write to {str(out)!r} ({e.strerror or type(e).__name__})") from None
+    err = writable_error(out)
+    if err:
+        raise UsageError(f"cannot write to {str(out)!r} ({err})")
     return out
 
 

@@ -69,7 +69,7 @@ class KVCapture:
         return len(self.model.blocks)
 
     def key(self, chunk: int, layer: int, post_rope: bool = True) -> torch.Tensor:
-        """Keys [1, H, N, D] float32 of a captured chunk: after RoPE (as the cache stores them) or before."""
+        """Keys [1, H, N, D] float32 of a captured chunk: after RoPE (as the attention sees them) or before."""
         k = self.chunks[chunk]["k"][layer]
         return post_rope_key(k, *self.chunks[chunk]["rope"]) if post_rope else k
 

@@ -8,11 +8,13 @@ git commit, date, device, preset and every seed; `qvg-eval report OUTDIR --from-
 
 Presets (the embedded world model; time for the whole report):
 - cpu: 2 held-out photos x 2 sampling seeds x {rtn, kivi, quarot, qvg, qvg-pro} x INT2/INT4, 4 chunks, k-means
-  floor at INT2 over 2 k-means seeds; long video 12 chunks (37 frames); ~15-25 min on 2 shared CPU cores (the
-  committed one: 21 min, 1 thread).
+  floor at INT2 over 2 k-means seeds; long video 12 chunks (37 frames); ~9-25 min on 2 shared CPU cores (the
+  committed eval/results/report-embedded-cpu/: 9 min, 1 thread; its predecessor with the earlier model, -postrope:
+  21 min).
 - gpu: 4 photos x 3 sampling seeds, 8 chunks, k-means floor at INT2 and INT4 over 3 seeds; long video 60 chunks
-  (181 frames), KV analyses over more chunks and seeds (on the CPU, from the captured K/V); the committed one
-  (eval/results/report-embedded-h100/) took 322 s on an H100.
+  (181 frames), KV analyses over more chunks and seeds (on the CPU, from the captured K/V); the committed
+  eval/results/report-embedded-h200/ took 400 s on an H200 (report-embedded-h100/, the earlier model with every
+  key after RoPE: 322 s on an H100).
 """
 from __future__ import annotations
 
@@ -219,7 +221,9 @@ def _long_md(lv: dict) -> list[str]:
 def _kv_md(kv: dict, capture: dict) -> list[str]:
     L = ["## Analyses on K/V captured from the real run", "",
          f"K/V of the BF16 long-video run (start image {capture.get('image')!r}, seed {capture.get('seed')}, "
-         f"{capture.get('chunks')} chunks incl. the start image's); keys as the cache stores them (after RoPE). "
+         f"{capture.get('chunks')} chunks incl. the start image's); keys after RoPE, as the attention sees them (the "
+         "cache packs rtn / qvg / qvg-pro keys before RoPE on this model by default: the pre- vs post-RoPE section "
+         "below measures that choice). "
          f"Chunks {kv['chunks']}, layers {kv['layers']}, K = {kv['centroids']}, k-means seeds {kv['kmeans_seeds']} "
          f"(± = std over chunks x seeds), grid `{kv['grid']}`. rel = MSE / mean(x^2).", "",
          "### Fig. 6: MSE reduction vs RTN (MSE(rtn) / MSE(qvg), same block size)", ""]

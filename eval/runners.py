@@ -4,7 +4,7 @@
   in memory: start image (a bundled photo's centre view or an image file) + camera actions, the cache built as
   `qvg-generate` builds it (`qvg.cache.KVCache`, K = `default_centroids` for qvg / qvg-pro, keys packed before
   RoPE for rtn / qvg / qvg-pro: `--key-storage auto`), or with every method's keys after RoPE
-  (key_storage="post-rope", as every runner did before 2026-11-29).
+  (key_storage="post-rope", as every runner did before 2026-11-30).
 - `GenerateRunner` runs any `qvg-generate` pipeline (`--pipeline self-forcing --checkpoint DIR` ...) through its
   own code (`qvg.app.generate.parse` + `run`), writing the mp4 + JSON into a work folder and reading them back
   (the mp4's 8-bit H.264 coding is then part of what every video holds, reference and test alike).
