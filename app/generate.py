@@ -8,16 +8,16 @@ JSON are written to temporary files and renamed into place only when both are co
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import signal
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from qvg.outputs import Terminated, sigterm_held, sigterm_raises, writable_error
 
 PIPELINES = ("tiny", "self-forcing")
 DEFAULT_PROMPT = "a red fox running through fresh snow, cinematic"
@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stages", default=None, help="k-means stages S (qvg, qvg-pro; 0: none, which is plain RTN)")
     p.add_argument("--block-size", default=None, help="quantization group size (divides the head dim)")
     p.add_argument("--centroids", default=None, help="k-means centroids K (qvg, qvg-pro)")
+    p.add_argument("--kmeans-seed", default=None, help="k-means seed (qvg, qvg-pro; default 0): the seeding "
+                   "of cold starts (the first chunk); another value gives the k-means seed-variance floor")
     p.add_argument("--commit-every", default="1", help="compress every k chunks (default 1)")
     p.add_argument("--key-storage", default="auto", help="pack keys before RoPE (pre-rope: rotated again on read) or "
                    "after it (post-rope). auto: pre-rope for rtn / qvg / qvg-pro on the embedded model (1.8 dB better "
@@ -66,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "reference there (and for bf16 / kivi / quarot, which have no packed read: window only)")
     p.add_argument("--history", default="full", help="full, or window:N (keep N past latent frames)")
     p.add_argument("--sink", default="0", help="latent frames kept in BF16 at the start (a multiple of 3)")
-    p.add_argument("--seed", default="0")
+    p.add_argument("--seed", default="0", help="sampling seed (default 0)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
     p.add_argument("--out", default="qvg-output.mp4", help="output .mp4 (the .json report goes beside it)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -170,7 +172,10 @@ def parse(argv) -> dict:
          "commit_every": _int("commit-every", a.commit_every, 1, 1000), "sink": _int("sink", a.sink, 0)}
     opts = {"bits": _int("bits", a.bits, allow_none=True), "stages": _int("stages", a.stages, 0, 16, True),
             "block_size": _int("block-size", a.block_size, 1, allow_none=True),
-            "centroids": _int("centroids", a.centroids, 1, 65536, True)}
+            "centroids": _int("centroids", a.centroids, 1, 65536, True),
+            "seed": _int("kmeans-seed", a.kmeans_seed, 0, 2**31 - 1, True)}
+    if opts["seed"] is not None and a.method not in ("qvg", "qvg-pro"):
+        raise UsageError(f"--kmeans-seed is for qvg and qvg-pro (k-means), not --method {a.method}")
     if opts["bits"] is not None and opts["bits"] not in (2, 4, 8):
         raise UsageError(f"--bits must be 2, 4 or 8, got {opts['bits']}")
     if a.pipeline == "tiny" and a.method == "qvg" and opts["bits"] is None:
@@ -236,36 +241,36 @@ def parse(argv) -> dict:
     return s
 
 
-def writable_error(folder: Path) -> str | None:
-    """Why no file can be made in `folder`, or None if one can (tried, then removed: `os.access` says yes to root in
-    /proc or /sys, where making one fails). qvg-eval checks its output folders with it too."""
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".qvg-write-check.", dir=folder)
-    except OSError as e:
-        return e.strerror or type(e).__name__
-    os.close(fd)
-    os.remove(probe)
-    return None
-
-
 def _image_array(path: Path):
-    """An image file -> uint8 [H, W, 3]: greyscale (with or without alpha) repeated to RGB, alpha dropped, 16-bit
-    and float images scaled to 8 bits; ValueError naming what is unusable."""
-    import imageio.v2 as imageio
+    """An image file -> uint8 [H, W, 3]. PIL converts what it opens to RGB (palette, 1-bit, greyscale with or
+    without alpha, CMYK: alpha dropped); 16-bit and float images are scaled to 8 bits (floats up to 1 as [0, 1],
+    else as [0, 255]); files PIL can't open are read by imageio. ValueError naming what is unusable."""
     import numpy as np
-    a = np.asarray(imageio.imread(path))
+    try:
+        from PIL import Image
+        with Image.open(path) as im:
+            if im.mode not in ("I", "I;16", "I;16B", "I;16L", "F"):
+                return np.asarray(im.convert("RGB"))
+            a = np.asarray(im)
+    except (ImportError, OSError):  # (PIL.UnidentifiedImageError is an OSError)
+        import imageio.v2 as imageio
+        a = np.asarray(imageio.imread(path))
     if a.ndim == 2:
         a = a[..., None]
     if a.ndim != 3 or a.shape[-1] not in (1, 2, 3, 4):
         raise ValueError(f"not a single image with 1-4 channels (array of shape {a.shape})")
     a = a[..., :1].repeat(3, -1) if a.shape[-1] <= 2 else a[..., :3]
-    if a.dtype == np.uint16:
-        a = (a.astype(np.float32) / 257).round()
-    elif a.dtype.kind == "f":  # floats in [0, 1]
-        a = np.clip(np.nan_to_num(a.astype(np.float32)), 0, 1) * 255
-    elif a.dtype != np.uint8:
+    if a.dtype == np.uint8:
+        return a
+    kind = a.dtype.kind
+    if kind not in "uif":
         raise ValueError(f"pixels of type {a.dtype}")
-    return a.astype(np.uint8)
+    a = np.nan_to_num(a.astype(np.float64))
+    if kind == "f":
+        a = a * 255 if a.max() <= 1 else a
+    else:  # 16-bit samples (PIL's "I" mode holds 16-bit PNGs too)
+        a = a / 65535 * 255
+    return np.clip(a, 0, 255).round().astype(np.uint8)
 
 
 def _world_inputs(image: str, actions: str) -> dict:
@@ -524,12 +529,14 @@ def run(s) -> dict:
         mode = 0o666 & ~_umask()
         os.chmod(tmp_video, mode)
         os.chmod(tmp_json, mode)
-        os.replace(tmp_video, out)
-        try:
-            os.replace(tmp_json, out.with_suffix(".json"))
-        except BaseException:
-            os.remove(out)  # both or neither
-            raise
+        with sigterm_held():  # (a SIGTERM waits for both renames; it then stops the tool with both files there)
+            os.replace(tmp_video, out)
+            try:
+                os.replace(tmp_json, out.with_suffix(".json"))
+            except BaseException:
+                os.remove(out)  # both or neither
+                raise
+            s["written"] = True
         return rep
     finally:
         close_quietly(writer)
@@ -558,27 +565,6 @@ def _umask() -> int:
     return m
 
 
-class Terminated(BaseException):
-    """SIGTERM (`timeout`, Slurm, `docker stop`) raised in the main thread, so a run cleans up as on Ctrl-C."""
-
-
-def _on_sigterm(signum, frame):
-    raise Terminated
-
-
-@contextlib.contextmanager
-def sigterm_raises():
-    """Within: SIGTERM raises Terminated (in the main thread only: elsewhere signals can't be caught)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    old = signal.signal(signal.SIGTERM, _on_sigterm)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
-
-
 def ratio_words(ratio: float) -> str:
     """How the cache compares with BF16: "3.10x smaller than BF16", "1.14x larger than BF16" or "the size of BF16"."""
     if round(ratio, 2) == 1:
@@ -588,6 +574,7 @@ def ratio_words(ratio: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    s = None
     try:
         with sigterm_raises():
             s = parse(argv)
@@ -599,11 +586,13 @@ def main(argv: list[str] | None = None) -> int:
         print("qvg-generate: interrupted; nothing written", file=sys.stderr)
         return 130
     except Terminated:
-        print("qvg-generate: terminated; nothing written", file=sys.stderr)
+        done = s is not None and s.get("written")
+        print(f"qvg-generate: terminated; {'after writing ' + str(s['out']) if done else 'nothing written'}",
+              file=sys.stderr)
         return 128 + signal.SIGTERM
     except Exception as e:  # anything else (ffmpeg, disk full, out of memory): one line, nothing left behind
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        print(f"qvg-generate: error: {type(e).__name__}: {msg}; nothing written", file=sys.stderr)
+        from qvg.pipelines.state_dicts import first_line
+        print(f"qvg-generate: error: {first_line(e)}; nothing written", file=sys.stderr)
         return 1
     print(f"wrote {s['out']} ({report['frames']} frames, {report['seconds']:.1f} s; KV cache "
           f"{report['kv_bytes']['total'] / 2**20:.2f} MiB, {ratio_words(report['compression_ratio'])}) "

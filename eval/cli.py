@@ -13,15 +13,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import signal
 import sys
 from pathlib import Path
 
-from .weights import BadWeights  # (no torch import)
+from qvg.outputs import Terminated, sigterm_raises, writable_error, write_text
 
-# torch's OpenMP threads spin at barriers by default: on a CPU shared with other processes that makes runs several
-# times slower (eval/kv_analysis.py). Only effective when torch is not loaded yet (the qvg-eval entry point).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+from .weights import BadWeights
+
+# (torch's OpenMP threads spin at barriers by default, which slows runs on a CPU shared with other processes; setting
+# OMP_WAIT_POLICY here would come too late: `import qvg` has loaded torch and its OpenMP runtime before this line.
+# Set OMP_WAIT_POLICY=PASSIVE in the environment where that matters, as tests/conftest.py does.)
 
 
 class UsageError(Exception):
@@ -48,8 +50,8 @@ def _device(text: str | None):
         raise UsageError(str(e)) from None
 
 
-def _lpips(net: str, weights, device):
-    """(model or None, status line)."""
+def _lpips(net: str, weights, device, notes: list[str]):
+    """(model or None, status line); a missing weights file is added to `notes` (said after the run)."""
     if net == "none":
         return None, "not asked for (--lpips none)"
     from .lpips import load_lpips
@@ -57,29 +59,36 @@ def _lpips(net: str, weights, device):
     try:
         return load_lpips(net, weights, device), f"computed (LPIPS v0.1, {net})"
     except MissingWeights as e:
-        print(f"qvg-eval: LPIPS not computed: {e}", file=sys.stderr)
+        notes.append(f"LPIPS not computed: {e}")
         return None, f"not computed: {e}"
     except BadWeights as e:
         raise UsageError(f"LPIPS weights: {e}") from None
 
 
-def _vbench(dims: str, weights, device, flag: str = "--vbench") -> dict:
+def _dims(dims: str, flag: str) -> list[str]:
+    """The VBench dimensions asked for ([] for 'none'), checked by name before anything loads."""
+    from .vbench import DIMENSIONS
     if dims == "none":
-        return {}
-    from .vbench import DIMENSIONS, load_dimensions
-    from .weights import BadWeights
+        return []
     names = list(DIMENSIONS) if dims == "all" else [d.strip() for d in dims.split(",") if d.strip()]
+    bad = [n for n in names if n not in DIMENSIONS]
+    if not names or bad:
+        raise UsageError(f"{flag}: {'unknown ' + ', '.join(bad) if bad else 'none given'}; choose among "
+                         f"{', '.join(DIMENSIONS)}, 'all' or 'none'")
+    return names
+
+
+def _vbench(names: list[str], weights, device, notes: list[str]) -> dict:
+    """{dimension: scorer, or the reason it is not computed (a missing weights file: added to `notes`)}."""
     if not names:
-        raise UsageError(f"{flag}: give dimensions ({', '.join(DIMENSIONS)}), 'all' or 'none'")
+        return {}
+    from .vbench import load_dimensions
+    from .weights import BadWeights
     try:
         out = load_dimensions(names, weights, device)
     except BadWeights as e:
         raise UsageError(f"VBench weights: {e}") from None
-    except ValueError as e:
-        raise UsageError(f"{flag}: {e}") from None
-    for k, v in out.items():
-        if isinstance(v, str):
-            print(f"qvg-eval: VBench {k} not computed: {v}", file=sys.stderr)
+    notes += [f"VBench {k} not computed: {v}" for k, v in out.items() if isinstance(v, str)]
     return out
 
 
@@ -147,15 +156,19 @@ def build_parser():
 
 
 def _key_storage_arg(p):
-    p.add_argument("--key-storage", default="auto", help="auto (default: as qvg-generate runs the cache, keys packed "
-                   "before RoPE for rtn / qvg / qvg-pro on the embedded model) or post-rope (every method's keys "
-                   "after RoPE, as the reports before 2026-11-30)")
+    from .runners import KEY_STORAGES
+    p.add_argument("--key-storage", default="auto", choices=KEY_STORAGES, help="auto (default: as qvg-generate "
+                   "runs the cache, keys packed before RoPE for rtn / qvg / qvg-pro on the embedded model) or "
+                   "post-rope (every method's keys after RoPE, as the reports before 2026-11-30)")
 
 
-def _out_dir(path: str | Path) -> Path:
-    """An output folder, made (with its parents) and checked writable before any work: UsageError otherwise."""
-    from qvg.app.generate import writable_error
+def _out_dir(path: str | Path, *files: str) -> Path:
+    """An output folder, made (with its parents) and checked writable, and that `files` in it can be written, before
+    any work: UsageError otherwise. (Call it after every other input check: it makes the folder.)"""
     out = Path(path)
+    for name in files:
+        if (out / name).is_dir():
+            raise UsageError(f"cannot write {str(out / name)!r}: a folder is there")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -166,22 +179,32 @@ def _out_dir(path: str | Path) -> Path:
     return out
 
 
+def _write(path: Path, text: str) -> str:
+    write_text(path, text)
+    return f"wrote {path}"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    from qvg.app.generate import UsageError as GenerateUsageError  # (a sweep through qvg-generate's own checks)
     try:
-        a = build_parser().parse_args(argv)
-        if a.threads is not None:
-            if a.threads < 1:
-                raise UsageError(f"--threads must be >= 1, got {a.threads}")
-            import torch
-            torch.set_num_threads(a.threads)
-        return {"compare": _compare, "report": _report, "sweep": _sweep, "vbench": _vbench_cmd}[a.cmd](a, argv)
-    except (UsageError, BadWeights) as e:  # BadWeights: a broken weights file, wherever it is read
+        with sigterm_raises():
+            a = build_parser().parse_args(argv)
+            if a.threads is not None:
+                if a.threads < 1:
+                    raise UsageError(f"--threads must be >= 1, got {a.threads}")
+                import torch
+                torch.set_num_threads(a.threads)
+            return {"compare": _compare, "report": _report, "sweep": _sweep, "vbench": _vbench_cmd}[a.cmd](a, argv)
+    except (UsageError, BadWeights, GenerateUsageError) as e:  # BadWeights: a broken weights file, wherever read
         print(f"qvg-eval: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("qvg-eval: interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        print("qvg-eval: terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except OSError as e:  # a write that failed after the checks (disk full, a folder removed meanwhile): one line
         print(f"qvg-eval: error: {e}", file=sys.stderr)
         return 1
@@ -197,7 +220,6 @@ def _compare(a, argv) -> int:
     for video in (a.ref, a.test):  # never over a video's own qvg-generate report (REF's is read for the layout)
         if js.resolve() == Path(video).with_suffix(".json").resolve():
             raise UsageError(f"--out {out}: would overwrite {str(js)!r}, the report of {video!r}; choose another name")
-    _out_dir(js.parent)
     try:
         ref, test = read_video(a.ref), read_video(a.test)
     except ValueError as e:
@@ -205,7 +227,7 @@ def _compare(a, argv) -> int:
     if ref.shape[0] != test.shape[0] or ref.shape[2:] != test.shape[2:]:
         raise UsageError(f"frame sizes differ: {tuple(ref.shape[2:])} vs {tuple(test.shape[2:])}")
     n = min(ref.shape[1], test.shape[1])
-    notes = []  # (printed once the comparison is written: an error stays the only line)
+    notes = []  # (said once the comparison is written: an error stays the only line)
     if ref.shape[1] != test.shape[1]:
         notes.append(f"REF has {ref.shape[1]} frames, TEST {test.shape[1]}: the first {n} were compared")
     side = sidecar(a.ref)
@@ -218,7 +240,10 @@ def _compare(a, argv) -> int:
             lay[k] = getattr(a, k)
     if lay["lead"] < 0 or lay["first"] < 1 or lay["chunk"] < 1 or a.onset_chunks < 1:
         raise UsageError("--lead must be >= 0, --first, --chunk and --onset-chunks >= 1")
-    model, status = _lpips(a.lpips, a.weights, dev)
+    if lay["lead"] >= n:
+        raise UsageError(f"the videos have {n} frames in common: none after the {lay['lead']} lead frame(s)")
+    _out_dir(js.parent, js.name, png.name)
+    model, status = _lpips(a.lpips, a.weights, dev, notes)
     try:
         res = compare.compare(ref[:, :n], test[:, :n], onset_chunks=a.onset_chunks, threshold=a.threshold,
                               lpips_model=model, **lay)
@@ -255,29 +280,29 @@ def _report(a, argv) -> int:
             res = json.loads((out / "results.json").read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise UsageError(f"--from-json: cannot read {out / 'results.json'} ({e})") from None
+        _out_dir(out, "report.md")
         for n in report.render(res, out):
             print(n)
         return 0
+    names = _dims(a.vbench, "--vbench")
     dev = _device(a.device)
-    _out_dir(out)
     runner = _embedded(a.model, dev, a.key_storage)
-    model, status = _lpips(a.lpips, a.weights, dev)
-    vb = _vbench(a.vbench, a.weights, dev)
+    _out_dir(out, "results.json", "report.md")
+    notes = []
+    model, status = _lpips(a.lpips, a.weights, dev, notes)
+    vb = _vbench(names, a.weights, dev, notes)
     report.run(out, report.PRESETS[a.preset], runner, command=command_line("qvg-eval", argv), device=dev,
                preset_name=a.preset, lpips_model=model, lpips_status=status, vbench=vb,
                progress=not a.no_progress, skip=skip)
     print(f"wrote {out / 'report.md'}, its plots and {out / 'results.json'}")
+    _notes(notes)
     return 0
 
 
 def _embedded(model_dir, dev, key_storage: str = "auto"):
     from qvg.pipelines.world_model import WorldModelError, load_world
 
-    from .runners import EmbeddedRunner, check_key_storage
-    try:
-        check_key_storage(key_storage)
-    except ValueError as e:
-        raise UsageError(f"--key-storage: {e}") from None
+    from .runners import EmbeddedRunner
     try:
         model, cfg = load_world(model_dir, device=dev)
     except WorldModelError as e:
@@ -288,7 +313,7 @@ def _embedded(model_dir, dev, key_storage: str = "auto"):
 def _sweep(a, argv) -> int:
     from . import sweep
     from .provenance import command_line, meta, weight_files
-    from .runners import GenerateRunner, check_key_storage
+    from .runners import GenerateRunner
     if a.pipeline not in ("embedded", "tiny", "self-forcing"):
         raise UsageError(f"--pipeline must be embedded, tiny or self-forcing, got {a.pipeline!r}")
     sep = "|" if a.pipeline == "self-forcing" else ","
@@ -296,25 +321,23 @@ def _sweep(a, argv) -> int:
                 methods=[m.strip() for m in a.methods.split(",") if m.strip()], bits=_ints(a.bits, "bits"),
                 kmeans_seeds=_ints(a.kmeans_seeds, "kmeans-seeds"), chunks=a.chunks, onset_chunks=a.onset_chunks)
     notes = _check_sweep(spec, a.pipeline)
-    try:
-        check_key_storage(a.key_storage)
-    except ValueError as e:
-        raise UsageError(f"--key-storage: {e}") from None
+    names = _dims(a.vbench, "--vbench")
     dev = _device(a.device)
-    out = _out_dir(a.outdir)
     if a.pipeline == "embedded":
         runner = _embedded(None, dev, a.key_storage)
     else:
-        runner = GenerateRunner(a.pipeline, a.checkpoint, str(dev), out / "videos", key_storage=a.key_storage)
-    model, status = _lpips(a.lpips, a.weights, dev)
-    vb = _vbench(a.vbench, a.weights, dev)
+        runner = GenerateRunner(a.pipeline, a.checkpoint, str(dev), Path(a.outdir) / "videos",
+                                key_storage=a.key_storage)
+        runner.check(spec)  # every run's qvg-generate arguments, by its own checks (one line, before any work)
+    out = _out_dir(a.outdir, "sweep.json", "sweep.md")
+    model, status = _lpips(a.lpips, a.weights, dev, notes)
+    vb = _vbench(names, a.weights, dev, notes)
     res = sweep.run(runner, spec, lpips_model=model, vbench=vb, progress=not a.no_progress)
     res["meta"] = meta(command_line("qvg-eval", argv), dev, lpips=status, runner=runner.describe(),
                        weight_files=weight_files(model, *vb.values()))
-    (out / "sweep.json").write_text(json.dumps(res, indent=1) + "\n")
-    (out / "sweep.md").write_text(sweep.table_markdown(res) + "\n")
     print(sweep.table_markdown(res))
-    print(f"wrote {out / 'sweep.json'} and {out / 'sweep.md'}")
+    print(_write(out / "sweep.json", json.dumps(res, indent=1) + "\n"))
+    print(_write(out / "sweep.md", sweep.table_markdown(res) + "\n"))
     _notes(notes)
     return 0
 
@@ -343,35 +366,34 @@ def _check_sweep(spec: dict, pipeline: str) -> list[str]:
         if missing:
             raise UsageError(f"--inputs: {', '.join(map(repr, missing))} neither a bundled photo "
                              f"({', '.join(names)}) nor a file")
-    return [f"one {what}" for n, what in ((len(spec["seeds"]), "sampling seed: no sampling floor (give --seeds 0,1)"),
-                                          (len(spec["kmeans_seeds"]), "k-means seed: no k-means floor (give "
-                                           "--kmeans-seeds 0,1)")) if n == 1]
+    notes = ["one sampling seed: no sampling floor (give --seeds 0,1)"] if len(spec["seeds"]) == 1 else []
+    if len(spec["kmeans_seeds"]) == 1 and {"qvg", "qvg-pro"} & set(spec["methods"]):
+        notes.append("one k-means seed: no k-means floor (give --kmeans-seeds 0,1)")
+    return notes
 
 
 def _vbench_cmd(a, argv) -> int:
     from .provenance import command_line, meta, weight_files
     from .video import read_video
+    names = _dims(a.dims, "--dims")
     dev = _device(a.device)
-    for path in a.videos:  # every input readable before any weights are loaded
-        if not Path(path).is_file():
-            raise UsageError(f"no such file: {path!r}" + (" (a directory)" if Path(path).is_dir() else ""))
-    if a.out:
-        _out_dir(Path(a.out).resolve().parent)
-    dims = _vbench(a.dims, a.weights, dev, "--dims")
-    res = {"meta": meta(command_line("qvg-eval", argv), dev, weight_files=weight_files(*dims.values())),
-           "not_computed": {k: f for k, f in dims.items() if isinstance(f, str)}, "videos": {}}
-    for path in a.videos:
+    videos = {}
+    for path in a.videos:  # every input read before any weights are loaded
         try:
-            v = read_video(path)
+            videos[path] = read_video(path)
         except ValueError as e:
             raise UsageError(str(e)) from None
-        res["videos"][path] = {k: (None if isinstance(f, str) else f(v)) for k, f in dims.items()}
-    text = json.dumps(res, indent=1)
     if a.out:
-        Path(a.out).write_text(text + "\n")
-        print(f"wrote {a.out}")
-    else:
-        print(text)
+        _out_dir(Path(a.out).resolve().parent, Path(a.out).name)
+    notes = []
+    dims = _vbench(names, a.weights, dev, notes)
+    res = {"meta": meta(command_line("qvg-eval", argv), dev, weight_files=weight_files(*dims.values())),
+           "not_computed": {k: f for k, f in dims.items() if isinstance(f, str)},
+           "videos": {p: {k: (None if isinstance(f, str) else f(v)) for k, f in dims.items()}
+                      for p, v in videos.items()}}
+    text = json.dumps(res, indent=1)
+    print(_write(Path(a.out), text + "\n") if a.out else text)
+    _notes(notes)
     return 0
 
 

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from qvg.outputs import atomic, write_text
+
 from .metrics import psnr, ssim
 
 LAYOUTS = {"tiny": dict(lead=1, first=3, chunk=3), "self-forcing": dict(lead=0, first=9, chunk=12)}
@@ -106,7 +108,8 @@ def plot(res: dict, path: str | Path, title: str = "") -> str:
     if title:
         fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    with atomic(path) as tmp:  # (the whole PNG or none)
+        fig.savefig(tmp, dpi=100, format="png")
     plt.close(fig)
     return f"wrote {path}"
 
@@ -134,5 +137,5 @@ def output_paths(out: str | Path) -> tuple[Path, Path]:
 def save(res: dict, out: str | Path) -> list[str]:
     js, png = output_paths(out)
     js.parent.mkdir(parents=True, exist_ok=True)
-    js.write_text(json.dumps(res, indent=1) + "\n")
+    write_text(js, json.dumps(res, indent=1) + "\n")
     return [f"wrote {js}", plot(res, png, res.get("meta", {}).get("title", ""))]

@@ -29,6 +29,7 @@ from . import analyses, sweep
 from .provenance import meta, weight_files
 
 from qvg.cache import MEMORY_COMPONENTS  # the cache's bytes by component: they sum to its total
+from qvg.outputs import atomic, write_text
 
 METHODS = ["rtn", "kivi", "quarot", "qvg", "qvg-pro"]
 PRESETS = {
@@ -109,7 +110,7 @@ def run(outdir, preset: dict, runner, *, command: str, device="cpu", preset_name
 def save(res: dict, outdir) -> list[str]:
     out = Path(outdir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(res, indent=1, default=_json) + "\n")
+    write_text(out / "results.json", json.dumps(res, indent=1, default=_json) + "\n")
     return [f"wrote {out / 'results.json'}"] + render(res, out)
 
 
@@ -143,8 +144,11 @@ def render(res: dict, out: Path) -> list[str]:
          f"- git commit `{m['git_commit']}`" + (" (uncommitted changes in the tree)" if m.get("git_dirty") else "")
          + f"; date {m['date']}; device: {m['device']}; torch {m['torch']}; wall time {m.get('wall_s')} s",
          f"- model: {', '.join(f'{k} {v}' for k, v in model.items())}",
-         f"- KV cache: the history compressed chunk by chunk as `qvg-generate` runs it; k-means methods at "
-         f"K = {m['centroids']} centroids per chunk (`default_centroids`), streaming warm start",
+         "- KV cache: the history compressed chunk by chunk "
+         + ("as `qvg-generate` runs it (keys packed before RoPE for rtn / qvg / qvg-pro)"
+            if model.get("key_storage") == "auto" else "with every method's keys after RoPE (`qvg-generate` packs "
+            "rtn / qvg / qvg-pro keys before RoPE on this model)")
+         + f"; k-means methods at K = {m['centroids']} centroids per chunk (`default_centroids`), streaming warm start",
          f"- LPIPS: {m['lpips'] or 'computed'}",
          "- VBench: " + ("; ".join(f"{k}: {v}" for k, v in m["vbench"].items()) or "not asked for"),
          *_weights_md(m),
@@ -167,7 +171,7 @@ def render(res: dict, out: Path) -> list[str]:
         L += _warm_md(res["warm_cold"])
     if "rope" in res:
         L += _rope_md(res["rope"])
-    (out / "report.md").write_text("\n".join(L) + "\n")
+    write_text(out / "report.md", "\n".join(L) + "\n")
     return [f"wrote {out / 'report.md'}"] + [n for n in notes if n]
 
 
@@ -295,7 +299,8 @@ def _plt():
 
 def _save(plt, fig, path: Path) -> str:
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    with atomic(path) as tmp:  # (the whole PNG or none)
+        fig.savefig(tmp, dpi=100, format="png")
     plt.close(fig)
     return f"wrote {path}"
 

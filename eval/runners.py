@@ -123,8 +123,7 @@ class GenerateRunner:
         from .compare import LAYOUTS
         self.pipeline, self.checkpoint, self.device = pipeline, checkpoint, device
         self.key_storage = check_key_storage(key_storage)
-        self.workdir = Path(workdir)
-        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.workdir = Path(workdir)  # (made at the first run)
         lay = LAYOUTS.get(pipeline, LAYOUTS["self-forcing"])
         self.lead, self.first, self.chunk = frames_per_chunk or (lay["lead"], lay["first"], lay["chunk"])
         self.fps = None
@@ -136,13 +135,9 @@ class GenerateRunner:
     def frames(self, chunks: int) -> int:
         return self.lead + self.first + (chunks - 1) * self.chunk
 
-    def run(self, text: str, seed: int, method: str, options: dict, chunks: int, capture=None) -> Video:
-        from qvg.app import generate
-        from .video import read_video
-        if capture is not None:
-            raise ValueError("KV capture needs the in-memory embedded runner")
-        self._n += 1
-        out = self.workdir / f"run{self._n}.mp4"
+    def argv(self, text: str, seed: int, method: str, options: dict, chunks: int, out: Path) -> list[str]:
+        """qvg-generate's arguments for one run; options' "seed" (the compression's: k-means) is --kmeans-seed, not
+        the sampling seed."""
         argv = ["--pipeline", self.pipeline, "--method", method, "--seed", str(seed), "--frames",
                 str(self.frames(chunks)), "--out", str(out), "--quiet", "--device", str(self.device),
                 "--key-storage", self.key_storage]
@@ -150,9 +145,32 @@ class GenerateRunner:
             argv += ["--checkpoint", self.checkpoint]
         argv += ["--image", text] if self.pipeline == "tiny" else ["--prompt", text]
         for k, v in options.items():
-            argv += [f"--{k.replace('_', '-')}", str(v)]
+            argv += [f"--{'kmeans-seed' if k == 'seed' else k.replace('_', '-')}", str(v)]
+        return argv
+
+    def check(self, spec: dict) -> None:
+        """Every run of a sweep `spec` through qvg-generate's own argument checks (its UsageError names the first
+        bad one), before any run: nothing is written."""
+        import tempfile
+
+        from qvg.app import generate
+        probe = Path(tempfile.gettempdir()) / "qvg-sweep-check.mp4"
+        runs = [("bf16", {})] + [(m, {"bits": b, **({"seed": spec["kmeans_seeds"][0]} if m in ("qvg", "qvg-pro")
+                                                    else {})}) for m in spec["methods"] for b in spec["bits"]]
+        for text in spec["inputs"]:
+            for method, opts in runs:
+                generate.parse(self.argv(text, spec["seeds"][0], method, opts, spec["chunks"], probe))
+
+    def run(self, text: str, seed: int, method: str, options: dict, chunks: int, capture=None) -> Video:
+        from qvg.app import generate
+        from .video import read_video
+        if capture is not None:
+            raise ValueError("KV capture needs the in-memory embedded runner")
+        self._n += 1
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        out = self.workdir / f"run{self._n}.mp4"
         t0 = time.perf_counter()
-        rep = generate.run(generate.parse(argv))
+        rep = generate.run(generate.parse(self.argv(text, seed, method, options, chunks, out)))
         video = read_video(out)
         self.fps = rep.get("fps")
         mem = {**rep["kv_bytes"], "bf16_equivalent": rep["bf16_equivalent_bytes"],

@@ -86,6 +86,8 @@ BAD = [
     (["--actions", ""], "--actions: empty"),
     (["--actions", " "], "--actions: empty"),
     (["--image", ""], "--image: empty"),
+    (["--method", "rtn", "--kmeans-seed", "1"], "--kmeans-seed is for qvg and qvg-pro"),
+    (["--kmeans-seed", "-1"], "--kmeans-seed must be in"),
 ]
 
 
@@ -391,3 +393,12 @@ def test_report_names_the_read_that_ran():
     assert read_ran("fused", "qvg", "post-rope", cuda) == "fused"
     assert read_ran("staged", "rtn", "pre-rope", cuda) == "staged"
     assert read_ran("window", "qvg", "pre-rope", cuda) == "window"
+
+
+def test_kmeans_seed_is_the_compressions(tmp_path):
+    """--kmeans-seed sets the compression's k-means seed (options.seed), not the sampling seed."""
+    from qvg.app.generate import parse
+    out = ["--out", str(tmp_path / "v.mp4")]
+    s = parse(["--kmeans-seed", "3", "--seed", "5"] + out)
+    assert s["options"]["seed"] == 3 and s["seed"] == 5
+    assert "seed" not in parse(out)["options"]

@@ -33,7 +33,8 @@ SWEEP = ["--inputs", "coffee", "--seeds", "0", "--methods", "qvg", "--bits", "2"
     (["--inputs", "nosuchphoto"], "'nosuchphoto' neither a bundled photo (astronaut"),
     (["--onset-chunks", "0"], "--onset-chunks in [1, chunks]"),
     (["--methods", "fp4"], "--methods: unknown fp4"),
-    (["--key-storage", "pre"], "--key-storage: key storage must be auto or post-rope"),
+    (["--key-storage", "pre"], "--key-storage: invalid choice: 'pre'"),
+    (["--vbench", "bogus"], "--vbench: unknown bogus"),
     (["--threads", "-3"], "--threads must be >= 1, got -3"),
 ])
 def test_sweep_bad_values_before_any_work(tmp_path, capsys, change, needle):
@@ -97,8 +98,11 @@ def test_compare_unwritable_out_and_a_folder_as_video(tmp_path, capsys):
 def test_vbench_inputs_first_and_missing_metrics_are_null(tmp_path, capsys):
     assert main(["vbench", str(tmp_path / "missing.mp4"), "--weights", str(tmp_path)]) == 2
     _one_error(capsys, "no such file")  # (before any "weights missing" line)
+    (tmp_path / "junk.mp4").write_bytes(b"not a video")
+    assert main(["vbench", _video(tmp_path / "ok.npy"), str(tmp_path / "junk.mp4"), "--weights", str(tmp_path)]) == 2
+    _one_error(capsys, "cannot read", "junk.mp4")  # every video read before any weights
     assert main(["vbench", _video(tmp_path / "v.npy"), "--dims", ""]) == 2
-    _one_error(capsys, "--dims: give dimensions")
+    _one_error(capsys, "--dims: none given; choose among subject_consistency")
     assert main(["vbench", _video(tmp_path / "v.npy"), "--dims", "nonsense"]) == 2
     _one_error(capsys, "--dims:")
     out = tmp_path / "vb.json"
@@ -135,3 +139,80 @@ def test_runner_packs_keys_before_rope_by_default(tiny_runner):
     post = EmbeddedRunner(tiny_runner.model, tiny_runner.config, "cpu", key_storage="post-rope")
     assert not np.array_equal(auto.numpy(), post.run("coffee", 0, "qvg", {"bits": 2}, 2).video.numpy())
     assert tiny_runner.run("coffee", 0, "qvg", {"bits": 2}, 2).memory["positions"] > 0  # pre-RoPE keys keep them
+
+
+def test_report_checks_before_making_its_folder(tmp_path, capsys):
+    for extra, needle in ((["--key-storage", "pre-rope"], "invalid choice"), (["--model", str(tmp_path / "nope")],
+                                                                              "--model"),
+                          (["--vbench", "bogus"], "--vbench: unknown bogus")):
+        assert main(["report", str(tmp_path / "new")] + extra) == 2
+        _one_error(capsys, needle)
+        assert not (tmp_path / "new").exists()
+
+
+def test_compare_checks_before_making_its_folder(tmp_path, capsys):
+    assert main(["compare", str(tmp_path / "x.npy"), str(tmp_path / "y.npy"), "--out", str(tmp_path / "new" / "z")]) == 2
+    _one_error(capsys, "no such file")
+    assert not (tmp_path / "new").exists()
+
+
+def test_missing_weights_are_a_note_after_the_result_not_a_line_before_an_error(tmp_path, capsys):
+    ref = _video(tmp_path / "ref.npy")
+    assert main(["compare", ref, ref, "--lead", "10", "--weights", str(tmp_path / "w")]) == 2
+    _one_error(capsys, "none after the 10 lead frame(s)")
+    assert main(["compare", ref, ref, "--weights", str(tmp_path / "w"), "--lead", "1", "--first", "3", "--chunk",
+                 "3"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("qvg-eval: note: LPIPS not computed: missing ")
+    assert "alexnet-owt-7be5be79.pth" in err[0] and "lpips/alex.pth" in err[0]  # both files of the metric at once
+
+
+def test_floor_notes_only_where_they_apply():
+    from qvg.eval.cli import _check_sweep
+    spec = dict(inputs=["coffee"], seeds=[0], methods=["kivi"], bits=[2], kmeans_seeds=[0], chunks=1,
+                onset_chunks=1)
+    assert _check_sweep(spec, "embedded") == ["one sampling seed: no sampling floor (give --seeds 0,1)"]
+    assert _check_sweep(dict(spec, seeds=[0, 1], methods=["kivi", "qvg"]), "embedded") == [
+        "one k-means seed: no k-means floor (give --kmeans-seeds 0,1)"]
+
+
+@pytest.mark.parametrize("change,needle", [
+    (["--seeds", "-1"], "--seed must be in"),
+    (["--checkpoint", "x"], "--checkpoint applies to --pipeline self-forcing"),
+])
+def test_sweep_through_qvg_generate_checks_every_run_first(tmp_path, capsys, change, needle):
+    """--pipeline tiny / self-forcing runs qvg-generate's code: its own checks of every run's arguments come
+    before any work (one line, status 2, nothing made)."""
+    args = ["sweep", str(tmp_path / "sw"), "--pipeline", "tiny"] + SWEEP
+    for flag, value in zip(change[::2], change[1::2]):
+        if flag in args:
+            args[args.index(flag) + 1] = value
+        else:
+            args += [flag, value]
+    assert main(args) == 2
+    _one_error(capsys, needle)
+    assert not (tmp_path / "sw").exists()
+    assert main(["sweep", str(tmp_path / "sw"), "--pipeline", "self-forcing"] + SWEEP) == 2
+    _one_error(capsys, "--pipeline self-forcing needs --checkpoint DIR")
+
+
+def test_qvg_generate_runner_passes_kmeans_seed_and_key_storage(tmp_path):
+    """The k-means seed of a sweep run is qvg-generate's --kmeans-seed, never a second --seed (which replaced the
+    sampling seed before), and the runner's key storage is passed."""
+    from qvg.eval.runners import GenerateRunner
+    r = GenerateRunner("tiny", None, "cpu", tmp_path / "videos")
+    argv = r.argv("coffee", 3, "qvg", {"bits": 2, "seed": 1}, 1, tmp_path / "v.mp4")
+    assert argv.count("--seed") == 1 and argv[argv.index("--seed") + 1] == "3"
+    assert argv[argv.index("--kmeans-seed") + 1] == "1" and argv[argv.index("--key-storage") + 1] == "auto"
+    assert not (tmp_path / "videos").exists()  # (made at the first run)
+
+
+def test_report_header_names_the_key_storage(tiny_runner, tmp_path):
+    from qvg.eval import report
+    res = {"meta": {"preset": "x", "command": "c", "git_commit": "g", "date": "d", "device": "cpu", "torch": "t",
+                    "centroids": 8, "lpips": "", "vbench": {}}, "model": {"pipeline": "p", "key_storage": "auto"}}
+    report.render(res, tmp_path)
+    assert "as `qvg-generate` runs it (keys packed before RoPE" in (tmp_path / "report.md").read_text()
+    res["model"]["key_storage"] = "post-rope"
+    report.render(res, tmp_path)
+    assert "with every method's keys after RoPE" in (tmp_path / "report.md").read_text()

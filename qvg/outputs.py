@@ -1,0 +1,98 @@
+"""Output files of the command-line tools (qvg-generate, qvg-eval): whether a folder takes new files, writes that
+leave either the whole file or nothing, and SIGTERM turned into an exception so that a run stopped by `timeout`,
+Slurm or `docker stop` cleans up as on Ctrl-C. Standard library only."""
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import signal
+import tempfile
+import threading
+from pathlib import Path
+
+
+def writable_error(folder: str | os.PathLike) -> str | None:
+    """Why no file can be made in `folder`, or None if one can (tried, then removed: `os.access` says yes to root
+    in /proc or /sys, where making one fails)."""
+    folder = Path(folder)
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".qvg-write-check.", dir=folder)
+    except OSError as e:
+        if e.errno == errno.ENOENT and folder.is_dir():  # (/proc: the folder is there, its file system takes none)
+            return "its file system takes no new files"
+        return e.strerror or type(e).__name__
+    try:
+        os.close(fd)
+    finally:
+        os.remove(probe)
+    return None
+
+
+def file_error(path: str | os.PathLike) -> str | None:
+    """Why `path` can't be written as a file (a folder is there, or its folder takes no files), or None."""
+    path = Path(path)
+    if path.is_dir():
+        return f"{str(path)!r} is a folder"
+    err = writable_error(path.parent) if path.parent.is_dir() else None
+    return None if err is None else f"cannot write to {str(path.parent)!r} ({err})"
+
+
+@contextlib.contextmanager
+def atomic(path: str | os.PathLike):
+    """Yields a temporary path beside `path`; on a clean exit it replaces `path` (readable as a new file would be),
+    else it is removed: `path` is then left as it was, never half written."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix, dir=path.parent)
+    os.close(fd)
+    try:
+        yield Path(tmp)
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def write_text(path: str | os.PathLike, text: str) -> Path:
+    """`path`'s whole new text, or the file untouched (`atomic`)."""
+    with atomic(path) as tmp:
+        tmp.write_text(text)
+    return Path(path)
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised in the main thread inside `sigterm_raises`."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated
+
+
+@contextlib.contextmanager
+def sigterm_raises():
+    """Within: SIGTERM raises Terminated (in the main thread only: elsewhere signals can't be caught)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+@contextlib.contextmanager
+def sigterm_held():
+    """Within: SIGTERM waits (blocked), so that steps that must happen together (two renames) do; it is delivered
+    on exit. Main thread only, else a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})

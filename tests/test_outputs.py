@@ -1,0 +1,61 @@
+"""qvg.outputs: write checks, all-or-nothing writes and SIGTERM handling shared by qvg-generate and qvg-eval."""
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import tempfile
+
+import pytest
+
+from qvg import outputs
+
+
+def test_atomic_keeps_the_old_file_when_the_write_fails(tmp_path):
+    p = tmp_path / "r.json"
+    p.write_text("old")
+    with pytest.raises(RuntimeError):
+        with outputs.atomic(p) as tmp:
+            tmp.write_text("half")
+            raise RuntimeError("disk full")
+    assert p.read_text() == "old" and sorted(x.name for x in tmp_path.iterdir()) == ["r.json"]
+    outputs.write_text(p, "new")
+    assert p.read_text() == "new" and sorted(x.name for x in tmp_path.iterdir()) == ["r.json"]
+    assert oct(p.stat().st_mode & 0o777) == oct(0o666 & ~_umask())  # as a newly made file
+
+
+def _umask():
+    m = os.umask(0)
+    os.umask(m)
+    return m
+
+
+def test_writable_error_names_why(tmp_path, monkeypatch):
+    assert outputs.writable_error(tmp_path) is None and list(tmp_path.iterdir()) == []
+
+    def refuse(err):
+        def mk(*a, **k):
+            raise OSError(err, os.strerror(err))
+        return mk
+    monkeypatch.setattr(tempfile, "mkstemp", refuse(errno.EACCES))
+    assert outputs.writable_error(tmp_path) == "Permission denied"
+    monkeypatch.setattr(tempfile, "mkstemp", refuse(errno.ENOENT))  # root in /proc: the folder is there
+    assert outputs.writable_error(tmp_path) == "its file system takes no new files"
+
+
+def test_file_error(tmp_path):
+    (tmp_path / "d").mkdir()
+    assert outputs.file_error(tmp_path / "d") == f"{str(tmp_path / 'd')!r} is a folder"
+    assert outputs.file_error(tmp_path / "f.json") is None
+
+
+def test_sigterm_held_until_both_steps_are_done():
+    done = []
+    with pytest.raises(outputs.Terminated):
+        with outputs.sigterm_raises():
+            with outputs.sigterm_held():
+                os.kill(os.getpid(), signal.SIGTERM)
+                done.append(1)  # still runs: the signal waits
+                done.append(2)
+    assert done == [1, 2]
+    assert signal.getsignal(signal.SIGTERM) is not outputs._on_sigterm
