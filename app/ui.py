@@ -118,11 +118,13 @@ def build(server: Server):
                     with gr.Row():
                         history = gr.Radio([("full", "full"), ("window + sink", "window")], value="full",
                                            label="history")
-                        window = gr.Number(12, label="window (latent frames)", precision=0, minimum=3, visible=False)
-                        sink = gr.Number(0, label="sink (latent frames)", precision=0, minimum=0)
+                        # (no minimum= on the numbers: gradio would refuse a value below it in a pop-up, before the
+                        # app's own check can say so in the status line)
+                        window = gr.Number(12, label="window (latent frames)", precision=0, visible=False)
+                        sink = gr.Number(0, label="sink (latent frames)", precision=0)
                     with gr.Row():
                         frames = gr.Slider(1, 301, value=31, step=3, label="length (frames)", elem_id="qvg-frames")
-                        seed = gr.Number(0, label="seed", precision=0, minimum=0)
+                        seed = gr.Number(0, label="seed", precision=0)
                     compare = gr.Checkbox(False, label="compare with BF16 (same seed, side by side, PSNR per chunk)",
                                           elem_id="qvg-compare")
                 with gr.Row():
@@ -232,10 +234,11 @@ def build(server: Server):
             c = jobs.running(request.session_hash)
             if c is not None:
                 c.steer = name
-                return gr.skip(), f"steering: **{name}** from the next chunk"
+                return gr.skip(), f"steering: **{name}** from the next chunk that starts"
             return append_action(text, name), ""
 
         # each click is a job: its id first (unqueued, so Cancel reaches it while it waits), then the queued run
+        go.click(lambda: "", None, steer_note, queue=False, api_visibility="private")  # a new job: the note goes
         go.click(submit, None, job_id, queue=False, api_name="job", trigger_mode="multiple").then(
             generate, [*form, job_id], outputs, api_name="generate", concurrency_limit=1,
             concurrency_id="generation", show_progress="minimal", show_progress_on=[status], trigger_mode="multiple")

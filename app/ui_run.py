@@ -64,15 +64,15 @@ class Server:
 def ui_message(e: Exception) -> str:
     """A qvg-generate error in the UI's words (its flags -> the controls' names)."""
     msg = str(e)
-    for flag, label in LABELS.items():
-        msg = msg.replace(flag, label)
+    for flag, label in LABELS.items():  # whole flags only: --checkpoint-root is not --checkpoint
+        msg = re.sub(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", label, msg)
     return msg
 
 
 def checkpoint_dir(text: str, root: Path | None) -> str:
     """The checkpoint directory the form names, resolved inside the root, or UsageError (outside it, missing)."""
     if root is None:
-        raise UsageError("this server runs the embedded model only; start it with `qvg-app --checkpoint-root DIR` "
+        raise UsageError("this server runs the embedded model only; start it with qvg-app --checkpoint-root DIR "
                          "to run checkpoints from DIR")
     text = (text or "").strip()
     if not text:
@@ -264,6 +264,7 @@ def run(runs: list[dict], gens: list[Generation], controls: Job, workdir: Path):
             t_chunk = time.perf_counter()
             if controls.cancel.is_set():
                 up.status = f"cancelled after {c} of {up.total_chunks} chunks"
+                cancelled = c
                 break
             chunks = [next(it) for it in iters]
             for lb, ch in zip(labels, chunks):
@@ -283,7 +284,9 @@ def run(runs: list[dict], gens: list[Generation], controls: Job, workdir: Path):
             up.status = f"chunk {c + 1} of {up.total_chunks}{steer}"
             yield up
         else:
-            up.status = f"done: {up.total_chunks} chunks in {time.perf_counter() - t0:.1f} s"
+            n = up.total_chunks
+            up.status = f"done: {n} chunk{'' if n == 1 else 's'} in {time.perf_counter() - t0:.1f} s"
+            cancelled = None
         _ui_seconds(up, t_chunk)
         for lb in labels:
             writers[lb].close()
@@ -292,7 +295,12 @@ def run(runs: list[dict], gens: list[Generation], controls: Job, workdir: Path):
                 up.videos[lb] = str(workdir / f"{lb}.mp4")
             if peaks[lb] is not None:  # seconds: this run's chunks (not the UI's streaming, not the other run)
                 path = workdir / f"{lb}.json"
-                path.write_text(json.dumps(report(s, g, g.written, chunk_seconds[lb], peaks[lb]), indent=1))
+                rep = report(s, g, g.written, chunk_seconds[lb], peaks[lb])
+                if cancelled is not None:  # what was generated, not what was planned
+                    cf = s.get("world_config", {}).get("chunk_frames", 3)
+                    rep.update(latent_frames=min(g.latent_frames, cancelled * cf),
+                               cancelled={"after_chunks": cancelled, "of_chunks": up.total_chunks})
+                path.write_text(json.dumps(rep, indent=1))
                 up.reports.append(str(path))
         up.done = True
         yield up

@@ -187,7 +187,7 @@ def test_self_forcing_from_a_checkpoint_directory_in_the_root(client, sf_checkpo
     """A checkpoint directory named relative to the server's root runs the real Self-Forcing loader and loop."""
     outs = _wait(client.submit(*form(pipeline="self-forcing", checkpoint="sf", prompt="a red fox", frames=1),
                                api_name="/generate"))
-    assert outs[-1][STATUS].startswith("**done: 1 chunks"), outs[-1][STATUS]
+    assert outs[-1][STATUS].startswith("**done: 1 chunk in"), outs[-1][STATUS]
     import imageio.v3 as iio
     assert iio.imread(outs[-1][VIDEO]).shape == (1, 480, 832, 3)  # the mp4 at full size, the live preview halved
     from PIL import Image
@@ -204,6 +204,9 @@ BAD = [
     (dict(method="bf16", compare=True), "choose a compressed method"),
     (dict(history="window", window=4), "window must be a multiple of the chunk size"),
     (dict(sink=None), "sink: give a number"),
+    (dict(sink=-3), "sink must be >= 0, got -3"),  # (the app's check, not a gradio pop-up: no minimum= there)
+    (dict(seed=-5), "seed must be in [0, "),
+    (dict(history="window", window=1), "window must be a multiple of the chunk size"),
     (dict(pipeline="self-forcing", checkpoint="../"), "outside the checkpoint root"),
     (dict(pipeline="self-forcing", checkpoint="escape"), "outside the checkpoint root"),
     (dict(pipeline="self-forcing", checkpoint="/etc"), "outside the checkpoint root"),
@@ -247,7 +250,10 @@ def test_queue_positions_one_job_at_a_time_and_cancel(url):
     import imageio.v3 as iio
     n = iio.imread(outs[-1][VIDEO]).shape[0]
     assert 4 <= n < 301 and (n - 1) % 3 == 0
-    assert _wait(jb, what="b (queued behind a)")[-1][STATUS].startswith("**done: 1 chunks")
+    rep = json.loads(open(outs[-1][REPORTS][0]).read())  # what was generated, and that it was cancelled
+    done = rep["cancelled"]["after_chunks"]
+    assert rep["cancelled"]["of_chunks"] == 100 and rep["frames"] == n == 1 + 3 * done == 1 + rep["latent_frames"]
+    assert _wait(jb, what="b (queued behind a)")[-1][STATUS].startswith("**done: 1 chunk in")
     assert a.predict(api_name="/cancel") == "Nothing is running."
 
 
@@ -279,7 +285,7 @@ def test_cancel_is_per_job(url):
     for j in (jb1, jb2):  # ended at their turn without loading or generating anything
         assert _status(_wait(j)) == ["Cancelled before it started."]
     for j in (jc, jb3, submit(a, frames=4)):
-        assert _wait(j)[-1][STATUS].startswith("**done: 1 chunks")
+        assert _wait(j)[-1][STATUS].startswith("**done: 1 chunk in")
     assert {x.predict(api_name="/cancel") for x in (a, b, c)} == {"Nothing is running."}
 
 
@@ -479,3 +485,13 @@ def test_hang_report_shows_the_queue_children_and_threads(url):
     with pytest.raises(pytest.fail.Exception, match=r"b did not finish: not within 1 s; its status lines so far: "
                                                     r"\['\*\*chunk 1 of 2\*\*'\]; the server:\nqueue: "):
         _timed_out("b did not finish", 1, Job())
+
+
+def test_ui_message_replaces_whole_flags_only():
+    from qvg.app.ui_run import checkpoint_dir, ui_message
+    from qvg.app.generate import UsageError
+    with pytest.raises(UsageError) as e:
+        checkpoint_dir("x", None)
+    msg = ui_message(e.value)
+    assert "qvg-app --checkpoint-root DIR" in msg and "`" not in msg
+    assert ui_message(UsageError("--seed must be in [0, 9], got -5")) == "seed must be in [0, 9], got -5"

@@ -148,10 +148,10 @@ def test_page_generates_live_and_screenshot(app_url, tmp_path):
         assert box["x"] <= cell["x"] and cell["x"] + cell["width"] <= box["x"] + box["width"], (box, cell)
         # the cancelled 31-frame job ends at its turn without running (no 'of 10' chunk); the one after it runs
         deadline = time.time() + 60
-        while not any("done: 1 chunks" in s for s in seen_other) and time.time() < deadline:
+        while not any("done: 1 chunk in" in s for s in seen_other) and time.time() < deadline:
             seen_other.add(other.locator("#qvg-status").inner_text())
             time.sleep(0.1)
-        assert any("done: 1 chunks" in s for s in seen_other) and not any("of 10" in s for s in seen_other), \
+        assert any("done: 1 chunk in" in s for s in seen_other) and not any("of 10" in s for s in seen_other), \
             seen_other
         shot = tmp_path / "ui-screenshot.png"
         page.screenshot(path=str(shot), full_page=True)
