@@ -13,6 +13,7 @@ the status line, which stays (the form is checked before anything loads or the p
 
 import argparse
 import logging
+import os
 import re
 import sys
 from pathlib import Path
@@ -56,17 +57,26 @@ def error_status(message: str) -> str:
     return "**Error:** " + re.sub(r"([\\`*_\[\]<>])", r"\\\1", " ".join(message.split()))
 
 
-def start_preview(photo: str):
-    """The bundled photo's start frame (its centre view), at the live preview's size."""
+def start_preview(photo: str, upload: str | None = None):
+    """The start frame the model will get, at the live preview's size: an uploaded image's (its centre view at the
+    bundled photos' scale, as qvg-generate --image makes it; the caller checks the path is an upload), else the
+    bundled photo's centre view; None for what is not an image (the Generate click then says why)."""
     import numpy as np
 
     from qvg.pipelines.world_data import centre_view, load_photo, photo_names
 
-    from .generate import to_uint8
+    from .generate import UsageError, _world_inputs, to_uint8
     from .ui_panel import preview
-    if photo not in photo_names("all"):
+    if upload:
+        try:
+            frame = _world_inputs(upload, "stay")["image"]
+        except UsageError:
+            return None
+    elif photo in photo_names("all"):
+        frame = centre_view(load_photo(photo))
+    else:
         return None
-    return np.asarray(preview(to_uint8(centre_view(load_photo(photo))[:, None]))[0])
+    return np.asarray(preview(to_uint8(frame[:, None]))[0])
 
 
 def build(server: Server):
@@ -249,7 +259,12 @@ def build(server: Server):
         app.unload(closed)
         for name, b in buttons.items():
             b.click(press, [gr.State(name), actions], [actions, steer_note], queue=False, api_name=f"press_{name}")
-        photo.change(start_preview, photo, live, queue=False, api_visibility="private")
+        def preview_start(photo, upload):  # (an upload is read only from gradio's upload folder)
+            up = upload and os.path.realpath(upload)
+            inside = up and Path(up).is_relative_to(os.path.realpath(server.upload_dir))
+            return start_preview(photo, up if inside else None)
+        photo.change(preview_start, [photo, upload], live, queue=False, api_visibility="private")
+        upload.change(preview_start, [photo, upload], live, queue=False, api_visibility="private")
 
         def on_method(m):
             return (gr.update(visible=m != "bf16"), gr.update(visible=m in KMEANS), gr.update(visible=m != "bf16"),

@@ -495,3 +495,21 @@ def test_ui_message_replaces_whole_flags_only():
     msg = ui_message(e.value)
     assert "qvg-app --checkpoint-root DIR" in msg and "`" not in msg
     assert ui_message(UsageError("--seed must be in [0, 9], got -5")) == "seed must be in [0, 9], got -5"
+
+
+def test_start_preview_shows_an_uploads_start_frame(tmp_path):
+    """An uploaded image's preview is the start frame the model will get (its centre view at the bundled photos'
+    scale), not the bundled photo's; a file that is not an image gives none."""
+    import imageio.v3 as iio
+    import numpy as np
+
+    from qvg.app.ui import start_preview
+    img = np.zeros((90, 160, 3), np.uint8)
+    img[:, :80] = (250, 0, 0)
+    img[:, 80:] = (0, 0, 250)
+    iio.imwrite(tmp_path / "up.png", img)
+    a, b = start_preview("astronaut"), start_preview("astronaut", str(tmp_path / "up.png"))
+    assert a.shape == b.shape and not np.array_equal(a, b)
+    assert b[..., 0].max() > 200 and b[..., 2].max() > 200 and b[..., 1].max() < 60  # the red / blue boundary
+    (tmp_path / "x.png").write_text("not an image")
+    assert start_preview("astronaut", str(tmp_path / "x.png")) is None
