@@ -19,11 +19,12 @@ from pathlib import Path
 
 from qvg.outputs import Terminated, sigterm_held, sigterm_raises, writable_error
 
+from .start_image import MIN_IMAGE_SIDE, image_array
+
 PIPELINES = ("tiny", "self-forcing")
 DEFAULT_PROMPT = "a red fox running through fresh snow, cinematic"
 DEFAULT_IMAGE = "astronaut"
 DEFAULT_ACTIONS = "right*3,down*2,left*3,up*2"  # a loop: the camera comes back to where it started
-MIN_IMAGE_SIDE = 16  # pixels: a start image is scaled to the model's view; below this it holds next to nothing
 
 
 class UsageError(Exception):
@@ -241,38 +242,6 @@ def parse(argv) -> dict:
     return s
 
 
-def _image_array(path: Path):
-    """An image file -> uint8 [H, W, 3]. PIL converts what it opens to RGB (palette, 1-bit, greyscale with or
-    without alpha, CMYK: alpha dropped); 16-bit and float images are scaled to 8 bits (floats up to 1 as [0, 1],
-    else as [0, 255]); files PIL can't open are read by imageio. ValueError naming what is unusable."""
-    import numpy as np
-    try:
-        from PIL import Image
-        with Image.open(path) as im:
-            if im.mode not in ("I", "I;16", "I;16B", "I;16L", "F"):
-                return np.asarray(im.convert("RGB"))
-            a = np.asarray(im)
-    except (ImportError, OSError):  # (PIL.UnidentifiedImageError is an OSError)
-        import imageio.v2 as imageio
-        a = np.asarray(imageio.imread(path))
-    if a.ndim == 2:
-        a = a[..., None]
-    if a.ndim != 3 or a.shape[-1] not in (1, 2, 3, 4):
-        raise ValueError(f"not a single image with 1-4 channels (array of shape {a.shape})")
-    a = a[..., :1].repeat(3, -1) if a.shape[-1] <= 2 else a[..., :3]
-    if a.dtype == np.uint8:
-        return a
-    kind = a.dtype.kind
-    if kind not in "uif":
-        raise ValueError(f"pixels of type {a.dtype}")
-    a = np.nan_to_num(a.astype(np.float64))
-    if kind == "f":
-        a = a * 255 if a.max() <= 1 else a
-    else:  # 16-bit samples (PIL's "I" mode holds 16-bit PNGs too)
-        a = a / 65535 * 255
-    return np.clip(a, 0, 255).round().astype(np.uint8)
-
-
 def _world_inputs(image: str, actions: str) -> dict:
     """The start image ([3, H, W] in [-1, 1]) and per-chunk action ids of the embedded world model."""
     from qvg.pipelines.world_data import load_photo, photo_names
@@ -291,7 +260,7 @@ def _world_inputs(image: str, actions: str) -> dict:
             raise UsageError(f"--image: {image!r} is neither a bundled photo ({', '.join(photo_names('all'))}) nor "
                              "a file")
         try:
-            a = _image_array(path)
+            a = image_array(path)
         except Exception as e:
             from qvg.pipelines.state_dicts import first_line
             raise UsageError(f"--image: cannot read {image!r} as an image ({first_line(e)})") from None

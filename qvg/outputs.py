@@ -29,15 +29,6 @@ def writable_error(folder: str | os.PathLike) -> str | None:
     return None
 
 
-def file_error(path: str | os.PathLike) -> str | None:
-    """Why `path` can't be written as a file (a folder is there, or its folder takes no files), or None."""
-    path = Path(path)
-    if path.is_dir():
-        return f"{str(path)!r} is a folder"
-    err = writable_error(path.parent) if path.parent.is_dir() else None
-    return None if err is None else f"cannot write to {str(path.parent)!r} ({err})"
-
-
 @contextlib.contextmanager
 def atomic(path: str | os.PathLike):
     """Yields a temporary path beside `path`; on a clean exit it replaces `path` (readable as a new file would be),

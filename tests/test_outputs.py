@@ -43,12 +43,6 @@ def test_writable_error_names_why(tmp_path, monkeypatch):
     assert outputs.writable_error(tmp_path) == "its file system takes no new files"
 
 
-def test_file_error(tmp_path):
-    (tmp_path / "d").mkdir()
-    assert outputs.file_error(tmp_path / "d") == f"{str(tmp_path / 'd')!r} is a folder"
-    assert outputs.file_error(tmp_path / "f.json") is None
-
-
 def test_sigterm_held_until_both_steps_are_done():
     done = []
     with pytest.raises(outputs.Terminated):

@@ -241,7 +241,7 @@ def test_start_images_of_other_pixel_formats(tmp_path, monkeypatch, kind):
     """16-bit, greyscale (+ alpha), RGBA and float images are taken as the 8-bit RGB image they show."""
     import numpy as np
 
-    from qvg.app.generate import _image_array
+    from qvg.app.start_image import image_array
     base = np.linspace(0, 1, 40 * 30).reshape(30, 40)
     arr = {"grey16": (base * 65535).astype(np.uint16), "grey-alpha": np.stack([(base * 255).astype(np.uint8)] * 2, -1),
            "rgba": np.stack([(base * 255).astype(np.uint8)] * 4, -1), "float": base.astype(np.float32)}[kind]
@@ -251,7 +251,7 @@ def test_start_images_of_other_pixel_formats(tmp_path, monkeypatch, kind):
         monkeypatch.setattr(imageio, "imread", lambda p: arr)
     else:
         imageio.imwrite(path, arr)
-    a = _image_array(path)
+    a = image_array(path)
     assert a.shape == (30, 40, 3) and a.dtype == np.uint8
     assert abs(a[..., 0].astype(int) - (base * 255).round().astype(int)).max() <= 1
 
