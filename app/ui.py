@@ -277,7 +277,9 @@ def build(server: Server):
             return (gr.update(visible=sf), gr.update(visible=sf), gr.update(visible=not sf), FRAMES.get(p, 31),
                     None if sf else start_preview(name))
         pipeline.change(on_pipeline, [pipeline, photo], [checkpoint, prompt, world_box, frames, live], queue=False,
-                        api_name="pipeline_defaults")
+                        api_name="pipeline_defaults").then(  # (back to the embedded model: an upload's frame wins)
+            lambda p, ph, up: None if p == "self-forcing" else preview_start(ph, up), [pipeline, photo, upload], live,
+            queue=False, api_visibility="private")
         history.change(lambda h: gr.update(visible=h == "window"), history, window, queue=False,
                        api_visibility="private")
         compare.change(lambda v: (gr.update(visible=v), gr.update(visible=v)), compare, [ref, ref_video],

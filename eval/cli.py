@@ -356,6 +356,10 @@ def _check_sweep(spec: dict, pipeline: str) -> list[str]:
     wrong = [b for b in spec["bits"] if b not in (2, 4, 8)]
     if wrong:
         raise UsageError(f"--bits must be 2, 4 or 8, got {', '.join(map(str, wrong))}")
+    for name, top in (("seeds", 2**63 - 1), ("kmeans_seeds", 2**31 - 1)):  # (qvg-generate's ranges)
+        bad = [v for v in spec[name] if not 0 <= v <= top]
+        if bad:
+            raise UsageError(f"--{name.replace('_', '-')} must be in [0, {top}], got {bad[0]}")
     if spec["chunks"] < 1 or not 1 <= spec["onset_chunks"] <= spec["chunks"]:
         raise UsageError(f"--chunks must be >= 1 and --onset-chunks in [1, chunks], got {spec['chunks']} and "
                          f"{spec['onset_chunks']}")
@@ -377,20 +381,24 @@ def _vbench_cmd(a, argv) -> int:
     from .video import read_video
     names = _dims(a.dims, "--dims")
     dev = _device(a.device)
-    videos = {}
-    for path in a.videos:  # every input read before any weights are loaded
+
+    def read(path):
         try:
-            videos[path] = read_video(path)
+            return read_video(path)
         except ValueError as e:
             raise UsageError(str(e)) from None
+    for path in a.videos:  # every input readable before any weights load (read again, one at a time, to score)
+        read(path)
     if a.out:
         _out_dir(Path(a.out).resolve().parent, Path(a.out).name)
     notes = []
     dims = _vbench(names, a.weights, dev, notes)
     res = {"meta": meta(command_line("qvg-eval", argv), dev, weight_files=weight_files(*dims.values())),
            "not_computed": {k: f for k, f in dims.items() if isinstance(f, str)},
-           "videos": {p: {k: (None if isinstance(f, str) else f(v)) for k, f in dims.items()}
-                      for p, v in videos.items()}}
+           "videos": {}}
+    for path in a.videos:
+        v = read(path)
+        res["videos"][path] = {k: (None if isinstance(f, str) else f(v)) for k, f in dims.items()}
     text = json.dumps(res, indent=1)
     print(_write(Path(a.out), text + "\n") if a.out else text)
     _notes(notes)

@@ -149,12 +149,14 @@ class GenerateRunner:
         return argv
 
     def check(self, spec: dict) -> None:
-        """Every run of a sweep `spec` through qvg-generate's own argument checks (its UsageError names the first
-        bad one), before any run: nothing is written."""
-        import tempfile
-
+        """Every input x method x bits of a sweep `spec` through qvg-generate's own argument checks (its UsageError
+        names the first bad one), before any run; the seeds' ranges are the caller's to check. Nothing is
+        written (qvg-generate's output check makes and removes a probe file where the work folder will be)."""
         from qvg.app import generate
-        probe = Path(tempfile.gettempdir()) / "qvg-sweep-check.mp4"
+        folder = self.workdir
+        while not folder.exists() and folder != folder.parent:
+            folder = folder.parent
+        probe = folder / ".qvg-sweep-check.mp4"
         runs = [("bf16", {})] + [(m, {"bits": b, **({"seed": spec["kmeans_seeds"][0]} if m in ("qvg", "qvg-pro")
                                                     else {})}) for m in spec["methods"] for b in spec["bits"]]
         for text in spec["inputs"]:

@@ -35,8 +35,8 @@ def atomic(path: str | os.PathLike):
     else it is removed: `path` is then left as it was, never half written."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix, dir=path.parent)
-    os.close(fd)
     try:
+        os.close(fd)
         yield Path(tmp)
         mask = os.umask(0)
         os.umask(mask)
@@ -77,13 +77,20 @@ def sigterm_raises():
 
 @contextlib.contextmanager
 def sigterm_held():
-    """Within: SIGTERM waits (blocked), so that steps that must happen together (two renames) do; it is delivered
-    on exit. Main thread only, else a no-op."""
+    """Within: a SIGTERM waits, so that steps that must happen together (two renames) do; on exit it goes to the
+    handler that was there before (Terminated inside `sigterm_raises`). A recording handler, not a signal mask: a
+    process with more threads than the main one (torch starts some) gets SIGTERM on any thread that does not
+    block it, and Python then runs the handler in the main thread at once. Main thread only, else a no-op."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    got = []
+    old = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+        signal.signal(signal.SIGTERM, old)
+        if got and callable(old):
+            old(signal.SIGTERM, None)
+        elif got and old == signal.SIG_DFL:
+            signal.raise_signal(signal.SIGTERM)

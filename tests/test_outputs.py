@@ -44,12 +44,21 @@ def test_writable_error_names_why(tmp_path, monkeypatch):
 
 
 def test_sigterm_held_until_both_steps_are_done():
+    """Held also with other threads running (torch starts some): the kernel may hand SIGTERM to any of them."""
+    import threading
+    stop = threading.Event()
+    t = threading.Thread(target=stop.wait)
+    t.start()
     done = []
-    with pytest.raises(outputs.Terminated):
-        with outputs.sigterm_raises():
-            with outputs.sigterm_held():
-                os.kill(os.getpid(), signal.SIGTERM)
-                done.append(1)  # still runs: the signal waits
-                done.append(2)
+    try:
+        with pytest.raises(outputs.Terminated):
+            with outputs.sigterm_raises():
+                with outputs.sigterm_held():
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    done.append(1)  # still runs: the signal waits
+                    done.append(2)
+    finally:
+        stop.set()
+        t.join()
     assert done == [1, 2]
     assert signal.getsignal(signal.SIGTERM) is not outputs._on_sigterm

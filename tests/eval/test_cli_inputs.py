@@ -36,6 +36,8 @@ SWEEP = ["--inputs", "coffee", "--seeds", "0", "--methods", "qvg", "--bits", "2"
     (["--key-storage", "pre"], "--key-storage: invalid choice: 'pre'"),
     (["--vbench", "bogus"], "--vbench: unknown bogus"),
     (["--threads", "-3"], "--threads must be >= 1, got -3"),
+    (["--seeds", "0,-1"], "--seeds must be in [0, "),
+    (["--kmeans-seeds", "0,2147483648"], "--kmeans-seeds must be in [0, 2147483647], got 2147483648"),
 ])
 def test_sweep_bad_values_before_any_work(tmp_path, capsys, change, needle):
     args = list(SWEEP)
@@ -177,7 +179,7 @@ def test_floor_notes_only_where_they_apply():
 
 
 @pytest.mark.parametrize("change,needle", [
-    (["--seeds", "-1"], "--seed must be in"),
+    (["--seeds", "-1"], "--seeds must be in [0, "),
     (["--checkpoint", "x"], "--checkpoint applies to --pipeline self-forcing"),
 ])
 def test_sweep_through_qvg_generate_checks_every_run_first(tmp_path, capsys, change, needle):
