@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from qvg.outputs import Terminated, sigterm_held, sigterm_raises, writable_error
+from qvg.outputs import Terminated, new_file_mode, sigterm_held, sigterm_raises, writable_error
 
 from .start_image import MIN_IMAGE_SIDE, image_array
 
@@ -244,12 +244,19 @@ def parse(argv) -> dict:
 
 def _world_inputs(image: str, actions: str) -> dict:
     """The start image ([3, H, W] in [-1, 1]) and per-chunk action ids of the embedded world model."""
-    from qvg.pipelines.world_data import load_photo, photo_names
     from qvg.pipelines.world_model import WorldModelError, parse_actions
     try:
         ids = parse_actions(actions)
     except WorldModelError as e:
         raise UsageError(f"--actions: {e}") from None
+    img, source = start_frame(image)
+    return {"image": img, "image_source": source, "actions": ids, "actions_text": actions}
+
+
+def start_frame(image: str):
+    """(the embedded model's start frame [3, size, size] in [-1, 1], where it came from) for --image: a bundled
+    photo's name or an image file (the UI's preview shows the same frame); UsageError naming what is wrong."""
+    from qvg.pipelines.world_data import load_photo, photo_names
     if image in photo_names("all"):  # the view at the photo's centre at scale 1, as the model saw them in training
         from qvg.pipelines.world_data import centre_view
         img = centre_view(load_photo(image))
@@ -272,7 +279,7 @@ def _world_inputs(image: str, actions: str) -> dict:
         from qvg.pipelines.world_data import photo_view  # the scale the model was trained at
         img = photo_view(torch.from_numpy(a.copy()).permute(2, 0, 1).float() / 127.5 - 1)
         source = str(path)
-    return {"image": img, "image_source": source, "actions": ids, "actions_text": actions}
+    return img, source
 
 
 @dataclass
@@ -495,7 +502,7 @@ def run(s) -> dict:
         rep = report(s, gen, gen.written, time.perf_counter() - t0, peak_kv)
         with open(tmp_json, "w") as f:
             json.dump(rep, f, indent=1)
-        mode = 0o666 & ~_umask()
+        mode = new_file_mode()
         os.chmod(tmp_video, mode)
         os.chmod(tmp_json, mode)
         with sigterm_held():  # (a SIGTERM waits for both renames; it then stops the tool with both files there)
@@ -526,12 +533,6 @@ def close_quietly(writer) -> None:
     would write the mp4 later), saying nothing (the run's own error is the one to report)."""
     if writer is not None and not writer.closed:
         writer.abort()
-
-
-def _umask() -> int:
-    m = os.umask(0)
-    os.umask(m)
-    return m
 
 
 def ratio_words(ratio: float) -> str:

@@ -65,11 +65,11 @@ def start_preview(photo: str, upload: str | None = None):
 
     from qvg.pipelines.world_data import centre_view, load_photo, photo_names
 
-    from .generate import UsageError, _world_inputs, to_uint8
+    from .generate import UsageError, start_frame, to_uint8
     from .ui_panel import preview
     if upload:
         try:
-            frame = _world_inputs(upload, "stay")["image"]
+            frame = start_frame(upload)[0]
         except UsageError:
             return None
     elif photo in photo_names("all"):

@@ -38,13 +38,18 @@ def atomic(path: str | os.PathLike):
     try:
         os.close(fd)
         yield Path(tmp)
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, 0o666 & ~mask)
+        os.chmod(tmp, new_file_mode())
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def new_file_mode() -> int:
+    """The permissions a newly made file gets (0o666 less the umask): mkstemp's files are 0o600 until given these."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
 
 
 def write_text(path: str | os.PathLike, text: str) -> Path:

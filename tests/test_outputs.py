@@ -21,13 +21,9 @@ def test_atomic_keeps_the_old_file_when_the_write_fails(tmp_path):
     assert p.read_text() == "old" and sorted(x.name for x in tmp_path.iterdir()) == ["r.json"]
     outputs.write_text(p, "new")
     assert p.read_text() == "new" and sorted(x.name for x in tmp_path.iterdir()) == ["r.json"]
-    assert oct(p.stat().st_mode & 0o777) == oct(0o666 & ~_umask())  # as a newly made file
-
-
-def _umask():
     m = os.umask(0)
     os.umask(m)
-    return m
+    assert oct(p.stat().st_mode & 0o777) == oct(0o666 & ~m)  # as a newly made file
 
 
 def test_writable_error_names_why(tmp_path, monkeypatch):
