@@ -411,8 +411,21 @@ class Generation:
                         actions[res.index] if actions else None)
 
 
-def report(s, gen: Generation, frames: int, seconds: float, mem: dict) -> dict:
-    """The JSON report of a run (README: qvg-generate); mem: cache.memory() at the cache's largest."""
+def chunk_row(ch: Chunk) -> dict:
+    """A chunk's line in the JSON report's `chunks`: its number (from 1), the frames it added to the video, its
+    seconds, and the cache right after it (total bytes, BF16 equivalent, ratio); tiny: its camera action."""
+    m = ch.memory
+    row = {"chunk": ch.index + 1, "frames": int(ch.frames.shape[0]), "seconds": round(ch.seconds, 4),
+           "kv_bytes": m["total"], "bf16_equivalent_bytes": m["bf16_equivalent"],
+           "compression_ratio": round(m["compression_ratio"], 4)}
+    if ch.action is not None:
+        row["action"] = ch.action
+    return row
+
+
+def report(s, gen: Generation, frames: int, seconds: float, mem: dict, chunks: list[dict] | None = None) -> dict:
+    """The JSON report of a run (README: qvg-generate); mem: cache.memory() at the cache's largest; chunks: one
+    chunk_row per chunk generated."""
     import torch
     from qvg.cache import MEMORY_COMPONENTS
     dev = s["device"]
@@ -433,6 +446,7 @@ def report(s, gen: Generation, frames: int, seconds: float, mem: dict) -> dict:
         "kv_bytes_note": "the cache at its largest during the run (after the last chunk for full history)",
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({os.cpu_count()} cores)",
         "commit": _commit(),
+        "chunks": chunks or [],
     }
     if "checkpoint_sources" in s:
         rep["checkpoint"] = s["checkpoint_sources"]
@@ -483,7 +497,7 @@ def run(s) -> dict:
     os.close(fd_v)
     tmp_json = tmp_video[:-4] + ".json"
     t0 = time.perf_counter()
-    peak_kv, writer = None, None
+    peak_kv, writer, rows = None, None, []
     try:
         writer = mp4_writer(tmp_video, gen.fps)
         bar = tqdm(total=gen.total_chunks, desc=f"{s['method']} chunks", unit="chunk", disable=s["quiet"],
@@ -494,12 +508,13 @@ def run(s) -> dict:
             for ch in gen:
                 mem = ch.memory
                 peak_kv = mem if peak_kv is None or mem["total"] > peak_kv["total"] else peak_kv
+                rows.append(chunk_row(ch))
                 for f in ch.frames:
                     writer.append_data(f)
                 bar.set_postfix(kv=f"{mem['total'] / 2**20:.1f} MiB", ratio=f"{mem['compression_ratio']:.2f}x")
                 bar.update(1)
         bar.close()
-        rep = report(s, gen, gen.written, time.perf_counter() - t0, peak_kv)
+        rep = report(s, gen, gen.written, time.perf_counter() - t0, peak_kv, rows)
         with open(tmp_json, "w") as f:
             json.dump(rep, f, indent=1)
         mode = new_file_mode()

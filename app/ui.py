@@ -159,7 +159,6 @@ def build(server: Server):
                             plots[name] = kind(None, x="chunk", y=y, color=color, title=title.format(lb="qvg"),
                                                color_map=ui_panel.COLORS if name == "components" else None,
                                                y_lim=None if name == "psnr" else [0, None],
-                                               x_axis_format=None if name == "components" else "d",
                                                height=260, elem_id=f"qvg-plot-{name}", visible=name != "psnr",
                                                show_label=False)
                 table = gr.Dataframe({"headers": ui_panel.table(Update("", ["qvg"]))[0], "data": []},
@@ -182,8 +181,11 @@ def build(server: Server):
             for name, (_, color, title) in PLOTS.items():
                 if name == "components":  # labelled bars (chunk numbers as text, in order) or a number axis
                     kw = {"sort": [str(i) for i in range(1, n + 1)] if n <= ui_panel.BAR_LABELS else None}
-                else:
-                    kw = {"x_lim": [0.5, max(up.total_chunks, 1) + 0.5]}
+                elif ui_panel.lines_labelled(up):  # the video's chunks as labels, in order
+                    kw = {"sort": [str(i) for i in range(1, up.total_chunks + 1)], "x_lim": None,
+                          "x_axis_format": None}
+                else:  # whole chunks on a number axis from 1 to the video's last
+                    kw = {"sort": None, "x_lim": [0.5, max(up.total_chunks, 1) + 0.5], "x_axis_format": "d"}
                 if color and n:  # the page draws a series' colour only if it is in the legend's list (which, when
                     # it changes, redraws the plot): a component or the UI's time may appear after the first chunk
                     kw["colors_in_legend"] = list(dict.fromkeys(data[name][color]))
@@ -191,7 +193,11 @@ def build(server: Server):
                     kw["y_title"] = f"KV cache ({unit})"
                 if name == "psnr":
                     kw["visible"] = name in data
-                out.append(gr.update(value=data.get(name) if n else None, title=title.format(lb=lb), **kw))
+                value = data.get(name) if n else None
+                if value is not None and name != "components" and ui_panel.one_point(value, PLOTS[name][0], color):
+                    value = plots[name].postprocess(value).model_dump()  # drawn as points: a line through one
+                    value["mark"] = "point"  # point draws nothing (gradio passes a dict value on as it is)
+                out.append(gr.update(value=value, title=title.format(lb=lb), **kw))
             return out
 
         def submit(request: gr.Request):
@@ -204,8 +210,8 @@ def build(server: Server):
             c = jobs.start(job, request.session_hash)
             up = None
             try:
-                if c.cancel.is_set():
-                    yield ("Cancelled before it started.", *skip_all)
+                if c.cancel.is_set():  # the page says nothing more: Cancel said this job will not run, and the
+                    yield (gr.skip(), *skip_all)  # status may now be an earlier job's end, which should stay
                     return
                 workdir = workdirs.new()
                 # bad input is one message in the status line, and the page keeps its last video until the input

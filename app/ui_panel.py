@@ -125,8 +125,15 @@ def table(up) -> tuple[list[str], list[list]]:
     return head, rows
 
 
-# the bytes-by-component bars are drawn one per chunk, labelled, up to this many chunks; beyond, on a number axis
+# the bytes-by-component bars are drawn one per chunk, labelled, up to this many chunks; beyond, on a number axis. The
+# lines are labelled chunk by chunk for videos of up to this many chunks (a number axis would put ticks between
+# chunks), on a number axis for longer ones
 BAR_LABELS = 24
+
+
+def lines_labelled(up) -> bool:
+    """Whether the line plots' x axis is the video's chunks as labels (a short video) rather than a number axis."""
+    return up.total_chunks <= BAR_LABELS
 
 
 def plots(up) -> tuple[dict, str]:
@@ -135,7 +142,9 @@ def plots(up) -> tuple[dict, str]:
       chunk as text up to BAR_LABELS chunks: a bar per label);
     - kv: chunk, series (each video's KV cache, the BF16 equivalent), size;
     - ratio: chunk, video, ratio; latency: chunk, series (each video's chunk seconds, the UI's), seconds;
-    - psnr (comparing): chunk, PSNR dB."""
+    - psnr (comparing): chunk, PSNR dB.
+    For a short video (lines_labelled) the lines' chunks are text and each series has a row (value NaN) for every
+    chunk still to come, so the axis is the whole video's chunks from the start."""
     import pandas as pd
     lb = up.labels[-1]
     scale, unit = _unit(max([r.memory[lb]["bf16_equivalent"] for r in up.rows] + [1]))
@@ -147,14 +156,25 @@ def plots(up) -> tuple[dict, str]:
     ratio = [(r.index + 1, name, r.memory[name]["compression_ratio"]) for r in up.rows for name in up.labels]
     lat = [(r.index + 1, name, r.seconds[name]) for r in up.rows for name in up.labels]
     lat += [(r.index + 1, "UI", r.ui_seconds) for r in up.rows if r.ui_seconds is not None]
-    out = {"components": pd.DataFrame(comp, columns=["chunk", "component", "size"]),
-           "kv": pd.DataFrame(kv, columns=["chunk", "series", "size"]),
-           "ratio": pd.DataFrame(ratio, columns=["chunk", "video", "ratio"]),
-           "latency": pd.DataFrame(lat, columns=["chunk", "series", "seconds"])}
+    out = {"components": pd.DataFrame(comp, columns=["chunk", "component", "size"])}
+    lines = {"kv": (kv, ["chunk", "series", "size"]), "ratio": (ratio, ["chunk", "video", "ratio"]),
+             "latency": (lat, ["chunk", "series", "seconds"])}
     if len(up.labels) == 2:
-        out["psnr"] = pd.DataFrame([(r.index + 1, r.psnr) for r in up.rows if r.psnr is not None],
-                                   columns=["chunk", "PSNR dB"])
+        lines["psnr"] = ([(r.index + 1, r.psnr) for r in up.rows if r.psnr is not None], ["chunk", "PSNR dB"])
+    for name, (rows, cols) in lines.items():
+        if lines_labelled(up):
+            series = list(dict.fromkeys(r[1] for r in rows)) if len(cols) == 3 else [None]
+            rows = [(str(r[0]), *r[1:]) for r in rows]
+            rows += [(str(c), *([s] if s is not None else []), float("nan"))
+                     for c in range(len(up.rows) + 1, up.total_chunks + 1) for s in series]
+        out[name] = pd.DataFrame(rows, columns=cols).astype({cols[-1]: float})
     return out, unit
+
+
+def one_point(df, y: str, color: str | None) -> bool:
+    """Whether a line plot's data has at most one point (a value that is not NaN) in each series."""
+    shown = df[y].notna()
+    return int(shown.groupby(df[color]).sum().max() if color and len(df) else shown.sum()) <= 1
 
 
 def _unit(top: float) -> tuple[float, str]:

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import generate
-from .generate import (DEFAULT_ACTIONS, DEFAULT_IMAGE, DEFAULT_PROMPT, Generation, Loaded, UsageError, close_quietly,
-                       load_model, mp4_writer, parse, report)
+from .generate import (DEFAULT_ACTIONS, DEFAULT_IMAGE, DEFAULT_PROMPT, Generation, Loaded, UsageError, chunk_row,
+                       close_quietly, load_model, mp4_writer, parse, report)
 from .ui_jobs import Job
 
 _LABELS = {"tiny": "embedded world model", "self-forcing": "Self-Forcing (checkpoint)"}
@@ -148,15 +148,27 @@ def settings(form: Form, server: Server, out: Path) -> list[dict]:
         raise UsageError("compare: choose a compressed method to compare with BF16")
     runs = [("bf16", [])] if form.compare else []
     runs.append((form.method, opts))
+    if form.pipeline != "tiny":
+        subject = "self-forcing"
+    else:
+        subject = Path(form.upload).stem if form.upload else form.photo
     out_list = []
     try:
         for method, o in runs:
             s = parse(argv + ["--method", method, *o, "--out", str(out / f"{method}.mp4")])
-            s["label"] = method
+            s["label"], s["subject"] = method, subject
             out_list.append(s)
     except UsageError as e:
         raise UsageError(ui_message(e)) from None
     return out_list
+
+
+def file_stem(s: dict) -> str:
+    """The name (without suffix) of a video's downloads, mp4 and JSON: what made it, e.g. qvg-int4-astronaut-seed0
+    or bf16-self-forcing-seed3 (an upload's own name stands for its photo), so two runs' downloads do not collide."""
+    bits = s.get("resolved_options", {}).get("bits")
+    parts = [s["label"], *([f"int{bits}"] if bits else []), s.get("subject") or s["pipeline"], f"seed{s['seed']}"]
+    return re.sub(r"[^A-Za-z0-9_.+-]+", "_", "-".join(parts)).strip("._") or s["label"]
 
 
 class Plan:
@@ -246,10 +258,12 @@ def run(runs: list[dict], gens: list[Generation], controls: Job, workdir: Path):
     writers = {}
     chunk_seconds = {lb: 0.0 for lb in labels}
     peaks = {lb: None for lb in labels}
+    chunk_rows = {lb: [] for lb in labels}  # the reports' per-chunk lines
     t0 = time.perf_counter()
     try:
+        stems = {lb: file_stem(s) for lb, s in zip(labels, runs)}
         for lb, g in zip(labels, gens):
-            writers[lb] = mp4_writer(str(workdir / f"{lb}.mp4"), g.fps)
+            writers[lb] = mp4_writer(str(workdir / f"{stems[lb]}.mp4"), g.fps)
             if g.lead is not None:
                 up.frames[lb] = to_uint8(g.lead)
                 for f in up.frames[lb]:
@@ -280,6 +294,10 @@ def run(runs: list[dict], gens: list[Generation], controls: Job, workdir: Path):
                                {lb: ch.memory for lb, ch in zip(labels, chunks)},
                                psnr(chunks[0].video, chunks[-1].video) if len(chunks) == 2 and
                                chunks[0].video.numel() else None))
+            for lb, ch in zip(labels, chunks):
+                chunk_rows[lb].append(chunk_row(ch))
+            if up.rows[-1].psnr is not None:  # the compared method's report: its PSNR against bf16 per chunk
+                chunk_rows[labels[-1]][-1]["psnr_vs_bf16"] = round(up.rows[-1].psnr, 3)
             steer = f" · steering: {controls.steer}" if controls.steer and runs[0]["pipeline"] == "tiny" else ""
             up.status = f"chunk {c + 1} of {up.total_chunks}{steer}"
             yield up
@@ -292,10 +310,10 @@ def run(runs: list[dict], gens: list[Generation], controls: Job, workdir: Path):
             writers[lb].close()
         for lb, s, g in zip(labels, runs, gens):
             if g.written:  # frames produced = frames in the mp4; none (cancelled early): the writer wrote no file
-                up.videos[lb] = str(workdir / f"{lb}.mp4")
+                up.videos[lb] = str(workdir / f"{stems[lb]}.mp4")
             if peaks[lb] is not None:  # seconds: this run's chunks (not the UI's streaming, not the other run)
-                path = workdir / f"{lb}.json"
-                rep = report(s, g, g.written, chunk_seconds[lb], peaks[lb])
+                path = workdir / f"{stems[lb]}.json"
+                rep = report(s, g, g.written, chunk_seconds[lb], peaks[lb], chunk_rows[lb])
                 if cancelled is not None:  # what was generated, not what was planned
                     cf = s.get("world_config", {}).get("chunk_frames", 3)
                     rep.update(latent_frames=min(g.latent_frames, cancelled * cf),

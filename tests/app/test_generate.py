@@ -21,6 +21,13 @@ def test_writes_mp4_and_report(tmp_path, method, capsys):
     assert rep["kv_bytes"]["total"] == sum(v for k, v in rep["kv_bytes"].items() if k != "total")
     assert sum(rep["bf16_zones"].values()) == rep["kv_bytes"]["bf16"]
     assert rep["image"].startswith("bundled photo 'astronaut'") and len(rep["actions"]) == 4
+    # per chunk: its frames, seconds and the cache right after it; the last (full history) is the cache's largest
+    chunks = rep["chunks"]
+    assert [c["chunk"] for c in chunks] == [1, 2, 3, 4] and sum(c["frames"] for c in chunks) == 12
+    assert [c["action"] for c in chunks] == rep["actions"] and all(c["seconds"] > 0 for c in chunks)
+    assert chunks[-1]["kv_bytes"] == rep["kv_bytes"]["total"]
+    assert chunks[-1]["bf16_equivalent_bytes"] == rep["bf16_equivalent_bytes"]
+    assert [c["kv_bytes"] for c in chunks] == sorted(c["kv_bytes"] for c in chunks)
     import imageio.v3 as iio
     frames = iio.imread(out)
     assert frames.shape == (13, 64, 64, 3)

@@ -2,6 +2,7 @@
 compare mode, the queue (positions, one job at a time), cancel (per job), live steering, errors as messages, the
 path rules (checkpoint root, uploads only) and the live preview's size. Videos are short (1-4 chunks of 3 frames)."""
 import json
+import os
 import re
 import socket
 import time
@@ -141,7 +142,8 @@ def test_live_chunks_memory_panel_mp4_and_report(client):
     assert plot["mark"] == "bar" and plot["columns"] == ["chunk", "component", "size"]
     assert {c for _, c, _ in plot["data"]} >= {"codes", "scales", "centroids", "bf16_current"}
     assert last[COMPONENTS]["y_title"] == "KV cache (MiB)" and last[COMPONENTS]["sort"] == ["1", "2"]
-    assert last[KV]["x_lim"] == [0.5, 2.5]  # the lines span the whole video (2 chunks) from the start
+    # the lines span the whole video (2 chunks, labelled) from the start
+    assert last[KV]["sort"] == ["1", "2"] and last[KV].get("x_lim") is None and last[KV]["value"]["mark"] == "line"
     assert {s for _, s, _ in last[KV]["value"]["data"]} == {"qvg KV cache", "BF16 equivalent"}
     assert {s for _, s, _ in last[LATENCY]["value"]["data"]} == {"qvg", "UI"}
     assert last[LATENCY]["colors_in_legend"] == ["qvg", "UI"]  # (a series not listed is not drawn)
@@ -170,8 +172,16 @@ def test_compare_runs_bf16_and_the_method_side_by_side(client):
         assert abs(sum(row[h] for h in parts) - row[f"{lb} KV KiB"]) < 0.1
     assert "PSNR rtn vs bf16" in last[SUMMARY]
     assert last[PSNR]["visible"] is True and len(last[PSNR]["value"]["data"]) == len(rows)
+    # one chunk: each series is one point, drawn as a point (a line through one point draws nothing)
+    assert last[PSNR]["value"]["mark"] == last[KV]["value"]["mark"] == "point"
     assert {s for _, s, _ in last[KV]["value"]["data"]} == {"bf16 KV cache", "rtn KV cache", "BF16 equivalent"}
     assert last[LIVE]["label"] == "live: rtn" and last[REF] and last[REF_VIDEO]  # both live frames, both videos
+    # the downloads are named for what made them; the method's report has its PSNR against BF16 per chunk
+    names = [os.path.basename(p) for p in last[REPORTS]]
+    assert names == ["bf16-astronaut-seed0.json", "rtn-int4-astronaut-seed0.json"], names
+    chunks = json.loads(open(last[REPORTS][1]).read())["chunks"]
+    assert len(chunks) == 1 and abs(chunks[0]["psnr_vs_bf16"] - row["PSNR dB"]) < 0.01
+    assert "psnr_vs_bf16" not in json.loads(open(last[REPORTS][0]).read())["chunks"][0]
     # the two runs share one model, interleaved chunk by chunk: the BF16 side is exactly a BF16 run on its own
     alone = _wait(client.submit(*form(method="bf16", frames=4), api_name="/generate"))
     from PIL import Image, ImageSequence
@@ -282,8 +292,9 @@ def test_cancel_is_per_job(url):
     assert "cancelled after" in outs[-1][STATUS] and "of 100 chunks" in outs[-1][STATUS]
     import imageio.v3 as iio
     assert 4 <= iio.imread(outs[-1][VIDEO]).shape[0] < 301
-    for j in (jb1, jb2):  # ended at their turn without loading or generating anything
-        assert _status(_wait(j)) == ["Cancelled before it started."]
+    for j in (jb1, jb2):  # ended at their turn without loading or generating anything, nor changing the page
+        outs = _wait(j)
+        assert len(outs) == 1 and all(v == {"__type__": "update"} for v in outs[0]), outs
     for j in (jc, jb3, submit(a, frames=4)):
         assert _wait(j)[-1][STATUS].startswith("**done: 1 chunk in")
     assert {x.predict(api_name="/cancel") for x in (a, b, c)} == {"Nothing is running."}
@@ -369,6 +380,11 @@ def test_panel_unit():
     head, rows = table(up)
     assert head[:4] == ["chunk", "action", "frames", "UI s"] and rows[-1][3] is None and rows[0][3] == 0.01
     assert "UI** between chunks" in summary(up) and "0.010 s last" in summary(up)
+    short = Update("", ["rtn"], total_chunks=3, rows=up.rows[:1])  # a short video: its chunks as labels, all shown
+    kv = plots(short)[0]["kv"]
+    assert list(kv["chunk"]) == ["1", "1", "2", "2", "3", "3"] and kv["size"].isna().sum() == 4
+    from qvg.app.ui_panel import one_point
+    assert one_point(kv, "size", "series") and not one_point(data["kv"], "size", "series")
     assert error_status("block_size <b>\n x") == "**Error:** block\\_size \\<b\\> x"
 
 
