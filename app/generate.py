@@ -520,12 +520,13 @@ def run(s) -> dict:
         mode = new_file_mode()
         os.chmod(tmp_video, mode)
         os.chmod(tmp_json, mode)
+        video_path, json_path = (os.path.realpath(p) for p in (out, out.with_suffix(".json")))  # through symlinks
         with sigterm_held():  # (a SIGTERM waits for both renames; it then stops the tool with both files there)
-            os.replace(tmp_video, out)
+            os.replace(tmp_video, video_path)
             try:
-                os.replace(tmp_json, out.with_suffix(".json"))
+                os.replace(tmp_json, json_path)
             except BaseException:
-                os.remove(out)  # both or neither
+                os.remove(video_path)  # both or neither
                 raise
             s["written"] = True
         return rep

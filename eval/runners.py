@@ -15,6 +15,7 @@ cache's bytes by component at its largest, seconds)`.
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,6 +115,18 @@ class EmbeddedRunner:
         return Video(torch.cat(vids, 1), mem, time.perf_counter() - t0)
 
 
+# qvg-generate's flags, as a sweep names what they come from (its errors are said in the sweep's words)
+SWEEP_FLAGS = {"--image": "--inputs", "--prompt": "--inputs", "--seed": "--seeds", "--kmeans-seed": "--kmeans-seeds",
+               "--method": "--methods"}
+
+
+def sweep_words(message: str, workdir: Path) -> str:
+    """A qvg-generate error in a sweep's words: its flags -> the sweep's options, --out -> the videos' folder."""
+    for flag, name in SWEEP_FLAGS.items():  # whole flags only: --seed is not --seeds
+        message = re.sub(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", name, message)
+    return re.sub(r"(?<![\w-])--out(?![\w-])", f"the videos' folder {str(workdir)!r}", message)
+
+
 class GenerateRunner:
     """Any qvg-generate pipeline, through its CLI code. Inputs are prompts (self-forcing) or images (tiny)."""
     kind = "qvg-generate"
@@ -156,12 +169,17 @@ class GenerateRunner:
         folder = self.workdir
         while not folder.exists() and folder != folder.parent:
             folder = folder.parent
+        if not folder.is_dir():  # the videos' folder or one above it is a file
+            raise generate.UsageError(f"cannot write the videos to {str(self.workdir)!r}: {str(folder)!r} is a file")
         probe = folder / ".qvg-sweep-check.mp4"
         runs = [("bf16", {})] + [(m, {"bits": b, **({"seed": spec["kmeans_seeds"][0]} if m in ("qvg", "qvg-pro")
                                                     else {})}) for m in spec["methods"] for b in spec["bits"]]
-        for text in spec["inputs"]:
-            for method, opts in runs:
-                generate.parse(self.argv(text, spec["seeds"][0], method, opts, spec["chunks"], probe))
+        try:
+            for text in spec["inputs"]:
+                for method, opts in runs:
+                    generate.parse(self.argv(text, spec["seeds"][0], method, opts, spec["chunks"], probe))
+        except generate.UsageError as e:
+            raise generate.UsageError(sweep_words(str(e), self.workdir)) from None
 
     def run(self, text: str, seed: int, method: str, options: dict, chunks: int, capture=None) -> Video:
         from qvg.app import generate

@@ -32,8 +32,9 @@ def writable_error(folder: str | os.PathLike) -> str | None:
 @contextlib.contextmanager
 def atomic(path: str | os.PathLike):
     """Yields a temporary path beside `path`; on a clean exit it replaces `path` (readable as a new file would be),
-    else it is removed: `path` is then left as it was, never half written."""
-    path = Path(path)
+    else it is removed: `path` is then left as it was, never half written. A symlink is written through, as open()
+    would: the file it names is replaced, the link stays."""
+    path = Path(os.path.realpath(path))
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix, dir=path.parent)
     try:
         os.close(fd)

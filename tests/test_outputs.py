@@ -26,6 +26,16 @@ def test_atomic_keeps_the_old_file_when_the_write_fails(tmp_path):
     assert oct(p.stat().st_mode & 0o777) == oct(0o666 & ~m)  # as a newly made file
 
 
+def test_atomic_writes_through_a_symlink(tmp_path):
+    (tmp_path / "real").mkdir()
+    target, link = tmp_path / "real" / "r.json", tmp_path / "r.json"
+    target.write_text("old")
+    link.symlink_to(target)
+    outputs.write_text(link, "new")
+    assert link.is_symlink() and target.read_text() == "new"  # the file it names is replaced, the link stays
+    assert sorted(x.name for x in (tmp_path / "real").iterdir()) == ["r.json"]
+
+
 def test_writable_error_names_why(tmp_path, monkeypatch):
     assert outputs.writable_error(tmp_path) is None and list(tmp_path.iterdir()) == []
 

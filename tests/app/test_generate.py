@@ -53,6 +53,19 @@ def test_writes_mp4_and_report(tmp_path, method, capsys):
         assert rep["key_storage"] == "pre-rope" and rep["kv_bytes"]["positions"] == 6 * 5 * 3 * 3 * 4  # 5 packed chunks of 3 frames, int32
 
 
+def test_output_through_symlinks(tmp_path):
+    """An --out (and its JSON) that are symlinks are written through: the files they name are replaced."""
+    (tmp_path / "store").mkdir()
+    for name in ("v.mp4", "v.json"):
+        (tmp_path / "store" / name).write_text("old")
+        (tmp_path / name).symlink_to(tmp_path / "store" / name)
+    assert main(["--frames", "4", "--method", "bf16", "--out", str(tmp_path / "v.mp4"), "--quiet"]) == 0
+    assert (tmp_path / "v.mp4").is_symlink() and (tmp_path / "v.json").is_symlink()
+    assert json.loads((tmp_path / "store" / "v.json").read_text())["frames"] == 4
+    assert (tmp_path / "store" / "v.mp4").read_bytes()[4:8] == b"ftyp"
+    assert sorted(p.name for p in (tmp_path / "store").iterdir()) == ["v.json", "v.mp4"]
+
+
 def test_bf16_with_a_window_is_still_1x(tmp_path):
     out = tmp_path / "w.mp4"
     assert main(["--method", "bf16", "--history", "window:3", "--frames", "29", "--out", str(out), "--quiet"]) == 0

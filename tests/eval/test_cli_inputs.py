@@ -198,6 +198,30 @@ def test_sweep_through_qvg_generate_checks_every_run_first(tmp_path, capsys, cha
     _one_error(capsys, "--pipeline self-forcing needs --checkpoint DIR")
 
 
+@pytest.mark.parametrize("where", ["videos", "outdir"])
+def test_sweep_through_qvg_generate_a_file_in_the_way(tmp_path, capsys, where):
+    """A file where the sweep's videos folder (OUTDIR/videos) or OUTDIR would be: one line before any run, in the
+    sweep's words (not qvg-generate's --out)."""
+    out = tmp_path / "sw"
+    if where == "videos":
+        out.mkdir()
+        (out / "videos").write_text("")
+    else:
+        out.write_text("")
+    assert main(["sweep", str(out), "--pipeline", "tiny"] + SWEEP) == 2
+    _one_error(capsys, f"cannot write the videos to {str(out / 'videos')!r}")
+    assert sorted(p.name for p in tmp_path.rglob("*")) == (["sw", "videos"] if where == "videos" else ["sw"])
+
+
+def test_qvg_generate_errors_in_the_sweeps_words(tmp_path):
+    from qvg.eval.runners import sweep_words
+    assert sweep_words("--seed must be in [0, 9], got -1; --seeds stays", tmp_path) == \
+        "--seeds must be in [0, 9], got -1; --seeds stays"
+    assert sweep_words("--image: no such file; --kmeans-seed 3; --method x", tmp_path) == \
+        "--inputs: no such file; --kmeans-seeds 3; --methods x"
+    assert sweep_words("--out: cannot write", tmp_path) == f"the videos' folder {str(tmp_path)!r}: cannot write"
+
+
 def test_qvg_generate_runner_passes_kmeans_seed_and_key_storage(tmp_path):
     """The k-means seed of a sweep run is qvg-generate's --kmeans-seed, never a second --seed (which replaced the
     sampling seed before), and the runner's key storage is passed."""
