@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from qvg.outputs import Terminated, new_file_mode, sigterm_held, sigterm_raises, writable_error
+from qvg.outputs import Terminated, new_file_mode, sigterm_held, sigterm_raises, target, target_error
 
 from .start_image import MIN_IMAGE_SIDE, image_array
 
@@ -203,15 +203,10 @@ def parse(argv) -> dict:
     out = Path(a.out)
     if out.suffix.lower() != ".mp4":
         raise UsageError(f"--out must end in .mp4, got {a.out!r}")
-    parent = out.resolve().parent
-    if not parent.is_dir():
-        raise UsageError(f"--out: cannot write to {str(parent)!r} (no such directory)")
-    err = writable_error(parent)
-    if err:
-        raise UsageError(f"--out: cannot create files in {str(parent)!r} ({err})")
-    for path in (out, out.with_suffix(".json")):
-        if path.is_dir():
-            raise UsageError(f"--out: {str(path)!r} is a directory")
+    for path in (out, out.with_suffix(".json")):  # each where it will be written: symlinks followed
+        err = target_error(path)
+        if err:
+            raise UsageError(f"--out: {err}")
     s["out"] = out
     if a.pipeline == "self-forcing":
         if not a.checkpoint:
@@ -493,9 +488,16 @@ def run(s) -> dict:
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     out: Path = s["out"]
-    fd_v, tmp_video = tempfile.mkstemp(prefix=f".{out.stem}.", suffix=".mp4", dir=out.resolve().parent)
+    # each temporary file beside the file it will replace (a symlinked JSON may be in another folder or file system)
+    video_path, json_path = target(out), target(out.with_suffix(".json"))
+    fd_v, tmp_video = tempfile.mkstemp(prefix=f".{out.stem}.", suffix=".mp4", dir=video_path.parent)
     os.close(fd_v)
-    tmp_json = tmp_video[:-4] + ".json"
+    try:
+        fd_j, tmp_json = tempfile.mkstemp(prefix=f".{out.stem}.", suffix=".json", dir=json_path.parent)
+        os.close(fd_j)
+    except BaseException:
+        os.remove(tmp_video)
+        raise
     t0 = time.perf_counter()
     peak_kv, writer, rows = None, None, []
     try:
@@ -520,7 +522,6 @@ def run(s) -> dict:
         mode = new_file_mode()
         os.chmod(tmp_video, mode)
         os.chmod(tmp_json, mode)
-        video_path, json_path = (os.path.realpath(p) for p in (out, out.with_suffix(".json")))  # through symlinks
         with sigterm_held():  # (a SIGTERM waits for both renames; it then stops the tool with both files there)
             os.replace(tmp_video, video_path)
             try:

@@ -125,15 +125,16 @@ def table(up) -> tuple[list[str], list[list]]:
     return head, rows
 
 
-# the bytes-by-component bars are drawn one per chunk, labelled, up to this many chunks; beyond, on a number axis. The
-# lines are labelled chunk by chunk for videos of up to this many chunks (a number axis would put ticks between
-# chunks), on a number axis for longer ones
+# the bytes-by-component bars are drawn one per chunk, labelled, up to this many chunks; beyond, on a number axis
 BAR_LABELS = 24
+# the lines' x axis is labelled chunk by chunk for videos of up to this many chunks (a number axis would put ticks
+# between chunks), a number axis for longer ones (a labelled axis does not thin its labels: three plots share a row)
+LINE_LABELS = 12
 
 
 def lines_labelled(up) -> bool:
     """Whether the line plots' x axis is the video's chunks as labels (a short video) rather than a number axis."""
-    return up.total_chunks <= BAR_LABELS
+    return up.total_chunks <= LINE_LABELS
 
 
 def plots(up) -> tuple[dict, str]:

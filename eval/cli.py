@@ -17,7 +17,7 @@ import signal
 import sys
 from pathlib import Path
 
-from qvg.outputs import Terminated, sigterm_raises, writable_error, write_text
+from qvg.outputs import Terminated, sigterm_raises, target_error, writable_error, write_text
 
 from .weights import BadWeights
 
@@ -176,6 +176,10 @@ def _out_dir(path: str | Path, *files: str) -> Path:
     err = writable_error(out)
     if err:
         raise UsageError(f"cannot write to {str(out)!r} ({err})")
+    for name in files:  # where each will be written: a symlinked file's target folder too
+        err = target_error(out / name)
+        if err:
+            raise UsageError(f"cannot write {str(out / name)!r}: {err}")
     return out
 
 

@@ -1,7 +1,7 @@
 """KV-cache compression analysis on synthetic video-like KV: MSE per method, QVG's MSE reduction vs RTN, MSE vs PRQ
 stages, and the streaming k-means warm start.
 
-    python -m qvg.eval.kv_analysis [--out eval/results] [--quick] [--seed S] [--no-progress]
+    python -m qvg.eval.kv_analysis [--out DIR] [--quick] [--seed S] [--no-progress]
 
 writes <out>/kv_analysis.json, <out>/kv_analysis.md (and <out>/kv_analysis.png when matplotlib is importable) and
 prints the tables. CPU, about a minute at full size on 2 cores; `--quick` is a seconds-long smoke test. Run as a
@@ -84,7 +84,6 @@ def stage_grids() -> list[str]:
 
 def _suffix(grid: str) -> str:
     return "" if grid == default_grid() else f" {grid}"
-REPO = Path(__file__).resolve().parent.parent
 
 
 def config(quick: bool = False, seed: int = 0) -> dict:
@@ -722,7 +721,8 @@ def save(res: dict, out: str | Path) -> list[str]:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m qvg.eval.kv_analysis", description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=str(REPO / "eval" / "results"), help="output folder (default eval/results)")
+    ap.add_argument("--out", default=".", help="output folder (default: the current one; the committed copies are "
+                    "in eval/results)")
     ap.add_argument("--quick", action="store_true", help="small sizes: a seconds-long smoke test")
     ap.add_argument("--seed", type=int, default=0, help="data seed and first k-means seed (default 0)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")

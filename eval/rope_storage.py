@@ -1,4 +1,4 @@
-"""Pre- vs post-RoPE key storage: `python -m qvg.eval.rope_storage [--out eval/results] [--chunks 4]`.
+"""Pre- vs post-RoPE key storage: `python -m qvg.eval.rope_storage [--out DIR] [--chunks 4]`.
 
 Self-Forcing caches keys after RoPE; LongCat caches them before (and the QVG paper reports that pre-RoPE keys
 quantize better). Here: synthetic video-like keys (qvg.eval.synthetic_kv, which has no RoPE of its own) over
@@ -61,10 +61,12 @@ def run(chunks: int = 4, frames: int = 3, height: int = 30, width: int = 52, hea
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="pre- vs post-RoPE key storage on synthetic video-like KV")
-    ap.add_argument("--out", default="eval/results")
-    ap.add_argument("--chunks", type=int, default=4)
-    ap.add_argument("--seed", type=int, default=0)
+    ap = argparse.ArgumentParser(prog="python -m qvg.eval.rope_storage",
+                                 description="pre- vs post-RoPE key storage on synthetic video-like KV")
+    ap.add_argument("--out", default=".", help="output folder for rope_storage.json / .md (default: the current "
+                    "one; the committed copies are in eval/results)")
+    ap.add_argument("--chunks", type=int, default=4, help="consecutive chunks compressed, warm-started (default 4)")
+    ap.add_argument("--seed", type=int, default=0, help="data seed (default 0)")
     args = ap.parse_args(argv)
     if args.chunks < 1:
         ap.error("--chunks must be >= 1")

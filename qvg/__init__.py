@@ -11,6 +11,9 @@ Subpackages: qvg.app, qvg.pipelines, qvg.kernels, qvg.eval.
 from .compression import bits_per_element, compress, decompress, methods
 from .packed import Packed
 from .quant import QuantSpec
+from ._lazy import submodule_getattr
 
 __all__ = ["compress", "decompress", "methods", "bits_per_element", "Packed", "QuantSpec"]
 __version__ = "0.1.0"
+
+__getattr__ = submodule_getattr(__name__)  # qvg.cache, qvg.pipelines, ... after a bare `import qvg`

@@ -93,6 +93,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import operator
 
 import torch
 
@@ -273,6 +274,12 @@ class KVCache:
             check_variant(compress_preset)
         self.compress_preset = compress_preset if compress_preset is not None else COMMIT_PRESETS.get(method)
         self.method, self.options = method, dict(options)
+        unit = commit_every * chunk_frames * tokens_per_frame
+        if method != "bf16":
+            if "centroids" in compression.methods(details=True)[method]["defaults"] and \
+                    self.options.get("centroids") is None:
+                self.options["centroids"] = default_centroids(unit)  # (compress's preset, 256, suits larger units)
+            check_options(method, self.options, unit)
         self.chunk_frames, self.tokens_per_frame = chunk_frames, tokens_per_frame
         self.sink_frames, self.window_frames, self.commit_every = sink_frames, window_frames, commit_every
         self.num_layers = num_layers
@@ -349,6 +356,16 @@ class KVCache:
         self._positions = positions.detach().to("cpu", torch.int32).clone()
         self._grid = (height, width, float(theta))
 
+    def _layer(self, layer: int, what: str) -> _Layer:
+        try:
+            i = None if isinstance(layer, bool) else operator.index(layer)
+        except TypeError:
+            i = None
+        if i is None or not 0 <= i < self.num_layers:
+            raise ValueError(f"{what}: layer must be an integer in [0, {self.num_layers - 1}] (this cache has "
+                             f"{self.num_layers} layers), got {layer!r}")
+        return self.layers[i]
+
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, transient: bool = False) -> None:
         """Store the current chunk's K/V [B, H, chunk_tokens, D] of `layer` (overwrites the previous write).
         transient: they serve only the layer's next `attend` (a denoising step); the cache may hold k and v by
@@ -356,7 +373,7 @@ class KVCache:
         if k.shape != v.shape or k.dim() != 4 or k.shape[2] != self.chunk_tokens:
             raise ValueError(f"write expects k and v of shape [B, H, {self.chunk_tokens}, D], got "
                              f"{tuple(k.shape)} and {tuple(v.shape)}")
-        L = self.layers[layer]
+        L = self._layer(layer, "write")
         if L.committed:
             raise RuntimeError(f"write: layer {layer} was committed by commit_layer; call commit() before the next "
                                "chunk")
@@ -418,8 +435,11 @@ class KVCache:
         stream is queued by `commit()` with the others when `defer_commits` (the default), else right away; one in
         line runs now. `commit()` must still follow once every layer is done; until then the layer takes no new
         write."""
-        L = self.layers[layer]
-        if L.committed or not L.n_cur:
+        L = self._layer(layer, "commit_layer")
+        if L.committed:
+            raise RuntimeError(f"commit_layer: layer {layer} is committed already; call commit() once every layer is "
+                               "done, then write the next chunk")
+        if not L.n_cur:
             raise RuntimeError(f"commit_layer: layer {layer} has no current chunk (write it first)")
         self._store_loose(L, "commit_layer")
         if self.defer_commits and self._queued(L):
@@ -609,9 +629,14 @@ class KVCache:
     def attend(self, layer: int, q: torch.Tensor, scale: float | None = None) -> torch.Tensor:
         """softmax(q K^T * scale) V over the layer's sink + history + pending + current tokens. q [B, Hq, M, D]
         (Hq a multiple of the kv heads)."""
-        L = self.layers[layer]
+        L = self._layer(layer, "attend")
         if L.buf is None:
             raise RuntimeError(f"attend: layer {layer} holds nothing (write the current chunk first)")
+        if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[0] != L.buf[0].shape[0] or \
+                q.shape[3] != L.buf[0].shape[3] or q.shape[1] % L.buf[0].shape[1]:
+            b, h, _, d = L.buf[0].shape
+            got = tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
+            raise ValueError(f"attend: q must be [{b}, Hq, M, {d}] with Hq a multiple of the {h} kv heads, got {got}")
         self._settle(L)
         self._wait(L)
         out = self._attend(L, layer, q, scale)
@@ -734,7 +759,7 @@ class KVCache:
     def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's K and V as BF16 [B, H, tokens, D]: sink, history, pending and current tokens in time order
         (decoded: tests and analyses only)."""
-        L = self.layers[layer]
+        L = self._layer(layer, "read")
         self._settle(L)
         self._wait(L)
         self._store_loose(L, "read")
@@ -756,7 +781,7 @@ class KVCache:
     # ---- accounting ---------------------------------------------------------------------------------------
     def tokens(self, layer: int = 0) -> int:
         """Tokens a chunk attends to in `layer` (sink + history + pending + current)."""
-        L = self.layers[layer]
+        L = self._layer(layer, "tokens")
         return L.n_sink + self._hist_tokens(L) + L.n_pending + L.n_cur
 
     def memory(self) -> dict:
@@ -892,6 +917,17 @@ def _grown(old: torch.Tensor | None, used: int, need: int, like: torch.Tensor) -
     if old is not None and used:
         new[:, :, :used] = old[:, :, :used]
     return new
+
+
+def check_options(method: str, options: dict, unit_tokens: int) -> None:
+    """A cache's compression options checked when it is made, as compress checks them at each commit (ValueError
+    naming the first bad one), with a head dim the block size divides: what depends on the model's head dim is
+    checked at the first commit."""
+    bs = options.get("block_size", compression.methods(details=True)[method]["defaults"].get("block_size"))
+    d = 8 * bs if isinstance(bs, int) and not isinstance(bs, bool) and bs > 0 else 128
+    for role in (("key", "value") if method == "kivi" else (None,)):  # (as _pack_pending passes them)
+        extra = {"role": role, "residual": 0} if role else {}
+        compression.resolve_options(method, (1, 1, unit_tokens, d), **{**extra, **options})
 
 
 def default_centroids(unit_tokens: int) -> int:

@@ -29,12 +29,39 @@ def writable_error(folder: str | os.PathLike) -> str | None:
     return None
 
 
+def target(path: str | os.PathLike) -> Path:
+    """The file a write to `path` replaces: `path` with symlinks followed (a dangling link: the file it names), as
+    open() would write it. ValueError for a symlink loop."""
+    try:
+        return Path(os.path.realpath(path, strict=True))
+    except FileNotFoundError:  # not there yet (or a dangling link): where it would be
+        return Path(os.path.realpath(path))
+    except OSError as e:
+        why = "a symlink loop" if e.errno == errno.ELOOP else (e.strerror or type(e).__name__)
+        raise ValueError(f"{str(path)!r}: {why}") from None
+
+
+def target_error(path: str | os.PathLike) -> str | None:
+    """Why `path` can't be written as a new or replaced file (its target's folder missing or taking no files, the
+    target a folder, a symlink loop), or None."""
+    try:
+        t = target(path)
+    except ValueError as e:
+        return str(e)
+    if t.is_dir():
+        return f"{str(path)!r} is a directory"
+    if not t.parent.is_dir():
+        return f"cannot write to {str(t.parent)!r} (no such directory)"
+    err = writable_error(t.parent)
+    return f"cannot create files in {str(t.parent)!r} ({err})" if err else None
+
+
 @contextlib.contextmanager
 def atomic(path: str | os.PathLike):
     """Yields a temporary path beside `path`; on a clean exit it replaces `path` (readable as a new file would be),
     else it is removed: `path` is then left as it was, never half written. A symlink is written through, as open()
-    would: the file it names is replaced, the link stays."""
-    path = Path(os.path.realpath(path))
+    would: the file it names is replaced (its folder holds the temporary file), the link stays."""
+    path = target(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix, dir=path.parent)
     try:
         os.close(fd)

@@ -183,7 +183,7 @@ def test_commit_layer_then_commit_equals_commit(method):
             b.commit_layer(layer)
             with pytest.raises(RuntimeError, match="commit_layer"):
                 b.write(layer, x[layer, 0], x[layer, 1])
-            with pytest.raises(RuntimeError, match="no current chunk"):
+            with pytest.raises(RuntimeError, match="committed already"):
                 b.commit_layer(layer)
         b.commit()
     assert (a.frames, a.commits, a.tokens(1)) == (b.frames, b.commits, b.tokens(1))
@@ -422,3 +422,33 @@ def test_transient_write_serves_one_attention_on_every_path(method):
     c.commit()
     caches[1].commit()
     assert all(torch.equal(a, b) for a, b in zip(c.read(0), caches[1].read(0)))
+
+
+def test_options_checked_when_the_cache_is_made():
+    """Bad options (a typo, bits 3) fail when the cache is made, not at the first commit; qvg / qvg-pro default to
+    default_centroids of the unit (compress's preset of 256 would cost more than it saves on small chunks)."""
+    from qvg.cache import default_centroids
+    for kw, msg in ((dict(bits=3), "unsupported bits 3"), (dict(blocksize=32), "takes no option 'blocksize'"),
+                    (dict(stages=99), r"stages must be an integer in \[0, 16\]"),
+                    (dict(centroids=4096), r"centroids \(4096\) > tokens N \(768\)")):
+        with pytest.raises(ValueError, match=msg):
+            KVCache(2, "qvg", chunk_frames=3, tokens_per_frame=256, **kw)
+    with pytest.raises(ValueError, match="unsupported bits 5"):
+        KVCache(2, "kivi", chunk_frames=3, tokens_per_frame=256, bits=5)
+    assert KVCache(2, "qvg-pro", chunk_frames=3, tokens_per_frame=256).options["centroids"] == default_centroids(768)
+    assert KVCache(2, "qvg", chunk_frames=3, tokens_per_frame=256, commit_every=2).options["centroids"] == \
+        default_centroids(1536)
+    assert KVCache(2, "qvg", chunk_frames=3, tokens_per_frame=256, centroids=5).options["centroids"] == 5
+
+
+def test_layer_and_query_mistakes_are_one_clear_error():
+    c = KVCache(2, "bf16", chunk_frames=1, tokens_per_frame=4)
+    k = torch.randn(1, 2, 4, 8)
+    for bad in (2, -1, True, "0"):
+        with pytest.raises(ValueError, match=r"write: layer must be an integer in \[0, 1\]"):
+            c.write(bad, k, k)
+    c.write(0, k, k)
+    for q in (torch.randn(1, 2, 4, 16), torch.randn(1, 3, 4, 8), torch.randn(2, 2, 4, 8), torch.randn(2, 4, 8)):
+        with pytest.raises(ValueError, match=r"attend: q must be \[1, Hq, M, 8\]"):
+            c.attend(0, q)
+    assert c.attend(0, torch.randn(1, 4, 3, 8)).shape == (1, 4, 3, 8)  # GQA: 4 query heads over 2

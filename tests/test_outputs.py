@@ -36,6 +36,21 @@ def test_atomic_writes_through_a_symlink(tmp_path):
     assert sorted(x.name for x in (tmp_path / "real").iterdir()) == ["r.json"]
 
 
+def test_target_follows_links_and_names_loops(tmp_path):
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    assert outputs.target(tmp_path / "a") == tmp_path / "b"  # dangling: the file it names
+    (tmp_path / "c").symlink_to(tmp_path / "d")
+    (tmp_path / "d").symlink_to(tmp_path / "c")
+    with pytest.raises(ValueError, match="c'"):
+        outputs.target(tmp_path / "c")
+    with pytest.raises(ValueError):
+        outputs.write_text(tmp_path / "c", "x")
+    assert outputs.target_error(tmp_path / "c") and outputs.target_error(tmp_path) == f"{str(tmp_path)!r} is a directory"
+    (tmp_path / "e").symlink_to(tmp_path / "gone" / "e")
+    assert "no such directory" in outputs.target_error(tmp_path / "e")
+    assert outputs.target_error(tmp_path / "new.json") is None
+
+
 def test_writable_error_names_why(tmp_path, monkeypatch):
     assert outputs.writable_error(tmp_path) is None and list(tmp_path.iterdir()) == []
 

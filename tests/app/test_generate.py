@@ -66,6 +66,32 @@ def test_output_through_symlinks(tmp_path):
     assert sorted(p.name for p in (tmp_path / "store").iterdir()) == ["v.json", "v.mp4"]
 
 
+@pytest.mark.parametrize("case", ["json-link-to-missing-folder", "json-link-elsewhere", "loop"])
+def test_symlinked_outputs_checked_where_they_point(tmp_path, capsys, case):
+    """A JSON link into a missing folder, or a symlink loop, is refused before any work (exit 2, the old video kept);
+    a JSON link into another folder gets its temporary file there (no cross-folder rename)."""
+    (tmp_path / "store").mkdir()
+    (tmp_path / "store" / "v.mp4").write_text("old")
+    (tmp_path / "v.mp4").symlink_to(tmp_path / "store" / "v.mp4")
+    if case == "loop":
+        (tmp_path / "v.json").symlink_to(tmp_path / "w.json")
+        (tmp_path / "w.json").symlink_to(tmp_path / "v.json")
+    else:
+        where = tmp_path / ("gone" if case == "json-link-to-missing-folder" else "other")
+        if case == "json-link-elsewhere":
+            where.mkdir()
+        (tmp_path / "v.json").symlink_to(where / "v.json")
+    code = main(["--frames", "4", "--method", "bf16", "--out", str(tmp_path / "v.mp4"), "--quiet"])
+    if case == "json-link-elsewhere":
+        assert code == 0 and json.loads((tmp_path / "other" / "v.json").read_text())["frames"] == 4
+        assert sorted(p.name for p in (tmp_path / "other").iterdir()) == ["v.json"]
+        return
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and err.startswith("qvg-generate: error: --out: "), err
+    assert ("no such directory" if case == "json-link-to-missing-folder" else "loop") in err.lower(), err
+    assert (tmp_path / "store" / "v.mp4").read_text() == "old"
+
+
 def test_bf16_with_a_window_is_still_1x(tmp_path):
     out = tmp_path / "w.mp4"
     assert main(["--method", "bf16", "--history", "window:3", "--frames", "29", "--out", str(out), "--quiet"]) == 0

@@ -213,6 +213,15 @@ def test_sweep_through_qvg_generate_a_file_in_the_way(tmp_path, capsys, where):
     assert sorted(p.name for p in tmp_path.rglob("*")) == (["sw", "videos"] if where == "videos" else ["sw"])
 
 
+def test_output_file_symlinked_into_a_missing_folder_is_refused_first(tmp_path, capsys):
+    """qvg-eval checks where a symlinked output file points (its folder), before any work."""
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "sweep.json").symlink_to(tmp_path / "gone" / "sweep.json")
+    assert main(["sweep", str(tmp_path / "out")] + SWEEP) == 2
+    _one_error(capsys, f"cannot write {str(tmp_path / 'out' / 'sweep.json')!r}: cannot write to ")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["sweep.json"]
+
+
 def test_qvg_generate_errors_in_the_sweeps_words(tmp_path):
     from qvg.eval.runners import sweep_words
     assert sweep_words("--seed must be in [0, 9], got -1; --seeds stays", tmp_path) == \

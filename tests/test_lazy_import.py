@@ -1,0 +1,21 @@
+"""After a bare `import qvg`, submodules are attributes (imported when first used), as the README's dotted names
+assume; `import qvg` itself stays light."""
+import subprocess
+import sys
+
+
+def test_submodules_are_attributes_after_import_qvg():
+    code = ("import sys, qvg\n"
+            "light = not any(m in sys.modules for m in ('qvg.cache', 'qvg.pipelines', 'qvg.app', 'gradio'))\n"
+            "assert light, sorted(m for m in sys.modules if m.startswith('qvg'))\n"
+            "assert qvg.cache.KVCache.__name__ == 'KVCache'\n"
+            "assert callable(qvg.pipelines.world_model.load_world) and callable(qvg.eval.metrics.psnr)\n"
+            "for bad in ('qvg.nope', 'qvg.pipelines.nope', 'qvg._private'):\n"
+            "    try:\n"
+            "        eval(bad)\n"
+            "    except AttributeError as e:\n"
+            "        assert 'has no attribute' in str(e), e\n"
+            "    else:\n"
+            "        raise AssertionError(bad)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
