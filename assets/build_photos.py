@@ -11,14 +11,25 @@ HELD_OUT = ("coffee", "camera")
 MAX_SIDE = 384
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import importlib.util
+    import sys
+    ap = argparse.ArgumentParser(prog="python -m qvg.assets.build_photos", description="Rebuild the bundled photos "
+                                 "from scikit-image's (pip install scikit-image).")
+    ap.add_argument("--out", default=None, help="output folder (default: the package's assets/photos, which the "
+                    "embedded model and qvg-generate read)")
+    a = ap.parse_args(argv)
+    if importlib.util.find_spec("skimage") is None:
+        print("build_photos: error: needs scikit-image (pip install scikit-image)", file=sys.stderr)
+        return 2
     import imageio.v2 as imageio
     import numpy as np
     import skimage.data
     import torch
     import torch.nn.functional as F
-    out = Path(__file__).resolve().parent / "photos"
-    out.mkdir(exist_ok=True)
+    out = Path(a.out) if a.out else Path(__file__).resolve().parent / "photos"
+    out.mkdir(parents=True, exist_ok=True)
     for name in PHOTOS:
         a = np.asarray(getattr(skimage.data, name)())
         if a.ndim == 2:
@@ -30,7 +41,8 @@ def main() -> None:
         img = x[0].permute(1, 2, 0).round().clamp(0, 255).byte().numpy()
         imageio.imwrite(out / f"{name}.png", img)
         print(name, img.shape)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -388,7 +388,8 @@ def main(argv=None) -> int:
         res.update(revisit=rv, differences=differences(rv), seconds=round(time.time() - t0, 1))
         _write(res, Path(a.out), markdown=False)  # after every configuration: a time limit keeps what is done
     _write(res, Path(a.out))
-    print(json.dumps(res.get("quality")), flush=True)
+    if res.get("quality") is not None:  # (a revisit-only run has none)
+        print(json.dumps(res["quality"]), flush=True)
     return 0
 
 

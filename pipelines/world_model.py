@@ -244,10 +244,31 @@ def world_pipeline(model: WorldModel, config: dict):
                                context_sigma=config.get("context_sigma", 0.0))
 
 
-def rollout(model: WorldModel, config: dict, start: torch.Tensor, actions: list[int], cache, *, seed: int = 0):
+def rollout(model: WorldModel, config: dict, start: torch.Tensor, actions: list, cache, *, seed: int = 0):
     """Generate one chunk per action from a start frame [3, S, S] in [-1, 1]: yields ChunkResult (video [1, 3,
-    chunk_frames, S, S]). The start frame, repeated, is the context chunk (action 'stay')."""
+    chunk_frames, S, S]). actions: names (config["actions"]: "stay", "left", ...) or their ids. cache: a
+    qvg.cache.KVCache with one layer per block, chunk_frames = config["chunk_frames"] and tokens_per_frame =
+    model.tokens_per_latent_frame(S, S). The start frame, repeated, is the context chunk (action 'stay')."""
     cf, size = config["chunk_frames"], config["frame_size"]
+    if not isinstance(start, torch.Tensor) or tuple(start.shape) != (3, size, size):
+        got = tuple(start.shape) if isinstance(start, torch.Tensor) else type(start).__name__
+        raise ValueError(f"start must be a frame [3, {size}, {size}] in [-1, 1] (e.g. "
+                         f"qvg.pipelines.world_data.centre_view(load_photo('coffee'))), got {got}")
+    names = config["actions"]
+    ids = []
+    for a in actions:
+        if isinstance(a, str) and a in names:
+            ids.append(names.index(a))
+        elif not isinstance(a, (str, bool)) and isinstance(a, int) and 0 <= a < len(names):
+            ids.append(a)
+        else:
+            raise ValueError(f"unknown action {a!r}: give names ({', '.join(names)}) or their ids 0..{len(names) - 1}")
+    tpf = model.tokens_per_latent_frame(size, size)
+    if (getattr(cache, "num_layers", None), getattr(cache, "chunk_frames", None),
+            getattr(cache, "tokens_per_frame", None)) != (len(model.blocks), cf, tpf):
+        raise ValueError(f"the cache must have num_layers={len(model.blocks)}, chunk_frames={cf} and "
+                         f"tokens_per_frame={tpf} for this model")
+    actions = ids
     pipe = world_pipeline(model, config)
     ctx = start.reshape(1, 3, 1, size, size).expand(1, 3, cf, size, size)
     acts = torch.tensor([[0] + list(actions)])

@@ -369,6 +369,8 @@ BAD = [
     ("decompress-dict", lambda: qvg.decompress({"codes": torch.zeros(1)}), "Packed"),
     ("not-tensor", lambda: qvg.compress([[[[1.0]]]], "rtn"), "torch.Tensor"),
     ("int-dtype", lambda: qvg.compress(torch.zeros(1, 1, 4, 64, dtype=torch.int32), "rtn"), "floating-point"),
+    ("fp8-dtype", lambda: qvg.compress(torch.zeros(1, 1, 4, 64).to(torch.float8_e4m3fn), "rtn"), "floating-point"),
+    ("bpe-of-a-tensor", lambda: qvg.bits_per_element("rtn", torch.zeros(1, 1, 4, 64)), "takes the shape, not"),
     ("empty", lambda: qvg.compress(torch.zeros(1, 1, 0, 64), "rtn"), "empty"),
     ("grid", lambda: qvg.compress(randn(1, 1, 4, 64, seed=0), "rtn", grid="nf4"), "unknown grid"),
     ("sym-1bit", lambda: qvg.compress(randn(1, 1, 4, 64, seed=0), "rtn", grid="sym", bits=1), "sym"),

@@ -73,8 +73,8 @@ def _check_input(x, finite: bool = True) -> None:
         raise ValueError(f"x must be a torch.Tensor of shape [B, H, N, D], got {type(x).__name__}")
     if x.dim() != 4:
         raise ValueError(f"x must have shape [B, H, N, D] (rank 4), got rank {x.dim()} with shape {tuple(x.shape)}")
-    if not x.is_floating_point():
-        raise ValueError(f"x must be a floating-point tensor, got {x.dtype}")
+    if not x.is_floating_point() or x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise ValueError(f"x must be a floating-point tensor (float32, bfloat16, float16 or float64), got {x.dtype}")
     if x.numel() == 0:
         raise ValueError(f"x is empty (shape {tuple(x.shape)})")
     if finite and not bool(torch.isfinite(x).all()):
@@ -113,6 +113,8 @@ def decompress(packed: Packed) -> torch.Tensor:
 
 def bits_per_element(method: str, shape, **options) -> float:
     """Analytic storage bits per element of `method` on a [B, H, N, D] tensor (its memory formula)."""
+    if isinstance(shape, torch.Tensor):
+        raise ValueError(f"bits_per_element takes the shape, not the tensor: pass x.shape ({tuple(shape.shape)})")
     if len(shape) != 4:
         raise ValueError(f"shape must be [B, H, N, D] (rank 4), got {tuple(shape)}")
     o = resolve_options(method, tuple(shape), **options)

@@ -259,3 +259,23 @@ def test_world_rope_rollout_gives_each_chunk_its_pan_offsets():
     ref = torch.cat([r.video for r in rollout(plain, SMALL, start, acts, KVCache(1, "bf16", chunk_frames=3,
                                                                              tokens_per_frame=64), seed=0)], 2)
     assert not torch.equal(vid, ref)
+
+
+def test_rollout_takes_action_names_and_says_what_does_not_fit():
+    from qvg.cache import KVCache
+    model, cfg = build_world(SMALL), SMALL
+    size, cf = cfg["frame_size"], cfg["chunk_frames"]
+    tpf = model.tokens_per_latent_frame(size, size)
+
+    def cache(layers=len(model.blocks), tokens=tpf):
+        return KVCache(layers, "bf16", chunk_frames=cf, tokens_per_frame=tokens)
+    start = torch.zeros(3, size, size)
+    by_name = [r.video for r in rollout(model, cfg, start, ["left", "stay"], cache())]
+    by_id = [r.video for r in rollout(model, cfg, start, [ACTIONS.index("left"), 0], cache())]
+    assert len(by_name) == 2 and all(torch.equal(a, b) for a, b in zip(by_name, by_id))
+    for kw, msg in ((dict(start=start.permute(1, 2, 0)), rf"start must be a frame \[3, {size}, {size}\]"),
+                    (dict(actions=["fly"]), "unknown action 'fly'"), (dict(actions=[99]), "unknown action 99"),
+                    (dict(c=cache(layers=len(model.blocks) + 1)), "the cache must have num_layers"),
+                    (dict(c=cache(tokens=tpf * 2)), f"tokens_per_frame={tpf}")):
+        with pytest.raises(ValueError, match=msg):
+            rollout(model, cfg, kw.get("start", start), kw.get("actions", ["left"]), kw.get("c") or cache())
