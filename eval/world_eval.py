@@ -133,8 +133,8 @@ def report(res: dict, out: Path) -> None:
         lines += [f"## 1. Quality vs the true views (first {st['first']} chunks of {st['chunks']})", "",
                   "| | PSNR dB | floor | SSIM | floor |", "|---|---|---|---|---|"]
         for k, d in q.items():
-            lines.append(f"| {k} | {d['psnr']['mean']:.2f} | {d['psnr']['floor']} | {d['ssim']['mean']:.3f} | "
-                         f"{d['ssim']['floor']} |")
+            lines.append(f"| {k} | {d['psnr']['mean']:.2f} | {_fl(d['psnr']['floor'])} | {d['ssim']['mean']:.3f} | "
+                         f"{_fl(d['ssim']['floor'])} |")
         lines += ["", "PSNR per generated chunk (mean over trajectories and seeds): " + "; ".join(
             f"{k}: {', '.join(f'{v:.1f}' for v in vs)}" for k, vs in res["quality_per_chunk_psnr"].items()), ""]
     lines += [f"## 2-3. Revisits (go {st['m']} chunks, come back {st['m']}): PSNR on the returning views", "",
@@ -149,8 +149,8 @@ def report(res: dict, out: Path) -> None:
     for k, d in rv.items():
         nan = {"mean": float("nan"), "floor": None}
         c, r = d.get("consistency_psnr", nan), d.get("region_psnr", nan)
-        lines.append(f"| {k} | {d['returning_psnr']['mean']:.2f} | {d['returning_psnr']['floor']} | "
-                     f"{r['mean']:.2f} | {r['floor']} | {c['mean']:.2f} | {c['floor']} | "
+        lines.append(f"| {k} | {d['returning_psnr']['mean']:.2f} | {_fl(d['returning_psnr']['floor'])} | "
+                     f"{r['mean']:.2f} | {_fl(r['floor'])} | {c['mean']:.2f} | {_fl(c['floor'])} | "
                      f"{d['all_chunks_psnr']['mean']:.2f} | "
                      f"{d['kv_bytes_at_end']['total']:,} | {d['compression_ratio']:.2f}x |")
     if any("returning_psnr_per_chunk" in d for d in rv.values()):
@@ -163,13 +163,13 @@ def report(res: dict, out: Path) -> None:
     if res.get("differences"):
         lines += ["", "Paired differences (same trajectories and sampling seeds; floor = std over seeds of the per-seed "
                   "difference):", "", "| difference | dB | floor |", "|---|---|---|"]
-        lines += [f"| {k} | {d['mean']:+.2f} | {d['floor']} |" for k, d in res["differences"].items()]
+        lines += [f"| {k} | {d['mean']:+.2f} | {_fl(d['floor'])} |" for k, d in res["differences"].items()]
     if any("region_psnr_by_overlap" in d for d in rv.values()):
         cuts = next(d["region_psnr_by_overlap"] for d in rv.values() if "region_psnr_by_overlap" in d)
         lines += ["", "Back-in-region PSNR at other cuts (share of the start view the returning frame must show):", "",
                   "| cache | " + " | ".join(f">= {float(c):.0%}" for c in cuts) + " |",
                   "|---|" + "---|" * len(cuts)]
-        lines += [f"| {k} | " + " | ".join(f"{v['mean']:.2f} ± {v['floor']}" for v in d["region_psnr_by_overlap"]
+        lines += [f"| {k} | " + " | ".join(f"{v['mean']:.2f} ± {_fl(v['floor'])}" for v in d["region_psnr_by_overlap"]
                                            .values()) + " |" for k, d in rv.items() if "region_psnr_by_overlap" in d]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     try:
@@ -391,6 +391,11 @@ def main(argv=None) -> int:
     if res.get("quality") is not None:  # (a revisit-only run has none)
         print(json.dumps(res["quality"]), flush=True)
     return 0
+
+
+def _fl(floor) -> str:
+    """A floor in the tables: None (one seed gives no spread) as 'n/a'."""
+    return "n/a" if floor is None else str(floor)
 
 
 def _write(res: dict, out: Path, markdown: bool = True) -> None:
