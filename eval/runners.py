@@ -33,15 +33,6 @@ class Video:
     seconds: float
 
 
-def cache_options(method: str, options: dict, unit_tokens: int) -> dict:
-    """options + the cache's default K for the k-means methods (as qvg-generate sets it)."""
-    from qvg.cache import default_centroids
-    o = dict(options)
-    if method in ("qvg", "qvg-pro"):
-        o.setdefault("centroids", default_centroids(unit_tokens))
-    return o
-
-
 def check_key_storage(key_storage: str) -> str:
     if key_storage not in KEY_STORAGES:
         raise ValueError(f"key storage must be {' or '.join(KEY_STORAGES)}, got {key_storage!r}")
@@ -100,9 +91,8 @@ class EmbeddedRunner:
         from qvg.cache import KVCache
         from qvg.pipelines.world_model import rollout
         cf = self.config["chunk_frames"]
-        opts = cache_options(method, options, self.unit_tokens)
         cache = KVCache(len(self.model.blocks), method, chunk_frames=cf, tokens_per_frame=self.tokens_per_frame,
-                        key_storage=self.keys(method), **opts)
+                        key_storage=self.keys(method), **options)  # (qvg / qvg-pro: the cache's default K)
         start = self.start_frame(image).to(self.device)
         acts = [self.actions[i % len(self.actions)] for i in range(chunks)]
         t0 = time.perf_counter()
