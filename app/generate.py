@@ -207,6 +207,9 @@ def parse(argv) -> dict:
         err = target_error(path)
         if err:
             raise UsageError(f"--out: {err}")
+    if target(out) == target(out.with_suffix(".json")):
+        raise UsageError(f"--out: {str(out)!r} and its JSON {str(out.with_suffix('.json'))!r} are the same file "
+                         "(a symlink)")
     s["out"] = out
     if a.pipeline == "self-forcing":
         if not a.checkpoint:
@@ -523,12 +526,19 @@ def run(s) -> dict:
         os.chmod(tmp_video, mode)
         os.chmod(tmp_json, mode)
         with sigterm_held():  # (a SIGTERM waits for both renames; it then stops the tool with both files there)
+            old = _keep_old(video_path)
             os.replace(tmp_video, video_path)
             try:
                 os.replace(tmp_json, json_path)
-            except BaseException:
-                os.remove(video_path)  # both or neither
+            except BaseException:  # both or neither: the old video back (or none, as before the run)
+                if old:
+                    os.replace(old, video_path)
+                else:
+                    os.remove(video_path)
                 raise
+            finally:
+                if old and os.path.exists(old):
+                    os.remove(old)
             s["written"] = True
         return rep
     finally:
@@ -536,6 +546,21 @@ def run(s) -> dict:
         for t in (tmp_video, tmp_json):
             if os.path.exists(t):
                 os.remove(t)
+
+
+def _keep_old(path: Path) -> str | None:
+    """A hard link to the file at `path`, beside it, so that a failed second rename can put it back; None if there
+    is no file there (or the file system has no hard links: then a failed rename leaves no video)."""
+    if not path.is_file():
+        return None
+    backup = str(path.parent / f".{path.name}.old-{os.getpid()}")
+    try:
+        if os.path.lexists(backup):
+            os.remove(backup)
+        os.link(path, backup)
+    except OSError:
+        return None
+    return backup
 
 
 def mp4_writer(path, fps: int):

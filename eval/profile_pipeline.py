@@ -61,7 +61,8 @@ def run(histories, methods, options) -> list[dict]:
                 kernels = _profile(chunk, calls=2)
                 host = _host_profile(chunk, calls=2)
             busy = sum(r["us_per_call"] for r in kernels) / 1e3
-            row = {"history_frames": hist, "method": method, "chunk_ms": wall, "forwards_ms": fwd,
+            row = {"history_frames": hist, "method": method, "options": dict(cache.options), "chunk_ms": wall,
+                   "forwards_ms": fwd,
                    "commit_ms": commit_ms, "gpu_busy_ms": busy, "gpu_idle_ms": wall - busy,
                    "kernels": kernels[:25], "host": host}
             print(f"history {hist} {method}: chunk {wall:.1f} ms (forwards {fwd:.1f}, commit {commit_ms:.1f}); GPU "
@@ -82,7 +83,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="eval/results")
     ap.add_argument("--history", default="21,60")
     ap.add_argument("--methods", default="bf16,qvg")
-    ap.add_argument("--options", default="{}", help="JSON cache options for the compressed methods")
+    ap.add_argument("--options", default='{"centroids": 256}', help="JSON cache options for the compressed methods "
+                    "(default K=256, which the profiles committed before 2026-11-30 ran with '{}'; bench_pipeline "
+                    "and qvg-generate use 64 at this chunk size)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("profile_pipeline: needs a CUDA GPU")

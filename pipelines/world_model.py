@@ -20,6 +20,7 @@ them un-rotated, with each chunk's positions, and rotates them back as it reads 
 from __future__ import annotations
 
 import json
+import operator
 from pathlib import Path
 
 import torch
@@ -257,10 +258,12 @@ def rollout(model: WorldModel, config: dict, start: torch.Tensor, actions: list,
     names = config["actions"]
     ids = []
     for a in actions:
-        if isinstance(a, str) and a in names:
-            ids.append(names.index(a))
-        elif not isinstance(a, (str, bool)) and isinstance(a, int) and 0 <= a < len(names):
-            ids.append(a)
+        try:  # (ids may be numpy or torch integers)
+            i = names.index(a) if isinstance(a, str) else None if isinstance(a, bool) else operator.index(a)
+        except (ValueError, TypeError):
+            i = None
+        if i is not None and 0 <= i < len(names):
+            ids.append(i)
         else:
             raise ValueError(f"unknown action {a!r}: give names ({', '.join(names)}) or their ids 0..{len(names) - 1}")
     tpf = model.tokens_per_latent_frame(size, size)

@@ -9,7 +9,12 @@ import importlib.util
 def submodule_getattr(package: str):
     """A package's module-level __getattr__ (PEP 562): its submodule `name`, imported, or AttributeError."""
     def __getattr__(name: str):
-        if not name.startswith("_") and importlib.util.find_spec(f"{package}.{name}") is not None:
-            return importlib.import_module(f"{package}.{name}")
+        if name.isidentifier() and not name.startswith("_"):
+            try:
+                found = importlib.util.find_spec(f"{package}.{name}") is not None
+            except (ImportError, ValueError):
+                found = False
+            if found:
+                return importlib.import_module(f"{package}.{name}")
         raise AttributeError(f"module {package!r} has no attribute {name!r}")
     return __getattr__

@@ -16,6 +16,7 @@ def test_submodules_are_attributes_after_import_qvg():
             "    except AttributeError as e:\n"
             "        assert 'has no attribute' in str(e), e\n"
             "    else:\n"
-            "        raise AssertionError(bad)\n")
+            "        raise AssertionError(bad)\n"
+            "assert not hasattr(qvg, 'a.b') and getattr(qvg.eval, 'x.y', None) is None\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]

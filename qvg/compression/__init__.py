@@ -73,7 +73,7 @@ def _check_input(x, finite: bool = True) -> None:
         raise ValueError(f"x must be a torch.Tensor of shape [B, H, N, D], got {type(x).__name__}")
     if x.dim() != 4:
         raise ValueError(f"x must have shape [B, H, N, D] (rank 4), got rank {x.dim()} with shape {tuple(x.shape)}")
-    if not x.is_floating_point() or x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
         raise ValueError(f"x must be a floating-point tensor (float32, bfloat16, float16 or float64), got {x.dtype}")
     if x.numel() == 0:
         raise ValueError(f"x is empty (shape {tuple(x.shape)})")

@@ -230,6 +230,30 @@ def test_failure_after_the_temporary_files_exist_leaves_nothing(tmp_path, capsys
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_failed_json_rename_puts_the_old_video_back(tmp_path, capsys, monkeypatch):
+    """Both or neither: when the JSON's rename fails after the video's, the video that was there before is back
+    (and no temporary or backup file is left)."""
+    import os
+    (tmp_path / "v.mp4").write_text("old video")
+    real = os.replace
+
+    def replace(a, b):
+        if str(b).endswith(".json"):
+            raise OSError(5, "Input/output error")
+        return real(a, b)
+    monkeypatch.setattr(os, "replace", replace)
+    assert main(["--frames", "4", "--method", "bf16", "--out", str(tmp_path / "v.mp4"), "--quiet"]) == 1
+    assert "Input/output error" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v.mp4"] and (tmp_path / "v.mp4").read_text() == "old video"
+
+
+def test_video_and_json_that_are_one_file_are_refused(tmp_path, capsys):
+    (tmp_path / "v.mp4").write_text("old")
+    (tmp_path / "v.json").symlink_to(tmp_path / "v.mp4")
+    assert main(["--frames", "4", "--method", "bf16", "--out", str(tmp_path / "v.mp4"), "--quiet"]) == 2
+    assert "are the same file" in capsys.readouterr().err and (tmp_path / "v.mp4").read_text() == "old"
+
+
 def test_missing_mp4_backend_is_named(tmp_path, capsys, monkeypatch):
     """Without imageio-ffmpeg imageio would fall back to another plugin and fail on the first frame with that
     plugin's error: one line names the missing package instead, and nothing is left behind."""

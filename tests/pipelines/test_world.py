@@ -272,7 +272,9 @@ def test_rollout_takes_action_names_and_says_what_does_not_fit():
     start = torch.zeros(3, size, size)
     by_name = [r.video for r in rollout(model, cfg, start, ["left", "stay"], cache())]
     by_id = [r.video for r in rollout(model, cfg, start, [ACTIONS.index("left"), 0], cache())]
-    assert len(by_name) == 2 and all(torch.equal(a, b) for a, b in zip(by_name, by_id))
+    by_tensor = [r.video for r in rollout(model, cfg, start, torch.tensor([ACTIONS.index("left"), 0]), cache())]
+    assert len(by_name) == 2 and all(torch.equal(a, b) and torch.equal(a, c)
+                                     for a, b, c in zip(by_name, by_id, by_tensor))
     for kw, msg in ((dict(start=start.permute(1, 2, 0)), rf"start must be a frame \[3, {size}, {size}\]"),
                     (dict(actions=["fly"]), "unknown action 'fly'"), (dict(actions=[99]), "unknown action 99"),
                     (dict(c=cache(layers=len(model.blocks) + 1)), "the cache must have num_layers"),
