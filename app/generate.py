@@ -40,8 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
     from qvg.cache import CACHE_METHODS
     p = _Parser(prog="qvg-generate", description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("--pipeline", default="tiny", help=f"one of {', '.join(PIPELINES)} (default tiny: the embedded model)")
-    p.add_argument("--checkpoint", default=None, help="checkpoint directory (self-forcing)")
-    p.add_argument("--prompt", default=None, help="text prompt (self-forcing; the embedded model has no text input)")
+    p.add_argument("--checkpoint", default=None, help="self-forcing: the directory holding the Self-Forcing "
+                   "generator (self_forcing_dmd.pt, or checkpoints/self_forcing_dmd.pt) and the Wan2.1-T2V-1.3B files "
+                   "(wan_models/Wan2.1-T2V-1.3B/); layouts in the README; needs pip install -e '.[wan]'")
+    p.add_argument("--prompt", default=None, help=f"text prompt (self-forcing; default {DEFAULT_PROMPT!r}; the "
+                   "embedded model has no text input)")
     p.add_argument("--image", default=None, help="tiny: start image, a bundled photo's name or an image file "
                    f"(default {DEFAULT_IMAGE})")
     p.add_argument("--actions", default=None, help="tiny: camera action per chunk of 3 frames, e.g. 'right*4,left*4' "

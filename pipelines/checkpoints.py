@@ -34,6 +34,7 @@ tensors (memory-mapped, so a CPU load in the file's dtype copies nothing).
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import NamedTuple
 
@@ -47,6 +48,7 @@ WAN_FOLDERS = ("Wan2.1-T2V-1.3B", "Wan2.1-T2V-1.3B-Diffusers")
 VAE_FILE, T5_FILE, TOKENIZER_FOLDER = "Wan2.1_VAE.pth", "models_t5_umt5-xxl-enc-bf16.pth", "google/umt5-xxl"
 WRAPPER_PREFIX = "model."  # Self-Forcing's WanDiffusionWrapper holds the Wan model as `.model`
 TRAINING_WRAPPERS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")  # FSDP, checkpointing, compile
+DDP_PREFIX = "module."  # DistributedDataParallel's, at the start of every key
 WAN_T2V_1_3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16,
                     out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
                     qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
@@ -155,9 +157,19 @@ def read_generator(path: Path, ema: bool | None = None) -> tuple[dict, dict, str
         k = key
         for part in TRAINING_WRAPPERS:
             k = k.replace(part, "")
+        k = k[len(DDP_PREFIX):] if k.startswith(DDP_PREFIX) else k
         stripped[k[len(WRAPPER_PREFIX):] if k.startswith(WRAPPER_PREFIX) else k] = t
     converted = convert_wan_transformer_to_diffusers(dict(stripped))
     return converted, _renamed(sd, converted), which
+
+
+def _generator_size(sd: dict) -> str:
+    """'N blocks of dim D' of a transformer state dict in diffusers' names (what a file holds, for messages)."""
+    ids = [int(k.split(".")[1]) for k in sd if k.startswith("blocks.") and k.split(".")[1].isdigit()]
+    patch = sd.get("patch_embedding.weight")
+    dim = f" of dim {patch.shape[0]}" if isinstance(patch, torch.Tensor) and patch.dim() else ""
+    n = max(ids) + 1 if ids else 0
+    return f"{n} block{'s' * (n != 1)}{dim}"
 
 
 def _build(source, what, ctor, **kwargs):
@@ -216,10 +228,14 @@ def load_self_forcing(checkpoint_dir, device="cpu", dtype=torch.bfloat16, *, ema
     model = _build(config_source, "transformer", CausalWanTransformer, **config)
     c = model.config
     what = f"Wan transformer ({c.num_layers} layers, dim {c.num_attention_heads * c.attention_head_dim})"
-    transformer = load_strict(model, sd, f"{files.generator} [{which}]", what=what, file_names=names, device=device,
-                              dtype=dtype)
+    try:
+        transformer = load_strict(model, sd, f"{files.generator} [{which}]", what=what, file_names=names,
+                                  device=device, dtype=dtype)
+    except CheckpointError as e:  # which side is wrong: say what the config asked for and what the file holds
+        raise CheckpointError(f"{e}; the model's config is {config_source}, the checkpoint holds "
+                              f"{_generator_size(sd)}") from None
     vae = load_vae(files, device, vae_dtype)
     text = load_text_encoder(files, c.text_dim, device, text_dtype, out_dtype=dtype)
-    sources = {"generator": str(files.generator), "weights": which, "wan": str(files.wan),
+    sources = {"generator": os.path.abspath(files.generator), "weights": which, "wan": os.path.abspath(files.wan),
                "layout": "diffusers" if files.diffusers else "original", "transformer_config": config_source}
     return SelfForcingModel(transformer, vae, text, sources)

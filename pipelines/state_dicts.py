@@ -52,7 +52,10 @@ def read_torch(path: Path) -> dict:
     except (MemoryError, KeyboardInterrupt):
         raise
     except Exception as e:
-        raise CheckpointError(f"{path}: not a readable PyTorch checkpoint ({first_line(e)})") from None
+        size = path.stat().st_size
+        hint = (f"; the file is only {size} bytes: an incomplete download, or a Git LFS pointer?"
+                if size < 2**20 else "")
+        raise CheckpointError(f"{path}: not a readable PyTorch checkpoint ({first_line(e)}){hint}") from None
     if not isinstance(obj, dict):
         raise CheckpointError(f"{path}: expected a dict of tensors, found a {type(obj).__name__}")
     return obj

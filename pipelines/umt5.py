@@ -121,6 +121,10 @@ class UMT5TextEncoder:
         self.out_dtype, self.text_len, self.keep_on_device = out_dtype or dtype, text_len, keep_on_device
         self.cpu_model = load_strict(self._empty(), sd, source, what="umT5 encoder", file_names=names, dtype=dtype)
         self.tokenizer = load_tokenizer(tokenizer_dir)
+        rows = self.config.vocab_size
+        if len(self.tokenizer) > rows:  # its ids would index past the embedding (an IndexError at the first prompt)
+            raise CheckpointError(f"{tokenizer_dir}: a tokenizer of {len(self.tokenizer)} tokens for an encoder "
+                                  f"({source}) whose embedding has {rows} rows: not the encoder's tokenizer")
         self._on_device = None
 
     def _empty(self):

@@ -262,7 +262,14 @@ BAD = [
     ("top-level", _rewrite(GEN, lambda o: {"model": o["generator"]}), ["no 'generator_ema' or 'generator'",
                                                                       "top-level keys: 'model'"]),
     ("not-a-dict", _rewrite(GEN, lambda o: {"generator_ema": {"model.x": 3}}), ["not a state dict", "model.x"]),
-    ("garbage", _rewrite(GEN, lambda o: b"not a checkpoint at all"), ["not a readable PyTorch checkpoint"]),
+    ("garbage", _rewrite(GEN, lambda o: b"not a checkpoint at all"),
+     ["not a readable PyTorch checkpoint", "the file is only 23 bytes: an incomplete download, or a Git LFS pointer?"]),
+    ("fewer-blocks", _rewrite(GEN, lambda o: {"generator_ema": {k: v for k, v in o["generator_ema"].items()
+                                                                if not k.startswith("model.blocks.1.")}}),
+     ["missing keys", "the model's config is", "config.json", "the checkpoint holds 1 block of dim 128"]),
+    ("tokenizer-vocab", _rewrite(f"{WAN}/models_t5_umt5-xxl-enc-bf16.pth",
+                                 lambda o: {k: v[:8] if k == "token_embedding.weight" else v for k, v in o.items()}),
+     ["google/umt5-xxl: a tokenizer of", "whose embedding has 8 rows: not the encoder's tokenizer"]),
     ("no-generator", lambda r: (r / GEN).unlink(), ["no Self-Forcing generator checkpoint", "self_forcing_dmd.pt"]),
     ("two-generators", _two_generators, ["2 candidate generator checkpoints", "a.pt, other.pt"]),
     ("no-vae", lambda r: (r / WAN / "Wan2.1_VAE.pth").unlink(), ["no Wan2.1-T2V-1.3B files", "Wan2.1_VAE.pth"]),
@@ -288,6 +295,13 @@ BAD = [
     ("config-i2v", lambda r: (r / WAN / "config.json").unlink() or (r / WAN / "config.json").write_text(
         json.dumps({**WAN_CONFIG, "model_type": "i2v"})), ["only text-to-video Wan models"]),
 ]
+
+
+def test_ddp_prefix_is_stripped(src, ckpt, tmp_path):
+    """A generator saved from a DistributedDataParallel model (every key under `module.`) loads as the plain one."""
+    root = _variant(ckpt, tmp_path, _rewrite(GEN, lambda o: {w: {f"module.{k}": v for k, v in o[w].items()}
+                                                             for w in ("generator", "generator_ema")}))
+    _same_weights(load_self_forcing(root, "cpu", **F32).transformer, src["ema"])
 
 
 @pytest.mark.parametrize("case,edit,needles", BAD, ids=[b[0] for b in BAD])
