@@ -23,6 +23,7 @@ from .start_image import MIN_IMAGE_SIDE, image_array
 
 PIPELINES = ("tiny", "self-forcing")
 DEFAULT_PROMPT = "a red fox running through fresh snow, cinematic"
+WEIGHTS = {"auto": None, "generator_ema": True, "generator": False}  # --weights -> load_self_forcing's ema
 DEFAULT_IMAGE = "astronaut"
 DEFAULT_ACTIONS = "right*3,down*2,left*3,up*2"  # a loop: the camera comes back to where it started
 
@@ -43,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", default=None, help="self-forcing: the directory holding the Self-Forcing "
                    "generator (self_forcing_dmd.pt, or checkpoints/self_forcing_dmd.pt) and the Wan2.1-T2V-1.3B files "
                    "(wan_models/Wan2.1-T2V-1.3B/); layouts in the README; needs pip install -e '.[wan]'")
+    p.add_argument("--weights", default="auto", help="self-forcing: the checkpoint's state dict to run, "
+                   "generator_ema or generator (default auto: generator_ema where present, as Self-Forcing's "
+                   "--use_ema, else generator)")
     p.add_argument("--prompt", default=None, help=f"text prompt (self-forcing; default {DEFAULT_PROMPT!r}; the "
                    "embedded model has no text input)")
     p.add_argument("--image", default=None, help="tiny: start image, a bundled photo's name or an image file "
@@ -224,7 +228,11 @@ def parse(argv) -> dict:
             raise UsageError(f"--checkpoint: no such directory: {a.checkpoint!r}")
     elif a.checkpoint:
         raise UsageError("--checkpoint applies to --pipeline self-forcing")
-    s["checkpoint"] = a.checkpoint
+    if a.weights not in WEIGHTS:
+        raise UsageError(f"--weights must be {', '.join(WEIGHTS)}, got {a.weights!r}")
+    if tiny and a.weights != "auto":
+        raise UsageError("--weights applies to --pipeline self-forcing")
+    s["checkpoint"], s["weights"] = a.checkpoint, a.weights
     if tiny:
         if a.prompt is not None:
             raise UsageError("--prompt: the embedded world model is not text-conditioned; steer it with --image and "
@@ -317,7 +325,7 @@ def load_model(s) -> Loaded:
     from qvg.pipelines.state_dicts import CheckpointError
     from qvg.pipelines.umt5 import MissingDependency
     try:  # Self-Forcing runs its generator in BF16; layout and checks: pipelines/checkpoints.py
-        m = load_self_forcing(s["checkpoint"], s["device"], torch.bfloat16)
+        m = load_self_forcing(s["checkpoint"], s["device"], torch.bfloat16, ema=WEIGHTS[s.get("weights", "auto")])
     except (CheckpointError, MissingDependency) as e:
         raise UsageError(f"--checkpoint: {e}") from None
     # Wan2.1-T2V-1.3B's 480 x 832 at 16 fps: 60 x 104 latents (the VAE's 8x)

@@ -375,9 +375,35 @@ def test_cli_self_forcing_end_to_end(ckpt, tmp_path):
     import imageio.v3 as iio
     assert iio.imread(out).shape == (1, 480, 832, 3)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sf.json", "sf.mp4"]
+    # --weights generator: the raw generator's state dict (Self-Forcing without --use_ema)
+    assert main(["--pipeline", "self-forcing", "--checkpoint", str(ckpt), "--frames", "1", "--device", "cpu",
+                 "--weights", "generator", "--out", str(tmp_path / "raw.mp4"), "--quiet"]) == 0
+    assert json.loads((tmp_path / "raw.json").read_text())["checkpoint"]["weights"] == "generator"
 
 
-CLI_BAD = [BAD[0], BAD[5], BAD[6], BAD[9]]
+@pytest.mark.parametrize("args,msg", [
+    (["--pipeline", "self-forcing", "--weights", "ema"], "--weights must be auto, generator_ema, generator"),
+    (["--weights", "generator"], "--weights applies to --pipeline self-forcing"),
+])
+def test_cli_weights_choice_is_checked(ckpt, tmp_path, capsys, args, msg):
+    from qvg.app.generate import main
+    sf = ["--checkpoint", str(ckpt)] if "self-forcing" in args else []
+    assert main([*args, *sf, "--frames", "1", "--out", str(tmp_path / "v.mp4"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert msg in err and len(err.splitlines()) == 1 and list(tmp_path.iterdir()) == [], err
+
+
+def test_cli_weights_absent_is_one_line(ckpt, tmp_path, capsys):
+    from qvg.app.generate import main
+    root = _variant(ckpt, tmp_path, _rewrite(GEN, lambda o: {"generator": o["generator"]}))
+    assert main(["--pipeline", "self-forcing", "--checkpoint", str(root), "--weights", "generator_ema", "--frames",
+                 "1", "--device", "cpu", "--out", str(tmp_path / "v.mp4"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "no 'generator_ema' state dict" in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "v.mp4").exists()
+
+
+CLI_BAD = [b for b in BAD if b[0] in ("missing-key", "garbage", "no-generator", "no-vae")]
 
 
 @pytest.mark.parametrize("case,edit,needles", CLI_BAD, ids=[b[0] for b in CLI_BAD])
