@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from qvg.outputs import Terminated, new_file_mode, sigterm_held, sigterm_raises, target, target_error
+from qvg.outputs import Terminated, new_file_mode, sigterm_held, sigterm_raises, target, targets_error
 
 from .start_image import MIN_IMAGE_SIDE, image_array
 
@@ -210,13 +210,9 @@ def parse(argv) -> dict:
     out = Path(a.out)
     if out.suffix.lower() != ".mp4":
         raise UsageError(f"--out must end in .mp4, got {a.out!r}")
-    for path in (out, out.with_suffix(".json")):  # each where it will be written: symlinks followed
-        err = target_error(path)
-        if err:
-            raise UsageError(f"--out: {err}")
-    if target(out) == target(out.with_suffix(".json")):
-        raise UsageError(f"--out: {str(out)!r} and its JSON {str(out.with_suffix('.json'))!r} are the same file "
-                         "(a symlink)")
+    bad = targets_error([out, out.with_suffix(".json")])  # each where it will be written: symlinks followed
+    if bad:
+        raise UsageError(f"--out: {bad[1]}")
     s["out"] = out
     if a.pipeline == "self-forcing":
         if not a.checkpoint:
@@ -465,23 +461,16 @@ def report(s, gen: Generation, frames: int, seconds: float, mem: dict, chunks: l
 
 
 def _cache(s, transformer, latent_hw):
-    from qvg.cache import KVCache, default_centroids
-    from qvg.compression import resolve_options
+    from qvg.cache import KVCache, cache_options, check_options
     cf = 3
     tpf = transformer.tokens_per_latent_frame(*latent_hw)
-    heads, hd = transformer.config.num_attention_heads, transformer.config.attention_head_dim
-    opts = dict(s["options"])
     unit = cf * tpf * s["commit_every"]
-    if s["method"] in ("qvg", "qvg-pro") and "centroids" not in opts:
-        opts["centroids"] = default_centroids(unit)
+    opts = cache_options(s["method"], s["options"], unit)
     if s["method"] != "bf16":
-        try:  # kivi compresses keys and values with different roles: check both
-            for role in (("key", "value") if s["method"] == "kivi" else (None,)):
-                resolved = resolve_options(s["method"], (1, heads, unit, hd), **opts,
-                                           **({"role": role, "residual": 0} if role else {}))
+        try:  # with the model's head dim, before anything runs (kivi: keys' and values' roles both)
+            s["resolved_options"] = check_options(s["method"], opts, unit, transformer.config.attention_head_dim)
         except ValueError as e:
             raise UsageError(f"--method {s['method']}: {e}") from None
-        s["resolved_options"] = {k: v for k, v in resolved.items() if k not in ("role", "residual")}
         if opts.get("centroids", 0) > unit:
             raise UsageError(f"--centroids {opts['centroids']} > tokens per compressed unit ({unit})")
     for name, frames in (("sink", s["sink"]), ("history window", s["window"])):

@@ -17,7 +17,7 @@ import signal
 import sys
 from pathlib import Path
 
-from qvg.outputs import Terminated, sigterm_raises, target, target_error, writable_error, write_text
+from qvg.outputs import Terminated, sigterm_raises, targets_error, writable_error, write_text
 
 from .weights import BadWeights
 
@@ -176,16 +176,9 @@ def _out_dir(path: str | Path, *files: str) -> Path:
     err = writable_error(out)
     if err:
         raise UsageError(f"cannot write to {str(out)!r} ({err})")
-    targets = {}
-    for name in files:  # where each will be written: a symlinked file's target folder too
-        err = target_error(out / name)
-        if err:
-            raise UsageError(f"cannot write {str(out / name)!r}: {err}")
-        t = target(out / name)
-        if t in targets:
-            raise UsageError(f"cannot write {str(out / name)!r}: it is the same file as {str(out / targets[t])!r} "
-                             "(a symlink)")
-        targets[t] = name
+    bad = targets_error(out / name for name in files)  # where each will be written: symlinks followed
+    if bad:
+        raise UsageError(f"cannot write {str(bad[0])!r}: {bad[1]}")
     return out
 
 

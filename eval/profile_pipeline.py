@@ -62,8 +62,7 @@ def run(histories, methods, options) -> list[dict]:
                 host = _host_profile(chunk, calls=2)
             busy = sum(r["us_per_call"] for r in kernels) / 1e3
             row = {"history_frames": hist, "method": method, "options": dict(cache.options), "chunk_ms": wall,
-                   "forwards_ms": fwd,
-                   "commit_ms": commit_ms, "gpu_busy_ms": busy, "gpu_idle_ms": wall - busy,
+                   "forwards_ms": fwd, "commit_ms": commit_ms, "gpu_busy_ms": busy, "gpu_idle_ms": wall - busy,
                    "kernels": kernels[:25], "host": host}
             print(f"history {hist} {method}: chunk {wall:.1f} ms (forwards {fwd:.1f}, commit {commit_ms:.1f}); GPU "
                   f"busy {busy:.1f} ms", flush=True)

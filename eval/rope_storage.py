@@ -73,7 +73,8 @@ def main(argv=None) -> int:
         ap.error("--chunks must be >= 1")
     t0 = time.time()
     res = run(chunks=args.chunks, seed=args.seed)
-    res.update({"command": " ".join(["python -m qvg.eval.rope_storage", *(sys.argv[1:] if argv is None else argv)]), "commit": code_commit(),
+    cmd = " ".join(["python -m qvg.eval.rope_storage", *(sys.argv[1:] if argv is None else argv)])
+    res.update({"command": cmd, "commit": code_commit(),
                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "device": f"cpu ({platform.machine()})", "torch": torch.__version__, "data": DESCRIPTION,
                 "shape": [1, 12, 3 * 30 * 52, 128], "wall_s": time.time() - t0})

@@ -85,12 +85,10 @@ def cases(kind: str, n: int, chunks: int, m: int, cfg, seed: int = TRAJECTORY_SE
 
 
 def run_case(model, cfg, gt, acts, method, window, opts, seed, device):
-    from qvg.cache import KVCache, default_centroids
+    from qvg.cache import KVCache, cache_options
     cf, size = cfg["chunk_frames"], cfg["frame_size"]
     tpf = model.tokens_per_latent_frame(size, size)
-    opts = dict(opts)
-    if method in ("qvg", "qvg-pro"):
-        opts.setdefault("centroids", default_centroids(cf * tpf))
+    opts = cache_options(method, opts, cf * tpf)  # (the cache's own default K, named in the results' options)
     cache = KVCache(len(model.blocks), method, chunk_frames=cf, tokens_per_frame=tpf, window_frames=window, **opts)
     start = gt[:, 0].to(device)
     vids, mem = [], None

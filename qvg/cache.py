@@ -273,12 +273,9 @@ class KVCache:
             from .kernels.compress import check_variant
             check_variant(compress_preset)
         self.compress_preset = compress_preset if compress_preset is not None else COMMIT_PRESETS.get(method)
-        self.method, self.options = method, dict(options)
         unit = commit_every * chunk_frames * tokens_per_frame
+        self.method, self.options = method, cache_options(method, options, unit)
         if method != "bf16":
-            if "centroids" in compression.methods(details=True)[method]["defaults"] and \
-                    self.options.get("centroids") is None:
-                self.options["centroids"] = default_centroids(unit)  # (compress's preset, 256, suits larger units)
             check_options(method, self.options, unit)
         self.chunk_frames, self.tokens_per_frame = chunk_frames, tokens_per_frame
         self.sink_frames, self.window_frames, self.commit_every = sink_frames, window_frames, commit_every
@@ -546,9 +543,7 @@ class KVCache:
             x = L.buf[i][:, :, a:b]
             if i == 0 and self._pre_rope:  # back to before RoPE (fp32 rotation, BF16 as written)
                 x = apply_rope(x, self._angles(L.pos_pending, x.device, x.shape[3]), inverse=True).to(x.dtype)
-            opts = dict(self.options)
-            if self.method == "kivi":  # the pending / current zones are KIVI's full-precision recent window
-                opts = {"role": role, "residual": 0, **opts}
+            opts = unit_options(self.method, self.options, role)
             warm = self._warm_start(L, i) if "init" not in opts else None
             if self._graphed is not None and self._graphed.supports(x, self.method, warm, opts):
                 # one graph replay (copied into the history below)
@@ -919,15 +914,34 @@ def _grown(old: torch.Tensor | None, used: int, need: int, like: torch.Tensor) -
     return new
 
 
-def check_options(method: str, options: dict, unit_tokens: int) -> None:
-    """A cache's compression options checked when it is made, as compress checks them at each commit (ValueError
-    naming the first bad one), with a head dim the block size divides: what depends on the model's head dim is
+def cache_options(method: str, options: dict, unit_tokens: int) -> dict:
+    """A cache's options: the given ones, and for qvg / qvg-pro K = default_centroids(unit) unless given
+    (compress's preset, 256, suits larger units)."""
+    o = dict(options)
+    if method != "bf16" and "centroids" in compression.methods(details=True)[method]["defaults"] and \
+            o.get("centroids") is None:
+        o["centroids"] = default_centroids(unit_tokens)
+    return o
+
+
+def unit_options(method: str, options: dict, role: str) -> dict:
+    """What a commit passes `compress` for a unit of keys (role "key") or values: kivi also gets its role, and no
+    full-precision window of its own (the cache's pending / current zones are KIVI's recent window)."""
+    return {"role": role, "residual": 0, **options} if method == "kivi" else dict(options)
+
+
+def check_options(method: str, options: dict, unit_tokens: int, head_dim: int | None = None) -> dict:
+    """A cache's options checked as compress checks them at each commit (ValueError naming the first bad one); the
+    options resolved (the method's presets filled in; kivi's role and window left out). head_dim None (a cache
+    being made, before any write): a head dim the block size divides, so what depends on the model's head dim is
     checked at the first commit."""
-    bs = options.get("block_size", compression.methods(details=True)[method]["defaults"].get("block_size"))
-    d = 8 * bs if isinstance(bs, int) and not isinstance(bs, bool) and bs > 0 else 128
-    for role in (("key", "value") if method == "kivi" else (None,)):  # (as _pack_pending passes them)
-        extra = {"role": role, "residual": 0} if role else {}
-        compression.resolve_options(method, (1, 1, unit_tokens, d), **{**extra, **options})
+    if head_dim is None:
+        bs = options.get("block_size", compression.methods(details=True)[method]["defaults"].get("block_size"))
+        head_dim = 8 * bs if isinstance(bs, int) and not isinstance(bs, bool) and bs > 0 else 128
+    for role in (("key", "value") if method == "kivi" else ("key",)):
+        resolved = compression.resolve_options(method, (1, 1, unit_tokens, head_dim),
+                                               **unit_options(method, options, role))
+    return {k: v for k, v in resolved.items() if k not in ("role", "residual")}
 
 
 def default_centroids(unit_tokens: int) -> int:

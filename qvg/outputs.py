@@ -56,6 +56,21 @@ def target_error(path: str | os.PathLike) -> str | None:
     return f"cannot create files in {str(t.parent)!r} ({err})" if err else None
 
 
+def targets_error(paths) -> tuple[Path, str] | None:
+    """The first of `paths` (files a tool writes together) that can't be written, and why (target_error, or two of
+    them being one file through a symlink); None if all can."""
+    seen: dict[Path, Path] = {}
+    for p in map(Path, paths):
+        err = target_error(p)
+        if err:
+            return p, err
+        t = target(p)
+        if t in seen:
+            return p, f"{str(seen[t])!r} and {str(p)!r} are the same file (a symlink)"
+        seen[t] = p
+    return None
+
+
 @contextlib.contextmanager
 def atomic(path: str | os.PathLike):
     """Yields a temporary path beside `path`; on a clean exit it replaces `path` (readable as a new file would be),
