@@ -50,7 +50,8 @@ def wan_model(**config):
 def new_cache(model, method: str, window: int, options: dict):
     """A 30-layer cache of 3-frame chunks with a rolling window (options apply to the compressed methods).
     method "NAME[:pre-rope][:sync][:eager-commit][:noprefetch|:prefetch-after][:plain-writes]
-    [:high-priority|:default-stream][:staged-read|:fused-read][:compress=PRESET][:shift][:nographs]" (`parse_method`):
+    [:high-priority|:default-stream][:staged-read|:fused-read][:compress=PRESET][:every=N][:shift][:nographs]"
+    (`parse_method`):
     keys packed before RoPE (KVCache key_storage); commits in line with the forward instead of on the cache's side
     stream (KVCache async_commit=False); side-stream commits queued by each layer's commit_layer (KVCache
     defer_commits=False); every history decoded in line before its attention (KVCache prefetch_bytes=0), or its
@@ -63,9 +64,11 @@ def new_cache(model, method: str, window: int, options: dict):
     through the packed-cache attention kernels (KVCache read="staged" / "fused", rtn / qvg / qvg-pro only; with
     pre-rope both rotate the keys as they decode them) instead of decode + cuDNN;
     compress=PRESET: the cache compresses with kernels/compress.py's preset PRESET instead of the default "auto"
-    (KVCache compress_preset); shift (bf16 only): the full window makes room by copying the history one chunk back,
-    as upstream Self-Forcing's cache does, instead of the ring (KVCache bf16_rolling="shift"); nographs: the commits
-    compress eagerly instead of replaying CUDA graphs (KVCache cuda_graphs=False)."""
+    (KVCache compress_preset); every=N: the cache packs every N chunks (KVCache commit_every; `method_runner`
+    then times N chunks per call, one whole commit cycle); shift (bf16 only): the full window makes room by
+    copying the history one chunk back, as upstream Self-Forcing's cache does, instead of the ring (KVCache
+    bf16_rolling="shift"); nographs: the commits compress eagerly instead of replaying CUDA graphs (KVCache
+    cuda_graphs=False)."""
     from qvg.cache import KVCache
     name, flags, preset = parse_method(method)
     return KVCache(30, name, chunk_frames=3, tokens_per_frame=model.tokens_per_latent_frame(*LATENT_HW),
@@ -73,9 +76,14 @@ def new_cache(model, method: str, window: int, options: dict):
                    async_commit="sync" not in flags, defer_commits="eager-commit" not in flags,
                    prefetch_at="after" if "prefetch-after" in flags else "before",
                    read=_read(flags), bf16_rolling="shift" if "shift" in flags else "ring",
-                   cuda_graphs="nographs" not in flags,
+                   cuda_graphs="nographs" not in flags, commit_every=commit_every(method),
                    **({"prefetch_bytes": 0} if "noprefetch" in flags else {}),
                    **({} if name == "bf16" else dict(options, compress_preset=preset)))
+
+
+def commit_every(method: str) -> int:
+    """N of a method string's every=N flag (KVCache commit_every), 1 without it."""
+    return next((int(f[6:]) for f in method.split(":")[1:] if f.startswith("every=")), 1)
 
 
 def _key_storage(flags: list[str]) -> str:
@@ -97,13 +105,14 @@ def parse_method(method: str) -> tuple[str, list[str], str | None]:
     from qvg.kernels.compress import check_variant
     name, *flags = method.split(":")
     presets = [f.split("=", 1)[1] for f in flags if f.startswith("compress=")]
-    flags = [f for f in flags if not f.startswith("compress=")]
+    everies = [f.split("=", 1)[1] for f in flags if f.startswith("every=")]
+    flags = [f for f in flags if not f.startswith(("compress=", "every="))]
     if name not in CACHE_METHODS:
         raise ValueError(f"unknown cache method {name!r} in {method!r}; choose one of: {', '.join(CACHE_METHODS)}")
     unknown = set(flags) - set(FLAGS)
     if unknown:
         raise ValueError(f"unknown method flag(s) {', '.join(sorted(unknown))} in {method!r} "
-                         f"({', '.join(FLAGS)}, compress=PRESET)")
+                         f"({', '.join(FLAGS)}, compress=PRESET, every=N)")
     if "shift" in flags and name != "bf16":
         raise ValueError(f"{method!r}: shift is for bf16 (the packed methods' rolling window is a ring)")
     if "staged-read" in flags and "fused-read" in flags:
@@ -114,6 +123,8 @@ def parse_method(method: str) -> tuple[str, list[str], str | None]:
         raise ValueError(f"{method!r}: one compress=PRESET at most, and not for bf16 (it compresses nothing)")
     for p in presets:
         check_variant(p)
+    if len(everies) > 1 or (everies and name == "bf16") or any(not e.isdigit() or int(e) < 1 for e in everies):
+        raise ValueError(f"{method!r}: one every=N at most (N >= 1), and not for bf16 (it packs nothing)")
     from qvg.cache import read_error
     bad_read = read_error(name, _read(flags))
     if bad_read:
@@ -253,9 +264,15 @@ def on_generation_stream(fn):
 
 def method_runner(model, cache, method: str, commit_layers: bool = True):
     """`chunk_runner` for a `new_cache` method name, on the generation stream as in the pipelines, or on a
-    high-priority stream / the default stream with those flags; plain-writes applied."""
+    high-priority stream / the default stream with those flags; plain-writes applied. With every=N the chunk is N
+    chunks in a row (one commit cycle: time it and divide by N)."""
     flags = method.split(":")[1:]
-    chunk, forwards = chunk_runner(model, cache, commit_layers, transient="plain-writes" not in flags)
+    one, forwards = chunk_runner(model, cache, commit_layers, transient="plain-writes" not in flags)
+    n = commit_every(method)
+
+    def chunk():
+        for _ in range(n):
+            one()
     if "high-priority" in flags:
         high = torch.cuda.Stream(priority=-1)
         return on_stream(chunk, high), on_stream(forwards, high)
@@ -296,6 +313,7 @@ def run(histories, methods, options, repeat: int = 7, split: bool = False) -> li
                 runs[method, "forwards"] = method_runner(model, cache, method, commit_layers=False)[1]
             caches[method] = cache
             row = {"history_frames": hist, "method": method, "chunk_ms_all": [],
+                   "chunks_per_timing": commit_every(method),
                    "kv_bytes_allocator_delta": delta, "graph_pool_free_bytes": pool_free,
                    "kv_bytes_accounted": acc["total"],
                    "accounting_error": (acc["total"] - delta) / delta, "kv_components": acc}
@@ -311,7 +329,7 @@ def run(histories, methods, options, repeat: int = 7, split: bool = False) -> li
                 steady_ms(runs[r["method"]])
             for i in range(repeat):
                 for r in rotated(mine, i):  # each method takes each place in the round equally often
-                    r["chunk_ms_all"].append(steady_ms(runs[r["method"]]))
+                    r["chunk_ms_all"].append(steady_ms(runs[r["method"]]) / r["chunks_per_timing"])
                     if split:  # (its own untimed call first; the chunk after it overwrites its writes)
                         r.setdefault("forwards_ms_all", []).append(steady_ms(runs[r["method"], "forwards"]))
         for r in mine:
@@ -320,6 +338,7 @@ def run(histories, methods, options, repeat: int = 7, split: bool = False) -> li
                 r["forwards_ms"] = statistics.median(r["forwards_ms_all"])
             r["prefetch_stats"] = dict(caches[r["method"]].prefetch_stats)  # (the warm-up and timed chunks)
             r["reads"] = dict(caches[r["method"]].reads)  # the read paths that ran over the whole run (KVCache.reads)
+            r["attended_frames"] = _attended(caches[r["method"]])  # (each timed call's chunks, in order)
             print(f"history {hist} {r['method']}: chunk {r['chunk_ms']:.1f} ms (median of {repeat}; "
                   f"min {min(r['chunk_ms_all']):.1f})"
                   + (f", forwards without commits {r['forwards_ms']:.1f} ms" if split else ""), flush=True)
@@ -345,6 +364,14 @@ def run(histories, methods, options, repeat: int = 7, split: bool = False) -> li
                 if split:
                     r["forwards_overhead_vs_bf16"] = r["forwards_ms"] / base["forwards_ms"] - 1
     return rows
+
+
+def _attended(cache) -> list[float]:
+    """The past frames (sink, history and pending zones) the next commit_every chunks attend, from layer 0: with
+    units of several chunks a rolling window can hold more than window_frames (KVCache._evict)."""
+    L, n = cache.layers[0], cache.commit_every
+    held = L.n_sink + cache._hist_tokens(L) + L.n_pending
+    return [(held + i * cache.chunk_tokens) / cache.tokens_per_frame for i in range(n)]
 
 
 def _install(cache, frames: int, heads: int, seed: int = 0) -> None:

@@ -1,4 +1,7 @@
 """bench_pipeline's round order and method-list check (CPU: the timing needs a GPU)."""
+import pytest
+import torch
+
 from qvg.eval.bench_pipeline import rotated
 
 
@@ -55,3 +58,39 @@ def test_chunks_run_on_the_generation_stream_unless_default_stream(monkeypatch):
     chunk()
     forwards()
     assert log == ["chunk", "fwd"]
+
+
+def test_every_flag_packs_every_n_chunks_and_times_a_whole_cycle(monkeypatch):
+    """`qvg-pro:every=2` builds a cache with commit_every=2; method_runner's chunk is then two chunks (run() divides
+    the time by chunks_per_timing); bad every= values are refused before anything runs."""
+    import types
+
+    from qvg.eval import bench_pipeline as bp
+    model = types.SimpleNamespace(tokens_per_latent_frame=lambda h, w: 16)
+    assert bp.new_cache(model, "qvg-pro:every=2", 6, {}).commit_every == 2
+    assert bp.new_cache(model, "qvg-pro", 6, {}).commit_every == 1
+    assert bp.commit_every("qvg:sync:every=4") == 4 and bp.commit_every("bf16") == 1
+    for bad in ("qvg:every=0", "qvg:every=x", "qvg:every=2:every=3", "bf16:every=2"):
+        with pytest.raises(ValueError, match="every=N"):
+            bp.parse_method(bad)
+    log = []
+    monkeypatch.setattr(bp, "chunk_runner", lambda *a, **k: (lambda: log.append("chunk"), lambda: log.append("fwd")))
+    chunk, _ = bp.method_runner(None, None, "qvg-pro:every=3:default-stream")
+    chunk()
+    assert log == ["chunk"] * 3
+
+
+def test_attended_frames_of_a_commit_cycle():
+    """_attended: the past frames each chunk of the next commit cycle attends, with units of several chunks over a
+    rolling window (more than window_frames: KVCache._evict)."""
+    from qvg.cache import KVCache
+    from qvg.eval.bench_pipeline import _attended
+    cache = KVCache(1, "qvg", chunk_frames=1, tokens_per_frame=8, window_frames=3, commit_every=2, centroids=2,
+                    block_size=16)
+    for _ in range(7):
+        kv = torch.randn(2, 1, 2, 8, 16)
+        cache.write(0, kv[0], kv[1])
+        cache.commit()
+    held = cache.layers[0].n_pending + cache._hist_tokens(cache.layers[0])
+    assert _attended(cache) == [held / 8, held / 8 + 1]
+    assert _attended(KVCache(1, "bf16", chunk_frames=1, tokens_per_frame=8)) == [0.0]
