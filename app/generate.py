@@ -8,8 +8,10 @@ JSON are written to temporary files and renamed into place only when both are co
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -549,16 +551,22 @@ def run(s) -> dict:
 
 
 def _keep_old(path: Path) -> str | None:
-    """A hard link to the file at `path`, beside it, so that a failed second rename can put it back; None if there
-    is no file there (or the file system has no hard links: then a failed rename leaves no video)."""
+    """A hard link to the file at `path` (a copy where the file system has no hard links), beside it, so that a
+    failed second rename can put it back; None if there is no file there, or neither can be made (then a failed
+    rename leaves no video)."""
     if not path.is_file():
         return None
     backup = str(path.parent / f".{path.name}.old-{os.getpid()}")
     try:
         if os.path.lexists(backup):
             os.remove(backup)
-        os.link(path, backup)
+        try:
+            os.link(path, backup)
+        except OSError:
+            shutil.copy2(path, backup)
     except OSError:
+        with contextlib.suppress(OSError):  # (a partial copy)
+            os.remove(backup)
         return None
     return backup
 

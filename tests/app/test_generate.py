@@ -472,3 +472,24 @@ def test_kmeans_seed_is_the_compressions(tmp_path):
     s = parse(["--kmeans-seed", "3", "--seed", "5"] + out)
     assert s["options"]["seed"] == 3 and s["seed"] == 5
     assert "seed" not in parse(out)["options"]
+
+
+def test_without_hard_links_the_old_video_is_copied_back(tmp_path, capsys, monkeypatch):
+    """On a file system without hard links the old video is kept as a copy, so a failed JSON rename still puts it
+    back."""
+    import os
+    (tmp_path / "v.mp4").write_text("old video")
+    real = os.replace
+
+    def no_link(a, b):
+        raise OSError(1, "Operation not permitted")
+
+    def replace(a, b):
+        if str(b).endswith(".json"):
+            raise OSError(5, "Input/output error")
+        return real(a, b)
+    monkeypatch.setattr(os, "link", no_link)
+    monkeypatch.setattr(os, "replace", replace)
+    assert main(["--frames", "4", "--method", "bf16", "--out", str(tmp_path / "v.mp4"), "--quiet"]) == 1
+    assert "Input/output error" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v.mp4"] and (tmp_path / "v.mp4").read_text() == "old video"
