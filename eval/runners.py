@@ -111,10 +111,15 @@ SWEEP_FLAGS = {"--image": "--inputs", "--prompt": "--inputs", "--seed": "--seeds
 
 
 def sweep_words(message: str, workdir: Path) -> str:
-    """A qvg-generate error in a sweep's words: its flags -> the sweep's options, --out -> the videos' folder."""
-    for flag, name in SWEEP_FLAGS.items():  # whole flags only: --seed is not --seeds
-        message = re.sub(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", name, message)
-    return re.sub(r"(?<![\w-])--out(?![\w-])", f"the videos' folder {str(workdir)!r}", message)
+    """A qvg-generate error in a sweep's words: its flags -> the sweep's options, --out -> the videos' folder.
+    Quoted text (a path, a prompt, an input's name) is left as it is."""
+    def words(text: str) -> str:
+        for flag, name in SWEEP_FLAGS.items():  # whole flags only: --seed is not --seeds
+            text = re.sub(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", name, text)
+        return re.sub(r"(?<![\w-])--out(?![\w-])", f"the videos' folder {str(workdir)!r}", text)
+    # odd items: quoted as repr() quotes ("can't" opens no quote)
+    parts = re.split(r"""((?<!\w)(?:'(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")(?!\w))""", message)
+    return "".join(p if i % 2 else words(p) for i, p in enumerate(parts))
 
 
 class GenerateRunner:

@@ -229,6 +229,11 @@ def test_qvg_generate_errors_in_the_sweeps_words(tmp_path):
     assert sweep_words("--image: no such file; --kmeans-seed 3; --method x", tmp_path) == \
         "--inputs: no such file; --kmeans-seeds 3; --methods x"
     assert sweep_words("--out: cannot write", tmp_path) == f"the videos' folder {str(tmp_path)!r}: cannot write"
+    # quoted text (a path, an input's name) is kept; an apostrophe in the prose opens no quote
+    assert sweep_words("--image: no such file '/data/--image/a.png'; can't read --seed", tmp_path) == \
+        "--inputs: no such file '/data/--image/a.png'; can't read --seeds"
+    assert sweep_words('--out: "it\'s --out" is a folder', tmp_path) == \
+        f'the videos\' folder {str(tmp_path)!r}: "it\'s --out" is a folder'
 
 
 def test_qvg_generate_runner_passes_kmeans_seed_and_key_storage(tmp_path):
