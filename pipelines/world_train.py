@@ -26,13 +26,16 @@ Resumable: `--ckpt DIR` holds the state (FP32 weights and BF16 Adam moments as s
     python -m qvg.pipelines.world_train --ckpt runs/world --export assets/world
 
 `--world-rope` starts a new run with world-coordinate spatial RoPE (pipelines/world_model.py); a resumed run keeps
-the config its state was saved with.
+the config its state was saved with. A resumed run takes the settings saved with its state; a setting given again
+with another value is applied from there on, said on stderr and recorded in state.json (`setting_changes`, also in
+the exported model's training card). `--init` starts new runs only.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -99,6 +102,7 @@ class Trainer:
                                      weight_decay=a["weight_decay"])
         self.step, self.elapsed, self.log = 0, 0.0, []
         self.init = None  # the exported model a fine-tune started from: its directory and training card
+        self.setting_changes: list[dict] = []  # settings a resumed run changed: {"step", "settings": {k: [old, new]}}
         cf, size = cfg["chunk_frames"], cfg["frame_size"]
         tpf = (size // cfg["transformer"]["patch_size"][1]) ** 2
         self.copy, self.chunk = token_layout(a["chunks"], cf, tpf, self.device)
@@ -265,6 +269,8 @@ class Trainer:
                 "config": self.cfg, "files": files, "log": self.log}
         if self.init:
             meta["init"] = self.init
+        if self.setting_changes:
+            meta["setting_changes"] = self.setting_changes
         tmp = d / "state.json.tmp"
         tmp.write_text(json.dumps(meta, indent=1, default=list))
         tmp.replace(d / "state.json")
@@ -297,6 +303,7 @@ class Trainer:
                                      "exp_avg_sq": tensors[f"adam_v.{k}"].float().to(p.device)}
         self.step, self.elapsed, self.log = step, meta["elapsed_seconds"], meta["log"]
         self.init = meta.get("init")
+        self.setting_changes = meta.get("setting_changes", [])
         self.gen.manual_seed(self.args["seed"] + 1 + step)  # a resumed run draws new noise, not the first run's
         return True
 
@@ -322,8 +329,9 @@ def main(argv=None) -> int:
         tr = Trainer(dict(meta["args"], **given), meta["config"], "cpu", attention="dense")
         tr.load(a.ckpt)
         card = {"steps": tr.step, "seconds": tr.elapsed, "args": tr.args, "final_log": tr.log[-3:]}
-        if "init" in meta:
-            card["init"] = meta["init"]
+        for k in ("init", "setting_changes"):
+            if k in meta:
+                card[k] = meta[k]
         cfg = dict(tr.cfg, context_sigma=DEFAULT_CONFIG["context_sigma"])  # a sampler setting, chosen after training
         save_world(tr.model, cfg, a.export, card=card)
         print(f"exported step {tr.step} to {a.export}")
@@ -336,9 +344,19 @@ def main(argv=None) -> int:
         p.error(f"--world-rope: the state in {ck} was trained without world-coordinate RoPE")
     tr = Trainer(dict(meta.get("args", {}), **given), dict(DEFAULT_CONFIG, world_rope=world_rope), a.device,
                  attention=a.attention)
+    if meta and a.init:
+        p.error(f"--init: {ck} already holds a training state (step {meta['step']}); start a fine-tune in a new "
+                "--ckpt directory")
     resumed = tr.load(ck)
     if not resumed and a.init:
         tr.init_from(a.init)
+    saved = dict(DEFAULTS, **meta.get("args", {}))
+    changed = {k: [saved[k], v] for k, v in given.items() if resumed and saved[k] != v}
+    if changed:  # applied, said, and kept with the state (and the exported model's card)
+        tr.setting_changes.append({"step": tr.step, "settings": changed})
+        print(f"world_train: resumed at step {tr.step} with changed settings: "
+              + ", ".join(f"{k} {o} -> {n}" for k, (o, n) in changed.items()) + " (recorded in state.json)",
+              file=sys.stderr, flush=True)
     if a.compile:
         tr.compile()
     print(f"{'resumed at step ' + str(tr.step) if resumed else 'new run'}; {json.dumps(tr.args)}", flush=True)

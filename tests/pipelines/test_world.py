@@ -281,3 +281,27 @@ def test_rollout_takes_action_names_and_says_what_does_not_fit():
                     (dict(c=cache(tokens=tpf * 2)), f"tokens_per_frame={tpf}")):
         with pytest.raises(ValueError, match=msg):
             rollout(model, cfg, kw.get("start", start), kw.get("actions", ["left"]), kw.get("c") or cache())
+
+
+def test_resuming_with_other_settings_says_so_and_records_them(tmp_path, capsys, monkeypatch):
+    """A resumed run applies a changed setting, says so on stderr and keeps it in state.json and the exported card;
+    --init on a directory that holds a state is refused (exit 2) instead of being ignored."""
+    from qvg.pipelines import world_train as wt
+    monkeypatch.setattr(wt, "DEFAULT_CONFIG", SMALL)
+    ck = str(tmp_path / "ck")
+    base = ["--ckpt", ck, "--device", "cpu", "--attention", "dense", "--max-steps", "1", "--chunks", "3", "--batch", "1"]
+    assert wt.main(base + ["--warmup", "2"]) == 0
+    assert "changed settings" not in capsys.readouterr().err
+    assert wt.main(base + ["--warmup", "2"]) == 0  # the same settings again: nothing to say
+    assert "changed settings" not in capsys.readouterr().err
+    assert wt.main(base + ["--lr", "0.0001"]) == 0
+    err = capsys.readouterr().err
+    assert "resumed at step 2 with changed settings: lr 0.0003 -> 0.0001" in err
+    meta = json.loads((tmp_path / "ck" / "state.json").read_text())
+    assert meta["setting_changes"] == [{"step": 2, "settings": {"lr": [0.0003, 0.0001]}}] and meta["args"]["lr"] == 1e-4
+    assert wt.main(["--ckpt", ck, "--export", str(tmp_path / "model")]) == 0
+    card = json.loads((tmp_path / "model" / "config.json").read_text())
+    assert "setting_changes" in json.dumps(card)
+    with pytest.raises(SystemExit) as e:
+        wt.main(base + ["--init", str(tmp_path / "model")])
+    assert e.value.code == 2 and "already holds a training state (step 3)" in capsys.readouterr().err
