@@ -289,7 +289,8 @@ def test_resuming_with_other_settings_says_so_and_records_them(tmp_path, capsys,
     from qvg.pipelines import world_train as wt
     monkeypatch.setattr(wt, "DEFAULT_CONFIG", SMALL)
     ck = str(tmp_path / "ck")
-    base = ["--ckpt", ck, "--device", "cpu", "--attention", "dense", "--max-steps", "1", "--chunks", "3", "--batch", "1"]
+    base = ["--ckpt", ck, "--device", "cpu", "--attention", "dense", "--max-steps", "1", "--chunks", "3",
+            "--batch", "1"]
     assert wt.main(base + ["--warmup", "2"]) == 0
     assert "changed settings" not in capsys.readouterr().err
     assert wt.main(base + ["--warmup", "2"]) == 0  # the same settings again: nothing to say
