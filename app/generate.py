@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", default=None, help="self-forcing: the directory holding the Self-Forcing "
                    "generator (self_forcing_dmd.pt, or checkpoints/self_forcing_dmd.pt) and the Wan2.1-T2V-1.3B files "
                    "(wan_models/Wan2.1-T2V-1.3B/); layouts in the README; needs pip install -e '.[wan]'")
+    p.add_argument("--generator", default=None, help="self-forcing: the generator checkpoint file to run instead of "
+                   "the one --checkpoint's layout names (e.g. another .pt beside self_forcing_dmd.pt)")
     p.add_argument("--weights", default="auto", help="self-forcing: the checkpoint's state dict to run, "
                    "generator_ema or generator (default auto: generator_ema where present, as Self-Forcing's "
                    "--use_ema, else generator)")
@@ -226,11 +228,16 @@ def parse(argv) -> dict:
             raise UsageError(f"--checkpoint: no such directory: {a.checkpoint!r}")
     elif a.checkpoint:
         raise UsageError("--checkpoint applies to --pipeline self-forcing")
+    if a.generator is not None:
+        if tiny:
+            raise UsageError("--generator applies to --pipeline self-forcing")
+        if not Path(a.generator).is_file():
+            raise UsageError(f"--generator: no such file: {a.generator!r}")
     if a.weights not in WEIGHTS:
         raise UsageError(f"--weights must be {', '.join(WEIGHTS)}, got {a.weights!r}")
     if tiny and a.weights != "auto":
         raise UsageError("--weights applies to --pipeline self-forcing")
-    s["checkpoint"], s["weights"] = a.checkpoint, a.weights
+    s["checkpoint"], s["weights"], s["generator"] = a.checkpoint, a.weights, a.generator
     if tiny:
         if a.prompt is not None:
             raise UsageError("--prompt: the embedded world model is not text-conditioned; steer it with --image and "
@@ -323,7 +330,8 @@ def load_model(s) -> Loaded:
     from qvg.pipelines.state_dicts import CheckpointError
     from qvg.pipelines.umt5 import MissingDependency
     try:  # Self-Forcing runs its generator in BF16; layout and checks: pipelines/checkpoints.py
-        m = load_self_forcing(s["checkpoint"], s["device"], torch.bfloat16, ema=WEIGHTS[s.get("weights", "auto")])
+        m = load_self_forcing(s["checkpoint"], s["device"], torch.bfloat16, ema=WEIGHTS[s.get("weights", "auto")],
+                              generator=s.get("generator"))
     except (CheckpointError, MissingDependency) as e:
         raise UsageError(f"--checkpoint: {e}") from None
     # Wan2.1-T2V-1.3B's 480 x 832 at 16 fps: 60 x 104 latents (the VAE's 8x)

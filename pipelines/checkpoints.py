@@ -17,7 +17,8 @@ or, in place of the Wan2.1-T2V-1.3B folder, the diffusers layout (Wan2.1-T2V-1.3
 tokenizer/, and transformer/config.json, optional; the transformer's weights come from the generator).
 
 The generator file holds {'generator': state dict, 'generator_ema': state dict, ...} with Wan's own key names
-under Self-Forcing's wrapper prefix `model.`; loaded with `weights_only=True` (never unpickled arbitrarily),
+under Self-Forcing's wrapper prefix `model.` (diffusers' names, as a CausalWanTransformer's state_dict() has them,
+are taken as they are); loaded with `weights_only=True` (never unpickled arbitrarily),
 memory-mapped. `ema=None` (default) takes 'generator_ema' where present (what Self-Forcing's `--use_ema`
 inference uses), else 'generator'; True / False insist on one. Keys are converted to diffusers' names by
 diffusers' own converters, and every component is loaded strictly (state_dicts.load_strict): a wrong, incomplete
@@ -70,12 +71,16 @@ class SelfForcingModel(NamedTuple):
     sources: dict  # what was loaded from where (for reports)
 
 
-def find_files(root) -> WanFiles:
-    """The files of the layout in the module docstring; a CheckpointError listing what was looked for."""
+def find_files(root, generator=None) -> WanFiles:
+    """The files of the layout in the module docstring (`generator`: that file instead of the layout's generator); a
+    CheckpointError listing what was looked for."""
     root = Path(root)
     if not root.is_dir():
         raise CheckpointError(f"{root}: no such directory")
-    gen = next((p for p in (root / GENERATOR_FILE, root / "checkpoints" / GENERATOR_FILE) if p.is_file()), None)
+    if generator is not None and not Path(generator).is_file():
+        raise CheckpointError(f"{generator}: no such generator checkpoint file")
+    gen = Path(generator) if generator is not None else \
+        next((p for p in (root / GENERATOR_FILE, root / "checkpoints" / GENERATOR_FILE) if p.is_file()), None)
     if gen is None:
         found = sorted(p for d in (root, root / "checkpoints") if d.is_dir() for p in d.glob("*.pt") if p.is_file())
         if not found:
@@ -83,7 +88,8 @@ def find_files(root) -> WanFiles:
                                   f"one *.pt file in {root} and {root / 'checkpoints'})")
         if len(found) > 1:
             raise CheckpointError(f"{root}: {len(found)} candidate generator checkpoints "
-                                  f"({', '.join(p.name for p in found)}): name the one to use {GENERATOR_FILE}")
+                                  f"({', '.join(p.name for p in found)}): name the one to use {GENERATOR_FILE}, "
+                                  "or choose one with --generator FILE")
         gen = found[0]
     folders = [root / "wan_models" / n for n in WAN_FOLDERS] + [root / n for n in WAN_FOLDERS] + [root]
     for wan in folders:
@@ -159,8 +165,16 @@ def read_generator(path: Path, ema: bool | None = None) -> tuple[dict, dict, str
             k = k.replace(part, "")
         k = k[len(DDP_PREFIX):] if k.startswith(DDP_PREFIX) else k
         stripped[k[len(WRAPPER_PREFIX):] if k.startswith(WRAPPER_PREFIX) else k] = t
+    if diffusers_names(stripped):  # saved from a diffusers-named model (ours included): nothing to rename
+        return stripped, _renamed(sd, stripped), which
     converted = convert_wan_transformer_to_diffusers(dict(stripped))
     return converted, _renamed(sd, converted), which
+
+
+def diffusers_names(sd: dict) -> bool:
+    """Whether a transformer state dict uses diffusers' key names (WanTransformer3DModel's, as CausalWanTransformer
+    saves them) rather than Wan's. Wan's converter must not run on those: it would swap norm2 and norm3."""
+    return any(k.startswith("condition_embedder.") or ".attn1.to_q." in k for k in sd)
 
 
 def _generator_size(sd: dict) -> str:
@@ -216,13 +230,14 @@ def load_text_encoder(files: WanFiles, text_dim: int, device="cpu", dtype=torch.
 
 
 def load_self_forcing(checkpoint_dir, device="cpu", dtype=torch.bfloat16, *, ema: bool | None = None,
-                      vae_dtype=torch.float32, text_dtype=torch.bfloat16) -> SelfForcingModel:
-    """Everything `SelfForcingPipeline` and a prompt need, from the layout in the module docstring."""
+                      vae_dtype=torch.float32, text_dtype=torch.bfloat16, generator=None) -> SelfForcingModel:
+    """Everything `SelfForcingPipeline` and a prompt need, from the layout in the module docstring (`generator`: a
+    generator checkpoint file to run instead of the one the layout names)."""
     from . import umt5
     from .causal_wan import CausalWanTransformer
     for package in ("transformers", "ftfy"):  # the `wan` extra: fail before reading gigabytes
         umt5.require(package)
-    files = find_files(checkpoint_dir)
+    files = find_files(checkpoint_dir, generator)
     config, config_source = transformer_config(files)
     sd, names, which = read_generator(files.generator, ema)
     model = _build(config_source, "transformer", CausalWanTransformer, **config)
@@ -236,6 +251,7 @@ def load_self_forcing(checkpoint_dir, device="cpu", dtype=torch.bfloat16, *, ema
                               f"{_generator_size(sd)}") from None
     vae = load_vae(files, device, vae_dtype)
     text = load_text_encoder(files, c.text_dim, device, text_dtype, out_dtype=dtype)
-    sources = {"generator": os.path.abspath(files.generator), "weights": which, "wan": os.path.abspath(files.wan),
+    sources = {"generator": os.path.abspath(files.generator), "generator_bytes": files.generator.stat().st_size,
+               "weights": which, "wan": os.path.abspath(files.wan),
                "layout": "diffusers" if files.diffusers else "original", "transformer_config": config_source}
     return SelfForcingModel(transformer, vae, text, sources)

@@ -181,6 +181,7 @@ def test_original_layout_round_trip(src, loaded):
     transformer, vae, text, sources = loaded
     assert isinstance(transformer, CausalWanTransformer) and sources["weights"] == "generator_ema"
     assert sources["layout"] == "original" and sources["transformer_config"].endswith("config.json")
+    assert sources["generator_bytes"] == __import__("os").path.getsize(sources["generator"])  # (which file it was)
     _same_weights(transformer, src["ema"])
     _same_weights(vae, src["vae"])
     x = torch.randn(1, 16, 3, 4, 4, generator=torch.Generator().manual_seed(0))
@@ -304,6 +305,18 @@ def test_ddp_prefix_is_stripped(src, ckpt, tmp_path):
     _same_weights(load_self_forcing(root, "cpu", **F32).transformer, src["ema"])
 
 
+def test_diffusers_named_generator_loads_as_it_is(src, ckpt, tmp_path):
+    """A generator saved with diffusers' key names (a CausalWanTransformer's own state_dict, under the wrapper
+    prefix or not) loads unchanged; Wan's converter would have swapped norm2 and norm3 (missing / unexpected
+    keys)."""
+    for prefix in ("model.", ""):
+        root = _variant(ckpt, tmp_path / prefix.strip("."), _rewrite(GEN, lambda o: {
+            "generator": {prefix + k: v.clone() for k, v in src["raw"].state_dict().items()},
+            "generator_ema": {prefix + k: v.clone() for k, v in src["ema"].state_dict().items()}}))
+        _same_weights(load_self_forcing(root, "cpu", **F32).transformer, src["ema"])
+        _same_weights(load_self_forcing(root, "cpu", **F32, ema=False).transformer, src["raw"])
+
+
 @pytest.mark.parametrize("case,edit,needles", BAD, ids=[b[0] for b in BAD])
 def test_bad_checkpoint_one_clear_error(ckpt, tmp_path, case, edit, needles):
     root = _variant(ckpt, tmp_path, edit)
@@ -379,6 +392,27 @@ def test_cli_self_forcing_end_to_end(ckpt, tmp_path):
     assert main(["--pipeline", "self-forcing", "--checkpoint", str(ckpt), "--frames", "1", "--device", "cpu",
                  "--weights", "generator", "--out", str(tmp_path / "raw.mp4"), "--quiet"]) == 0
     assert json.loads((tmp_path / "raw.json").read_text())["checkpoint"]["weights"] == "generator"
+
+
+def test_generator_file_chosen_over_the_layouts(src, ckpt, tmp_path, capsys):
+    """--generator FILE (load_self_forcing(generator=)) runs that file, wherever it is, instead of the layout's
+    self_forcing_dmd.pt; a missing file, or --generator with the embedded model, is one line, exit 2."""
+    from qvg.app.generate import main
+    other = tmp_path / "elsewhere" / "self_forcing_sid.pt"
+    other.parent.mkdir()
+    torch.save({"generator": _generator_dict(src["raw"])}, other)
+    m = load_self_forcing(ckpt, "cpu", **F32, generator=other)
+    assert m.sources["generator"] == str(other) and m.sources["weights"] == "generator"
+    _same_weights(m.transformer, src["raw"])
+    assert main(["--pipeline", "self-forcing", "--checkpoint", str(ckpt), "--generator", str(other), "--frames",
+                 "1", "--device", "cpu", "--out", str(tmp_path / "v.mp4"), "--quiet"]) == 0
+    assert json.loads((tmp_path / "v.json").read_text())["checkpoint"]["generator"] == str(other)
+    sf = ["--pipeline", "self-forcing", "--checkpoint", str(ckpt)]
+    for args, msg in (([*sf, "--generator", str(tmp_path / "no.pt")], "--generator: no such file"),
+                      (["--generator", str(other)], "--generator applies to --pipeline self-forcing")):
+        assert main([*args, "--frames", "1", "--out", str(tmp_path / "w.mp4"), "--quiet"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert msg in err and len(err.splitlines()) == 1 and not (tmp_path / "w.mp4").exists(), err
 
 
 @pytest.mark.parametrize("args,msg", [
