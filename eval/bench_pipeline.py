@@ -49,14 +49,15 @@ def wan_model(**config):
 
 def new_cache(model, method: str, window: int, options: dict):
     """A 30-layer cache of 3-frame chunks with a rolling window (options apply to the compressed methods).
-    method "NAME[:pre-rope][:sync][:eager-commit][:noprefetch|:prefetch-after][:plain-writes]
+    method "NAME[:pre-rope][:sync][:eager-commit][:noprefetch|:prefetch-after|:prefetch-split][:plain-writes]
     [:high-priority|:default-stream][:staged-read|:fused-read][:compress=PRESET][:every=N][:shift][:nographs]"
     (`parse_method`):
     keys packed before RoPE (KVCache key_storage); commits in line with the forward instead of on the cache's side
     stream (KVCache async_commit=False); side-stream commits queued by each layer's commit_layer (KVCache
     defer_commits=False); every history decoded in line before its attention (KVCache prefetch_bytes=0), or its
     prefetch queued after each SDPA call instead of just before it (prefetch_at="after", the default before
-    525b5c6); plain-writes: the chunk's denoising steps write as the re-run does, not transient;
+    525b5c6), or queued between the two halves of an SDPA call split by query rows, whole waves first
+    (prefetch_at="split"); plain-writes: the chunk's denoising steps write as the re-run does, not transient;
     high-priority: the chunk runs on a high-priority CUDA stream, so the cache's side streams (prefetched decodes,
     queued commits) get only the SMs its kernels leave idle; default-stream: the chunk runs on the device's default
     (legacy) stream, as before 2026-11-29, instead of the generation stream the pipelines use (qvg.streams; these
@@ -74,7 +75,7 @@ def new_cache(model, method: str, window: int, options: dict):
     return KVCache(30, name, chunk_frames=3, tokens_per_frame=model.tokens_per_latent_frame(*LATENT_HW),
                    window_frames=window, key_storage=_key_storage(flags),
                    async_commit="sync" not in flags, defer_commits="eager-commit" not in flags,
-                   prefetch_at="after" if "prefetch-after" in flags else "before",
+                   prefetch_at=_prefetch_at(flags),
                    read=_read(flags), bf16_rolling="shift" if "shift" in flags else "ring",
                    cuda_graphs="nographs" not in flags, commit_every=commit_every(method),
                    **({"prefetch_bytes": 0} if "noprefetch" in flags else {}),
@@ -86,6 +87,10 @@ def commit_every(method: str) -> int:
     return next((int(f[6:]) for f in method.split(":")[1:] if f.startswith("every=")), 1)
 
 
+def _prefetch_at(flags: list[str]) -> str:
+    return "after" if "prefetch-after" in flags else "split" if "prefetch-split" in flags else "before"
+
+
 def _key_storage(flags: list[str]) -> str:
     return "pre-rope" if "pre-rope" in flags else "post-rope"
 
@@ -94,8 +99,8 @@ def _read(flags: list[str]) -> str:
     return "staged" if "staged-read" in flags else "fused" if "fused-read" in flags else "window"
 
 
-FLAGS = ("pre-rope", "sync", "eager-commit", "noprefetch", "prefetch-after", "plain-writes", "high-priority",
-         "default-stream", "staged-read", "fused-read", "shift", "nographs")
+FLAGS = ("pre-rope", "sync", "eager-commit", "noprefetch", "prefetch-after", "prefetch-split", "plain-writes",
+         "high-priority", "default-stream", "staged-read", "fused-read", "shift", "nographs")
 
 
 def parse_method(method: str) -> tuple[str, list[str], str | None]:
@@ -117,6 +122,8 @@ def parse_method(method: str) -> tuple[str, list[str], str | None]:
         raise ValueError(f"{method!r}: shift is for bf16 (the packed methods' rolling window is a ring)")
     if "staged-read" in flags and "fused-read" in flags:
         raise ValueError(f"{method!r}: staged-read or fused-read, not both")
+    if sum(f in flags for f in ("noprefetch", "prefetch-after", "prefetch-split")) > 1:
+        raise ValueError(f"{method!r}: one of noprefetch, prefetch-after, prefetch-split at most")
     if "high-priority" in flags and "default-stream" in flags:
         raise ValueError(f"{method!r}: high-priority or default-stream, not both")
     if len(presets) > 1 or (presets and name == "bf16"):

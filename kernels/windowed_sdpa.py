@@ -84,12 +84,16 @@ def windowed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: P
                        k_tail: torch.Tensor | None = None, v_tail: torch.Tensor | None = None,
                        scale: float | None = None, window_bytes: int = WINDOW_BYTES,
                        rope: RopeTables | None = None, decoded: tuple | None = None,
-                       before_sdpa=None) -> torch.Tensor:
+                       before_sdpa=None, split_rows: int | None = None) -> torch.Tensor:
     """softmax(q [history; tail]^T * scale) [history; tail]. q [B, Hq, M, D]; histories: PackedSequence with Hkv
     heads (Hq a multiple of Hkv); tails [B, Hkv, T, D] BF16 (views are fine). `rope`: the history keys were stored
     before RoPE and are rotated as they are decoded. `decoded`: the (K, V) buffers `decode_window(k_hist, v_hist,
     T, rope)` returned (history and tail in one window), decoded ahead of time; the tail is copied into them.
-    before_sdpa: called once, right before the first SDPA call is queued (the cache queues its next prefetch there)."""
+    before_sdpa: called once, right before the first SDPA call is queued (the cache queues its next prefetch there).
+    split_rows (history and tail in one window only): the SDPA call is split in two, queries [0, split_rows) and the
+    rest, and before_sdpa is called between them (`query_split`: the second call is the last partial wave, whose
+    idle SMs then run what before_sdpa queued on a side stream). Each query row is attended as unsplit (on a GPU
+    each half may run another SDPA kernel: equal to BF16 rounding)."""
     if k_hist is None and k_tail is None:
         raise ValueError("attention needs a history or a tail")
     bsz, hq, m, d = q.shape
@@ -106,7 +110,8 @@ def windowed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: P
     cap = window_tokens(k_hist, window_bytes)
     bounds = [(r0, min(n, r0 + cap)) for r0 in range(0, n, cap)]
     tail_inline = t and bounds[-1][1] - bounds[-1][0] + t <= cap  # the tail rides in the last window
-    if decoded is not None and (len(bounds) != 1 or not (tail_inline or not t) or decoded[0].shape[2] != n + t):
+    one = len(bounds) == 1 and (tail_inline or not t)  # history and tail in one window: one SDPA call
+    if decoded is not None and (not one or decoded[0].shape[2] != n + t):
         raise ValueError(f"decoded buffers of {decoded[0].shape[2]} tokens do not hold one window of {n} history "
                          f"+ {t} tail tokens")
     acc = lse = None
@@ -117,13 +122,37 @@ def windowed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: P
         if extra:
             ks[:, :, r1 - r0:] = k_tail
             vs[:, :, r1 - r0:] = v_tail
+        if one and split_rows and 0 < split_rows < m:
+            return _split_sdpa(q, ks, vs, scale, split_rows, before_sdpa)
         if before_sdpa is not None:
             before_sdpa()
             before_sdpa = None
-        if len(bounds) == 1 and (tail_inline or not t):
+        if one:
             return sdpa_gqa(q, ks, vs, scale)
         acc, lse = merge_lse(acc, lse, *sdpa_lse(q, *repeat_kv(ks, vs, hq), scale))
         del ks, vs
     if t and not tail_inline:
         acc, lse = merge_lse(acc, lse, *sdpa_lse(q, *repeat_kv(k_tail.contiguous(), v_tail.contiguous(), hq), scale))
     return acc.to(q.dtype)
+
+
+def _split_sdpa(q, ks, vs, scale, rows: int, between=None) -> torch.Tensor:
+    """SDPA of q's first `rows` queries, `between()`, then the rest; the two outputs joined along the queries in
+    [B, M, H, D] memory (the layout the model's output projection reads), returned as the [B, H, M, D] view."""
+    first = sdpa_gqa(q[:, :, :rows], ks, vs, scale)
+    if between is not None:
+        between()
+    second = sdpa_gqa(q[:, :, rows:], ks, vs, scale)
+    return torch.cat([first.transpose(1, 2), second.transpose(1, 2)], 1).transpose(1, 2)
+
+
+def query_split(m: int, programs_per_row_block: int, sms: int, block: int = 128) -> int | None:
+    """Queries of the first of two SDPA calls so that it fills whole waves and the second is the last partial wave:
+    the largest multiple t of `block` rows (t < the row blocks of m) with t x programs_per_row_block (batch x heads)
+    a multiple of `sms` (one program per SM and per block of 128 queries, as the flash kernels tile them on Hopper);
+    None if there is no such t (no partial wave to fill, or none that divides)."""
+    blocks = -(-m // block)
+    for t in range(blocks - 1, 0, -1):
+        if t * programs_per_row_block % sms == 0:
+            return t * block
+    return None

@@ -110,7 +110,8 @@ KEY_STORAGE = ("post-rope", "pre-rope")
 # memory()'s components: they sum to its total
 MEMORY_COMPONENTS = ("codes", "scales", "ids", "centroids", "positions", "bf16", "workspace")
 PREFETCH_BYTES = 1 << 30  # the largest staging window (BF16 K + V) decoded ahead: = WINDOW_BYTES, any single window
-PREFETCH_AT = ("before", "after")  # where the next layer's decode is queued: just before / after a layer's SDPA
+PREFETCH_AT = ("before", "after", "split")  # where the next layer's decode is queued: just before / after a layer's
+# SDPA call, or between the two calls of a split one (its whole waves, then its last partial wave)
 # how the GPU path reads a packed history for attention (see the module docstring): the default decodes it into
 # staging windows for cuDNN's SDPA (fastest on Hopper); the others run this project's packed-cache attention kernels
 READ_MODES = ("window", "staged", "fused")
@@ -221,7 +222,9 @@ class KVCache:
     prefetch_bytes: on CUDA, while a layer attends, the next layer's history is decoded on a side stream when its
     staging window (BF16 K + V of history and tail) takes at most this many bytes (see the module docstring); 0: no
     prefetch. prefetch_at: "before" (the next layer's decode queued just before a layer's SDPA call, so it runs
-    during the attention) or "after" (once the SDPA call is queued).
+    during the attention), "after" (once the SDPA call is queued) or "split" (the SDPA call split in two by query
+    rows, the whole waves first, and the decode queued between them: it then runs on the SMs that the last partial
+    wave leaves idle; `kernels.windowed_sdpa.query_split`).
     read: on CUDA, how a packed history (rtn / qvg / qvg-pro) is read for attention: "window" (decoded into staging
     windows of <= 1 GiB BF16 K + V, then cuDNN SDPA, with the decode prefetch), "staged" (kernels/attention.py's
     `staged_attention`: windows of <= 32 MiB, each attended by a Triton flash kernel that carries the softmax state)
@@ -671,18 +674,24 @@ class KVCache:
 
     def _attend_windowed(self, layer: int, q: torch.Tensor, kt, vt, scale, rope) -> torch.Tensor:
         """The GPU path: the history decoded into a staging window (or taken from this layer's prefetch), then
-        SDPA; the next layer's history is prefetched just before the SDPA call (`prefetch_at="before"`) or after
-        it ("after")."""
+        SDPA; the next layer's history is prefetched just before the SDPA call (`prefetch_at="before"`), after it
+        ("after") or between the two calls of a split one ("split")."""
         from .kernels.windowed_sdpa import windowed_attention
         L = self.layers[layer]
         ahead = self.layers[(layer + 1) % self.num_layers]
-        early = self.prefetch_at == "before"
+        early = self.prefetch_at != "after"
         out = windowed_attention(q, *L.hist, kt, vt, scale=scale, rope=rope,
                                  decoded=self._take_prefetch(L, kt.shape[2]),
-                                 before_sdpa=(lambda: self._prefetch(ahead, kt.shape[2])) if early else None)
+                                 before_sdpa=(lambda: self._prefetch(ahead, kt.shape[2])) if early else None,
+                                 split_rows=self._split_rows(q) if self.prefetch_at == "split" else None)
         if not early:
             self._prefetch(ahead, kt.shape[2])
         return out
+
+    @staticmethod
+    def _split_rows(q: torch.Tensor) -> int | None:
+        from .kernels.windowed_sdpa import query_split
+        return query_split(q.shape[2], q.shape[0] * q.shape[1], _sm_count(q.device))
 
     def _attend_packed(self, L: _Layer, q: torch.Tensor, kt, vt, scale, rope) -> torch.Tensor:
         """The GPU path with read="staged" / "fused": this project's packed-cache attention kernels (no prefetch:
@@ -951,3 +960,13 @@ def default_centroids(unit_tokens: int) -> int:
     if unit_tokens < 256:
         return max(1, unit_tokens // 4)
     return min(256, 1 << (unit_tokens // 64).bit_length() - 1)
+
+
+_SMS: dict = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached)."""
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device]

@@ -94,3 +94,15 @@ def test_attended_frames_of_a_commit_cycle():
     held = cache.layers[0].n_pending + cache._hist_tokens(cache.layers[0])
     assert _attended(cache) == [held / 8, held / 8 + 1]
     assert _attended(KVCache(1, "bf16", chunk_frames=1, tokens_per_frame=8)) == [0.0]
+
+
+def test_prefetch_split_flag():
+    """`qvg-pro:prefetch-split` builds a cache with prefetch_at="split"; two prefetch placements are refused."""
+    import types
+
+    from qvg.eval import bench_pipeline as bp
+    model = types.SimpleNamespace(tokens_per_latent_frame=lambda h, w: 16)
+    assert bp.new_cache(model, "qvg-pro:prefetch-split", 6, {}).prefetch_at == "split"
+    assert bp.new_cache(model, "qvg-pro", 6, {}).prefetch_at == "before"
+    with pytest.raises(ValueError, match="at most"):
+        bp.parse_method("qvg:prefetch-split:noprefetch")

@@ -140,3 +140,32 @@ def test_before_sdpa_is_called_once(history, tokens, device):
     out = _run(device, q, kh, vh, kt, vt, window_bytes=_bytes(tokens), before_sdpa=lambda: calls.append(1))
     assert calls == [1]
     assert torch.equal(out, _run(device, q, kh, vh, kt, vt, window_bytes=_bytes(tokens)))
+
+
+@pytest.mark.parametrize("rows", [1, 16, 39])
+def test_split_sdpa_call(rows, device):
+    """split_rows: the one-window SDPA call split by query rows, before_sdpa called once between the halves; the
+    same attention as unsplit (GQA, history and inline tail), returned in [B, M, H, D] memory; with several windows
+    (or rows 0 / M) the call is not split and before_sdpa runs before the first SDPA call as before."""
+    kh, vh = _history("qvg-pro")
+    q, kt, vt = _qkv(m=40)
+    calls = []
+    whole = _run(device, q, kh, vh, kt, vt)
+    got = _run(device, q, kh, vh, kt, vt, split_rows=rows, before_sdpa=lambda: calls.append(1))
+    assert calls == [1] and torch.allclose(got, whole, rtol=1e-2, atol=1e-2)
+    assert got.transpose(1, 2).is_contiguous()  # (the model's output projection reads it without a copy)
+    for kw in ({"split_rows": 0}, {"split_rows": 40}, {"split_rows": 16, "window_bytes": _bytes(30)}):
+        calls.clear()
+        out = _run(device, q, kh, vh, kt, vt, before_sdpa=lambda: calls.append(1), **kw)
+        assert calls == [1] and rel_err(out, attend_reference(q, kh, vh, kt, vt)) < TOL, kw
+
+
+def test_query_split_fills_whole_waves():
+    """query_split: the first call's programs (128-query blocks x batch x heads) are whole waves of the SMs; None
+    when no block count below the total divides."""
+    from qvg.kernels.windowed_sdpa import query_split
+    assert query_split(4680, 12, 132) == 33 * 128  # Self-Forcing's chunk: 396 of 444 programs, then 48
+    assert query_split(4680, 12, 66) == 33 * 128
+    assert query_split(4680, 1, 132) is None  # 37 blocks of one head: less than one wave
+    assert query_split(128, 12, 132) is None  # one block: nothing to split
+    assert query_split(4096, 33, 132) == 28 * 128  # 32 blocks; 28 x 33 = 7 waves
