@@ -232,7 +232,8 @@ def parse(argv) -> dict:
         if tiny:
             raise UsageError("--generator applies to --pipeline self-forcing")
         if not Path(a.generator).is_file():
-            raise UsageError(f"--generator: no such file: {a.generator!r}")
+            what = "a directory, not a file" if Path(a.generator).is_dir() else "no such file"
+            raise UsageError(f"--generator: {what}: {a.generator!r}")
     if a.weights not in WEIGHTS:
         raise UsageError(f"--weights must be {', '.join(WEIGHTS)}, got {a.weights!r}")
     if tiny and a.weights != "auto":
@@ -332,8 +333,10 @@ def load_model(s) -> Loaded:
     try:  # Self-Forcing runs its generator in BF16; layout and checks: pipelines/checkpoints.py
         m = load_self_forcing(s["checkpoint"], s["device"], torch.bfloat16, ema=WEIGHTS[s.get("weights", "auto")],
                               generator=s.get("generator"))
-    except (CheckpointError, MissingDependency) as e:
-        raise UsageError(f"--checkpoint: {e}") from None
+    except (CheckpointError, MissingDependency) as e:  # (named for the flag that gave the file at fault)
+        gen = s.get("generator")
+        flag = "--generator" if gen and str(e).startswith(str(Path(gen))) else "--checkpoint"
+        raise UsageError(f"{flag}: {e}") from None
     # Wan2.1-T2V-1.3B's 480 x 832 at 16 fps: 60 x 104 latents (the VAE's 8x)
     return Loaded(m.transformer, m.vae, m.text_encoder, tiny.FPS, (60, 104), {"checkpoint_sources": m.sources})
 
@@ -572,9 +575,11 @@ def _keep_old(path: Path) -> str | None:
             os.link(path, backup)
         except OSError:
             shutil.copy2(path, backup)
-    except OSError:
-        with contextlib.suppress(OSError):  # (a partial copy)
+    except BaseException as e:  # (a partial copy: removed, also on Ctrl-C)
+        with contextlib.suppress(OSError):
             os.remove(backup)
+        if not isinstance(e, OSError):
+            raise
         return None
     return backup
 

@@ -166,12 +166,16 @@ def checked_methods(args, tool: str, check=None):
     return methods, options, extra
 
 
-def parse_methods(text: str, options: str | None = None) -> tuple[list[str], dict | None]:
+def parse_methods(text: str, options: str | None = None, cycles: bool = False) -> tuple[list[str], dict | None]:
     """(method strings, compressed methods' options) of comma-separated `new_cache` methods and a JSON options
-    string (None: none given); ValueError names what is wrong (checked before anything runs)."""
+    string (None: none given); ValueError names what is wrong (checked before anything runs). every=N only where
+    the tool times whole commit cycles (`cycles`: bench_pipeline's chunk rounds)."""
     methods = text.split(",")
     for m in methods:
         parse_method(m)
+        if commit_every(m) > 1 and not cycles:
+            raise ValueError(f"{m!r}: every=N is timed per commit cycle by bench_pipeline's chunk rounds only "
+                             "(not by --max-history, --split or the other pipeline tools, which time one chunk)")
     if options is None:
         return methods, None
     try:
@@ -349,7 +353,7 @@ def run(histories, methods, options, repeat: int = 7, split: bool = False) -> li
             print(f"history {hist} {r['method']}: chunk {r['chunk_ms']:.1f} ms (median of {repeat}; "
                   f"min {min(r['chunk_ms_all']):.1f})"
                   + (f", forwards without commits {r['forwards_ms']:.1f} ms" if split else ""), flush=True)
-        for r in mine:  # peak while one whole chunk runs (the other methods' caches are resident: subtracted)
+        for r in mine:  # peak while one whole chunk (every=N: commit cycle) runs (other caches resident: subtracted)
             with torch.no_grad():  # (first a whole chunk: a forwards-only run leaves layer 0's prefetch held)
                 runs[r["method"]]()
             torch.cuda.synchronize()
@@ -500,7 +504,7 @@ def main(argv=None) -> int:
                     help="instead: the largest history that still runs one chunk, for these methods (e.g. bf16,qvg)")
     args = ap.parse_args(argv)
     try:  # every method string checked before anything runs
-        parse_methods(args.max_history or args.methods)
+        parse_methods(args.max_history or args.methods, cycles=not (args.max_history or args.split))
         if not args.max_history and "bf16" not in args.methods.split(","):
             raise ValueError("--methods must include bf16: every overhead is against it")
     except ValueError as e:

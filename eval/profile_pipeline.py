@@ -14,11 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 import torch
 
 from .bench_kernels import gpu_tag, result_header
-from .bench_pipeline import _fill, cuda_ms, method_runner, new_cache, steady_ms, wan_model
+from .bench_pipeline import _fill, cuda_ms, method_runner, new_cache, parse_methods, steady_ms, wan_model
 from .profile_compress import _host_profile, _profile
 
 
@@ -86,6 +87,11 @@ def main(argv=None) -> int:
                     "(default K=256, which the profiles committed before 2026-11-30 ran with '{}'; bench_pipeline "
                     "and qvg-generate use 64 at this chunk size)")
     args = ap.parse_args(argv)
+    try:
+        parse_methods(args.methods, args.options)
+    except ValueError as e:
+        print(f"profile_pipeline: {e}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         raise SystemExit("profile_pipeline: needs a CUDA GPU")
     res = {**result_header("profile_pipeline", argv), "sdpa_ms": sdpa_backends(),

@@ -20,7 +20,7 @@ The generator file holds {'generator': state dict, 'generator_ema': state dict, 
 under Self-Forcing's wrapper prefix `model.` (diffusers' names, as a CausalWanTransformer's state_dict() has them,
 are taken as they are); loaded with `weights_only=True` (never unpickled arbitrarily),
 memory-mapped. `ema=None` (default) takes 'generator_ema' where present (what Self-Forcing's `--use_ema`
-inference uses), else 'generator'; True / False insist on one. Keys are converted to diffusers' names by
+inference uses), else 'generator'; True / False insist on one. Wan's keys are converted to diffusers' names by
 diffusers' own converters, and every component is loaded strictly (state_dicts.load_strict): a wrong, incomplete
 or corrupt file raises one CheckpointError naming the file and the keys at fault.
 
@@ -78,7 +78,8 @@ def find_files(root, generator=None) -> WanFiles:
     if not root.is_dir():
         raise CheckpointError(f"{root}: no such directory")
     if generator is not None and not Path(generator).is_file():
-        raise CheckpointError(f"{generator}: no such generator checkpoint file")
+        raise CheckpointError(f"{generator}: {'a directory, not' if Path(generator).is_dir() else 'no such'} generator "
+                              "checkpoint file")
     gen = Path(generator) if generator is not None else \
         next((p for p in (root / GENERATOR_FILE, root / "checkpoints" / GENERATOR_FILE) if p.is_file()), None)
     if gen is None:

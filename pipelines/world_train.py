@@ -28,7 +28,8 @@ Resumable: `--ckpt DIR` holds the state (FP32 weights and BF16 Adam moments as s
 `--world-rope` starts a new run with world-coordinate spatial RoPE (pipelines/world_model.py); a resumed run keeps
 the config its state was saved with. A resumed run takes the settings saved with its state; a setting given again
 with another value is applied from there on, said on stderr and recorded in state.json (`setting_changes`, also in
-the exported model's training card). `--init` starts new runs only.
+the exported model's training card). `--init` starts a new run; given again on resuming, it must name the model
+that run started from.
 """
 from __future__ import annotations
 
@@ -325,8 +326,11 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     given = {k: getattr(a, k) for k in DEFAULTS if getattr(a, k) is not None}
     if a.export:
+        if given:  # (they would change nothing but the card's record of the training)
+            flags = ", ".join("--" + k.replace("_", "-") for k in given)
+            p.error(f"--export writes the state's model as trained; drop {flags}")
         meta = json.loads((Path(a.ckpt) / "state.json").read_text())
-        tr = Trainer(dict(meta["args"], **given), meta["config"], "cpu", attention="dense")
+        tr = Trainer(meta["args"], meta["config"], "cpu", attention="dense")
         tr.load(a.ckpt)
         card = {"steps": tr.step, "seconds": tr.elapsed, "args": tr.args, "final_log": tr.log[-3:]}
         for k in ("init", "setting_changes"):
@@ -342,11 +346,12 @@ def main(argv=None) -> int:
     world_rope = bool(meta["config"].get("world_rope", False)) if meta else a.world_rope  # a resumed run keeps it
     if a.world_rope and not world_rope:
         p.error(f"--world-rope: the state in {ck} was trained without world-coordinate RoPE")
+    started = (meta.get("init") or {}).get("from")
+    if meta and a.init and (started is None or Path(a.init).resolve() != Path(started).resolve()):
+        p.error(f"--init: {ck} already holds a training state (step {meta['step']}) that did not start from "
+                f"{a.init}; start a fine-tune in a new --ckpt directory")
     tr = Trainer(dict(meta.get("args", {}), **given), dict(DEFAULT_CONFIG, world_rope=world_rope), a.device,
                  attention=a.attention)
-    if meta and a.init:
-        p.error(f"--init: {ck} already holds a training state (step {meta['step']}); start a fine-tune in a new "
-                "--ckpt directory")
     resumed = tr.load(ck)
     if not resumed and a.init:
         tr.init_from(a.init)

@@ -493,3 +493,26 @@ def test_without_hard_links_the_old_video_is_copied_back(tmp_path, capsys, monke
     assert main(["--frames", "4", "--method", "bf16", "--out", str(tmp_path / "v.mp4"), "--quiet"]) == 1
     assert "Input/output error" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v.mp4"] and (tmp_path / "v.mp4").read_text() == "old video"
+
+
+def test_keep_old_leaves_nothing_when_the_copy_fails(tmp_path, monkeypatch):
+    """_keep_old without hard links: a copy that fails (disk full) or is interrupted (Ctrl-C) leaves no partial
+    backup; the failure is None (no backup), the interrupt goes on."""
+    import os
+    import shutil
+
+    from qvg.app.generate import _keep_old
+    video = tmp_path / "v.mp4"
+    video.write_text("old video")
+    monkeypatch.setattr(os, "link", lambda a, b: (_ for _ in ()).throw(OSError(1, "Operation not permitted")))
+    for exc, expect in ((OSError(28, "No space left on device"), None), (KeyboardInterrupt(), KeyboardInterrupt)):
+        def copy(a, b, exc=exc):
+            open(b, "w").write("partial")
+            raise exc
+        monkeypatch.setattr(shutil, "copy2", copy)
+        if expect is None:
+            assert _keep_old(video) is None
+        else:
+            with pytest.raises(expect):
+                _keep_old(video)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["v.mp4"]

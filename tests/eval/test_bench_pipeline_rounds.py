@@ -91,8 +91,7 @@ def test_attended_frames_of_a_commit_cycle():
         kv = torch.randn(2, 1, 2, 8, 16)
         cache.write(0, kv[0], kv[1])
         cache.commit()
-    held = cache.layers[0].n_pending + cache._hist_tokens(cache.layers[0])
-    assert _attended(cache) == [held / 8, held / 8 + 1]
+    assert _attended(cache) == [3.0, 4.0]  # 1 unit of 2 chunks packed + 1 pending; then 4 before the next pack
     assert _attended(KVCache(1, "bf16", chunk_frames=1, tokens_per_frame=8)) == [0.0]
 
 
@@ -106,3 +105,18 @@ def test_prefetch_split_flag():
     assert bp.new_cache(model, "qvg-pro", 6, {}).prefetch_at == "before"
     with pytest.raises(ValueError, match="at most"):
         bp.parse_method("qvg:prefetch-split:noprefetch")
+
+
+def test_every_is_refused_where_one_chunk_is_timed(capsys):
+    """every=N only in bench_pipeline's plain rounds (per commit cycle): --max-history, --split and the other tools
+    (checked_methods, profile_pipeline) time one chunk, so they refuse it with one line, exit 2."""
+    from qvg.eval import bench_pipeline as bp
+    from qvg.eval import profile_pipeline
+    assert bp.parse_methods("bf16,qvg-pro:every=2", cycles=True) == (["bf16", "qvg-pro:every=2"], None)
+    with pytest.raises(ValueError, match="every=N is timed per commit cycle"):
+        bp.parse_methods("bf16,qvg-pro:every=2")
+    for argv in (["--max-history", "qvg:every=2"], ["--split", "--methods", "bf16,qvg:every=2"]):
+        assert bp.main(argv) == 2
+        assert "every=N is timed per commit cycle" in capsys.readouterr().err
+    assert profile_pipeline.main(["--methods", "bf16,qvg:every=2"]) == 2
+    assert "every=N" in capsys.readouterr().err

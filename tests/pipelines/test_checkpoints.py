@@ -408,7 +408,10 @@ def test_generator_file_chosen_over_the_layouts(src, ckpt, tmp_path, capsys):
                  "1", "--device", "cpu", "--out", str(tmp_path / "v.mp4"), "--quiet"]) == 0
     assert json.loads((tmp_path / "v.json").read_text())["checkpoint"]["generator"] == str(other)
     sf = ["--pipeline", "self-forcing", "--checkpoint", str(ckpt)]
+    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
     for args, msg in (([*sf, "--generator", str(tmp_path / "no.pt")], "--generator: no such file"),
+                      ([*sf, "--generator", str(tmp_path)], "--generator: a directory, not a file"),
+                      ([*sf, "--generator", str(tmp_path / "junk.pt")], f"--generator: {tmp_path / 'junk.pt'}: "),
                       (["--generator", str(other)], "--generator applies to --pipeline self-forcing")):
         assert main([*args, "--frames", "1", "--out", str(tmp_path / "w.mp4"), "--quiet"]) == 2
         err = capsys.readouterr().err.strip()

@@ -306,3 +306,11 @@ def test_resuming_with_other_settings_says_so_and_records_them(tmp_path, capsys,
     with pytest.raises(SystemExit) as e:
         wt.main(base + ["--init", str(tmp_path / "model")])
     assert e.value.code == 2 and "already holds a training state (step 3)" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # settings with --export would only rewrite the card's record
+        wt.main(["--ckpt", ck, "--export", str(tmp_path / "model2"), "--lr", "0.1"])
+    assert e.value.code == 2 and "drop --lr" in capsys.readouterr().err and not (tmp_path / "model2").exists()
+    # a fine-tune resumed with its README command (the same --init again) continues
+    tune = ["--ckpt", str(tmp_path / "tune"), "--device", "cpu", "--attention", "dense", "--max-steps", "1",
+            "--chunks", "3", "--batch", "1", "--init", str(tmp_path / "model")]
+    assert wt.main(tune) == 0 and wt.main(tune) == 0
+    assert json.loads((tmp_path / "tune" / "state.json").read_text())["step"] == 2
