@@ -42,7 +42,8 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     from qvg.cache import CACHE_METHODS
     p = _Parser(prog="qvg-generate", description=__doc__.split("\n\n")[0].replace("\n", " "))
-    p.add_argument("--pipeline", default="tiny", help=f"one of {', '.join(PIPELINES)} (default tiny: the embedded model)")
+    p.add_argument("--pipeline", default="tiny",
+                   help=f"one of {', '.join(PIPELINES)} (default tiny: the embedded model)")
     p.add_argument("--checkpoint", default=None, help="self-forcing: the directory holding the Self-Forcing "
                    "generator (self_forcing_dmd.pt, or checkpoints/self_forcing_dmd.pt) and the Wan2.1-T2V-1.3B files "
                    "(wan_models/Wan2.1-T2V-1.3B/); layouts in the README; needs pip install -e '.[wan]'")
@@ -145,10 +146,10 @@ def _reads_label(reads: dict) -> str:
 
 
 def _key_storage(given: str, method: str, pipeline: str) -> str:
-    """auto: pre-RoPE keys where they are measured to pay (the embedded model: eval/results/world-confirm2-m6-h100.md,
-    QVG INT2 B16 -0.34 dB vs BF16 against -2.15 post-RoPE); on Self-Forcing they cost 4-7% more per chunk at 21-60 latent
-    frames than post-RoPE keys (pipeline-h100.prerope-{1996894,168b957}.json) for a gain not yet measured on real
-    weights."""
+    """auto: pre-RoPE keys where they are measured to pay (the embedded model:
+    eval/results/world-confirm2-m6-h100.md, QVG INT2 B16 -0.34 dB vs BF16 against -2.15 post-RoPE); on Self-Forcing
+    they cost 4-7% more per chunk at 21-60 latent frames than post-RoPE keys
+    (pipeline-h100.prerope-{1996894,168b957}.json) for a gain not yet measured on real weights."""
     from qvg.cache import KEY_STORAGE
     from qvg.sequence import PER_TOKEN_METHODS
     if given == "auto":

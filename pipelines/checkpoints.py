@@ -48,14 +48,16 @@ GENERATOR_FILE = "self_forcing_dmd.pt"
 WAN_FOLDERS = ("Wan2.1-T2V-1.3B", "Wan2.1-T2V-1.3B-Diffusers")
 VAE_FILE, T5_FILE, TOKENIZER_FOLDER = "Wan2.1_VAE.pth", "models_t5_umt5-xxl-enc-bf16.pth", "google/umt5-xxl"
 WRAPPER_PREFIX = "model."  # Self-Forcing's WanDiffusionWrapper holds the Wan model as `.model`
-TRAINING_WRAPPERS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")  # FSDP, checkpointing, compile
+# FSDP's, activation checkpointing's and torch.compile's wrappers
+TRAINING_WRAPPERS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 DDP_PREFIX = "module."  # DistributedDataParallel's, at the start of every key
 WAN_T2V_1_3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16,
                     out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
                     qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024)
 # Wan's config.json names -> diffusers' (dim and num_heads become heads x head dim)
 WAN_CONFIG_NAMES = {"in_dim": "in_channels", "out_dim": "out_channels", "ffn_dim": "ffn_dim", "freq_dim": "freq_dim",
-                    "text_dim": "text_dim", "num_layers": "num_layers", "eps": "eps", "cross_attn_norm": "cross_attn_norm"}
+                    "text_dim": "text_dim", "num_layers": "num_layers", "eps": "eps",
+                    "cross_attn_norm": "cross_attn_norm"}
 
 
 class WanFiles(NamedTuple):

@@ -93,6 +93,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import operator
 
 import torch
@@ -962,11 +963,7 @@ def default_centroids(unit_tokens: int) -> int:
     return min(256, 1 << (unit_tokens // 64).bit_length() - 1)
 
 
-_SMS: dict = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device (cached)."""
-    if device not in _SMS:
-        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SMS[device]
+    """Streaming multiprocessors of a CUDA device."""
+    return torch.cuda.get_device_properties(device).multi_processor_count

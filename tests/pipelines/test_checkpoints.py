@@ -371,7 +371,8 @@ def test_diffusers_layout(src, ckpt, tmp_path):
 def test_missing_transformers_is_one_clear_error(ckpt, monkeypatch):
     from qvg.pipelines.umt5 import MissingDependency
     monkeypatch.setitem(__import__("sys").modules, "transformers", None)
-    with pytest.raises(MissingDependency, match=r"needs the 'transformers' package: install the wan extra \(pip install -e \"\.\[wan\]\""):
+    with pytest.raises(MissingDependency,
+                       match=r"needs the 'transformers' package: install the wan extra \(pip install -e \"\.\[wan\]\""):
         load_self_forcing(ckpt, "cpu", **F32)
 
 
