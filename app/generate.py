@@ -336,7 +336,7 @@ def load_model(s) -> Loaded:
                               generator=s.get("generator"))
     except (CheckpointError, MissingDependency) as e:  # (named for the flag that gave the file at fault)
         gen = s.get("generator")
-        flag = "--generator" if gen and str(e).startswith(str(Path(gen))) else "--checkpoint"
+        flag = "--generator" if gen and str(e).startswith((f"{Path(gen)}:", f"{Path(gen)} [")) else "--checkpoint"
         raise UsageError(f"{flag}: {e}") from None
     # Wan2.1-T2V-1.3B's 480 x 832 at 16 fps: 60 x 104 latents (the VAE's 8x)
     return Loaded(m.transformer, m.vae, m.text_encoder, tiny.FPS, (60, 104), {"checkpoint_sources": m.sources})

@@ -27,6 +27,11 @@ def slack():
 
 
 def main():
+    from qvg.eval.bench_pipeline import parse_methods
+    try:
+        parse_methods(sys.argv[1])
+    except ValueError as e:
+        raise SystemExit(f"diag_alloc: {e}") from None
     model = wan_model()
     out = []
     for method in sys.argv[1].split(","):

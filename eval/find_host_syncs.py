@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import sys
 import traceback
 import warnings
 
@@ -72,6 +73,12 @@ def main(argv=None) -> int:
     ap.add_argument("--options", default='{"centroids": 64}')
     ap.add_argument("--out", default="eval/results")
     args = ap.parse_args(argv)
+    from .bench_pipeline import parse_methods
+    try:
+        parse_methods(args.methods, args.options)
+    except ValueError as e:
+        print(f"find_host_syncs: {e}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         raise SystemExit("find_host_syncs: needs a CUDA GPU")
     import json

@@ -139,6 +139,7 @@ def windowed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: P
 def _split_sdpa(q, ks, vs, scale, rows: int, between=None) -> torch.Tensor:
     """SDPA of q's first `rows` queries, `between()`, then the rest; the two outputs joined along the queries in
     [B, M, H, D] memory (the layout the model's output projection reads), returned as the [B, H, M, D] view."""
+    ks, vs = repeat_kv(ks, vs, q.shape[1])  # (once for both halves)
     first = sdpa_gqa(q[:, :, :rows], ks, vs, scale)
     if between is not None:
         between()
@@ -149,10 +150,12 @@ def _split_sdpa(q, ks, vs, scale, rows: int, between=None) -> torch.Tensor:
 def query_split(m: int, programs_per_row_block: int, sms: int, block: int = 128) -> int | None:
     """Queries of the first of two SDPA calls so that it fills whole waves and the second is the last partial wave:
     the largest multiple t of `block` rows (t < the row blocks of m) with t x programs_per_row_block (batch x heads)
-    a multiple of `sms` (one program per SM and per block of 128 queries, as the flash kernels tile them on Hopper);
-    None if there is no such t (no partial wave to fill, or none that divides)."""
-    blocks = -(-m // block)
+    a multiple of `sms` (assuming one program per SM and per block of 128 queries) and the rest less than one wave;
+    None where there is no partial wave, or no such t."""
+    blocks, p = -(-m // block), programs_per_row_block
+    if blocks * p % sms == 0:
+        return None
     for t in range(blocks - 1, 0, -1):
-        if t * programs_per_row_block % sms == 0:
-            return t * block
+        if t * p % sms == 0:
+            return t * block if (blocks - t) * p < sms else None
     return None

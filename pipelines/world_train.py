@@ -309,6 +309,21 @@ class Trainer:
         return True
 
 
+def _same_init(directory, started: dict | None) -> bool:
+    """Whether the exported model at `directory` is the one a state's run started from (`Trainer.init`): the same
+    folder (as stored, resolved from here) or the same training card (a path given from another folder)."""
+    if not started:
+        return False
+    if Path(directory).resolve() == Path(started["from"]).resolve():
+        return True
+    if started.get("training") is None:
+        return False
+    try:
+        return json.loads((Path(directory) / "config.json").read_text()).get("training") == started["training"]
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m qvg.pipelines.world_train", description=__doc__.splitlines()[0])
     p.add_argument("--ckpt", required=True, help="state directory (created; resumed when it holds a state)")
@@ -326,8 +341,9 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     given = {k: getattr(a, k) for k in DEFAULTS if getattr(a, k) is not None}
     if a.export:
-        if given:  # (they would change nothing but the card's record of the training)
-            flags = ", ".join("--" + k.replace("_", "-") for k in given)
+        extra = [k for k in given] + [k for k in ("init", "world_rope") if getattr(a, k)]
+        if extra:  # (they would change nothing but the card's record of the training)
+            flags = ", ".join("--" + k.replace("_", "-") for k in extra)
             p.error(f"--export writes the state's model as trained; drop {flags}")
         meta = json.loads((Path(a.ckpt) / "state.json").read_text())
         tr = Trainer(meta["args"], meta["config"], "cpu", attention="dense")
@@ -346,8 +362,7 @@ def main(argv=None) -> int:
     world_rope = bool(meta["config"].get("world_rope", False)) if meta else a.world_rope  # a resumed run keeps it
     if a.world_rope and not world_rope:
         p.error(f"--world-rope: the state in {ck} was trained without world-coordinate RoPE")
-    started = (meta.get("init") or {}).get("from")
-    if meta and a.init and (started is None or Path(a.init).resolve() != Path(started).resolve()):
+    if meta and a.init and not _same_init(a.init, meta.get("init")):
         p.error(f"--init: {ck} already holds a training state (step {meta['step']}) that did not start from "
                 f"{a.init}; start a fine-tune in a new --ckpt directory")
     tr = Trainer(dict(meta.get("args", {}), **given), dict(DEFAULT_CONFIG, world_rope=world_rope), a.device,

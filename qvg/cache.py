@@ -46,9 +46,10 @@ Per layer, three zones, for keys and values alike ([B, H, tokens, D], H = kv hea
   / qvg / qvg-pro have a packed history: bf16 / kivi / quarot take "window" alone and refuse the others
   (`read_error`). Each read is measured in the Self-Forcing chunk in eval/results/pipeline-h100.md.
 - Decode prefetch (`prefetch_bytes`, `prefetch_at`; CUDA only): just before a layer's SDPA call is queued, the
-  next layer's history is decoded into its staging window on a second side stream. It then runs during the
-  attention, most likely on the SMs the attention's last wave leaves idle. In one traced 21-frame Self-Forcing
-  chunk, 14.9 of qvg's 15.1 ms of decode ran during attention, and 19.1 of qvg-pro's 23.2 ms. Queued after the
+  next layer's history is decoded into its staging window on a second side stream (`prefetch_at="split"`: between
+  the two halves of an SDPA call split by query rows, its whole waves first; measured slower on Self-Forcing). It
+  then runs during the attention, most likely on the SMs the attention's last wave leaves idle. In one traced
+  21-frame Self-Forcing chunk, 14.9 of qvg's 15.1 ms of decode ran during attention, and 19.1 of qvg-pro's 23.2 ms. Queued after the
   SDPA call (`prefetch_at="after"`, the default before 525b5c6) it mostly ran while the main stream was idle (qvg:
   9.9 of 12.8 ms), probably waiting for it because the GEMMs that follow hold every SM
   (eval/results/pipeline-h100.md). Only when history and tail fit one window of at most `prefetch_bytes` (1 GiB, the
@@ -684,7 +685,8 @@ class KVCache:
         out = windowed_attention(q, *L.hist, kt, vt, scale=scale, rope=rope,
                                  decoded=self._take_prefetch(L, kt.shape[2]),
                                  before_sdpa=(lambda: self._prefetch(ahead, kt.shape[2])) if early else None,
-                                 split_rows=self._split_rows(q) if self.prefetch_at == "split" else None)
+                                 split_rows=self._split_rows(q) if self.prefetch_at == "split"
+                                 and self._prefetchable(ahead, kt.shape[2]) else None)  # (split for a decode only)
         if not early:
             self._prefetch(ahead, kt.shape[2])
         return out
@@ -711,15 +713,12 @@ class KVCache:
         been committed in this chunk (then its next read is the next chunk's, after `commit()`: nothing is held
         across chunks). The buffers come from the current stream's pool: its later kernels use and free them after
         waiting for the decode."""
-        from .kernels.windowed_sdpa import WINDOW_BYTES, decode_window
-        kh, vh = L.hist
-        if (not self.prefetch_bytes or self._prefetch_off or L.prefetch is not None or L.committed
-                or not isinstance(kh, PackedSequence)):
+        from .kernels.windowed_sdpa import decode_window
+        if not self._prefetchable(L, tail):
             return
+        kh, vh = L.hist
         dev = kh.tensors["codes"].device
         b, h, n, d = kh.shape
-        if dev.type != "cuda" or 2 * b * h * (n + tail) * d * 2 > min(self.prefetch_bytes, WINDOW_BYTES):
-            return
         try:
             rope = self._rope_tables(L, dev) if self._pre_rope else None
             if self._pre_rope and rope is None:
@@ -738,6 +737,16 @@ class KVCache:
         event = torch.cuda.Event()
         event.record(side)
         L.prefetch = (tail, ks, vs, event)
+
+    def _prefetchable(self, L: _Layer, tail: int) -> bool:
+        """Whether `_prefetch(L, tail)` would queue a decode (if its buffers can be allocated)."""
+        from .kernels.windowed_sdpa import WINDOW_BYTES
+        kh = L.hist[0]
+        if (not self.prefetch_bytes or self._prefetch_off or L.prefetch is not None or L.committed
+                or not isinstance(kh, PackedSequence) or kh.tensors["codes"].device.type != "cuda"):
+            return False
+        b, h, n, d = kh.shape
+        return 2 * b * h * (n + tail) * d * 2 <= min(self.prefetch_bytes, WINDOW_BYTES)
 
     def _clear_prefetch_state(self) -> None:
         self._prefetch_off = False  # a prefetch ran out of memory in this chunk: none until commit()

@@ -120,3 +120,6 @@ def test_every_is_refused_where_one_chunk_is_timed(capsys):
         assert "every=N is timed per commit cycle" in capsys.readouterr().err
     assert profile_pipeline.main(["--methods", "bf16,qvg:every=2"]) == 2
     assert "every=N" in capsys.readouterr().err
+    from qvg.eval import find_host_syncs
+    assert find_host_syncs.main(["--methods", "bf16,qvg:every=2"]) == 2
+    assert "every=N" in capsys.readouterr().err

@@ -129,8 +129,14 @@ def test_split_sdpa_prefetch(method, opts, storage, monkeypatch):
     """prefetch_at="split" with the SDPA call split for real (query_split finds no partial wave at these sizes, so
     the split is forced): the prefetch is used, the outputs match in-line decoding to BF16 rounding (each half may
     run another SDPA kernel) and the history is bitwise the same."""
+    import qvg.kernels.windowed_sdpa as ws
     monkeypatch.setattr(KVCache, "_split_rows", staticmethod(lambda q: q.shape[2] // 3))
-    caches = [_cache(method, opts, storage, prefetch_at="split"), _cache(method, opts, storage, prefetch_bytes=0)]
+    splits = []
+    real = ws._split_sdpa
+    monkeypatch.setattr(ws, "_split_sdpa", lambda *a: splits.append(1) or real(*a))
+    # (without a prefetch to queue, the call is not split: prefetch_bytes=0 with "split")
+    caches = [_cache(method, opts, storage, prefetch_at="split"),
+              _cache(method, opts, storage, prefetch_bytes=0, prefetch_at="split")]
     q = torch.randn(1, 4, CF * TPF, 64, device="cuda").bfloat16()
     for i in range(5):
         x = clustered(2 * LAYERS, 2, CF * TPF, 64, spread=1.0, noise=0.5, seed=160 + i).bfloat16().cuda()
@@ -140,3 +146,5 @@ def test_split_sdpa_prefetch(method, opts, storage, monkeypatch):
         for a, b in zip(caches[0].read(layer), caches[1].read(layer)):
             assert torch.equal(a, b)
     assert caches[0].prefetch_stats["used"] >= 3 * (3 * LAYERS - 1), caches[0].prefetch_stats
+    # every split queued a prefetch (the in-line cache never split)
+    assert 0 < len(splits) <= caches[0].prefetch_stats["used"] + caches[0].prefetch_stats["dropped"]

@@ -161,11 +161,13 @@ def test_split_sdpa_call(rows, device):
 
 
 def test_query_split_fills_whole_waves():
-    """query_split: the first call's programs (128-query blocks x batch x heads) are whole waves of the SMs; None
-    when no block count below the total divides."""
+    """query_split: the first call's programs (128-query blocks x batch x heads) are whole waves of the SMs and the
+    second's less than one; None without a partial wave or without such a split."""
     from qvg.kernels.windowed_sdpa import query_split
     assert query_split(4680, 12, 132) == 33 * 128  # Self-Forcing's chunk: 396 of 444 programs, then 48
     assert query_split(4680, 12, 66) == 33 * 128
     assert query_split(4680, 1, 132) is None  # 37 blocks of one head: less than one wave
     assert query_split(128, 12, 132) is None  # one block: nothing to split
-    assert query_split(4096, 33, 132) == 28 * 128  # 32 blocks; 28 x 33 = 7 waves
+    assert query_split(4096, 33, 132) is None  # 32 blocks x 33 = 8 whole waves: no partial wave
+    assert query_split(4000, 30, 132) is None  # 22 x 30 = 5 waves, then 10 x 30 = 300 > 132: no single tail wave
+    assert query_split(3900, 12, 132) == 22 * 128  # 31 blocks: 264 programs (2 waves), then 108

@@ -314,3 +314,15 @@ def test_resuming_with_other_settings_says_so_and_records_them(tmp_path, capsys,
             "--chunks", "3", "--batch", "1", "--init", str(tmp_path / "model")]
     assert wt.main(tune) == 0 and wt.main(tune) == 0
     assert json.loads((tmp_path / "tune" / "state.json").read_text())["step"] == 2
+    # ... also from another folder, the model named by another relative path (its training card matches)
+    monkeypatch.chdir(tmp_path)
+    rel = ["--ckpt", "tune2", *tune[2:-2], "--init", "model"]
+    assert wt.main(rel) == 0
+    (tmp_path / "sub").mkdir()
+    monkeypatch.chdir(tmp_path / "sub")
+    assert wt.main(["--ckpt", "../tune2", *tune[2:-2], "--init", "../model"]) == 0
+    with pytest.raises(SystemExit):  # another model: refused
+        wt.main(["--ckpt", "../tune2", *tune[2:-2], "--init", str(tmp_path / "model2")])
+    with pytest.raises(SystemExit) as e:  # --export with --init: refused too
+        wt.main(["--ckpt", "../tune2", "--export", "x", "--init", "../model"])
+    assert e.value.code == 2 and "drop --init" in capsys.readouterr().err
