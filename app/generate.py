@@ -485,8 +485,6 @@ def _cache(s, transformer, latent_hw):
             s["resolved_options"] = check_options(s["method"], opts, unit, transformer.config.attention_head_dim)
         except ValueError as e:
             raise UsageError(f"--method {s['method']}: {e}") from None
-        if opts.get("centroids", 0) > unit:
-            raise UsageError(f"--centroids {opts['centroids']} > tokens per compressed unit ({unit})")
     for name, frames in (("sink", s["sink"]), ("history window", s["window"])):
         if frames is not None and frames % cf:
             raise UsageError(f"--{name} must be a multiple of the chunk size ({cf} latent frames), got {frames}")

@@ -380,9 +380,8 @@ def run(histories, methods, options, repeat: int = 7, split: bool = False) -> li
 def _attended(cache) -> list[float]:
     """The past frames (sink, history and pending zones) the next commit_every chunks attend, from layer 0: with
     units of several chunks a rolling window can hold more than window_frames (KVCache._evict)."""
-    L, n = cache.layers[0], cache.commit_every
-    held = L.n_sink + cache._hist_tokens(L) + L.n_pending
-    return [(held + i * cache.chunk_tokens) / cache.tokens_per_frame for i in range(n)]
+    held = cache.tokens(0) - cache.layers[0].n_cur  # (sink + history + pending)
+    return [(held + i * cache.chunk_tokens) / cache.tokens_per_frame for i in range(cache.commit_every)]
 
 
 def _install(cache, frames: int, heads: int, seed: int = 0) -> None:

@@ -341,7 +341,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     given = {k: getattr(a, k) for k in DEFAULTS if getattr(a, k) is not None}
     if a.export:
-        extra = [k for k in given] + [k for k in ("init", "world_rope") if getattr(a, k)]
+        extra = list(given) + [k for k in ("init", "world_rope") if getattr(a, k)]
         if extra:  # (they would change nothing but the card's record of the training)
             flags = ", ".join("--" + k.replace("_", "-") for k in extra)
             p.error(f"--export writes the state's model as trained; drop {flags}")
@@ -371,7 +371,7 @@ def main(argv=None) -> int:
     if not resumed and a.init:
         tr.init_from(a.init)
     saved = dict(DEFAULTS, **meta.get("args", {}))
-    changed = {k: [saved[k], v] for k, v in given.items() if resumed and saved[k] != v}
+    changed = {k: [saved[k], v] for k, v in given.items() if saved[k] != v} if resumed else {}
     if changed:  # applied, said, and kept with the state (and the exported model's card)
         tr.setting_changes.append({"step": tr.step, "settings": changed})
         print(f"world_train: resumed at step {tr.step} with changed settings: "

@@ -49,9 +49,9 @@ Per layer, three zones, for keys and values alike ([B, H, tokens, D], H = kv hea
   next layer's history is decoded into its staging window on a second side stream (`prefetch_at="split"`: between
   the two halves of an SDPA call split by query rows, its whole waves first; measured slower on Self-Forcing). It
   then runs during the attention, most likely on the SMs the attention's last wave leaves idle. In one traced
-  21-frame Self-Forcing chunk, 14.9 of qvg's 15.1 ms of decode ran during attention, and 19.1 of qvg-pro's 23.2 ms. Queued after the
-  SDPA call (`prefetch_at="after"`, the default before 525b5c6) it mostly ran while the main stream was idle (qvg:
-  9.9 of 12.8 ms), probably waiting for it because the GEMMs that follow hold every SM
+  21-frame Self-Forcing chunk, 14.9 of qvg's 15.1 ms of decode ran during attention, and 19.1 of qvg-pro's 23.2 ms.
+  Queued after the SDPA call (`prefetch_at="after"`, the default before 525b5c6) it mostly ran while the main stream
+  was idle (qvg: 9.9 of 12.8 ms), probably waiting for it because the GEMMs that follow hold every SM
   (eval/results/pipeline-h100.md). Only when history and tail fit one window of at most `prefetch_bytes` (1 GiB, the
   largest staging window, by default: Self-Forcing histories up to ~109 latent frames). The prefetched window is
   alive beside the layer's own: a chunk's peak above the resident cache is ~530 MiB at 21 frames (~440 MiB with the
