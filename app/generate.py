@@ -254,6 +254,8 @@ def parse(argv) -> dict:
         for name in ("image", "actions"):
             if getattr(a, name) is not None:
                 raise UsageError(f"--{name} applies to --pipeline tiny (the embedded world model)")
+        if a.prompt is not None and not a.prompt.strip():
+            raise UsageError(f"--prompt: empty; give the text to generate from, or leave it out for {DEFAULT_PROMPT!r}")
         s["prompt"] = a.prompt or DEFAULT_PROMPT
     return s
 
@@ -269,9 +271,10 @@ def _world_inputs(image: str, actions: str) -> dict:
     return {"image": img, "image_source": source, "actions": ids, "actions_text": actions}
 
 
-def start_frame(image: str):
+def start_frame(image: str, flag: str = "--image"):
     """(the embedded model's start frame [3, size, size] in [-1, 1], where it came from) for --image: a bundled
-    photo's name or an image file (the UI's preview shows the same frame); UsageError naming what is wrong."""
+    photo's name or an image file (the UI's preview and qvg-eval's embedded runs take the same frame); UsageError
+    naming what is wrong (and `flag`, the option that gave `image`)."""
     from qvg.pipelines.world_data import load_photo, photo_names
     if image in photo_names("all"):  # the view at the photo's centre at scale 1, as the model saw them in training
         from qvg.pipelines.world_data import centre_view
@@ -280,15 +283,15 @@ def start_frame(image: str):
     else:
         path = Path(image)
         if not path.is_file():
-            raise UsageError(f"--image: {image!r} is neither a bundled photo ({', '.join(photo_names('all'))}) nor "
+            raise UsageError(f"{flag}: {image!r} is neither a bundled photo ({', '.join(photo_names('all'))}) nor "
                              "a file")
         try:
             a = image_array(path)
         except Exception as e:
             from qvg.pipelines.state_dicts import first_line
-            raise UsageError(f"--image: cannot read {image!r} as an image ({first_line(e)})") from None
+            raise UsageError(f"{flag}: cannot read {image!r} as an image ({first_line(e)})") from None
         if min(a.shape[:2]) < MIN_IMAGE_SIDE:
-            raise UsageError(f"--image: {image!r} is {a.shape[1]} x {a.shape[0]} pixels; give one at least "
+            raise UsageError(f"{flag}: {image!r} is {a.shape[1]} x {a.shape[0]} pixels; give one at least "
                              f"{MIN_IMAGE_SIDE} pixels on each side (it is scaled to the model's view)")
         import torch
 
@@ -519,7 +522,7 @@ def run(s) -> dict:
         writer = mp4_writer(tmp_video, gen.fps)
         bar = tqdm(total=gen.total_chunks, desc=f"{s['method']} chunks", unit="chunk", disable=s["quiet"],
                    file=sys.stderr)
-        with writer:
+        with bar, writer:  # (the bar ends its line however the loop ends: an error is then a line of its own)
             for f in (to_uint8(gen.lead) if gen.lead is not None else []):
                 writer.append_data(f)
             for ch in gen:
@@ -530,7 +533,6 @@ def run(s) -> dict:
                     writer.append_data(f)
                 bar.set_postfix(kv=f"{mem['total'] / 2**20:.1f} MiB", ratio=f"{mem['compression_ratio']:.2f}x")
                 bar.update(1)
-        bar.close()
         rep = report(s, gen, gen.written, time.perf_counter() - t0, peak_kv, rows)
         with open(tmp_json, "w") as f:
             json.dump(rep, f, indent=1)

@@ -10,13 +10,18 @@ def image_array(path: Path):
     """An image file -> uint8 [H, W, 3]. PIL converts what it opens to RGB (palette, 1-bit, greyscale with or
     without alpha, CMYK: alpha dropped); 16-bit and float images are scaled to 8 bits (floats up to 1 as [0, 1],
     else as [0, 255]); files PIL can't open are read by imageio. ValueError naming what is unusable."""
+    import warnings
+
     import numpy as np
     try:
         from PIL import Image
-        with Image.open(path) as im:
-            if im.mode not in ("I", "I;16", "I;16B", "I;16L", "F"):
-                return np.asarray(im.convert("RGB"))
-            a = np.asarray(im)
+        with warnings.catch_warnings():
+            # a large photo is fine (it is scaled down); past twice PIL's pixel limit Image.open refuses it
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(path) as im:
+                if im.mode not in ("I", "I;16", "I;16B", "I;16L", "F"):
+                    return np.asarray(im.convert("RGB"))
+                a = np.asarray(im)
     except (ImportError, OSError):  # (PIL.UnidentifiedImageError is an OSError)
         import imageio.v2 as imageio
         a = np.asarray(imageio.imread(path))

@@ -301,35 +301,67 @@ def launch(app, host: str = "127.0.0.1", port: int | None = None, **kw):
                       footer_links=["api"], **kw)
 
 
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [1, 65535], got {port}")
+    return port
+
+
+def _host_error(host: str) -> str | None:
+    """Why `host` cannot be served on (it does not resolve, or is no address of this machine), or None."""
+    import socket
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    except (OSError, UnicodeError) as e:
+        return f"--host: cannot resolve {host!r} ({getattr(e, 'strerror', None) or e})"
+    try:
+        with socket.socket(family, kind, proto) as probe:  # (any free port: the port is gradio's to check)
+            probe.bind(address)
+    except OSError as e:
+        return f"--host: cannot bind {host!r} ({e.strerror or e}): give an address of this machine"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="qvg-app", description=__doc__.split("\n\n")[0].replace("\n", " "))
+    from .generate import _Parser
+    p = _Parser(prog="qvg-app", description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=None, help="port (default: gradio's, 7860, or the next free one)")
+    p.add_argument("--port", type=_port, default=None, help="port (default: gradio's, 7860, or the next free one)")
     p.add_argument("--checkpoint-root", default=None, help="the folder checkpoint directories must be inside "
                    "(default: none, only the embedded model)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
-    a = p.parse_args(sys.argv[1:] if argv is None else argv)
-    root = None
-    if a.checkpoint_root is not None:
-        root = Path(a.checkpoint_root).resolve()
-        if not root.is_dir():
-            print(f"qvg-app: error: --checkpoint-root: no such directory: {a.checkpoint_root!r}", file=sys.stderr)
-            return 2
-    if a.device is not None:
-        from .generate import device_arg
-        try:
+    try:
+        a = p.parse_args(sys.argv[1:] if argv is None else argv)
+        root = None
+        if a.checkpoint_root is not None:
+            root = Path(a.checkpoint_root).resolve()
+            if not root.is_dir():
+                what = "not a directory" if root.exists() else "no such directory"
+                raise UsageError(f"--checkpoint-root: {what}: {a.checkpoint_root!r}")
+        if a.device is not None:
+            from .generate import device_arg
             device_arg(a.device)
-        except UsageError as e:
-            print(f"qvg-app: error: {e}", file=sys.stderr)
-            return 2
-    import importlib.util
-    if importlib.util.find_spec("gradio") is None:
-        print("qvg-app: error: the UI needs gradio: pip install -e '.[ui]'", file=sys.stderr)
+        err = _host_error(a.host)
+        if err:
+            raise UsageError(err)
+        import importlib.util
+        if importlib.util.find_spec("gradio") is None:
+            raise UsageError("the UI needs gradio: pip install -e '.[ui]'")
+    except UsageError as e:
+        print(f"qvg-app: error: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO)
     app = build(Server(root, None, a.device))
     try:
         launch(app, a.host, a.port)
+    except OSError as e:  # the port taken, an address not of this machine: before anything was served
+        print(f"qvg-app: error: cannot serve on {a.host}:{a.port or 'the default port'} "
+              f"({str(e).splitlines()[0] if str(e) else type(e).__name__})", file=sys.stderr)
+        return 2
     finally:
         app.qvg_workdirs.clear()
     return 0

@@ -12,6 +12,7 @@ there but not those weights is an error. Bad input: one `qvg-eval: error: ...` l
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import signal
 import sys
@@ -24,6 +25,17 @@ from .weights import BadWeights
 # (torch's OpenMP threads spin at barriers by default, which slows runs on a CPU shared with other processes; setting
 # OMP_WAIT_POLICY here would come too late: `import qvg` has loaded torch and its OpenMP runtime before this line.
 # Set OMP_WAIT_POLICY=PASSIVE in the environment where that matters, as tests/conftest.py does.)
+
+
+def _finite(text: str) -> float:
+    """A finite number (argparse type: nan and inf would be written to the JSON as non-standard NaN / Infinity)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if v != v or v in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return v
 
 
 class UsageError(Exception):
@@ -115,7 +127,7 @@ def build_parser():
     c.add_argument("--first", type=int, default=None, help="frames of the first generated chunk")
     c.add_argument("--chunk", type=int, default=None, help="frames per later chunk")
     c.add_argument("--onset-chunks", type=int, default=1, help="chunks in the onset window (default 1)")
-    c.add_argument("--threshold", type=float, default=30.0, help="PSNR dB for 'first frame below' (default 30)")
+    c.add_argument("--threshold", type=_finite, default=30.0, help="PSNR dB for 'first frame below' (default 30)")
     _common(c)
     r = sub.add_parser("report", help="run the evaluation and write a markdown report")
     r.add_argument("outdir")
@@ -169,6 +181,8 @@ def _out_dir(path: str | Path, *files: str) -> Path:
     for name in files:
         if (out / name).is_dir():
             raise UsageError(f"cannot write {str(out / name)!r}: a folder is there")
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"cannot write to {str(out)!r}: a file is there, not a folder")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -200,17 +214,21 @@ def main(argv: list[str] | None = None) -> int:
                 torch.set_num_threads(a.threads)
             return {"compare": _compare, "report": _report, "sweep": _sweep, "vbench": _vbench_cmd}[a.cmd](a, argv)
     except (UsageError, BadWeights, GenerateUsageError) as e:  # BadWeights: a broken weights file, wherever read
-        print(f"qvg-eval: error: {e}", file=sys.stderr)
-        return 2
+        return _fail(f"qvg-eval: error: {e}", 2)
     except KeyboardInterrupt:
-        print("qvg-eval: interrupted", file=sys.stderr)
-        return 130
+        return _fail("qvg-eval: interrupted", 130)
     except Terminated:
-        print("qvg-eval: terminated", file=sys.stderr)
-        return 128 + signal.SIGTERM
+        return _fail("qvg-eval: terminated", 128 + signal.SIGTERM)
     except OSError as e:  # a write that failed after the checks (disk full, a folder removed meanwhile): one line
-        print(f"qvg-eval: error: {e}", file=sys.stderr)
-        return 1
+        return _fail(f"qvg-eval: error: {e}", 1)
+
+
+def _fail(line: str, code: int) -> int:
+    """`line` on stderr as the last line (the progress bars still open end theirs first); `code`."""
+    from .progress import end_all
+    end_all()
+    print(line, file=sys.stderr)
+    return code
 
 
 def _compare(a, argv) -> int:
@@ -284,7 +302,11 @@ def _report(a, argv) -> int:
         except (OSError, json.JSONDecodeError) as e:
             raise UsageError(f"--from-json: cannot read {out / 'results.json'} ({e})") from None
         _out_dir(out, "report.md")
-        for n in report.render(res, out):
+        try:
+            lines = report.render(res, out)
+        except ValueError as e:  # (nothing written)
+            raise UsageError(f"--from-json: {out / 'results.json'} is {e}") from None
+        for n in lines:
             print(n)
         return 0
     names = _dims(a.vbench, "--vbench")
@@ -319,6 +341,8 @@ def _sweep(a, argv) -> int:
     from .runners import GenerateRunner
     if a.pipeline not in ("embedded", "tiny", "self-forcing"):
         raise UsageError(f"--pipeline must be embedded, tiny or self-forcing, got {a.pipeline!r}")
+    if a.pipeline == "embedded" and a.checkpoint is not None:  # (tiny: qvg-generate's own check refuses it)
+        raise UsageError("--checkpoint applies to --pipeline self-forcing, not the embedded model")
     sep = "|" if a.pipeline == "self-forcing" else ","
     spec = dict(inputs=[x.strip() for x in a.inputs.split(sep) if x.strip()], seeds=_ints(a.seeds, "seeds"),
                 methods=[m.strip() for m in a.methods.split(",") if m.strip()], bits=_ints(a.bits, "bits"),
@@ -332,10 +356,11 @@ def _sweep(a, argv) -> int:
         runner = GenerateRunner(a.pipeline, a.checkpoint, str(dev), Path(a.outdir) / "videos",
                                 key_storage=a.key_storage)
         runner.check(spec)  # every run's qvg-generate arguments, by its own checks (one line, before any work)
-    out = _out_dir(a.outdir, "sweep.json", "sweep.md")
-    model, status = _lpips(a.lpips, a.weights, dev, notes)
-    vb = _vbench(names, a.weights, dev, notes)
-    res = sweep.run(runner, spec, lpips_model=model, vbench=vb, progress=not a.no_progress)
+    with _emptied_on_failure(Path(a.outdir), Path(a.outdir) / "videos"):
+        out = _out_dir(a.outdir, "sweep.json", "sweep.md")
+        model, status = _lpips(a.lpips, a.weights, dev, notes)
+        vb = _vbench(names, a.weights, dev, notes)
+        res = sweep.run(runner, spec, lpips_model=model, vbench=vb, progress=not a.no_progress)
     res["meta"] = meta(command_line("qvg-eval", argv), dev, lpips=status, runner=runner.describe(),
                        weight_files=weight_files(model, *vb.values()))
     print(sweep.table_markdown(res))
@@ -343,6 +368,25 @@ def _sweep(a, argv) -> int:
     print(_write(out / "sweep.md", sweep.table_markdown(res) + "\n"))
     _notes(notes)
     return 0
+
+
+MAX_CHUNKS = 33_333  # a sweep video's chunks: qvg-generate's 100,000 frames at 3 frames per chunk (embedded)
+
+
+@contextlib.contextmanager
+def _emptied_on_failure(*folders: Path):
+    """Those of `folders` (innermost last) the block makes are removed again if it fails and leaves them empty: a
+    failed or stopped run leaves no empty output folder behind."""
+    new = [f for f in folders if not f.exists()]
+    try:
+        yield
+    except BaseException:
+        for f in reversed(new):
+            try:
+                f.rmdir()  # (only an empty folder)
+            except OSError:
+                pass
+        raise
 
 
 def _check_sweep(spec: dict, pipeline: str) -> list[str]:
@@ -356,6 +400,9 @@ def _check_sweep(spec: dict, pipeline: str) -> list[str]:
     for name in ("inputs", "seeds", "methods", "bits", "kmeans_seeds"):
         if not spec[name]:
             raise UsageError(f"--{name.replace('_', '-')}: give one value at least")
+        twice = [v for i, v in enumerate(spec[name]) if v in spec[name][:i]]
+        if twice:  # (a repeated seed would be its own floor; a repeated method or input counted twice)
+            raise UsageError(f"--{name.replace('_', '-')}: {twice[0]!r} given twice")
     wrong = [b for b in spec["bits"] if b not in (2, 4, 8)]
     if wrong:
         raise UsageError(f"--bits must be 2, 4 or 8, got {', '.join(map(str, wrong))}")
@@ -363,16 +410,23 @@ def _check_sweep(spec: dict, pipeline: str) -> list[str]:
         bad = [v for v in spec[name] if not 0 <= v <= top]
         if bad:
             raise UsageError(f"--{name.replace('_', '-')} must be in [0, {top}], got {bad[0]}")
-    if spec["chunks"] < 1 or not 1 <= spec["onset_chunks"] <= spec["chunks"]:
-        raise UsageError(f"--chunks must be >= 1 and --onset-chunks in [1, chunks], got {spec['chunks']} and "
-                         f"{spec['onset_chunks']}")
+    if not 1 <= spec["chunks"] <= MAX_CHUNKS or not 1 <= spec["onset_chunks"] <= spec["chunks"]:
+        raise UsageError(f"--chunks must be in [1, {MAX_CHUNKS}] and --onset-chunks in [1, chunks], got "
+                         f"{spec['chunks']} and {spec['onset_chunks']}")
     if pipeline in ("embedded", "tiny"):
+        from qvg.app.generate import UsageError as GenerateError, start_frame
         from qvg.pipelines.world_data import photo_names
         names = photo_names("all")
         missing = [x for x in spec["inputs"] if x not in names and not Path(x).is_file()]
         if missing:
             raise UsageError(f"--inputs: {', '.join(map(repr, missing))} neither a bundled photo "
                              f"({', '.join(names)}) nor a file")
+        for x in spec["inputs"]:  # each file read as qvg-generate reads it (an image, large enough), before any run
+            if x not in names:
+                try:
+                    start_frame(x, "--inputs")
+                except GenerateError as e:
+                    raise UsageError(str(e)) from None
     notes = ["one sampling seed: no sampling floor (give --seeds 0,1)"] if len(spec["seeds"]) == 1 else []
     if len(spec["kmeans_seeds"]) == 1 and {"qvg", "qvg-pro"} & set(spec["methods"]):
         notes.append("one k-means seed: no k-means floor (give --kmeans-seeds 0,1)")

@@ -3,6 +3,9 @@ installed (a bare GPU image)."""
 from __future__ import annotations
 
 import sys
+import weakref
+
+_OPEN = weakref.WeakSet()  # the bars made here and not yet closed (`end_all`)
 
 
 class _Silent:
@@ -26,4 +29,14 @@ def bar(total: int, desc: str, enabled: bool = True, unit: str = "it", leave: bo
         from tqdm import tqdm
     except ImportError:
         return _Silent()
-    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True, leave=leave)
+    b = tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True, leave=leave)
+    _OPEN.add(b)
+    return b
+
+
+def end_all() -> None:
+    """Close every bar still open (a run stopped by an error or a signal): each ends its line, so what is printed
+    next (the error) is a line of its own and the last one, not glued to a bar that is drawn again at exit."""
+    for b in list(_OPEN):
+        b.close()
+    _OPEN.clear()

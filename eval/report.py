@@ -138,6 +138,24 @@ def _table(head, rows) -> list[str]:
 
 
 def render(res: dict, out: Path) -> list[str]:
+    """report.md and the plots of `res` (a results.json's content) in `out`; the lines to print. All or nothing:
+    results of another shape (a part missing, a value of the wrong type) raise ValueError before any file is
+    written, and leave the folder as it was."""
+    writes = []  # (plt, figure, path): saved only once every section has rendered
+    try:
+        L, notes = _render(res, out, writes)
+    except (KeyError, IndexError, TypeError, AttributeError, ValueError) as e:
+        for plt, fig, _ in writes:
+            plt.close(fig)
+        what = f"no {e}" if isinstance(e, KeyError) else str(e)
+        raise ValueError(f"not the results of a qvg-eval report ({type(e).__name__}: {what})") from None
+    notes += [_save(*w) for w in writes]
+    write_text(out / "report.md", "\n".join(L) + "\n")
+    return [f"wrote {out / 'report.md'}"] + [n for n in notes if n]
+
+
+def _render(res: dict, out: Path, writes: list) -> tuple[list[str], list[str]]:
+    """render's markdown lines and notes; its figures queued in `writes`."""
     m, model = res["meta"], res["model"]
     L = [f"# QVG evaluation report: {model.get('pipeline')} ({m['preset']} preset)", "",
          f"- command: `{m['command']}`",
@@ -157,22 +175,21 @@ def render(res: dict, out: Path) -> list[str]:
     notes = []
     if "sweep" in res:
         L += _sweep_md(res["sweep"])
-        notes.append(_plot_sweep(res["sweep"], out / "sweep_quality.png"))
-        notes.append(_plot_memory(res["sweep"], out / "memory_breakdown.png"))
+        notes.append(_plot_sweep(writes, res["sweep"], out / "sweep_quality.png"))
+        notes.append(_plot_memory(writes, res["sweep"], out / "memory_breakdown.png"))
     if "long_video" in res:
         L += _long_md(res["long_video"])
-        notes.append(_plot_long(res["long_video"], out / "long_video.png"))
+        notes.append(_plot_long(writes, res["long_video"], out / "long_video.png"))
     if "kv" in res:
         L += _kv_md(res["kv"], res.get("capture", {}))
-        notes.append(_plot_kv(res["kv"], out / "kv_analyses.png"))
+        notes.append(_plot_kv(writes, res["kv"], out / "kv_analyses.png"))
     if "block_sizes" in res:
         L += _block_md(res["block_sizes"])
     if "warm_cold" in res:
         L += _warm_md(res["warm_cold"])
     if "rope" in res:
         L += _rope_md(res["rope"])
-    write_text(out / "report.md", "\n".join(L) + "\n")
-    return [f"wrote {out / 'report.md'}"] + [n for n in notes if n]
+    return L, notes
 
 
 def _weights_md(m: dict) -> list[str]:
@@ -305,7 +322,7 @@ def _save(plt, fig, path: Path) -> str:
     return f"wrote {path}"
 
 
-def _plot_sweep(sw: dict, path: Path) -> str:
+def _plot_sweep(writes: list, sw: dict, path: Path) -> str:
     plt = _plt()
     if plt is None:
         return "matplotlib not importable: no plots"
@@ -326,10 +343,11 @@ def _plot_sweep(sw: dict, path: Path) -> str:
         ax.set(title=f"INT{b}: PSNR vs the BF16 video (mean over inputs x seeds)", xlabel="frame",
                ylabel="PSNR dB (capped at 60)")
         ax.legend(fontsize=7)
-    return _save(plt, fig, path)
+    writes.append((plt, fig, path))
+    return ""
 
 
-def _plot_memory(sw: dict, path: Path) -> str:
+def _plot_memory(writes: list, sw: dict, path: Path) -> str:
     plt = _plt()
     if plt is None:
         return ""
@@ -345,10 +363,11 @@ def _plot_memory(sw: dict, path: Path) -> str:
     ax.set(ylabel="MiB held", title="KV cache bytes by component (at its largest)")
     ax.tick_params(axis="x", rotation=45)
     ax.legend(fontsize=7)
-    return _save(plt, fig, path)
+    writes.append((plt, fig, path))
+    return ""
 
 
-def _plot_long(lv: dict, path: Path) -> str:
+def _plot_long(writes: list, lv: dict, path: Path) -> str:
     plt = _plt()
     if plt is None:
         return ""
@@ -359,10 +378,11 @@ def _plot_long(lv: dict, path: Path) -> str:
     ax.set(xlabel="first frame of the window", ylabel="PSNR dB vs BF16 (capped at 60)",
            title=f"Fig. 5a: quality every {lv['every']} frames")
     ax.legend(fontsize=7)
-    return _save(plt, fig, path)
+    writes.append((plt, fig, path))
+    return ""
 
 
-def _plot_kv(kv: dict, path: Path) -> str:
+def _plot_kv(writes: list, kv: dict, path: Path) -> str:
     plt = _plt()
     if plt is None:
         return ""
@@ -392,4 +412,5 @@ def _plot_kv(kv: dict, path: Path) -> str:
     ax[2].set(yscale="log", xlabel="bits / element (measured)", ylabel="rel MSE",
               title="Fig. 7: block size trade-off")
     ax[2].legend(fontsize=6)
-    return _save(plt, fig, path)
+    writes.append((plt, fig, path))
+    return ""

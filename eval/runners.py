@@ -74,13 +74,11 @@ class EmbeddedRunner:
         return self.config["chunk_frames"] * self.tokens_per_frame
 
     def start_frame(self, image: str) -> torch.Tensor:
-        from qvg.pipelines.world_data import centre_view, load_photo, photo_names
+        """The start frame qvg-generate --image takes (a bundled photo's centre view, or an image file's view at
+        the bundled photos' scale), at this model's frame size; UsageError (naming --inputs) where it can't."""
+        from qvg.app.generate import start_frame
         from qvg.pipelines.world_model import image_frame
-        size = self.config["frame_size"]
-        if image in photo_names("all"):
-            return centre_view(load_photo(image), size)
-        from .video import read_video  # an image file: its centre square, resized (as qvg-generate --image)
-        return image_frame(read_video(image)[:, 0], size)
+        return image_frame(start_frame(image, "--inputs")[0], self.config["frame_size"])
 
     def frames(self, chunks: int) -> int:
         return self.lead + chunks * self.chunk

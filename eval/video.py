@@ -48,9 +48,10 @@ def read_video(path: str | Path) -> torch.Tensor:
 
 
 def sidecar(path: str | Path) -> dict:
-    """The qvg-generate JSON report beside a video (same name, .json), or {}."""
+    """The qvg-generate JSON report beside a video (same name, .json), or {} (none, unreadable, or not an object)."""
     j = Path(path).with_suffix(".json")
     try:
-        return json.loads(j.read_text()) if j.is_file() else {}
+        report = json.loads(j.read_text()) if j.is_file() else {}
     except (OSError, json.JSONDecodeError):
         return {}
+    return report if isinstance(report, dict) else {}

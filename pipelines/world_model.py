@@ -178,6 +178,9 @@ def action_ids(names, config: dict | None = None) -> list[int]:
     return out
 
 
+MAX_REPEAT = 100_000  # NAME*N: at most this N (100,000 chunks of 3 frames is 10 hours at 8 fps; the list is built)
+
+
 def parse_actions(text: str, config: dict | None = None) -> list[int]:
     """'right*4,left*4,stay' -> one action id per chunk."""
     names = []
@@ -185,13 +188,13 @@ def parse_actions(text: str, config: dict | None = None) -> list[int]:
         part = part.strip()
         if not part:
             continue
-        name, _, times = part.partition("*")
+        name, star, times = part.partition("*")
         try:
-            n = int(times) if times else 1
+            n = int(times) if star else 1
         except ValueError:
             raise WorldModelError(f"bad repeat count in action {part!r} (use NAME or NAME*N)") from None
-        if n < 1:
-            raise WorldModelError(f"repeat count must be >= 1 in action {part!r}")
+        if not 1 <= n <= MAX_REPEAT:
+            raise WorldModelError(f"repeat count must be in [1, {MAX_REPEAT:,}] in action {part!r}")
         names += [name.strip()] * n
     if not names:
         raise WorldModelError("no actions given")

@@ -324,16 +324,32 @@ def _same_init(directory, started: dict | None) -> bool:
         return False
 
 
+# flags that only steer a training run (how long, where, how): --export refuses them, as it trains nothing
+RUN_FLAGS = ("minutes", "device", "attention", "compile", "max_steps", "save_every")
+RUN_DEFAULTS = {"minutes": 8.0, "device": lambda: "cuda" if torch.cuda.is_available() else "cpu",
+                "attention": "auto", "save_every": 200}
+
+
+def _state_meta(ck: Path) -> dict | None:
+    """A state directory's state.json (a dict), or None where there is none or it cannot be read."""
+    try:
+        meta = json.loads((ck / "state.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) and "args" in meta and "config" in meta else None
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m qvg.pipelines.world_train", description=__doc__.splitlines()[0])
     p.add_argument("--ckpt", required=True, help="state directory (created; resumed when it holds a state)")
-    p.add_argument("--minutes", type=float, default=8.0, help="stop (and save) after this much training")
+    # (the run-only flags default to None so that --export can tell which were given: RUN_DEFAULTS fills them)
+    p.add_argument("--minutes", type=float, default=None, help="stop (and save) after this much training (default 8)")
     p.add_argument("--export", default=None, help="write the shippable model here from the state and exit")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--attention", default="auto", choices=("auto", "flex", "dense"))
+    p.add_argument("--device", default=None, help="default cuda when available, else cpu")
+    p.add_argument("--attention", default=None, choices=("auto", "flex", "dense"), help="default auto")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (CUDA)")
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps in this run")
-    p.add_argument("--save-every", type=int, default=200, help="also save the state every this many steps")
+    p.add_argument("--save-every", type=int, default=None, help="also save the state every this many steps (default 200)")
     p.add_argument("--init", default=None, help="a new run starts from this exported model's weights (fine-tune)")
     p.add_argument("--world-rope", action="store_true", help="a new run: world-coordinate spatial RoPE")
     for k, v in DEFAULTS.items():
@@ -341,11 +357,13 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     given = {k: getattr(a, k) for k in DEFAULTS if getattr(a, k) is not None}
     if a.export:
-        extra = list(given) + [k for k in ("init", "world_rope") if getattr(a, k)]
-        if extra:  # (they would change nothing but the card's record of the training)
+        extra = list(given) + [k for k in ("init", "world_rope", *RUN_FLAGS) if getattr(a, k) not in (None, False)]
+        if extra:  # (training flags would change nothing but the card's record; run flags nothing at all)
             flags = ", ".join("--" + k.replace("_", "-") for k in extra)
             p.error(f"--export writes the state's model as trained; drop {flags}")
-        meta = json.loads((Path(a.ckpt) / "state.json").read_text())
+        meta = _state_meta(Path(a.ckpt))
+        if meta is None:
+            p.error(f"--export: {a.ckpt} holds no readable training state (state.json); give a --ckpt a run saved")
         tr = Trainer(meta["args"], meta["config"], "cpu", attention="dense")
         tr.load(a.ckpt)
         card = {"steps": tr.step, "seconds": tr.elapsed, "args": tr.args, "final_log": tr.log[-3:]}
@@ -356,6 +374,9 @@ def main(argv=None) -> int:
         save_world(tr.model, cfg, a.export, card=card)
         print(f"exported step {tr.step} to {a.export}")
         return 0
+    for k, v in RUN_DEFAULTS.items():
+        if getattr(a, k) is None:
+            setattr(a, k, v() if callable(v) else v)
     torch.backends.cuda.matmul.allow_tf32 = True
     ck = Path(a.ckpt)
     meta = json.loads((ck / "state.json").read_text()) if (ck / "state.json").is_file() else {}

@@ -101,6 +101,7 @@ import torch
 
 from . import compression
 from .attention import attend_reference, sdpa_gqa
+from .backend import use_kernels
 from .compression.graphed import GraphedCompress
 from .packed import COMPONENTS
 from .rope import RopeTables, apply_rope, frame_angles
@@ -554,7 +555,7 @@ class KVCache:
                 # one graph replay (copied into the history below)
                 p = self._graphed(x, self.method, warm, preset=self.compress_preset, **opts)
             else:
-                with _preset(self.compress_preset):
+                with _preset(self.compress_preset if use_kernels(x) else None):  # (kernels' preset: triton)
                     p = compression.compress(x, self.method, check_finite=False, init=warm, **opts)  # no host sync
             if self.method in PER_TOKEN_METHODS:
                 if ring:

@@ -126,6 +126,9 @@ BAD = [
     (["--seed", "99999999999999999999999"], "--seed must be in"),
     (["--actions", "fly*2"], "unknown action"),
     (["--actions", "left*x"], "bad repeat count"),
+    (["--actions", "left*"], "bad repeat count in action 'left*'"),
+    (["--actions", "left*0"], "repeat count must be in [1, 100,000] in action 'left*0'"),
+    (["--actions", "left*999999999999"], "repeat count must be in [1, 100,000]"),  # (was a MemoryError)
     (["--image", "/no/such/photo.png"], "neither a bundled photo"),
     (["--prompt", "a fox"], "not text-conditioned"),
     (["--pipeline", "self-forcing", "--checkpoint", ".", "--actions", "left"], "applies to --pipeline tiny"),
@@ -133,6 +136,7 @@ BAD = [
     (["--actions", ""], "--actions: empty"),
     (["--actions", " "], "--actions: empty"),
     (["--image", ""], "--image: empty"),
+    (["--pipeline", "self-forcing", "--checkpoint", ".", "--prompt", " "], "--prompt: empty"),
     (["--method", "rtn", "--kmeans-seed", "1"], "--kmeans-seed is for qvg and qvg-pro"),
     (["--kmeans-seed", "-1"], "--kmeans-seed must be in"),
 ]
@@ -229,6 +233,26 @@ def test_failure_after_the_temporary_files_exist_leaves_nothing(tmp_path, capsys
     assert main(["--out", str(tmp_path / "v.mp4"), "--quiet"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "simulated failure" in err[0]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_an_error_mid_run_is_the_last_line_not_glued_to_the_bar(tmp_path, capsys, monkeypatch):
+    """With the progress bar on, a failure after a chunk: the bar ends its line first, so the error is a line of its
+    own and the last thing printed (the bar is not drawn again after it)."""
+    import qvg.pipelines.self_forcing as sf
+    real = sf.SelfForcingPipeline.generate
+
+    def one_then_boom(self, *a, **k):
+        for i, chunk in enumerate(real(self, *a, **k)):
+            if i == 1:
+                raise RuntimeError("simulated failure mid-run")
+            yield chunk
+    monkeypatch.setattr(sf.SelfForcingPipeline, "generate", one_then_boom)
+    assert main(["--out", str(tmp_path / "v.mp4"), "--frames", "10"]) == 1
+    err = capsys.readouterr().err
+    assert err.endswith("\n") and "chunks" in err
+    last = err.rstrip("\n").split("\n")[-1]
+    assert last.startswith("qvg-generate: error: RuntimeError: simulated failure mid-run") and "\r" not in last, err
     assert list(tmp_path.iterdir()) == []
 
 
@@ -501,3 +525,23 @@ def test_keep_old_leaves_nothing_when_the_copy_fails(tmp_path, monkeypatch):
             with pytest.raises(expect):
                 _keep_old(video)
         assert sorted(p.name for p in tmp_path.iterdir()) == ["v.mp4"]
+
+
+def test_a_large_start_image_reads_without_a_warning_and_a_huge_one_is_one_error(tmp_path, capsys, monkeypatch):
+    """Past PIL's pixel limit PIL warns (two lines on stderr): a big photo is fine, it is scaled down; past twice
+    the limit PIL refuses it, which is one error line."""
+    import warnings
+
+    import numpy as np
+    from PIL import Image
+    from qvg.app.start_image import image_array
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)
+    Image.fromarray(np.zeros((40, 40, 3), np.uint8)).save(tmp_path / "big.png")
+    Image.fromarray(np.zeros((50, 50, 3), np.uint8)).save(tmp_path / "huge.png")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert image_array(tmp_path / "big.png").shape == (40, 40, 3)
+    assert main(["--image", str(tmp_path / "huge.png"), "--out", str(tmp_path / "v.mp4"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--image: cannot read" in err[0] and "exceeds limit" in err[0], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.png", "huge.png"]

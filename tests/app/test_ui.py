@@ -427,6 +427,31 @@ def test_cli_binds_localhost_by_default(monkeypatch, tmp_path, capsys):
     assert ui.main(["--device", "tpu"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and all(e.startswith("qvg-app: error:") for e in err)
+    # bad flags, ports and hosts: one line each too (were a usage dump, a traceback, or a server retrying forever)
+    import socket
+
+    def no_such_host(host, *a, **kw):
+        if host == "no-such-host":
+            raise socket.gaierror(-2, "Name or service not known")
+        ip = "192.0.2.1" if host == "elsewhere" else "127.0.0.1"  # (192.0.2.1: TEST-NET-1, no address of this host)
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, 0))]
+    monkeypatch.setattr(socket, "getaddrinfo", no_such_host)
+    for args, msg in ((["--nope"], "unrecognized arguments: --nope"), (["--port", "0"], "must be in [1, 65535], got 0"),
+                      (["--port", "99999"], "got 99999"), (["--port", "x"], "must be an integer, got 'x'"),
+                      (["--host", "no-such-host"], "--host: cannot resolve 'no-such-host' (Name or service not known)"),
+                      (["--host", "elsewhere"], "--host: cannot bind 'elsewhere' (Cannot assign requested address)"),
+                      (["--checkpoint-root", __file__], "--checkpoint-root: not a directory")):
+        assert ui.main(args) == 2, args
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("qvg-app: error:") and msg in err[0], (args, err)
+
+    def taken(app, host, port, **kw):  # what gradio raises for a port in use
+        raise OSError(f"Cannot find empty port in range: {port}-{port}. You can specify a different port by\nsetting")
+    monkeypatch.setattr(ui, "launch", taken)
+    assert ui.main(["--port", "7861"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["qvg-app: error: cannot serve on 127.0.0.1:7861 (Cannot find empty port in range: 7861-7861. "
+                   "You can specify a different port by)"], err
 
 
 def test_gradio_stays_out_of_the_library_and_the_cli():

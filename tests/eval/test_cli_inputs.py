@@ -32,14 +32,28 @@ SWEEP = ["--inputs", "coffee", "--seeds", "0", "--methods", "qvg", "--bits", "2"
     (["--bits", ""], "--bits: give one value at least"),
     (["--inputs", "nosuchphoto"], "'nosuchphoto' neither a bundled photo (astronaut"),
     (["--onset-chunks", "0"], "--onset-chunks in [1, chunks]"),
+    (["--chunks", "100000000"], "--chunks must be in [1, 33333]"),  # (was accepted: days of runs)
     (["--methods", "fp4"], "--methods: unknown fp4"),
     (["--key-storage", "pre"], "--key-storage: invalid choice: 'pre'"),
     (["--vbench", "bogus"], "--vbench: unknown bogus"),
     (["--threads", "-3"], "--threads must be >= 1, got -3"),
     (["--seeds", "0,-1"], "--seeds must be in [0, "),
     (["--kmeans-seeds", "0,2147483648"], "--kmeans-seeds must be in [0, 2147483647], got 2147483648"),
+    (["--checkpoint", "."], "--checkpoint applies to --pipeline self-forcing, not the embedded model"),
+    (["--seeds", "3,3"], "--seeds: 3 given twice"),  # (a seed that is its own floor: inf dB)
+    (["--kmeans-seeds", "0,1,0"], "--kmeans-seeds: 0 given twice"),
+    (["--methods", "qvg,rtn,qvg"], "--methods: 'qvg' given twice"),
+    (["--inputs", "coffee,camera,coffee"], "--inputs: 'coffee' given twice"),
+    (["--inputs", "coffee,{notimage}"], "--inputs: cannot read '{notimage}' as an image"),
+    (["--inputs", "{small}"], "--inputs: '{small}' is 10 x 10 pixels"),  # (qvg-generate's own rule)
 ])
 def test_sweep_bad_values_before_any_work(tmp_path, capsys, change, needle):
+    import numpy as np
+    from PIL import Image
+    files = {"notimage": str(tmp_path / "notimage.png"), "small": str(tmp_path / "small.png")}
+    (tmp_path / "notimage.png").write_text("not an image")
+    Image.fromarray(np.zeros((10, 10, 3), np.uint8)).save(files["small"])
+    change, needle = [c.format(**files) for c in change], needle.format(**files)
     args = list(SWEEP)
     for flag, value in zip(change[::2], change[1::2]):
         if flag in args:
@@ -58,6 +72,8 @@ def test_unwritable_output_folder_before_any_work(tmp_path, capsys, cmd):
                                           "--vbench", "none"]
     assert main([cmd, str(tmp_path / "file" / "out")] + extra) == 2
     _one_error(capsys, f"cannot write to {str(tmp_path / 'file' / 'out')!r}")
+    assert main([cmd, str(tmp_path / "file")] + extra) == 2  # the folder named is a file (was "(File exists)")
+    _one_error(capsys, f"cannot write to {str(tmp_path / 'file')!r}: a file is there, not a folder")
 
 
 def test_report_from_json_still_checks_its_values(tmp_path, capsys):
@@ -65,6 +81,11 @@ def test_report_from_json_still_checks_its_values(tmp_path, capsys):
     _one_error(capsys, "--preset must be one of")
     assert main(["report", str(tmp_path), "--from-json", "--skip", "bogus"]) == 2
     _one_error(capsys, "--skip: unknown part(s) bogus")
+    for text, why in (("{}", "KeyError: no 'meta'"), ("[1, 2]", "TypeError"), ('{"pipeline": "tiny"}', "no 'meta'")):
+        (tmp_path / "results.json").write_text(text)  # JSON, but not a report's results (the last: a video's)
+        assert main(["report", str(tmp_path), "--from-json"]) == 2
+        _one_error(capsys, "--from-json:", "is not the results of a qvg-eval report", why)
+        assert sorted(f.name for f in tmp_path.iterdir()) == ["results.json"]
 
 
 def test_compare_refuses_to_write_over_a_video_report(tmp_path, capsys):
@@ -87,6 +108,22 @@ def test_compare_notes_come_after_the_result(tmp_path, capsys):
     assert err[1].startswith("qvg-eval: note: no qvg-generate report beside") and len(err) == 2
     assert main(["compare", ref, ref, "--lpips", "none", "--lead", "1", "--first", "3", "--chunk", "3"]) == 0
     assert capsys.readouterr().err == ""  # the layout given: nothing to say
+
+
+def test_compare_reads_a_sidecar_that_is_no_report_as_none(tmp_path, capsys):
+    """REF's .json beside it that is valid JSON but not an object (was an AttributeError traceback): no report."""
+    ref, test = _video(tmp_path / "ref.npy"), _video(tmp_path / "t.npy", seed=1)
+    (tmp_path / "ref.json").write_text("[1]")
+    assert main(["compare", ref, test, "--lpips", "none"]) == 0
+    assert "no qvg-generate report beside" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "x"])
+def test_compare_threshold_is_a_finite_number(tmp_path, capsys, value):
+    ref = _video(tmp_path / "ref.npy")
+    assert main(["compare", ref, ref, "--lpips", "none", f"--threshold={value}"]) == 2
+    _one_error(capsys, "--threshold: must be a", repr(value))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ref.npy"]
 
 
 def test_compare_unwritable_out_and_a_folder_as_video(tmp_path, capsys):
@@ -256,3 +293,19 @@ def test_report_header_names_the_key_storage(tiny_runner, tmp_path):
     res["model"]["key_storage"] = "post-rope"
     report.render(res, tmp_path)
     assert "with every method's keys after RoPE" in (tmp_path / "report.md").read_text()
+
+
+def test_an_error_mid_run_ends_the_open_progress_bars_first(tmp_path, capsys, monkeypatch):
+    """A failure while a progress bar is open: the bar ends its line, the error is the last line of its own."""
+    from qvg.eval import progress, sweep
+
+    def run(*a, **k):
+        b = progress.bar(3, "sweep", True, unit="video")
+        b.update(1)
+        raise OSError("[Errno 28] No space left on device")
+    monkeypatch.setattr(sweep, "run", run)
+    assert main(["sweep", str(tmp_path / "sw")] + SWEEP) == 1
+    err = capsys.readouterr().err
+    assert "sweep" in err and err.endswith("\n")
+    assert err.rstrip("\n").split("\n")[-1] == "qvg-eval: error: [Errno 28] No space left on device", err
+    assert not (tmp_path / "sw").exists()  # the folder the failed run made is not left behind, empty

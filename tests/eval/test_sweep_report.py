@@ -54,7 +54,7 @@ def test_sweep_table_and_floors(tiny_runner, tiny_preset):
     assert "*floor: bf16: another sampling seed*" in md and "| qvg | INT2 |" in md
 
 
-def test_report_and_rerender(tiny_runner, tiny_preset, tmp_path):
+def test_report_and_rerender(tiny_runner, tiny_preset, tmp_path, capsys):
     out = tmp_path / "rep"
     res = report.run(out, tiny_preset, tiny_runner, command="test", progress=False)
     for f in ("report.md", "results.json", "sweep_quality.png", "memory_breakdown.png", "long_video.png",
@@ -73,6 +73,17 @@ def test_report_and_rerender(tiny_runner, tiny_preset, tmp_path):
     (out / "report.md").unlink()
     assert main(["report", str(out), "--from-json"]) == 0
     assert (out / "report.md").read_text() == md
+    # results of another shape (a section without a part its plot needs): one error line, and nothing rewritten
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+    broken = json.loads((out / "results.json").read_text())
+    del broken["kv"]["stages"]
+    (out / "results.json").write_text(json.dumps(broken))
+    capsys.readouterr()
+    assert main(["report", str(out), "--from-json"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not the results of a qvg-eval report (KeyError: no 'stages')" in err[0], err
+    after = {f.name: f.read_bytes() for f in out.iterdir()}
+    assert after.pop("results.json") != before.pop("results.json") and after == before
 
 
 def test_memory_breakdown_adds_up_to_the_total(tmp_path, monkeypatch):

@@ -88,7 +88,8 @@ def test_save_and_strict_load(tmp_path):
 
 def test_parse_actions():
     assert parse_actions("right*2, left,stay") == [2, 2, 1, 0]
-    for bad, msg in (("fly", "unknown action"), ("left*x", "bad repeat"), ("left*0", ">= 1"), (" , ", "no actions")):
+    for bad, msg in (("fly", "unknown action"), ("left*x", "bad repeat"), ("left*", "bad repeat"),
+                     ("left*0", r"in \[1, 100,000\]"), ("left*100001", r"in \[1, 100,000\]"), (" , ", "no actions")):
         with pytest.raises(WorldModelError, match=msg):
             parse_actions(bad)
 
@@ -309,6 +310,17 @@ def test_resuming_with_other_settings_says_so_and_records_them(tmp_path, capsys,
     with pytest.raises(SystemExit) as e:  # settings with --export would only rewrite the card's record
         wt.main(["--ckpt", ck, "--export", str(tmp_path / "model2"), "--lr", "0.1"])
     assert e.value.code == 2 and "drop --lr" in capsys.readouterr().err and not (tmp_path / "model2").exists()
+    with pytest.raises(SystemExit) as e:  # run flags with --export: nothing would run them, so refused too
+        wt.main(["--ckpt", ck, "--export", str(tmp_path / "model2"), "--max-steps", "5", "--device", "cpu",
+                 "--compile"])
+    assert e.value.code == 2 and "drop --device, --compile, --max-steps" in capsys.readouterr().err
+    for bad in ("missing", "garbage"):  # no state to export: one error line, nothing written
+        (tmp_path / "garbage").mkdir(exist_ok=True)
+        (tmp_path / "garbage" / "state.json").write_text("{not json")
+        with pytest.raises(SystemExit) as e:
+            wt.main(["--ckpt", str(tmp_path / bad), "--export", str(tmp_path / "model3")])
+        assert e.value.code == 2 and "holds no readable training state" in capsys.readouterr().err
+        assert not (tmp_path / "model3").exists()
     # a fine-tune resumed with its README command (the same --init again) continues
     tune = ["--ckpt", str(tmp_path / "tune"), "--device", "cpu", "--attention", "dense", "--max-steps", "1",
             "--chunks", "3", "--batch", "1", "--init", str(tmp_path / "model")]
