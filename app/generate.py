@@ -271,14 +271,17 @@ def _world_inputs(image: str, actions: str) -> dict:
     return {"image": img, "image_source": source, "actions": ids, "actions_text": actions}
 
 
-def start_frame(image: str, flag: str = "--image"):
+def start_frame(image: str, flag: str = "--image", size: int | None = None):
     """(the embedded model's start frame [3, size, size] in [-1, 1], where it came from) for --image: a bundled
     photo's name or an image file (the UI's preview and qvg-eval's embedded runs take the same frame); UsageError
-    naming what is wrong (and `flag`, the option that gave `image`)."""
+    naming what is wrong (and `flag`, the option that gave `image`). size: the frame's (default: the embedded
+    model's)."""
+    from qvg.pipelines.world_model import DEFAULT_CONFIG
+    size = size or DEFAULT_CONFIG["frame_size"]
     from qvg.pipelines.world_data import load_photo, photo_names
     if image in photo_names("all"):  # the view at the photo's centre at scale 1, as the model saw them in training
         from qvg.pipelines.world_data import centre_view
-        img = centre_view(load_photo(image))
+        img = centre_view(load_photo(image), size)
         source = f"bundled photo {image!r} (the {img.shape[-1]} x {img.shape[-1]} view at its centre)"
     else:
         path = Path(image)
@@ -296,7 +299,7 @@ def start_frame(image: str, flag: str = "--image"):
         import torch
 
         from qvg.pipelines.world_data import photo_view  # the scale the model was trained at
-        img = photo_view(torch.from_numpy(a.copy()).permute(2, 0, 1).float() / 127.5 - 1)
+        img = photo_view(torch.from_numpy(a.copy()).permute(2, 0, 1).float() / 127.5 - 1, size)
         source = str(path)
     return img, source
 
@@ -631,6 +634,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {s['out']} ({report['frames']} frames, {report['seconds']:.1f} s; KV cache "
           f"{report['kv_bytes']['total'] / 2**20:.2f} MiB, {ratio_words(report['compression_ratio'])}) "
           f"and {s['out'].with_suffix('.json')}")
+    if s["method"] != "bf16" and not report["kv_bytes"].get("codes"):  # (said: the line reads like a bug otherwise)
+        print(f"qvg-generate: note: {s['method']} compressed nothing: every frame stayed in the BF16 zones (the sink "
+              f"of --sink {s['sink']} frames, or chunks waiting for --commit-every {s['commit_every']}, covered the "
+              "whole video)", file=sys.stderr)
     return 0
 
 

@@ -15,13 +15,13 @@ def image_array(path: Path):
     import numpy as np
     try:
         from PIL import Image
-        with warnings.catch_warnings():
-            # a large photo is fine (it is scaled down); past twice PIL's pixel limit Image.open refuses it
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            with Image.open(path) as im:
-                if im.mode not in ("I", "I;16", "I;16B", "I;16L", "F"):
-                    return np.asarray(im.convert("RGB"))
-                a = np.asarray(im)
+        # a large photo is fine (it is scaled down); past twice PIL's pixel limit Image.open refuses it. A filter for
+        # the process: catch_warnings is not thread-safe, and the UI reads uploads on gradio's worker threads
+        warnings.filterwarnings("ignore", category=Image.DecompressionBombWarning)
+        with Image.open(path) as im:
+            if im.mode not in ("I", "I;16", "I;16B", "I;16L", "F"):
+                return np.asarray(im.convert("RGB"))
+            a = np.asarray(im)
     except (ImportError, OSError):  # (PIL.UnidentifiedImageError is an OSError)
         import imageio.v2 as imageio
         a = np.asarray(imageio.imread(path))

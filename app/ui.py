@@ -312,18 +312,25 @@ def _port(text: str) -> int:
 
 
 def _host_error(host: str) -> str | None:
-    """Why `host` cannot be served on (it does not resolve, or is no address of this machine), or None."""
+    """Why `host` cannot be served on (it does not resolve, or none of its addresses is one of this machine), or
+    None. As gradio takes it: "" is its default address, [::1] is ::1."""
     import socket
+    if not host:
+        return None
+    name = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+        found = socket.getaddrinfo(name, 0, type=socket.SOCK_STREAM)
     except (OSError, UnicodeError) as e:
         return f"--host: cannot resolve {host!r} ({getattr(e, 'strerror', None) or e})"
-    try:
-        with socket.socket(family, kind, proto) as probe:  # (any free port: the port is gradio's to check)
-            probe.bind(address)
-    except OSError as e:
-        return f"--host: cannot bind {host!r} ({e.strerror or e}): give an address of this machine"
-    return None
+    why = None
+    for family, kind, proto, _, address in found:  # (any free port: the port is gradio's to check)
+        try:
+            with socket.socket(family, kind, proto) as probe:
+                probe.bind(address)
+            return None
+        except OSError as e:
+            why = why or e.strerror or str(e)
+    return f"--host: cannot bind {host!r} ({why}): give an address of this machine"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -358,9 +365,12 @@ def main(argv: list[str] | None = None) -> int:
     app = build(Server(root, None, a.device))
     try:
         launch(app, a.host, a.port)
-    except OSError as e:  # the port taken, an address not of this machine: before anything was served
-        print(f"qvg-app: error: cannot serve on {a.host}:{a.port or 'the default port'} "
-              f"({str(e).splitlines()[0] if str(e) else type(e).__name__})", file=sys.stderr)
+    except OSError as e:  # the port taken (or not ours to bind): before anything was served
+        text = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if "Cannot find empty port" in text:  # (gradio's words, whose advice is for its Python API)
+            text = (f"port {a.port} is in use or cannot be bound here; give another --port" if a.port else
+                    "no free port from 7860 on; give --port")
+        print(f"qvg-app: error: cannot serve on {a.host or 'the default address'}: {text}", file=sys.stderr)
         return 2
     finally:
         app.qvg_workdirs.clear()

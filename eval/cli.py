@@ -12,7 +12,6 @@ there but not those weights is an error. Bad input: one `qvg-eval: error: ...` l
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import signal
 import sys
@@ -183,10 +182,12 @@ def _out_dir(path: str | Path, *files: str) -> Path:
             raise UsageError(f"cannot write {str(out / name)!r}: a folder is there")
     if out.exists() and not out.is_dir():
         raise UsageError(f"cannot write to {str(out)!r}: a file is there, not a folder")
+    missing = [f for f in (out, *out.parents) if not f.exists()]
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UsageError(f"cannot write to {str(out)!r} ({e.strerror or type(e).__name__})") from None
+    _MADE.extend(missing)
     err = writable_error(out)
     if err:
         raise UsageError(f"cannot write to {str(out)!r} ({err})")
@@ -196,6 +197,9 @@ def _out_dir(path: str | Path, *files: str) -> Path:
     return out
 
 
+_MADE: list[Path] = []  # the folders this command made (`_out_dir`): removed again if it fails and leaves them empty
+
+
 def _write(path: Path, text: str) -> str:
     write_text(path, text)
     return f"wrote {path}"
@@ -203,6 +207,7 @@ def _write(path: Path, text: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    _MADE.clear()
     from qvg.app.generate import UsageError as GenerateUsageError  # (a sweep through qvg-generate's own checks)
     try:
         with sigterm_raises():
@@ -224,9 +229,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _fail(line: str, code: int) -> int:
-    """`line` on stderr as the last line (the progress bars still open end theirs first); `code`."""
+    """`line` on stderr as the last line (the progress bars still open end theirs first); `code`. The folders the
+    command made and left empty are removed: a failed or stopped run leaves no empty output folder behind."""
     from .progress import end_all
     end_all()
+    for f in sorted(set(_MADE), key=lambda f: len(f.parts), reverse=True):  # (innermost first)
+        try:
+            f.rmdir()  # (only an empty folder)
+        except OSError:
+            pass
+    _MADE.clear()
     print(line, file=sys.stderr)
     return code
 
@@ -252,8 +264,9 @@ def _compare(a, argv) -> int:
     if ref.shape[1] != test.shape[1]:
         notes.append(f"REF has {ref.shape[1]} frames, TEST {test.shape[1]}: the first {n} were compared")
     side = sidecar(a.ref)
-    lay = dict(compare.LAYOUTS.get(side.get("pipeline"), {"lead": 0, "first": 3, "chunk": 3}))
-    if side.get("pipeline") not in compare.LAYOUTS and any(getattr(a, k) is None for k in ("lead", "first", "chunk")):
+    pipeline = side.get("pipeline") if isinstance(side.get("pipeline"), str) else None  # (a report's, or none)
+    lay = dict(compare.LAYOUTS.get(pipeline, {"lead": 0, "first": 3, "chunk": 3}))
+    if pipeline not in compare.LAYOUTS and any(getattr(a, k) is None for k in ("lead", "first", "chunk")):
         notes.append(f"no qvg-generate report beside {a.ref!r} names its pipeline: chunk layout lead {lay['lead']}, "
                      f"first {lay['first']}, chunk {lay['chunk']} where --lead / --first / --chunk did not say")
     for k in ("lead", "first", "chunk"):
@@ -304,8 +317,10 @@ def _report(a, argv) -> int:
         _out_dir(out, "report.md")
         try:
             lines = report.render(res, out)
-        except ValueError as e:  # (nothing written)
-            raise UsageError(f"--from-json: {out / 'results.json'} is {e}") from None
+        except (KeyError, IndexError, TypeError, AttributeError, ValueError, ArithmeticError) as e:  # (none written)
+            what = f"no {e}" if isinstance(e, KeyError) else str(e)
+            raise UsageError(f"--from-json: {out / 'results.json'} is not the results of a qvg-eval report "
+                             f"({type(e).__name__}: {what})") from None
         for n in lines:
             print(n)
         return 0
@@ -356,11 +371,12 @@ def _sweep(a, argv) -> int:
         runner = GenerateRunner(a.pipeline, a.checkpoint, str(dev), Path(a.outdir) / "videos",
                                 key_storage=a.key_storage)
         runner.check(spec)  # every run's qvg-generate arguments, by its own checks (one line, before any work)
-    with _emptied_on_failure(Path(a.outdir), Path(a.outdir) / "videos"):
-        out = _out_dir(a.outdir, "sweep.json", "sweep.md")
-        model, status = _lpips(a.lpips, a.weights, dev, notes)
-        vb = _vbench(names, a.weights, dev, notes)
-        res = sweep.run(runner, spec, lpips_model=model, vbench=vb, progress=not a.no_progress)
+    out = _out_dir(a.outdir, "sweep.json", "sweep.md")
+    if not (out / "videos").exists():  # (the qvg-generate runners' folder: made by the first run)
+        _MADE.append(out / "videos")
+    model, status = _lpips(a.lpips, a.weights, dev, notes)
+    vb = _vbench(names, a.weights, dev, notes)
+    res = sweep.run(runner, spec, lpips_model=model, vbench=vb, progress=not a.no_progress)
     res["meta"] = meta(command_line("qvg-eval", argv), dev, lpips=status, runner=runner.describe(),
                        weight_files=weight_files(model, *vb.values()))
     print(sweep.table_markdown(res))
@@ -371,22 +387,6 @@ def _sweep(a, argv) -> int:
 
 
 MAX_CHUNKS = 33_333  # a sweep video's chunks: qvg-generate's 100,000 frames at 3 frames per chunk (embedded)
-
-
-@contextlib.contextmanager
-def _emptied_on_failure(*folders: Path):
-    """Those of `folders` (innermost last) the block makes are removed again if it fails and leaves them empty: a
-    failed or stopped run leaves no empty output folder behind."""
-    new = [f for f in folders if not f.exists()]
-    try:
-        yield
-    except BaseException:
-        for f in reversed(new):
-            try:
-                f.rmdir()  # (only an empty folder)
-            except OSError:
-                pass
-        raise
 
 
 def _check_sweep(spec: dict, pipeline: str) -> list[str]:

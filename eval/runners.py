@@ -77,8 +77,7 @@ class EmbeddedRunner:
         """The start frame qvg-generate --image takes (a bundled photo's centre view, or an image file's view at
         the bundled photos' scale), at this model's frame size; UsageError (naming --inputs) where it can't."""
         from qvg.app.generate import start_frame
-        from qvg.pipelines.world_model import image_frame
-        return image_frame(start_frame(image, "--inputs")[0], self.config["frame_size"])
+        return start_frame(image, "--inputs", self.config["frame_size"])[0]
 
     def frames(self, chunks: int) -> int:
         return self.lead + chunks * self.chunk

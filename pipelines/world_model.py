@@ -178,7 +178,8 @@ def action_ids(names, config: dict | None = None) -> list[int]:
     return out
 
 
-MAX_REPEAT = 100_000  # NAME*N: at most this N (100,000 chunks of 3 frames is 10 hours at 8 fps; the list is built)
+MAX_REPEAT = 100_000  # chunks an action list may spell out, NAME*N included (100,000 chunks of 3 frames is 10 hours
+# at 8 fps; the list is built in memory, and the UI's text box reaches it too)
 
 
 def parse_actions(text: str, config: dict | None = None) -> list[int]:
@@ -195,6 +196,9 @@ def parse_actions(text: str, config: dict | None = None) -> list[int]:
             raise WorldModelError(f"bad repeat count in action {part!r} (use NAME or NAME*N)") from None
         if not 1 <= n <= MAX_REPEAT:
             raise WorldModelError(f"repeat count must be in [1, {MAX_REPEAT:,}] in action {part!r}")
+        if len(names) + n > MAX_REPEAT:
+            raise WorldModelError(f"the actions spell out more than {MAX_REPEAT:,} chunks (the list repeats to fill "
+                                  "the video: give one loop of it)")
         names += [name.strip()] * n
     if not names:
         raise WorldModelError("no actions given")

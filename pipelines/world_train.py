@@ -339,6 +339,18 @@ def _state_meta(ck: Path) -> dict | None:
     return meta if isinstance(meta, dict) and "args" in meta and "config" in meta else None
 
 
+def _loaded(p, make, ck) -> "Trainer":
+    """make()'s Trainer with the state in `ck` loaded; a state that does not load (a key or a shard file missing,
+    tensors of another model) is one error line (argparse's p.error), not a traceback."""
+    try:
+        tr = make()
+        tr.load(ck)
+    except (OSError, KeyError, TypeError, ValueError, RuntimeError) as e:
+        from .state_dicts import first_line
+        p.error(f"--ckpt: the training state in {ck} does not load ({first_line(e)})")
+    return tr
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m qvg.pipelines.world_train", description=__doc__.splitlines()[0])
     p.add_argument("--ckpt", required=True, help="state directory (created; resumed when it holds a state)")
@@ -357,15 +369,15 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     given = {k: getattr(a, k) for k in DEFAULTS if getattr(a, k) is not None}
     if a.export:
-        extra = list(given) + [k for k in ("init", "world_rope", *RUN_FLAGS) if getattr(a, k) not in (None, False)]
+        extra = list(given) + [k for k in ("init", "world_rope", *RUN_FLAGS)
+                               if getattr(a, k) is not None and getattr(a, k) is not False]  # (0 is given too)
         if extra:  # (training flags would change nothing but the card's record; run flags nothing at all)
             flags = ", ".join("--" + k.replace("_", "-") for k in extra)
             p.error(f"--export writes the state's model as trained; drop {flags}")
         meta = _state_meta(Path(a.ckpt))
         if meta is None:
             p.error(f"--export: {a.ckpt} holds no readable training state (state.json); give a --ckpt a run saved")
-        tr = Trainer(meta["args"], meta["config"], "cpu", attention="dense")
-        tr.load(a.ckpt)
+        tr = _loaded(p, lambda: Trainer(meta["args"], meta["config"], "cpu", attention="dense"), a.ckpt)
         card = {"steps": tr.step, "seconds": tr.elapsed, "args": tr.args, "final_log": tr.log[-3:]}
         for k in ("init", "setting_changes"):
             if k in meta:
@@ -379,7 +391,10 @@ def main(argv=None) -> int:
             setattr(a, k, v() if callable(v) else v)
     torch.backends.cuda.matmul.allow_tf32 = True
     ck = Path(a.ckpt)
-    meta = json.loads((ck / "state.json").read_text()) if (ck / "state.json").is_file() else {}
+    meta = _state_meta(ck) if (ck / "state.json").exists() else {}
+    if meta is None:
+        p.error(f"--ckpt: {ck}/state.json cannot be read as a training state; resume from a --ckpt a run saved, or "
+                "start a new run in another folder")
     world_rope = bool(meta["config"].get("world_rope", False)) if meta else a.world_rope  # a resumed run keeps it
     if a.world_rope and not world_rope:
         p.error(f"--world-rope: the state in {ck} was trained without world-coordinate RoPE")
@@ -388,7 +403,9 @@ def main(argv=None) -> int:
                 f"{a.init}; start a fine-tune in a new --ckpt directory")
     tr = Trainer(dict(meta.get("args", {}), **given), dict(DEFAULT_CONFIG, world_rope=world_rope), a.device,
                  attention=a.attention)
-    resumed = tr.load(ck)
+    resumed = bool(meta)
+    if resumed:
+        _loaded(p, lambda: tr, ck)
     if not resumed and a.init:
         tr.init_from(a.init)
     saved = dict(DEFAULTS, **meta.get("args", {}))

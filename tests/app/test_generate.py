@@ -545,3 +545,16 @@ def test_a_large_start_image_reads_without_a_warning_and_a_huge_one_is_one_error
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--image: cannot read" in err[0] and "exceeds limit" in err[0], err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big.png", "huge.png"]
+
+
+def test_a_cache_that_compressed_nothing_says_why(tmp_path, capsys):
+    """A sink that covers the whole video leaves nothing to compress: the summary's "the size of BF16" for a qvg
+    cache gets a note saying why (it reads like a bug otherwise); a cache that compressed says nothing more."""
+    assert main(["--frames", "4", "--sink", "6", "--out", str(tmp_path / "v.mp4"), "--quiet"]) == 0
+    cap = capsys.readouterr()
+    assert "the size of BF16" in cap.out
+    assert cap.err.strip() == ("qvg-generate: note: qvg compressed nothing: every frame stayed in the BF16 zones (the "
+                               "sink of --sink 6 frames, or chunks waiting for --commit-every 1, covered the whole "
+                               "video)")
+    assert main(["--frames", "7", "--out", str(tmp_path / "w.mp4"), "--quiet"]) == 0
+    assert capsys.readouterr().err == ""

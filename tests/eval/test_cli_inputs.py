@@ -47,9 +47,11 @@ SWEEP = ["--inputs", "coffee", "--seeds", "0", "--methods", "qvg", "--bits", "2"
     (["--inputs", "coffee,{notimage}"], "--inputs: cannot read '{notimage}' as an image"),
     (["--inputs", "{small}"], "--inputs: '{small}' is 10 x 10 pixels"),  # (qvg-generate's own rule)
 ])
-def test_sweep_bad_values_before_any_work(tmp_path, capsys, change, needle):
+def test_sweep_bad_values_before_any_work(tmp_path, capsys, monkeypatch, change, needle):
     import numpy as np
     from PIL import Image
+    from qvg.eval import cli
+    monkeypatch.setattr(cli, "_embedded", lambda *a, **k: pytest.fail("the model loaded before the check"))
     files = {"notimage": str(tmp_path / "notimage.png"), "small": str(tmp_path / "small.png")}
     (tmp_path / "notimage.png").write_text("not an image")
     Image.fromarray(np.zeros((10, 10, 3), np.uint8)).save(files["small"])
@@ -113,9 +115,10 @@ def test_compare_notes_come_after_the_result(tmp_path, capsys):
 def test_compare_reads_a_sidecar_that_is_no_report_as_none(tmp_path, capsys):
     """REF's .json beside it that is valid JSON but not an object (was an AttributeError traceback): no report."""
     ref, test = _video(tmp_path / "ref.npy"), _video(tmp_path / "t.npy", seed=1)
-    (tmp_path / "ref.json").write_text("[1]")
-    assert main(["compare", ref, test, "--lpips", "none"]) == 0
-    assert "no qvg-generate report beside" in capsys.readouterr().err
+    for side in ("[1]", '{"pipeline": ["tiny"]}'):  # (the second: an object whose pipeline is no name)
+        (tmp_path / "ref.json").write_text(side)
+        assert main(["compare", ref, test, "--lpips", "none"]) == 0
+        assert "no qvg-generate report beside" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf", "x"])
@@ -304,8 +307,27 @@ def test_an_error_mid_run_ends_the_open_progress_bars_first(tmp_path, capsys, mo
         b.update(1)
         raise OSError("[Errno 28] No space left on device")
     monkeypatch.setattr(sweep, "run", run)
-    assert main(["sweep", str(tmp_path / "sw")] + SWEEP) == 1
+    assert main(["sweep", str(tmp_path / "a" / "sw")] + SWEEP) == 1
     err = capsys.readouterr().err
     assert "sweep" in err and err.endswith("\n")
     assert err.rstrip("\n").split("\n")[-1] == "qvg-eval: error: [Errno 28] No space left on device", err
-    assert not (tmp_path / "sw").exists()  # the folder the failed run made is not left behind, empty
+    assert list(tmp_path.iterdir()) == []  # the folders the failed run made (a/ too) are not left behind, empty
+
+
+@pytest.mark.parametrize("cmd", ["report", "compare"])
+def test_a_failure_after_the_output_folder_is_made_removes_it(tmp_path, capsys, monkeypatch, cmd):
+    """The output folder is made (and checked) before the weights load: a failure there leaves no empty folder."""
+    from qvg.eval import cli
+
+    def bad_weights(*a, **k):
+        raise cli.UsageError("--weights: a broken LPIPS file")
+    monkeypatch.setattr(cli, "_lpips", bad_weights)
+    out = tmp_path / "new" / "out"
+    if cmd == "report":
+        args = ["report", str(out), "--skip", "sweep,long,block,kv,warm,rope", "--no-progress", "--vbench", "none"]
+    else:
+        ref = _video(tmp_path / "ref.npy")
+        args = ["compare", ref, ref, "--out", str(out / "c")]
+    assert main(args) == 2
+    _one_error(capsys, "a broken LPIPS file")
+    assert not (tmp_path / "new").exists()

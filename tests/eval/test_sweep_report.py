@@ -84,6 +84,13 @@ def test_report_and_rerender(tiny_runner, tiny_preset, tmp_path, capsys):
     assert len(err) == 1 and "is not the results of a qvg-eval report (KeyError: no 'stages')" in err[0], err
     after = {f.name: f.read_bytes() for f in out.iterdir()}
     assert after.pop("results.json") != before.pop("results.json") and after == before
+    zero = json.loads(json.dumps(res, default=str))  # a cache of 0 bytes: the ratio divides by it
+    for r in zero["sweep"]["runs"]:
+        r["memory"]["total"] = 0
+    (out / "results.json").write_text(json.dumps(zero))
+    assert main(["report", str(out), "--from-json"]) == 2
+    assert "(ZeroDivisionError: " in capsys.readouterr().err
+    assert {f.name: f.read_bytes() for f in out.iterdir() if f.name != "results.json"} == before
 
 
 def test_memory_breakdown_adds_up_to_the_total(tmp_path, monkeypatch):

@@ -3,6 +3,7 @@ loader, the teacher-forcing trainer (mask, resumable state) and the shipped weig
 import copy
 import json
 import random
+import shutil
 
 import pytest
 import torch
@@ -88,8 +89,10 @@ def test_save_and_strict_load(tmp_path):
 
 def test_parse_actions():
     assert parse_actions("right*2, left,stay") == [2, 2, 1, 0]
+    assert len(parse_actions("left*60000,right*40000")) == 100_000
     for bad, msg in (("fly", "unknown action"), ("left*x", "bad repeat"), ("left*", "bad repeat"),
-                     ("left*0", r"in \[1, 100,000\]"), ("left*100001", r"in \[1, 100,000\]"), (" , ", "no actions")):
+                     ("left*0", r"in \[1, 100,000\]"), ("left*100001", r"in \[1, 100,000\]"), (" , ", "no actions"),
+                     ("left*60000,right*40001", "more than 100,000 chunks"), ("left*100000," * 1000, "more than")):
         with pytest.raises(WorldModelError, match=msg):
             parse_actions(bad)
 
@@ -314,6 +317,9 @@ def test_resuming_with_other_settings_says_so_and_records_them(tmp_path, capsys,
         wt.main(["--ckpt", ck, "--export", str(tmp_path / "model2"), "--max-steps", "5", "--device", "cpu",
                  "--compile"])
     assert e.value.code == 2 and "drop --device, --compile, --max-steps" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # a run flag given as 0 is given too
+        wt.main(["--ckpt", ck, "--export", str(tmp_path / "model2"), "--minutes", "0"])
+    assert e.value.code == 2 and "drop --minutes" in capsys.readouterr().err
     for bad in ("missing", "garbage"):  # no state to export: one error line, nothing written
         (tmp_path / "garbage").mkdir(exist_ok=True)
         (tmp_path / "garbage" / "state.json").write_text("{not json")
@@ -321,6 +327,19 @@ def test_resuming_with_other_settings_says_so_and_records_them(tmp_path, capsys,
             wt.main(["--ckpt", str(tmp_path / bad), "--export", str(tmp_path / "model3")])
         assert e.value.code == 2 and "holds no readable training state" in capsys.readouterr().err
         assert not (tmp_path / "model3").exists()
+    with pytest.raises(SystemExit) as e:  # ... nor one to resume
+        wt.main(base[:1] + [str(tmp_path / "garbage")] + base[2:])
+    assert e.value.code == 2 and "state.json cannot be read as a training state" in capsys.readouterr().err
+    broken = tmp_path / "broken"  # a state whose shard file is gone: export and resume are one error line each
+    shutil.copytree(ck, broken)
+    for f in broken.glob("*.safetensors"):
+        f.unlink()
+    for args in (["--ckpt", str(broken), "--export", str(tmp_path / "model3")], base[:1] + [str(broken)] + base[2:]):
+        with pytest.raises(SystemExit) as e:
+            wt.main(args)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and "does not load (" in err[-1] and "Traceback" not in "".join(err), err
+    assert not (tmp_path / "model3").exists()
     # a fine-tune resumed with its README command (the same --init again) continues
     tune = ["--ckpt", str(tmp_path / "tune"), "--device", "cpu", "--attention", "dense", "--max-steps", "1",
             "--chunks", "3", "--batch", "1", "--init", str(tmp_path / "model")]
