@@ -310,6 +310,9 @@ def main(argv=None) -> int:
                    help="merge results JSONs of one set (same photos, trajectories, seeds, m; e.g. configurations "
                         "run in parallel processes) into --out (.json, .md, .png), differences recomputed")
     a = p.parse_args(argv)
+    for name in ("seeds", "trajectories", "chunks", "m", "first"):  # (counts: --seeds 3 = 3 sampling seeds)
+        if getattr(a, name) < 1:
+            p.error(f"--{name} is a count and must be >= 1, got {getattr(a, name)}")
     if a.report:
         report(json.loads(Path(a.report).read_text()), Path(a.report))
         return 0

@@ -178,8 +178,9 @@ def centre_view(canvas: torch.Tensor, size: int = DEFAULT_CONFIG["frame_size"], 
 
 def photo_view(image: torch.Tensor, size: int = DEFAULT_CONFIG["frame_size"]) -> torch.Tensor:
     """A user's photo [3, H, W] in [-1, 1] -> its start frame [3, size, size] at the scale the model was trained
-    at: the photo is scaled so its short side is PHOTO_SHORT_SIDE pixels, like the bundled photos, and the view at
-    its centre at scale 1 is cut (squeezing a whole photo into 64 px gives a far wider view than any in training)."""
+    at: the photo is scaled so its short side is PHOTO_SHORT_SIDE pixels (the bundled photos' most common), and the
+    view at its centre at scale 1 is cut (squeezing a whole photo into 64 px gives a far wider view than any in
+    training)."""
     h, w = image.shape[-2:]
     f = PHOTO_SHORT_SIDE / min(h, w)
     hw = (max(size, round(h * f)), max(size, round(w * f)))

@@ -25,3 +25,12 @@ def test_parallel_runs_merge_into_one_result(tmp_path):
     other = dict(ra, settings=dict(ra["settings"], seed_offset=5))
     with pytest.raises(ValueError, match="setting seed_offset differs"):
         world_eval.merge([ra, other])
+
+
+@pytest.mark.parametrize("flag", ["--seeds", "--trajectories", "--chunks", "--m", "--first"])
+def test_counts_below_one_are_one_error_line(flag, capsys):
+    """--seeds 0 was a StatisticsError traceback after the model loaded (--seeds is a count here)."""
+    with pytest.raises(SystemExit) as e:
+        world_eval.main([flag, "0"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err[-1].endswith(f"error: {flag} is a count and must be >= 1, got 0"), err
