@@ -361,7 +361,8 @@ def main(argv=None) -> int:
     p.add_argument("--attention", default=None, choices=("auto", "flex", "dense"), help="default auto")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (CUDA)")
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps in this run")
-    p.add_argument("--save-every", type=int, default=None, help="also save the state every this many steps (default 200)")
+    p.add_argument("--save-every", type=int, default=None,
+                   help="also save the state every this many steps (default 200)")
     p.add_argument("--init", default=None, help="a new run starts from this exported model's weights (fine-tune)")
     p.add_argument("--world-rope", action="store_true", help="a new run: world-coordinate spatial RoPE")
     for k, v in DEFAULTS.items():
