@@ -635,9 +635,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{report['kv_bytes']['total'] / 2**20:.2f} MiB, {ratio_words(report['compression_ratio'])}) "
           f"and {s['out'].with_suffix('.json')}")
     if s["method"] != "bf16" and not report["kv_bytes"].get("codes"):  # (said: the line reads like a bug otherwise)
-        print(f"qvg-generate: note: {s['method']} compressed nothing: every frame stayed in the BF16 zones (the sink "
-              f"of --sink {s['sink']} frames, or chunks waiting for --commit-every {s['commit_every']}, covered the "
-              "whole video)", file=sys.stderr)
+        print(f"qvg-generate: note: {s['method']} compressed nothing: every frame stayed in the BF16 zones (a sink "
+              f"of --sink {s['sink']} frames covering the video, or chunks waiting for --commit-every "
+              f"{s['commit_every']} that the video or its --history window never filled)", file=sys.stderr)
     return 0
 
 

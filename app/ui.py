@@ -312,25 +312,28 @@ def _port(text: str) -> int:
 
 
 def _host_error(host: str) -> str | None:
-    """Why `host` cannot be served on (it does not resolve, or none of its addresses is one of this machine), or
-    None. As gradio takes it: "" is its default address, [::1] is ::1."""
+    """Why `host` cannot be served on, or None: it does not resolve, or one of its addresses is no address of this
+    machine (the server binds every address a name resolves to, as asyncio's create_server does, and fails if one
+    fails). As gradio takes it: "" is its default address, [::1] is ::1."""
     import socket
     if not host:
         return None
     name = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     try:
-        found = socket.getaddrinfo(name, 0, type=socket.SOCK_STREAM)
+        found = socket.getaddrinfo(name, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except (OSError, UnicodeError) as e:
         return f"--host: cannot resolve {host!r} ({getattr(e, 'strerror', None) or e})"
-    why = None
-    for family, kind, proto, _, address in found:  # (any free port: the port is gradio's to check)
+    for family, kind, proto, _, address in dict.fromkeys(found):  # (any free port: the port is gradio's to check)
         try:
-            with socket.socket(family, kind, proto) as probe:
+            probe = socket.socket(family, kind, proto)
+        except OSError:  # (a family this machine has no sockets for: create_server skips it too)
+            continue
+        try:
+            with probe:
                 probe.bind(address)
-            return None
         except OSError as e:
-            why = why or e.strerror or str(e)
-    return f"--host: cannot bind {host!r} ({why}): give an address of this machine"
+            return f"--host: cannot bind {host!r} at {address[0]} ({e.strerror or e}): give an address of this machine"
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:

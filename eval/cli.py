@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 from pathlib import Path
@@ -182,12 +183,13 @@ def _out_dir(path: str | Path, *files: str) -> Path:
             raise UsageError(f"cannot write {str(out / name)!r}: a folder is there")
     if out.exists() and not out.is_dir():
         raise UsageError(f"cannot write to {str(out)!r}: a file is there, not a folder")
-    missing = [f for f in (out, *out.parents) if not f.exists()]
+    # the folders mkdir will make, each where it really is (through "..", a/../b makes a/ and b/, not a/..) and
+    # recorded before it runs (it may make only some)
+    _MADE.extend(f for f in (Path(os.path.abspath(g)) for g in (out, *out.parents)) if not f.exists())
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise UsageError(f"cannot write to {str(out)!r} ({e.strerror or type(e).__name__})") from None
-    _MADE.extend(missing)
     err = writable_error(out)
     if err:
         raise UsageError(f"cannot write to {str(out)!r} ({err})")
@@ -226,11 +228,21 @@ def main(argv: list[str] | None = None) -> int:
         return _fail("qvg-eval: terminated", 128 + signal.SIGTERM)
     except OSError as e:  # a write that failed after the checks (disk full, a folder removed meanwhile): one line
         return _fail(f"qvg-eval: error: {e}", 1)
+    except BaseException:  # anything else (a bug, out of memory) as it is, after the same clean-up
+        _clean_up()
+        raise
 
 
 def _fail(line: str, code: int) -> int:
-    """`line` on stderr as the last line (the progress bars still open end theirs first); `code`. The folders the
-    command made and left empty are removed: a failed or stopped run leaves no empty output folder behind."""
+    """`line` on stderr as the last line (after `_clean_up`); `code`."""
+    _clean_up()
+    print(line, file=sys.stderr)
+    return code
+
+
+def _clean_up() -> None:
+    """After a failed or stopped command: the progress bars still open end their line (what is printed next is a
+    line of its own), and the folders the command made and left empty are removed (no empty output folder stays)."""
     from .progress import end_all
     end_all()
     for f in sorted(set(_MADE), key=lambda f: len(f.parts), reverse=True):  # (innermost first)
@@ -239,8 +251,6 @@ def _fail(line: str, code: int) -> int:
         except OSError:
             pass
     _MADE.clear()
-    print(line, file=sys.stderr)
-    return code
 
 
 def _compare(a, argv) -> int:

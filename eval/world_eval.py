@@ -314,7 +314,11 @@ def main(argv=None) -> int:
         if getattr(a, name) < 1:
             p.error(f"--{name} is a count and must be >= 1, got {getattr(a, name)}")
     if a.report:
-        report(json.loads(Path(a.report).read_text()), Path(a.report))
+        try:
+            res = json.loads(Path(a.report).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            p.error(f"--report: cannot read {a.report} ({e})")
+        report(res, Path(a.report))
         return 0
     if a.merge:
         try:
@@ -335,7 +339,10 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"unknown --configs {unknown}; choose from: {'; '.join(table)}")
     t0 = time.time()
-    model, cfg = load_world(a.model, device=a.device)
+    try:
+        model, cfg = load_world(a.model, device=a.device)
+    except (OSError, ValueError) as e:  # (WorldModelError is a ValueError)
+        p.error(f"--model: {e}")
     cf = cfg["chunk_frames"]
     import sys
     res = {"settings": vars(a), "argv": sys.argv[1:] if argv is None else argv, "device": torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu",

@@ -336,16 +336,18 @@ def _state_meta(ck: Path) -> dict | None:
         meta = json.loads((ck / "state.json").read_text())
     except (OSError, ValueError):
         return None
-    return meta if isinstance(meta, dict) and "args" in meta and "config" in meta else None
+    ok = isinstance(meta, dict) and isinstance(meta.get("args"), dict) and isinstance(meta.get("config"), dict)
+    return meta if ok else None
 
 
 def _loaded(p, make, ck) -> "Trainer":
     """make()'s Trainer with the state in `ck` loaded; a state that does not load (a key or a shard file missing,
     tensors of another model) is one error line (argparse's p.error), not a traceback."""
+    from safetensors import SafetensorError
     try:
         tr = make()
         tr.load(ck)
-    except (OSError, KeyError, TypeError, ValueError, RuntimeError) as e:
+    except (OSError, KeyError, TypeError, ValueError, RuntimeError, SafetensorError) as e:  # (a damaged shard)
         from .state_dicts import first_line
         p.error(f"--ckpt: the training state in {ck} does not load ({first_line(e)})")
     return tr
@@ -392,6 +394,8 @@ def main(argv=None) -> int:
             setattr(a, k, v() if callable(v) else v)
     torch.backends.cuda.matmul.allow_tf32 = True
     ck = Path(a.ckpt)
+    if ck.exists() and not ck.is_dir():
+        p.error(f"--ckpt: {ck} is a file; give the folder a run saves its state in")
     meta = _state_meta(ck) if (ck / "state.json").exists() else {}
     if meta is None:
         p.error(f"--ckpt: {ck}/state.json cannot be read as a training state; resume from a --ckpt a run saved, or "
@@ -400,7 +404,7 @@ def main(argv=None) -> int:
     if a.world_rope and not world_rope:
         p.error(f"--world-rope: the state in {ck} was trained without world-coordinate RoPE")
     if meta and a.init and not _same_init(a.init, meta.get("init")):
-        p.error(f"--init: {ck} already holds a training state (step {meta['step']}) that did not start from "
+        p.error(f"--init: {ck} already holds a training state (step {meta.get('step', '?')}) that did not start from "
                 f"{a.init}; start a fine-tune in a new --ckpt directory")
     tr = Trainer(dict(meta.get("args", {}), **given), dict(DEFAULT_CONFIG, world_rope=world_rope), a.device,
                  attention=a.attention)
@@ -408,7 +412,11 @@ def main(argv=None) -> int:
     if resumed:
         _loaded(p, lambda: tr, ck)
     if not resumed and a.init:
-        tr.init_from(a.init)
+        try:
+            tr.init_from(a.init)
+        except (OSError, KeyError, ValueError, RuntimeError) as e:  # (WorldModelError is a ValueError)
+            from .state_dicts import first_line
+            p.error(f"--init: {a.init} is no model this run can start from ({first_line(e)})")
     saved = dict(DEFAULTS, **meta.get("args", {}))
     changed = {k: [saved[k], v] for k, v in given.items() if saved[k] != v} if resumed else {}
     if changed:  # applied, said, and kept with the state (and the exported model's card)

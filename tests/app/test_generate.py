@@ -553,8 +553,8 @@ def test_a_cache_that_compressed_nothing_says_why(tmp_path, capsys):
     assert main(["--frames", "4", "--sink", "6", "--out", str(tmp_path / "v.mp4"), "--quiet"]) == 0
     cap = capsys.readouterr()
     assert "the size of BF16" in cap.out
-    assert cap.err.strip() == ("qvg-generate: note: qvg compressed nothing: every frame stayed in the BF16 zones (the "
-                               "sink of --sink 6 frames, or chunks waiting for --commit-every 1, covered the whole "
-                               "video)")
+    assert cap.err.strip() == ("qvg-generate: note: qvg compressed nothing: every frame stayed in the BF16 zones (a "
+                               "sink of --sink 6 frames covering the video, or chunks waiting for --commit-every 1 "
+                               "that the video or its --history window never filled)")
     assert main(["--frames", "7", "--out", str(tmp_path / "w.mp4"), "--quiet"]) == 0
     assert capsys.readouterr().err == ""

@@ -314,6 +314,22 @@ def test_an_error_mid_run_ends_the_open_progress_bars_first(tmp_path, capsys, mo
     assert list(tmp_path.iterdir()) == []  # the folders the failed run made (a/ too) are not left behind, empty
 
 
+def test_the_folder_clean_up_keeps_the_users_folders_and_runs_for_any_failure(tmp_path, monkeypatch):
+    """Through "..": new/../mine/out names mine/out, so of the folders named only new/ (made by mkdir) and out/ may
+    go, never the user's (empty) mine/; and a failure that is not a usage error (a bug, out of memory) propagates
+    as it is, after the same clean-up."""
+    from qvg.eval import sweep
+    (tmp_path / "mine").mkdir()
+
+    def boom(*a, **k):
+        raise RuntimeError("CUDA out of memory")
+    monkeypatch.setattr(sweep, "run", boom)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(RuntimeError, match="CUDA out of memory"):
+        main(["sweep", "new/../mine/out"] + SWEEP)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"] and list((tmp_path / "mine").iterdir()) == []
+
+
 @pytest.mark.parametrize("cmd", ["report", "compare"])
 def test_a_failure_after_the_output_folder_is_made_removes_it(tmp_path, capsys, monkeypatch, cmd):
     """The output folder is made (and checked) before the weights load: a failure there leaves no empty folder."""

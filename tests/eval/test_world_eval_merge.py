@@ -34,3 +34,12 @@ def test_counts_below_one_are_one_error_line(flag, capsys):
         world_eval.main([flag, "0"])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and err[-1].endswith(f"error: {flag} is a count and must be >= 1, got 0"), err
+
+
+def test_a_missing_report_or_model_is_one_error_line(tmp_path, capsys):
+    for args, msg in ((["--report", str(tmp_path / "none.json")], "--report: cannot read"),
+                      (["--model", str(tmp_path), "--skip-quality"], "--model: no world model in")):
+        with pytest.raises(SystemExit) as e:
+            world_eval.main(args + ["--out", str(tmp_path / "out")])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and msg in err[-1] and "Traceback" not in "".join(err), err

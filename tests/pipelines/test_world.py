@@ -340,6 +340,25 @@ def test_resuming_with_other_settings_says_so_and_records_them(tmp_path, capsys,
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 2 and "does not load (" in err[-1] and "Traceback" not in "".join(err), err
     assert not (tmp_path / "model3").exists()
+    damaged = tmp_path / "damaged"  # a shard cut short (a SafetensorError, not an OSError): one line too
+    shutil.copytree(ck, damaged)
+    for f in damaged.glob("*.safetensors"):
+        f.write_bytes(f.read_bytes()[:100])
+    shaped = tmp_path / "shaped"  # a state.json that parses but whose args is no object
+    shaped.mkdir()
+    (shaped / "state.json").write_text(json.dumps({"args": [], "config": {}, "step": 1}))
+    (tmp_path / "afile").write_text("x")
+    for args, msg in ((["--ckpt", str(damaged), "--export", str(tmp_path / "model3")], "does not load ("),
+                      (base[:1] + [str(damaged)] + base[2:], "does not load ("),
+                      (base[:1] + [str(shaped)] + base[2:], "cannot be read as a training state"),
+                      (base[:1] + [str(tmp_path / "afile")] + base[2:], "is a file; give the folder"),
+                      (base[:1] + [str(tmp_path / "fresh")] + base[2:] + ["--init", str(tmp_path / "nomodel")],
+                       "--init: " + str(tmp_path / "nomodel") + " is no model this run can start from")):
+        with pytest.raises(SystemExit) as e:
+            wt.main(args)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and msg in err[-1] and "Traceback" not in "".join(err), (args, err)
+    assert not (tmp_path / "model3").exists()
     # a fine-tune resumed with its README command (the same --init again) continues
     tune = ["--ckpt", str(tmp_path / "tune"), "--device", "cpu", "--attention", "dense", "--max-steps", "1",
             "--chunks", "3", "--batch", "1", "--init", str(tmp_path / "model")]
