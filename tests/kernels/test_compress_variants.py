@@ -128,8 +128,9 @@ def test_compress_tscale_is_the_references_bound(variant, method, opts, device):
 
 
 def test_cache_compresses_with_its_preset(monkeypatch):
-    """KVCache(compress_preset=...) runs its commits' compressions under that preset (and restores the default);
-    bad values are refused."""
+    """KVCache(compress_preset=...) runs its commits' compressions under that preset where the kernels run (and
+    restores the default); where the torch reference runs (CPU tensors here) no preset is entered, since that would
+    import the kernels, so triton, which a CPU install does not have; bad values are refused."""
     from qvg.cache import KVCache
     seen = []
     real = qvg.cache.compression.compress
@@ -138,14 +139,18 @@ def test_cache_compresses_with_its_preset(monkeypatch):
         seen.append(kc.COMPRESS_VARIANT)
         return real(*a, **kw)
     monkeypatch.setattr(qvg.cache.compression, "compress", spy)
-    for method, preset, want in (("qvg", "fast-sort", "fast-sort"), ("qvg", None, "fast"), ("qvg-pro", None, "auto"),
-                                 ("qvg-pro", "fast", "fast")):  # (None: the method's COMMIT_PRESETS entry, else auto)
-        cache = KVCache(1, method, chunk_frames=1, tokens_per_frame=32, centroids=4, compress_preset=preset)
-        for _ in range(2):
-            cache.write(0, torch.randn(1, 2, 32, 64), torch.randn(1, 2, 32, 64))
-            cache.commit()
-        assert seen and set(seen) == {want}, (method, preset, seen)
-        seen.clear()
+    cases = (("qvg", "fast-sort", "fast-sort"), ("qvg", None, "fast"), ("qvg-pro", None, "auto"),
+             ("qvg-pro", "fast", "fast"))  # (None: the method's COMMIT_PRESETS entry, else auto)
+    for kernels in (False, True):
+        # (the cache's own decision; the compression itself still runs the reference on these CPU tensors)
+        monkeypatch.setattr(qvg.cache, "use_kernels", lambda x, k=kernels: k)
+        for method, preset, want in cases:
+            cache = KVCache(1, method, chunk_frames=1, tokens_per_frame=32, centroids=4, compress_preset=preset)
+            for _ in range(2):
+                cache.write(0, torch.randn(1, 2, 32, 64), torch.randn(1, 2, 32, 64))
+                cache.commit()
+            assert seen and set(seen) == {want if kernels else "auto"}, (kernels, method, preset, seen)
+            seen.clear()
     assert kc.COMPRESS_VARIANT == "auto"
     with pytest.raises(ValueError, match="unknown compress variant 'nope'"):
         KVCache(1, "qvg", chunk_frames=1, tokens_per_frame=32, compress_preset="nope")
