@@ -30,6 +30,9 @@ DEFAULT_IMAGE = "astronaut"
 DEFAULT_ACTIONS = "right*3,down*2,left*3,up*2"  # a loop: the camera comes back to where it started
 
 
+MAX_FRAMES = 100_000  # --frames at most (a sweep's videos are held to it too: qvg.eval.cli.MAX_CHUNKS)
+
+
 class UsageError(Exception):
     pass
 
@@ -181,7 +184,7 @@ def parse(argv) -> dict:
     tiny = a.pipeline == "tiny"
     frames = a.frames if a.frames is not None else ("31" if tiny else "49")
     s = {"pipeline": a.pipeline, "method": a.method, "quiet": a.quiet,
-         "frames": _int("frames", frames, 1, 100000), "seed": _int("seed", a.seed, 0, 2**63 - 1),
+         "frames": _int("frames", frames, 1, MAX_FRAMES), "seed": _int("seed", a.seed, 0, 2**63 - 1),
          "commit_every": _int("commit-every", a.commit_every, 1, 1000), "sink": _int("sink", a.sink, 0)}
     opts = {"bits": _int("bits", a.bits, allow_none=True), "stages": _int("stages", a.stages, 0, 16, True),
             "block_size": _int("block-size", a.block_size, 1, allow_none=True),

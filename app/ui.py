@@ -11,7 +11,6 @@ browser draws them, so nothing is rendered on the generation's thread between ch
 the status line, which stays (the form is checked before anything loads or the page is cleared).
 """
 
-import argparse
 import logging
 import os
 import re
@@ -301,16 +300,6 @@ def launch(app, host: str = "127.0.0.1", port: int | None = None, **kw):
                       footer_links=["api"], **kw)
 
 
-def _port(text: str) -> int:
-    try:
-        port = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-    if not 1 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"must be in [1, 65535], got {port}")
-    return port
-
-
 def _host_error(host: str) -> str | None:
     """Why `host` cannot be served on, or None: it does not resolve, or one of its addresses is no address of this
     machine (the server binds every address a name resolves to, as asyncio's create_server does, and fails if one
@@ -337,15 +326,16 @@ def _host_error(host: str) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .generate import _Parser
+    from .generate import _int, _Parser
     p = _Parser(prog="qvg-app", description=__doc__.split("\n\n")[0].replace("\n", " "))
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=_port, default=None, help="port (default: gradio's, 7860, or the next free one)")
+    p.add_argument("--port", default=None, help="port (default: gradio's, 7860, or the next free one)")
     p.add_argument("--checkpoint-root", default=None, help="the folder checkpoint directories must be inside "
                    "(default: none, only the embedded model)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
     try:
         a = p.parse_args(sys.argv[1:] if argv is None else argv)
+        a.port = _int("port", a.port, 1, 65535, allow_none=True)
         root = None
         if a.checkpoint_root is not None:
             root = Path(a.checkpoint_root).resolve()

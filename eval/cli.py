@@ -18,6 +18,7 @@ import signal
 import sys
 from pathlib import Path
 
+from qvg.app.generate import MAX_FRAMES
 from qvg.outputs import Terminated, sigterm_raises, targets_error, writable_error, write_text
 
 from .weights import BadWeights
@@ -396,7 +397,7 @@ def _sweep(a, argv) -> int:
     return 0
 
 
-MAX_CHUNKS = 33_333  # a sweep video's chunks: qvg-generate's 100,000 frames at 3 frames per chunk (embedded)
+MAX_CHUNKS = MAX_FRAMES // 3  # a sweep video's chunks: qvg-generate's --frames limit at 3 frames per chunk (embedded)
 
 
 def _check_sweep(spec: dict, pipeline: str) -> list[str]:
@@ -424,7 +425,7 @@ def _check_sweep(spec: dict, pipeline: str) -> list[str]:
         raise UsageError(f"--chunks must be in [1, {MAX_CHUNKS}] and --onset-chunks in [1, chunks], got "
                          f"{spec['chunks']} and {spec['onset_chunks']}")
     if pipeline in ("embedded", "tiny"):
-        from qvg.app.generate import UsageError as GenerateError, start_frame
+        from qvg.app.generate import start_frame
         from qvg.pipelines.world_data import photo_names
         names = photo_names("all")
         missing = [x for x in spec["inputs"] if x not in names and not Path(x).is_file()]
@@ -433,10 +434,7 @@ def _check_sweep(spec: dict, pipeline: str) -> list[str]:
                              f"({', '.join(names)}) nor a file")
         for x in spec["inputs"]:  # each file read as qvg-generate reads it (an image, large enough), before any run
             if x not in names:
-                try:
-                    start_frame(x, "--inputs")
-                except GenerateError as e:
-                    raise UsageError(str(e)) from None
+                start_frame(x, "--inputs")  # (its UsageError is one line, as main() says qvg-generate's)
     notes = ["one sampling seed: no sampling floor (give --seeds 0,1)"] if len(spec["seeds"]) == 1 else []
     if len(spec["kmeans_seeds"]) == 1 and {"qvg", "qvg-pro"} & set(spec["methods"]):
         notes.append("one k-means seed: no k-means floor (give --kmeans-seeds 0,1)")

@@ -555,7 +555,7 @@ class KVCache:
                 # one graph replay (copied into the history below)
                 p = self._graphed(x, self.method, warm, preset=self.compress_preset, **opts)
             else:
-                with _preset(self.compress_preset if use_kernels(x) else None):  # (kernels' preset: triton)
+                with _preset(self.compress_preset, x):
                     p = compression.compress(x, self.method, check_finite=False, init=warm, **opts)  # no host sync
             if self.method in PER_TOKEN_METHODS:
                 if ring:
@@ -871,9 +871,10 @@ class KVCache:
             self._graphed.clear()
 
 
-def _preset(name: str | None):
-    """The GPU compress kernels' preset `name` inside the block (None: their default)."""
-    if name is None:
+def _preset(name: str | None, x: torch.Tensor):
+    """The GPU compress kernels' preset `name` inside the block (None: their default), where they run on x: the
+    torch reference has none to set (and entering it would import the kernels, so triton, which a CPU install lacks)."""
+    if name is None or not use_kernels(x):
         return contextlib.nullcontext()
     from .kernels.compress import use_variant
     return use_variant(name)
