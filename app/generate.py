@@ -114,8 +114,8 @@ def device_arg(text: str | None):
         raise UsageError(f"--device: not a device: {text!r}") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA GPU is available")
-    if dev.type not in ("cpu", "cuda"):
-        raise UsageError(f"--device must be cpu or cuda[:N], got {text!r}")
+    if dev.type not in ("cpu", "cuda") or (dev.type == "cpu" and dev.index not in (None, 0)):
+        raise UsageError(f"--device must be cpu or cuda[:N], got {text!r}")  # (torch takes cpu:5 as cpu)
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
         raise UsageError(f"--device {text}: there are {torch.cuda.device_count()} CUDA devices")
     return dev

@@ -121,6 +121,7 @@ BAD = [
     (["--pipeline", "self-forcing", "--checkpoint", "/no/such/dir"], "no such directory"),
     (["--method", "bf16", "--bits", "2"], "do not apply"),
     (["--device", "tpu"], "--device"),
+    (["--device", "cpu:5"], "--device must be cpu or cuda[:N], got 'cpu:5'"),
     (["--unknown-flag"], "unrecognized arguments"),
     (["--method", "kivi", "--block-size", "128"], "not divisible by block_size"),
     (["--seed", "99999999999999999999999"], "--seed must be in"),
