@@ -131,12 +131,14 @@ def _commit() -> str:
 
 
 def read_ran(read: str, method: str, key_storage: str, dev) -> str:
-    """The packed read that ran: on CPU, and for methods without a packed read (bf16, kivi, quarot) on any device,
-    the torch path ("reference": decode, if any, then SDPA); "fused" with pre-RoPE keys on a GPU reads the history
-    staged (qvg.kernels.attention.rope_on_chip: the on-chip rotation is 7-10x slower there)."""
+    """The packed read that ran: where the kernels do not run (CPU, no triton, QVG_BACKEND=torch), and for methods
+    without a packed read (bf16, kivi, quarot) on any device, the torch path ("reference": decode, if any, then
+    SDPA); "fused" with pre-RoPE keys on a GPU reads the history staged (qvg.kernels.attention.rope_on_chip: the
+    on-chip rotation is 7-10x slower there)."""
+    from qvg.backend import kernels_on
     from qvg.cache import gpu_read
     from qvg.sequence import PER_TOKEN_METHODS
-    if dev.type != "cuda" or method not in PER_TOKEN_METHODS:
+    if not kernels_on(dev) or method not in PER_TOKEN_METHODS:
         return "reference"
     return gpu_read(read, key_storage == "pre-rope", dev)
 

@@ -17,5 +17,11 @@ def _triton_available() -> bool:
     return True
 
 
+def kernels_on(device) -> bool:
+    """Whether tensors on `device` run the Triton kernels: a CUDA device, triton importable, no QVG_BACKEND=torch."""
+    return torch.device(device).type == "cuda" and os.environ.get("QVG_BACKEND", "auto") != "torch" \
+        and _triton_available()
+
+
 def use_kernels(t: torch.Tensor) -> bool:
-    return t.is_cuda and os.environ.get("QVG_BACKEND", "auto") != "torch" and _triton_available()
+    return kernels_on(t.device)

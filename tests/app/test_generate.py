@@ -481,7 +481,7 @@ def test_reads_label_names_the_paths_by_use():
     assert _reads_label({"staged": 2, "fused": 2}) == "fused + staged"  # (ties by name: a stable label)
 
 
-def test_report_names_the_read_that_ran():
+def test_report_names_the_read_that_ran(monkeypatch):
     """The report's `read` when no compressed history was read (`read_ran`, what would run): the torch reference on
     CPU and for methods without a packed read; on a GPU the read asked for, except fused with pre-RoPE keys, which the
     cache reads staged there (`rope_on_chip`). Otherwise the report names the paths the cache counted."""
@@ -494,6 +494,8 @@ def test_report_names_the_read_that_ran():
     assert read_ran("fused", "qvg", "post-rope", cuda) == "fused"
     assert read_ran("staged", "rtn", "pre-rope", cuda) == "staged"
     assert read_ran("window", "qvg", "pre-rope", cuda) == "window"
+    monkeypatch.setenv("QVG_BACKEND", "torch")  # the kernels do not run: the reference reads (nothing imports triton)
+    assert read_ran("window", "qvg", "post-rope", cuda) == "reference"
 
 
 def test_kmeans_seed_is_the_compressions(tmp_path):

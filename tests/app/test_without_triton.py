@@ -1,5 +1,7 @@
 """The README's main command on a CPU machine: the CPU torch wheel brings no triton (only the test extra installs
-it), so qvg-generate must run every method on the torch reference without importing triton."""
+it), so qvg-generate must run every method on the torch reference without importing triton. On a GPU machine the
+same test runs on CUDA without triton (as a CUDA torch where triton is not installed, e.g. on Windows): the cache,
+its graphed compress and the report take the reference there too (qvg.backend.kernels_on)."""
 import subprocess
 import sys
 

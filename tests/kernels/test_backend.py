@@ -55,7 +55,7 @@ def test_cpu_tensors_use_torch():
 
 
 def test_backend_env_forces_torch(monkeypatch):
-    fake_cuda = types.SimpleNamespace(is_cuda=True)  # stands in for a CUDA tensor
+    fake_cuda = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda"))  # stands in for a CUDA tensor
     monkeypatch.delenv("QVG_BACKEND", raising=False)
     assert qvg.backend.use_kernels(fake_cuda) is True  # triton imports here
     monkeypatch.setenv("QVG_BACKEND", "torch")
@@ -63,6 +63,22 @@ def test_backend_env_forces_torch(monkeypatch):
     assert qvg.backend.use_kernels(torch.zeros(2)) is False
     monkeypatch.setenv("QVG_BACKEND", "auto")
     assert qvg.backend.use_kernels(fake_cuda) is True
+
+
+def test_kernels_on_a_device(monkeypatch):
+    """kernels_on(device): a CUDA device where triton imports and QVG_BACKEND is not torch (a CUDA torch without
+    triton, as on Windows, runs the reference: the graphed compress and qvg-generate's report follow it too)."""
+    from qvg.compression.graphed import GraphedCompress
+    monkeypatch.delenv("QVG_BACKEND", raising=False)
+    assert qvg.backend.kernels_on("cuda") is True and qvg.backend.kernels_on(torch.device("cuda", 1)) is True
+    assert qvg.backend.kernels_on("cpu") is False
+    monkeypatch.setenv("QVG_BACKEND", "torch")
+    assert qvg.backend.kernels_on("cuda") is False
+    monkeypatch.delenv("QVG_BACKEND")
+    monkeypatch.setattr(qvg.backend, "_triton_available", lambda: False)
+    assert qvg.backend.kernels_on("cuda") is False
+    fake_cuda = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda"))
+    assert not GraphedCompress.supports(fake_cuda, "rtn", None, {})
 
 
 def _compare_paths(x, method, kernel_packed, torch_packed):
