@@ -17,11 +17,14 @@ def _triton_available() -> bool:
     return True
 
 
+def _enabled() -> bool:
+    return os.environ.get("QVG_BACKEND", "auto") != "torch" and _triton_available()
+
+
 def kernels_on(device) -> bool:
     """Whether tensors on `device` run the Triton kernels: a CUDA device, triton importable, no QVG_BACKEND=torch."""
-    return torch.device(device).type == "cuda" and os.environ.get("QVG_BACKEND", "auto") != "torch" \
-        and _triton_available()
+    return torch.device(device).type == "cuda" and _enabled()
 
 
 def use_kernels(t: torch.Tensor) -> bool:
-    return kernels_on(t.device)
+    return t.is_cuda and _enabled()  # (per call on the cache's hot path: no torch.device built)
