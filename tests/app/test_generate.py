@@ -487,6 +487,7 @@ def test_report_names_the_read_that_ran(monkeypatch):
     cache reads staged there (`rope_on_chip`). Otherwise the report names the paths the cache counted."""
     import torch
     from qvg.app.generate import read_ran
+    monkeypatch.delenv("QVG_BACKEND", raising=False)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert read_ran("fused", "qvg", "pre-rope", cpu) == "reference"
     assert read_ran("window", "kivi", "post-rope", cuda) == "reference"

@@ -43,3 +43,12 @@ def test_a_missing_report_or_model_is_one_error_line(tmp_path, capsys):
             world_eval.main(args + ["--out", str(tmp_path / "out")])
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 2 and msg in err[-1] and "Traceback" not in "".join(err), err
+
+
+def test_a_device_that_is_not_there_is_one_error_line(tmp_path, capsys):
+    """--device takes qvg-generate's rule (cpu, or an existing cuda[:N]); cpu:5 was taken as the CPU."""
+    with pytest.raises(SystemExit) as e:
+        world_eval.main(["--device", "cpu:5", "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err[-1].endswith("--device must be cpu or cuda[:N], got 'cpu:5'"), err
+    assert not (tmp_path / "out").exists()

@@ -320,6 +320,9 @@ def test_resuming_with_other_settings_says_so_and_records_them(tmp_path, capsys,
     with pytest.raises(SystemExit) as e:  # a run flag given as 0 is given too
         wt.main(["--ckpt", ck, "--export", str(tmp_path / "model2"), "--minutes", "0"])
     assert e.value.code == 2 and "drop --minutes" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # a device that is not there (torch takes cpu:5 as the CPU)
+        wt.main(base + ["--device", "cpu:5"])
+    assert e.value.code == 2 and "--device must be cpu or cuda[:N], got 'cpu:5'" in capsys.readouterr().err
     for bad in ("missing", "garbage"):  # no state to export: one error line, nothing written
         (tmp_path / "garbage").mkdir(exist_ok=True)
         (tmp_path / "garbage" / "state.json").write_text("{not json")
