@@ -121,6 +121,14 @@ def device_arg(text: str | None):
     return dev
 
 
+def parser_device(parser, text: str | None) -> str:
+    """device_arg for the module CLIs (world_eval, world_train): the device as text, or argparse's error line."""
+    try:
+        return str(device_arg(text))
+    except UsageError as e:
+        parser.error(str(e))
+
+
 def _commit() -> str:
     from qvg.revision import code_commit
     found = code_commit()

@@ -310,11 +310,8 @@ def main(argv=None) -> int:
                    help="merge results JSONs of one set (same photos, trajectories, seeds, m; e.g. configurations "
                         "run in parallel processes) into --out (.json, .md, .png), differences recomputed")
     a = p.parse_args(argv)
-    from ..app.generate import UsageError, device_arg  # (qvg-generate's check: cpu or an existing cuda[:N])
-    try:
-        a.device = str(device_arg(a.device))
-    except UsageError as e:
-        p.error(str(e))
+    from ..app.generate import parser_device  # (qvg-generate's check: cpu or an existing cuda[:N])
+    a.device = parser_device(p, a.device)
     for name in ("seeds", "trajectories", "chunks", "m", "first"):  # (counts: --seeds 3 = 3 sampling seeds)
         if getattr(a, name) < 1:
             p.error(f"--{name} is a count and must be >= 1, got {getattr(a, name)}")

@@ -392,11 +392,8 @@ def main(argv=None) -> int:
     for k, v in RUN_DEFAULTS.items():
         if getattr(a, k) is None:
             setattr(a, k, v() if callable(v) else v)
-    from ..app.generate import UsageError, device_arg  # (qvg-generate's check: cpu or an existing cuda[:N])
-    try:
-        a.device = str(device_arg(a.device))
-    except UsageError as e:
-        p.error(str(e))
+    from ..app.generate import parser_device  # (qvg-generate's check: cpu or an existing cuda[:N])
+    a.device = parser_device(p, a.device)
     torch.backends.cuda.matmul.allow_tf32 = True
     ck = Path(a.ckpt)
     if ck.exists() and not ck.is_dir():
