@@ -36,8 +36,8 @@ class GraphedCompress:
 
     @staticmethod
     def supports(x: torch.Tensor, method: str, init, options: dict) -> bool:
-        from ..backend import use_kernels  # (graphs replay the kernels: none without triton or with QVG_BACKEND=torch)
-        if not use_kernels(x) or method not in GRAPHED_METHODS or "init" in options:
+        from ..backend import kernels_on  # (graphs replay the kernels: none without triton or with QVG_BACKEND=torch;
+        if not kernels_on(x.device) or method not in GRAPHED_METHODS or "init" in options:  # CUDA tensors only)
             return False
         return method == "rtn" or options.get("stages") == 0 or init is not None
 

@@ -77,7 +77,7 @@ def test_kernels_on_a_device(monkeypatch):
     monkeypatch.delenv("QVG_BACKEND")
     monkeypatch.setattr(qvg.backend, "_triton_available", lambda: False)
     assert qvg.backend.kernels_on("cuda") is False
-    assert not GraphedCompress.supports(types.SimpleNamespace(is_cuda=True), "rtn", None, {})
+    assert not GraphedCompress.supports(types.SimpleNamespace(device=torch.device("cuda")), "rtn", None, {})
 
 
 def _compare_paths(x, method, kernel_packed, torch_packed):
