@@ -9,7 +9,8 @@ import torch
 
 
 @lru_cache(maxsize=1)
-def _triton_available() -> bool:
+def triton_available() -> bool:
+    """Whether triton imports (the CPU torch wheel brings none; kernels/ modules import it at their top)."""
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -18,7 +19,7 @@ def _triton_available() -> bool:
 
 
 def _enabled() -> bool:
-    return os.environ.get("QVG_BACKEND", "auto") != "torch" and _triton_available()
+    return os.environ.get("QVG_BACKEND", "auto") != "torch" and triton_available()
 
 
 def kernels_on(device) -> bool:

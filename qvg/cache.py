@@ -101,7 +101,7 @@ import torch
 
 from . import compression
 from .attention import attend_reference, sdpa_gqa
-from .backend import _triton_available, use_kernels
+from .backend import triton_available, use_kernels
 from .compression.graphed import GraphedCompress
 from .packed import COMPONENTS
 from .rope import RopeTables, apply_rope, frame_angles
@@ -275,8 +275,8 @@ class KVCache:
             raise ValueError(bad_read)
         if method == "bf16" and (options or compress_preset is not None):
             raise ValueError(f"method 'bf16' takes no options, got {', '.join(sorted(options)) or 'compress_preset'}")
-        if compress_preset is not None and _triton_available():  # (without triton the reference runs: no preset
-            from .kernels.compress import check_variant  # applies, and the kernels' module can't be imported)
+        if compress_preset is not None and triton_available():  # (without triton no preset applies, and the
+            from .kernels.compress import check_variant  # kernels' module, which holds the names, can't be imported)
             check_variant(compress_preset)
         self.compress_preset = compress_preset if compress_preset is not None else COMMIT_PRESETS.get(method)
         unit = commit_every * chunk_frames * tokens_per_frame

@@ -36,8 +36,8 @@ class GraphedCompress:
 
     @staticmethod
     def supports(x: torch.Tensor, method: str, init, options: dict) -> bool:
-        from ..backend import kernels_on  # (graphs replay the kernels: none without triton or with QVG_BACKEND=torch;
-        if not kernels_on(x.device) or method not in GRAPHED_METHODS or "init" in options:  # CUDA tensors only)
+        from ..backend import kernels_on  # (graphs replay the kernels: CUDA only, none where the reference runs)
+        if not kernels_on(x.device) or method not in GRAPHED_METHODS or "init" in options:
             return False
         return method == "rtn" or options.get("stages") == 0 or init is not None
 

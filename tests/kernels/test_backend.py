@@ -75,7 +75,7 @@ def test_kernels_on_a_device(monkeypatch):
     monkeypatch.setenv("QVG_BACKEND", "torch")
     assert qvg.backend.kernels_on("cuda") is False
     monkeypatch.delenv("QVG_BACKEND")
-    monkeypatch.setattr(qvg.backend, "_triton_available", lambda: False)
+    monkeypatch.setattr(qvg.backend, "triton_available", lambda: False)
     assert qvg.backend.kernels_on("cuda") is False
     assert not GraphedCompress.supports(types.SimpleNamespace(device=torch.device("cuda")), "rtn", None, {})
 
