@@ -347,7 +347,8 @@ def main(argv=None) -> int:
         p.error(f"--model: {e}")
     cf = cfg["chunk_frames"]
     import sys
-    res = {"settings": vars(a), "argv": sys.argv[1:] if argv is None else argv, "device": torch.cuda.get_device_name() if a.device.startswith("cuda") else "cpu",
+    res = {"settings": vars(a), "argv": sys.argv[1:] if argv is None else argv,
+           "device": torch.cuda.get_device_name(a.device) if a.device.startswith("cuda") else "cpu",  # (that GPU's)
            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "model": cfg.get("training", {}).get("steps")}
     res["commit"] = code_commit()
 
