@@ -108,6 +108,8 @@ def device_arg(text: str | None):
     """A --device value -> torch.device (none: cuda if available, else cpu); UsageError if it is not cpu or an
     existing CUDA device. Shared by qvg-generate, qvg-app and qvg-eval."""
     import torch
+    if text is not None and not text.strip():  # (an empty --device '' picked the default silently)
+        raise UsageError("--device is empty: give cpu, cuda or cuda:N")
     try:
         dev = torch.device(text or ("cuda" if torch.cuda.is_available() else "cpu"))
     except (RuntimeError, ValueError):
@@ -524,10 +526,10 @@ def run(s) -> dict:
     out: Path = s["out"]
     # each temporary file beside the file it will replace (a symlinked JSON may be in another folder or file system)
     video_path, json_path = target(out), target(out.with_suffix(".json"))
-    fd_v, tmp_video = tempfile.mkstemp(prefix=f".{out.stem}.", suffix=".mp4", dir=video_path.parent)
+    fd_v, tmp_video = tempfile.mkstemp(prefix=f".{out.stem[:64]}.", suffix=".mp4", dir=video_path.parent)
     os.close(fd_v)
     try:
-        fd_j, tmp_json = tempfile.mkstemp(prefix=f".{out.stem}.", suffix=".json", dir=json_path.parent)
+        fd_j, tmp_json = tempfile.mkstemp(prefix=f".{out.stem[:64]}.", suffix=".json", dir=json_path.parent)
         os.close(fd_j)
     except BaseException:
         os.remove(tmp_video)

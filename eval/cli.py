@@ -216,8 +216,9 @@ def main(argv: list[str] | None = None) -> int:
         with sigterm_raises():
             a = build_parser().parse_args(argv)
             if a.threads is not None:
-                if a.threads < 1:
-                    raise UsageError(f"--threads must be >= 1, got {a.threads}")
+                cores = os.cpu_count() or 1
+                if not 1 <= a.threads <= cores:  # (20,000 made libgomp fail, 100,000 crashed: no thread pool that big)
+                    raise UsageError(f"--threads must be in [1, {cores}] (this machine's CPU cores), got {a.threads}")
                 import torch
                 torch.set_num_threads(a.threads)
             return {"compare": _compare, "report": _report, "sweep": _sweep, "vbench": _vbench_cmd}[a.cmd](a, argv)
@@ -259,15 +260,18 @@ def _compare(a, argv) -> int:
     from .provenance import command_line, meta, weight_files
     from .video import read_video, sidecar
     dev = _device(a.device)
+    if a.out is not None and (Path(a.out).name in ("", ".", "..") or Path(a.out).is_dir()):
+        raise UsageError(f"--out {a.out!r}: a folder or no name; give the outputs' path without extension, e.g. "
+                         f"{os.path.join(a.out or '.', 'name')}")
+    try:  # (first: a folder or a missing file given as a video is refused before its name is used)
+        ref, test = read_video(a.ref), read_video(a.test)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     out = a.out or str(Path(a.test).with_suffix("")) + ".compare"
     js, png = compare.output_paths(out)
     for video in (a.ref, a.test):  # never over a video's own qvg-generate report (REF's is read for the layout)
         if js.resolve() == Path(video).with_suffix(".json").resolve():
             raise UsageError(f"--out {out}: would overwrite {str(js)!r}, the report of {video!r}; choose another name")
-    try:
-        ref, test = read_video(a.ref), read_video(a.test)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
     if ref.shape[0] != test.shape[0] or ref.shape[2:] != test.shape[2:]:
         raise UsageError(f"frame sizes differ: {tuple(ref.shape[2:])} vs {tuple(test.shape[2:])}")
     n = min(ref.shape[1], test.shape[1])
@@ -287,6 +291,10 @@ def _compare(a, argv) -> int:
         raise UsageError("--lead must be >= 0, --first, --chunk and --onset-chunks >= 1")
     if lay["lead"] >= n:
         raise UsageError(f"the videos have {n} frames in common: none after the {lay['lead']} lead frame(s)")
+    chunks = len(compare.chunk_bounds(n, lay["lead"], lay["first"], lay["chunk"]))
+    if a.onset_chunks > chunks:
+        raise UsageError(f"--onset-chunks must be in [1, {chunks}] (the chunks of the {n} frames compared), got "
+                         f"{a.onset_chunks}")
     _out_dir(js.parent, js.name, png.name)
     model, status = _lpips(a.lpips, a.weights, dev, notes)
     try:
@@ -384,7 +392,7 @@ def _sweep(a, argv) -> int:
         runner.check(spec)  # every run's qvg-generate arguments, by its own checks (one line, before any work)
     out = _out_dir(a.outdir, "sweep.json", "sweep.md")
     if not (out / "videos").exists():  # (the qvg-generate runners' folder: made by the first run)
-        _MADE.append(out / "videos")
+        _MADE.append(Path(os.path.abspath(out / "videos")))  # (absolute, as _out_dir records: innermost removed first)
     model, status = _lpips(a.lpips, a.weights, dev, notes)
     vb = _vbench(names, a.weights, dev, notes)
     res = sweep.run(runner, spec, lpips_model=model, vbench=vb, progress=not a.no_progress)
@@ -441,6 +449,18 @@ def _check_sweep(spec: dict, pipeline: str) -> list[str]:
     return notes
 
 
+def _check_out_file(out: str, videos) -> None:
+    """--out names a file that is none of the input videos nor their qvg-generate reports: UsageError otherwise."""
+    if Path(out).name in ("", ".", "..") or Path(out).is_dir():
+        raise UsageError(f"--out {out!r}: a folder or no name; give the output file's path")
+    target = Path(out).resolve()
+    for video in videos:
+        for f in (Path(video), Path(video).with_suffix(".json")):
+            if target == f.resolve():
+                raise UsageError(f"--out {out}: would overwrite {str(f)!r}, "
+                                 f"{'an input video' if f == Path(video) else 'the report of ' + repr(video)}")
+
+
 def _vbench_cmd(a, argv) -> int:
     from .provenance import command_line, meta, weight_files
     from .video import read_video
@@ -454,7 +474,8 @@ def _vbench_cmd(a, argv) -> int:
             raise UsageError(str(e)) from None
     for path in a.videos:  # every input readable before any weights load (read again, one at a time, to score)
         read(path)
-    if a.out:
+    if a.out is not None:
+        _check_out_file(a.out, a.videos)
         _out_dir(Path(a.out).resolve().parent, Path(a.out).name)
     notes = []
     dims = _vbench(names, a.weights, dev, notes)

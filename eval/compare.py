@@ -73,9 +73,11 @@ def compare(ref: torch.Tensor, test: torch.Tensor, *, lead: int = 0, first: int 
         raise ValueError(f"videos differ in shape: {tuple(ref.shape)} vs {tuple(test.shape)}")
     if ref.shape[1] <= lead:
         raise ValueError(f"the video has {ref.shape[1]} frames: none after the {lead} lead frame(s)")
-    frames = per_frame(ref, test, lpips_model)
     chunks = chunk_bounds(ref.shape[1], lead, first, chunk)
-    onset_end = chunks[min(onset_chunks, len(chunks)) - 1][1]
+    if not 1 <= onset_chunks <= len(chunks):  # (it was clamped to the video, with the asked-for count recorded)
+        raise ValueError(f"--onset-chunks must be in [1, {len(chunks)}] (the videos' chunks), got {onset_chunks}")
+    frames = per_frame(ref, test, lpips_model)
+    onset_end = chunks[onset_chunks - 1][1]
     below = next((f for f in range(lead, ref.shape[1]) if frames["psnr"][f] < threshold), None)
     return {"frames": frames, "layout": {"lead": lead, "first": first, "chunk": chunk, "frames": ref.shape[1]},
             "onset_chunks": onset_chunks, "threshold_db": threshold, "first_below": below,

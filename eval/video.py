@@ -40,6 +40,8 @@ def read_video(path: str | Path) -> torch.Tensor:
     except Exception as e:  # imageio / ffmpeg / numpy errors: one line
         raise ValueError(f"cannot read {str(p)!r} as a video ({type(e).__name__}: "
                          f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})") from None
+    if not isinstance(a, torch.Tensor):  # (a .pt file of a dict, a list, a number)
+        raise ValueError(f"{str(p)!r}: expected frames [F, H, W, 3] uint8, got a {type(a).__name__}")
     if a.dim() == 3:  # grey
         a = a[..., None].expand(*a.shape, 3)
     if a.dim() != 4 or a.shape[-1] < 3 or a.dtype != torch.uint8:

@@ -147,8 +147,13 @@ def load_world(directory=None, device="cpu", dtype=torch.float32) -> tuple[World
         model = build_world(cfg)
     except FileNotFoundError:
         raise WorldModelError(f"no world model in {str(d)!r} (config.json missing)") from None
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise WorldModelError(f"{d / 'config.json'}: not a world-model config ({e})") from None
+    except OSError as e:  # (the folder is a file, config.json a folder, unreadable)
+        raise WorldModelError(f"no world model in {str(d)!r} (cannot read config.json: "
+                              f"{e.strerror or type(e).__name__})") from None
+    except (ValueError, KeyError, TypeError, AttributeError, RuntimeError) as e:
+        # (not JSON, not UTF-8, a missing or mistyped field, a size the layers refuse: -256 channels)
+        raise WorldModelError(f"{d / 'config.json'}: not a world-model config ({type(e).__name__}: "
+                              f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})") from None
     try:
         sd = load_file(str(d / "model.safetensors"))
     except FileNotFoundError:

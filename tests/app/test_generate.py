@@ -122,6 +122,7 @@ BAD = [
     (["--method", "bf16", "--bits", "2"], "do not apply"),
     (["--device", "tpu"], "--device"),
     (["--device", "cpu:5"], "--device must be cpu or cuda[:N], got 'cpu:5'"),
+    (["--device", ""], "--device is empty"),  # (it took the default silently)
     (["--unknown-flag"], "unrecognized arguments"),
     (["--method", "kivi", "--block-size", "128"], "not divisible by block_size"),
     (["--seed", "99999999999999999999999"], "--seed must be in"),
@@ -562,3 +563,11 @@ def test_a_cache_that_compressed_nothing_says_why(tmp_path, capsys):
                                "that the video or its --history window never filled)")
     assert main(["--frames", "7", "--out", str(tmp_path / "w.mp4"), "--quiet"]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_a_long_valid_file_name_is_written(tmp_path):
+    """A 250-character name (valid: 255 is the limit) is written: the temporary files beside it take a shortened
+    stem (they were named after the whole stem, so the name grew past the limit after the model had run)."""
+    out = tmp_path / ("a" * 246 + ".mp4")
+    assert main(["--frames", "4", "--method", "bf16", "--out", str(out), "--quiet"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([out.name, out.with_suffix(".json").name])

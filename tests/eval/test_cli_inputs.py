@@ -36,7 +36,8 @@ SWEEP = ["--inputs", "coffee", "--seeds", "0", "--methods", "qvg", "--bits", "2"
     (["--methods", "fp4"], "--methods: unknown fp4"),
     (["--key-storage", "pre"], "--key-storage: invalid choice: 'pre'"),
     (["--vbench", "bogus"], "--vbench: unknown bogus"),
-    (["--threads", "-3"], "--threads must be >= 1, got -3"),
+    (["--threads", "-3"], "--threads must be in [1, "),
+    (["--threads", "100000"], "this machine's CPU cores), got 100000"),  # (libgomp failed, or a crash)
     (["--seeds", "0,-1"], "--seeds must be in [0, "),
     (["--kmeans-seeds", "0,2147483648"], "--kmeans-seeds must be in [0, 2147483647], got 2147483648"),
     (["--checkpoint", "."], "--checkpoint applies to --pipeline self-forcing, not the embedded model"),
@@ -347,3 +348,44 @@ def test_a_failure_after_the_output_folder_is_made_removes_it(tmp_path, capsys, 
     assert main(args) == 2
     _one_error(capsys, "a broken LPIPS file")
     assert not (tmp_path / "new").exists()
+
+
+def test_vbench_never_writes_over_an_input(tmp_path, capsys):
+    """--out naming an input video or its qvg-generate report is refused before any work (it was overwritten with
+    the JSON); so are a folder and an empty name."""
+    v = _video(tmp_path / "v.npy")
+    (tmp_path / "v.json").write_text("{}")
+    for out, needle in ((v, "an input video"), (str(tmp_path / "v.json"), "the report of"),
+                        (str(tmp_path), "a folder or no name"), ("", "a folder or no name")):
+        assert main(["vbench", v, "--dims", "aesthetic_quality", "--out", out]) == 2
+        _one_error(capsys, "--out", needle)
+    assert np.load(v).shape == (6, 16, 16, 3) and (tmp_path / "v.json").read_text() == "{}"
+
+
+def test_compare_bad_paths_and_an_onset_past_the_video(tmp_path, capsys):
+    """A .pt file that holds no tensor, '.' as a video or as --out, and --onset-chunks past the videos' chunks
+    (clamped silently before) are one line each."""
+    import torch
+    ref = _video(tmp_path / "ref.npy")
+    torch.save({"frames": 1}, tmp_path / "d.pt")
+    for args, needle in (([ref, str(tmp_path / "d.pt")], "got a dict"), ([".", ref], "is a folder, not a video"),
+                         ([ref, ref, "--out", "."], "a folder or no name"),
+                         ([ref, ref, "--onset-chunks", "3"], "--onset-chunks must be in [1, 2]")):
+        assert main(["compare", *args, "--lpips", "none"]) == 2
+        _one_error(capsys, needle)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.pt", "ref.npy"]
+
+
+def test_a_relative_sweep_folder_is_removed_after_a_failure(tmp_path, capsys, monkeypatch):
+    """OUTDIR given relative, the runs' videos/ folder made, then a usage error: no folder stays (videos/ was
+    recorded relative and the folders absolute, so OUTDIR was tried first, while videos/ was still in it)."""
+    from qvg.eval import cli, sweep
+
+    def fail(*a, **k):
+        (tmp_path / "x" / "y" / "videos").mkdir()
+        raise cli.UsageError("a checkpoint that does not load")
+    monkeypatch.setattr(sweep, "run", fail)
+    monkeypatch.chdir(tmp_path)
+    assert main(["sweep", "x/y"] + SWEEP) == 2
+    _one_error(capsys, "a checkpoint that does not load")
+    assert list(tmp_path.iterdir()) == []

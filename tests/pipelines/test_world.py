@@ -87,6 +87,20 @@ def test_save_and_strict_load(tmp_path):
         load_world(tmp_path / "w")
 
 
+def test_a_broken_config_is_one_error(tmp_path):
+    """A config.json that is not UTF-8 JSON, or whose sizes the layers refuse, is a WorldModelError naming the file
+    (it was a UnicodeDecodeError / RuntimeError traceback in qvg-eval report --model)."""
+    d = tmp_path / "w"
+    save_world(build_world(SMALL), SMALL, d)
+    neg = dict(SMALL, transformer=dict(SMALL["transformer"], attention_head_dim=-64))
+    for text in (b"\xff\xfe\x00binary", b"[1, 2]", json.dumps(neg).encode()):
+        (d / "config.json").write_bytes(text)
+        with pytest.raises(WorldModelError, match="config.json: not a world-model config"):
+            load_world(d)
+    with pytest.raises(WorldModelError, match="cannot read config.json"):
+        load_world(d / "model.safetensors")  # (a file given as the folder)
+
+
 def test_parse_actions():
     assert parse_actions("right*2, left,stay") == [2, 2, 1, 0]
     assert len(parse_actions("left*60000,right*40000")) == 100_000
