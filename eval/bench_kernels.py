@@ -9,7 +9,6 @@ and GPU correctness checks of every kernel against its torch reference. Writes k
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -22,6 +21,7 @@ import traceback
 
 import torch
 
+from qvg.outputs import writable_error
 from qvg.revision import code_commit
 
 
@@ -96,6 +96,24 @@ def result_header(module: str, argv: list[str] | None) -> dict:
             "command": (env + " " if env else "") + command_line(f"python -m qvg.eval.{module}", argv),
             "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
             "driver": driver_version()}
+
+
+def out_error(out_dir: str) -> str | None:
+    """Why `write_result` could not write its file into out_dir (made with its parents where missing), or None: for
+    the tools to check --out before any work, so that a long GPU run does not end unable to write. Makes nothing."""
+    if not out_dir:
+        return "--out is empty: give a folder"
+    folder = os.path.abspath(out_dir)
+    if os.path.exists(folder) and not os.path.isdir(folder):
+        return f"--out {out_dir!r}: a file is there, not a folder"
+    while not os.path.exists(folder):  # the nearest folder there: the missing ones are made in it
+        if os.path.islink(folder):
+            return f"--out {out_dir!r}: {folder!r} is a dangling symlink"
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        return f"--out {out_dir!r}: {folder!r} is a file, not a folder"
+    err = writable_error(folder)
+    return f"--out {out_dir!r}: cannot write to {folder!r} ({err})" if err else None
 
 
 def write_result(res: dict, out_dir: str, name: str, t0: float) -> str:
@@ -533,27 +551,61 @@ def kmeans_parity_section():
                                                                             torch.equal(a.centroids, a2.centroids))}
 
 
+SECTIONS = ("ceilings", "kmeans", "dequant", "compress", "attention", "ablation")  # (main's, in their order)
+
+
+def check_args(args) -> tuple[set[str], tuple[str, ...]]:
+    """(--only's sections, empty for all; --compress-variants' names) of `main`'s command line; ValueError naming the
+    option at fault, with the valid choices (checked on any machine, before the GPU check)."""
+    only = {n.strip() for n in args.only.split(",")} - {""}
+    bad = sorted(only - set(SECTIONS))
+    if bad or (args.only.strip() and not only):
+        what = f"unknown section {', '.join(map(repr, bad))}" if bad else "no section given"
+        raise ValueError(f"--only: {what}; choose among {', '.join(SECTIONS)} (comma-separated; the ceilings always "
+                         "run)")
+    variants = tuple(n.strip() for n in args.compress_variants.split(",") if n.strip())
+    if variants or args.compress_variants.strip():
+        from qvg.kernels.compress import COMPRESS_VARIANTS
+        known = ("auto", *sorted(COMPRESS_VARIANTS))
+        bad = [n for n in variants if n not in known]
+        if bad or not variants:
+            what = f"unknown variant {', '.join(map(repr, bad))}" if bad else "no variant given"
+            raise ValueError(f"--compress-variants: {what}; choose among {', '.join(known)} (comma-separated)")
+    err = out_error(args.out)
+    if err:
+        raise ValueError(err)
+    return only, variants
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    from qvg.app.generate import UsageError, _Parser  # (the project's parser: a usage error is one line)
+    ap = _Parser(prog="python -m qvg.eval.bench_kernels", description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="eval/results")
     ap.add_argument("--quick", action="store_true", help="small shapes (smoke test)")
-    ap.add_argument("--only", default="", help="comma list of sections: ceilings,dequant,compress,attention,kmeans")
+    ap.add_argument("--only", default="", help=f"comma list of sections: {','.join(SECTIONS)} (default: all; the "
+                    "ceilings always run)")
     ap.add_argument("--compress-variants", default="",
-                    help="comma list of kernels/compress.py COMPRESS_VARIANTS to time (default: the default one)")
-    args = ap.parse_args(argv)
+                    help="comma list of kernels/compress.py COMPRESS_VARIANTS (or auto) to time (default: the "
+                         "default one)")
+    try:  # every argument checked before the GPU check: bad input is said on any machine
+        args = ap.parse_args(argv)
+        only, variants = check_args(args)
+    except (UsageError, ValueError) as e:
+        print(f"bench_kernels: error: {e}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("bench_kernels: needs a CUDA GPU", file=sys.stderr)
         return 2
     t0 = time.time()
     res = result_header("bench_kernels", argv)
     dev = res["device"]
-    only = set(filter(None, args.only.split(",")))
     sections = [("ceilings", lambda: ceilings(args.quick)),
                 ("kmeans", kmeans_parity_section),
                 ("dequant", lambda: dequant_section(res["ceilings"]["copy_TBps"], args.quick)),
-                ("compress", lambda: compress_section(args.quick, tuple(filter(None, args.compress_variants.split(","))))),
+                ("compress", lambda: compress_section(args.quick, variants)),
                 ("attention", lambda: attention_section(args.quick)),
                 ("ablation", attention_ablation_section)]
+    assert tuple(name for name, _ in sections) == SECTIONS
     for name, fn in sections:
         if only and name not in only and name != "ceilings":
             continue

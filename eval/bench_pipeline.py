@@ -32,7 +32,7 @@ import torch
 
 from qvg.compression.graphed import pool_free_bytes
 
-from .bench_kernels import gpu_tag, result_header, write_result
+from .bench_kernels import gpu_tag, out_error, result_header, write_result
 
 WAN_1_3B = dict(patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16,
                 out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=30, cross_attn_norm=True,
@@ -490,24 +490,77 @@ def run_max_history(methods_opts: list[tuple[str, dict]]) -> list[dict]:
     return out
 
 
+DEFAULT_OPTIONS = '{"centroids": 64}'  # main's --options
+
+
+def parse_histories(text: str) -> list[int]:
+    """--history's comma-separated history lengths: each a positive multiple of the chunk's 3 latent frames (the
+    rolling window of `new_cache`: KVCache's window_frames is a multiple of chunk_frames; `_fill` commits whole
+    chunks), none twice (run() groups its rows by history); ValueError naming --history otherwise."""
+    items = [h.strip() for h in text.split(",")]
+    if not all(h.isascii() and h.isdigit() and int(h) > 0 and int(h) % 3 == 0 for h in items):
+        raise ValueError(f"--history must be comma-separated positive multiples of 3 (latent frames: whole "
+                         f"3-frame chunks), e.g. 21,60; got {text!r}")
+    hist = [int(h) for h in items]
+    twice = next((h for h in hist if hist.count(h) > 1), None)
+    if twice is not None:
+        raise ValueError(f"--history lists {twice} twice")
+    return hist
+
+
+def check_args(args) -> tuple[list[int], list[str], dict]:
+    """(histories, methods, compressed methods' options) of `main`'s command line; ValueError naming the option at
+    fault. Everything is checked here, on any machine, before the GPU check and before anything runs."""
+    if args.repeat < 1:
+        raise ValueError(f"--repeat must be >= 1 (timed chunks per method), got {args.repeat}")
+    histories = parse_histories(args.history)
+    flag, listed = ("--max-history", args.max_history) if args.max_history else ("--methods", args.methods)
+    cycles = not (args.max_history or args.split)
+    try:
+        parse_methods(listed, cycles=cycles)
+    except ValueError as e:
+        raise ValueError(f"{flag}: {e}") from None
+    methods, opts = parse_methods(listed, args.options, cycles=cycles)  # (the methods passed: this is --options')
+    twice = next((m for m in methods if methods.count(m) > 1), None)
+    if twice is not None:
+        raise ValueError(f"{flag} lists {twice!r} twice")
+    if not args.max_history and "bf16" not in methods:
+        raise ValueError("--methods must include bf16: every overhead is against it")
+    # the options as each method's cache takes them (unknown names, bad values): a cache of the real chunk size,
+    # built on the CPU for a stand-in model (it allocates nothing until written to)
+    import types
+    _, ph, pw = WAN_1_3B["patch_size"]
+    stand_in = types.SimpleNamespace(tokens_per_latent_frame=lambda h, w: (h // ph) * (w // pw))
+    for m in methods:
+        try:
+            new_cache(stand_in, m, histories[0], opts)
+        except (ValueError, TypeError) as e:
+            given = "(the default)" if args.options == DEFAULT_OPTIONS else repr(args.options)
+            raise ValueError(f"--options {given}: {m}: {e}") from None
+    err = out_error(args.out)
+    if err:
+        raise ValueError(err)
+    return histories, methods, opts
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from qvg.app.generate import UsageError, _Parser  # (the project's parser: a usage error is one line)
+    ap = _Parser(prog="python -m qvg.eval.bench_pipeline", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="eval/results")
-    ap.add_argument("--history", default="21,60")
+    ap.add_argument("--history", default="21,60", help="past latent frames held, multiples of 3 (default 21,60)")
     ap.add_argument("--methods", default="bf16,qvg,qvg-pro")
-    ap.add_argument("--options", default='{"centroids": 64}', help="JSON options of the compressed methods")
+    ap.add_argument("--options", default=DEFAULT_OPTIONS,
+                    help=f"JSON options of the compressed methods (default {DEFAULT_OPTIONS})")
     ap.add_argument("--repeat", type=int, default=7, help="timed chunks per method (rounds over the methods)")
     ap.add_argument("--split", action="store_true",
                     help="also time each chunk's forwards without commits (what the reads cost alone)")
     ap.add_argument("--max-history", default=None, metavar="M1,M2",
                     help="instead: the largest history that still runs one chunk, for these methods (e.g. bf16,qvg)")
-    args = ap.parse_args(argv)
-    try:  # every method string checked before anything runs
-        parse_methods(args.max_history or args.methods, cycles=not (args.max_history or args.split))
-        if not args.max_history and "bf16" not in args.methods.split(","):
-            raise ValueError("--methods must include bf16: every overhead is against it")
-    except ValueError as e:
-        print(f"bench_pipeline: {e}", file=sys.stderr)
+    try:  # every argument checked before anything runs (and before the GPU check: bad input is said on any machine)
+        args = ap.parse_args(argv)
+        histories, methods, opts = check_args(args)
+    except (UsageError, ValueError) as e:
+        print(f"bench_pipeline: error: {e}", file=sys.stderr)
         return 2
     if not torch.cuda.is_available():
         raise SystemExit("bench_pipeline: needs a CUDA GPU")
@@ -517,14 +570,12 @@ def main(argv=None) -> int:
     # overhead_vs_bf16 is against: a ring since ffe3555, before it shifted its history)
     res = {**result_header("bench_pipeline", argv), "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""),
            "bf16_baseline": "ring"}
-    opts = json.loads(args.options)
     if args.max_history:
-        res["max_history"] = run_max_history([(m, {} if m == "bf16" else opts) for m in args.max_history.split(",")])
+        res["max_history"] = run_max_history([(m, {} if m == "bf16" else opts) for m in methods])
         name = "max-history-"
     else:
         res["options"] = opts
-        res["rows"] = run([int(h) for h in args.history.split(",")], args.methods.split(","), opts, args.repeat,
-                          args.split)
+        res["rows"] = run(histories, methods, opts, args.repeat, args.split)
         name = "pipeline-"
     write_result(res, args.out, name + gpu_tag(res["device"]) + ".json", t0)
     return 0
