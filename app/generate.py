@@ -104,6 +104,12 @@ def _int(name: str, value, lo: int | None = None, hi: int | None = None, allow_n
     return v
 
 
+def _short(stem: str) -> str:
+    """A temporary file's stem: the output's cut to 64 bytes (a name the file system allows stays allowed with the
+    random part and suffix added; whole characters only)."""
+    return os.fsencode(stem)[:64].decode("utf-8", "ignore")
+
+
 def device_arg(text: str | None):
     """A --device value -> torch.device (none: cuda if available, else cpu); UsageError if it is not cpu or an
     existing CUDA device. Shared by qvg-generate, qvg-app and qvg-eval."""
@@ -526,10 +532,10 @@ def run(s) -> dict:
     out: Path = s["out"]
     # each temporary file beside the file it will replace (a symlinked JSON may be in another folder or file system)
     video_path, json_path = target(out), target(out.with_suffix(".json"))
-    fd_v, tmp_video = tempfile.mkstemp(prefix=f".{out.stem[:64]}.", suffix=".mp4", dir=video_path.parent)
+    fd_v, tmp_video = tempfile.mkstemp(prefix=f".{_short(out.stem)}.", suffix=".mp4", dir=video_path.parent)
     os.close(fd_v)
     try:
-        fd_j, tmp_json = tempfile.mkstemp(prefix=f".{out.stem[:64]}.", suffix=".json", dir=json_path.parent)
+        fd_j, tmp_json = tempfile.mkstemp(prefix=f".{_short(out.stem)}.", suffix=".json", dir=json_path.parent)
         os.close(fd_j)
     except BaseException:
         os.remove(tmp_video)

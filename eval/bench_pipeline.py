@@ -513,7 +513,7 @@ def check_args(args) -> tuple[list[int], list[str], dict]:
     fault. Everything is checked here, on any machine, before the GPU check and before anything runs."""
     if args.repeat < 1:
         raise ValueError(f"--repeat must be >= 1 (timed chunks per method), got {args.repeat}")
-    histories = parse_histories(args.history)
+    histories = [21] if args.max_history else parse_histories(args.history)  # (--max-history searches its own)
     flag, listed = ("--max-history", args.max_history) if args.max_history else ("--methods", args.methods)
     cycles = not (args.max_history or args.split)
     try:
@@ -531,10 +531,14 @@ def check_args(args) -> tuple[list[int], list[str], dict]:
     import types
     _, ph, pw = WAN_1_3B["patch_size"]
     stand_in = types.SimpleNamespace(tokens_per_latent_frame=lambda h, w: (h // ph) * (w // pw))
+    from qvg.cache import check_options
     for m in methods:
         try:
-            new_cache(stand_in, m, histories[0], opts)
-        except (ValueError, TypeError) as e:
+            cache = new_cache(stand_in, m, histories[0], opts)
+            if cache.method != "bf16":  # (and at Wan's head dim, as the first commit checks them)
+                check_options(cache.method, cache.options, cache.commit_every * cache.chunk_frames *
+                              cache.tokens_per_frame, head_dim=WAN_1_3B["attention_head_dim"])
+        except (ValueError, TypeError, ArithmeticError) as e:
             given = "(the default)" if args.options == DEFAULT_OPTIONS else repr(args.options)
             raise ValueError(f"--options {given}: {m}: {e}") from None
     err = out_error(args.out)

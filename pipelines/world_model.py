@@ -144,13 +144,15 @@ def load_world(directory=None, device="cpu", dtype=torch.float32) -> tuple[World
     d = Path(directory) if directory is not None else WORLD_DIR
     try:
         cfg = json.loads((d / "config.json").read_text())
+        if not isinstance(cfg, dict) or not set(DEFAULT_CONFIG) <= set(cfg):  # (what the runners read)
+            raise KeyError(f"not an object with the fields {', '.join(sorted(DEFAULT_CONFIG))}")
         model = build_world(cfg)
     except FileNotFoundError:
         raise WorldModelError(f"no world model in {str(d)!r} (config.json missing)") from None
     except OSError as e:  # (the folder is a file, config.json a folder, unreadable)
         raise WorldModelError(f"no world model in {str(d)!r} (cannot read config.json: "
                               f"{e.strerror or type(e).__name__})") from None
-    except (ValueError, KeyError, TypeError, AttributeError, RuntimeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError, RuntimeError, ArithmeticError, AssertionError) as e:
         # (not JSON, not UTF-8, a missing or mistyped field, a size the layers refuse: -256 channels)
         raise WorldModelError(f"{d / 'config.json'}: not a world-model config ({type(e).__name__}: "
                               f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})") from None

@@ -53,6 +53,8 @@ PIPELINE_BAD = [
     (["--methods", "bf16,qvg,qvg"], "--methods lists 'qvg' twice"),
     (["--max-history", "bf16,nope"], "--max-history: unknown cache method"),
     (["--max-history", "qvg", "--options", "[1]"], "--options must be a JSON object"),
+    (["--methods", "bf16,kivi", "--options", '{"block_size": 0}'], "--options"),  # (was a ZeroDivisionError)
+    (["--methods", "bf16,qvg", "--options", '{"block_size": 7}'], "--options"),  # (not dividing Wan's head dim 128)
 ]
 
 
@@ -123,7 +125,9 @@ def test_good_input_reaches_the_run_and_makes_no_folder(tmp_path, gpu_claimed):
     out = str(tmp_path / "a" / "b")
     for argv in ([], ["--history", "3,21,60", "--repeat", "6", "--split", "--methods", "bf16,qvg:sync,qvg-pro"],
                  ["--methods", "bf16,qvg-pro:every=2", "--options", '{"centroids": 32, "bits": 4}'],
-                 ["--methods", "bf16,rtn", "--options", "{}"], ["--max-history", "bf16,qvg"]):
+                 ["--methods", "bf16,rtn", "--options", "{}"], ["--max-history", "bf16,qvg"],
+                 ["--max-history", "bf16,qvg", "--history", "20"],  # (--history is not read there)
+                 ["--methods", "bf16,bf16:shift,qvg:pre-rope,qvg:fused-read,qvg:compress=auto"]):
         with pytest.raises(Ran):
             bp.main(argv + ["--out", out])
     for argv in ([], ["--quick", "--only", "dequant, compress", "--compress-variants", "auto,fast-sort"]):

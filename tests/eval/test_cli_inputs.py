@@ -37,7 +37,7 @@ SWEEP = ["--inputs", "coffee", "--seeds", "0", "--methods", "qvg", "--bits", "2"
     (["--key-storage", "pre"], "--key-storage: invalid choice: 'pre'"),
     (["--vbench", "bogus"], "--vbench: unknown bogus"),
     (["--threads", "-3"], "--threads must be in [1, "),
-    (["--threads", "100000"], "this machine's CPU cores), got 100000"),  # (libgomp failed, or a crash)
+    (["--threads", "100000"], "--threads must be in [1, 1024], got 100000"),  # (libgomp failed, or a crash)
     (["--seeds", "0,-1"], "--seeds must be in [0, "),
     (["--kmeans-seeds", "0,2147483648"], "--kmeans-seeds must be in [0, 2147483647], got 2147483648"),
     (["--checkpoint", "."], "--checkpoint applies to --pipeline self-forcing, not the embedded model"),
@@ -369,11 +369,14 @@ def test_compare_bad_paths_and_an_onset_past_the_video(tmp_path, capsys):
     ref = _video(tmp_path / "ref.npy")
     torch.save({"frames": 1}, tmp_path / "d.pt")
     for args, needle in (([ref, str(tmp_path / "d.pt")], "got a dict"), ([".", ref], "is a folder, not a video"),
-                         ([ref, ref, "--out", "."], "a folder or no name"),
+                         ([ref, ref, "--out", "."], "no name"),
                          ([ref, ref, "--onset-chunks", "3"], "--onset-chunks must be in [1, 2]")):
         assert main(["compare", *args, "--lpips", "none"]) == 2
         _one_error(capsys, needle)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.pt", "ref.npy"]
+    (tmp_path / "res").mkdir()  # valid: --out X with a folder X there writes X.json and X.png beside it
+    assert main(["compare", ref, ref, "--out", str(tmp_path / "res"), "--lpips", "none", "--onset-chunks", "2"]) == 0
+    assert (tmp_path / "res.json").is_file() and (tmp_path / "res.png").is_file()
 
 
 def test_a_relative_sweep_folder_is_removed_after_a_failure(tmp_path, capsys, monkeypatch):

@@ -93,7 +93,10 @@ def test_a_broken_config_is_one_error(tmp_path):
     d = tmp_path / "w"
     save_world(build_world(SMALL), SMALL, d)
     neg = dict(SMALL, transformer=dict(SMALL["transformer"], attention_head_dim=-64))
-    for text in (b"\xff\xfe\x00binary", b"[1, 2]", json.dumps(neg).encode()):
+    zero = dict(SMALL, transformer=dict(SMALL["transformer"], num_attention_heads=0))
+    odd = dict(SMALL, transformer=dict(SMALL["transformer"], attention_head_dim=63))
+    for text in (b"\xff\xfe\x00binary", b"[1, 2]", b"null", b"{}", json.dumps(neg).encode(),
+                 json.dumps(zero).encode(), json.dumps(odd).encode()):
         (d / "config.json").write_bytes(text)
         with pytest.raises(WorldModelError, match="config.json: not a world-model config"):
             load_world(d)
