@@ -150,3 +150,16 @@ def test_parse_histories():
     for bad in ("", "21,", "x", "-3", "0", "4", "2.5e1", "²1"):
         with pytest.raises(ValueError, match="--history"):
             bp.parse_histories(bad)
+
+
+@pytest.mark.parametrize("tool", ["host_slack", "trace_overlap"])
+def test_the_one_history_tools_say_a_usage_error_in_one_line(tool, capsys):
+    """pipeline_args' parser (host_slack, trace_overlap): one 'error:' line and exit 2, no usage block."""
+    import importlib
+    main = importlib.import_module(f"qvg.eval.{tool}").main
+    for argv, says in ((["--history", "abc"], "--history: invalid int value"), (["--foo"], "--foo")):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2
+        line = _one_line(capsys)
+        assert ": error: " in line and says in line

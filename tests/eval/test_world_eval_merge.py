@@ -52,3 +52,24 @@ def test_a_device_that_is_not_there_is_one_error_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and err[-1].endswith("--device must be cpu or cuda[:N], got 'cpu:5'"), err
     assert not (tmp_path / "out").exists()
+
+
+def test_the_json_names_the_gpu_of_device(tmp_path, monkeypatch):
+    """--device cuda:1 records cuda:1's name (it recorded device 0's: torch.cuda.get_device_name() with no
+    argument). CPU: two GPUs claimed, the run stopped right after the header."""
+    import torch
+
+    class Stop(Exception):
+        pass
+
+    def stop():
+        raise Stop
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: asked.append(d) or f"GPU {d}")
+    monkeypatch.setattr(world_eval, "load_world", lambda *a, **k: (None, {"chunk_frames": 3}))
+    monkeypatch.setattr(world_eval, "code_commit", stop)
+    with pytest.raises(Stop):
+        world_eval.main(["--device", "cuda:1", "--skip-quality", "--out", str(tmp_path / "out")])
+    assert asked == ["cuda:1"]
