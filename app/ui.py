@@ -78,6 +78,21 @@ def start_preview(photo: str, upload: str | None = None):
     return np.asarray(preview(to_uint8(frame[:, None]))[0])
 
 
+def _lenient_preprocess(image) -> None:
+    """An image input whose upload PIL cannot open is passed on as its path, so that the app's own reader says why
+    (start_frame: "cannot read ... as an image"). gradio's preprocessing raised PIL's error before any handler ran:
+    a traceback in the log, a bare "Error" on the page, the previous preview left in place. (On the instance: a
+    gr.Image subclass makes gradio write a .pyi stub beside this file.)"""
+    strict = image.preprocess
+
+    def preprocess(payload):
+        try:
+            return strict(payload)
+        except Exception:  # (PIL's UnidentifiedImageError, a truncated file, ...)
+            return None if payload is None or payload.path is None else str(payload.path)
+    image.preprocess = preprocess
+
+
 def build(server: Server):
     """The page (gr.Blocks) for a server's rules."""
     import gradio as gr
@@ -108,6 +123,7 @@ def build(server: Server):
                     with gr.Row():
                         photo = gr.Dropdown(photo_names("all"), value=DEFAULT_IMAGE, label="start image: bundled")
                         upload = gr.Image(type="filepath", sources=["upload"], label="or upload one", height=140)
+                        _lenient_preprocess(upload)
                     with gr.Row(elem_classes="qvg-keys"):
                         buttons = {name: gr.Button(label, size="sm", elem_id=f"qvg-act-{name}")
                                    for name, (label, _) in ACTION_KEYS.items()}
@@ -238,7 +254,7 @@ def build(server: Server):
             except Exception as e:  # one line in the UI; the traceback goes to the server's log only
                 log.exception("generation failed")
                 first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-                yield (error_status(f"{type(e).__name__}: {first}"), *skip_all)
+                yield (error_status(f"{type(e).__name__}: {first}" if first else type(e).__name__), *skip_all)
             finally:
                 jobs.finish(c)
 

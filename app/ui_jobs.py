@@ -4,8 +4,11 @@ session's jobs that exist when it is pressed: a queued one ends without running 
 stops after its current chunk; a job submitted after the Cancel is not affected, nor is another session's."""
 from __future__ import annotations
 
+import itertools
 import threading
 import uuid
+
+_ORDER = itertools.count()  # submission order (gradio runs a session's queued generations first in, first out)
 
 
 class Job:
@@ -14,6 +17,7 @@ class Job:
 
     def __init__(self, session: str):
         self.id = uuid.uuid4().hex
+        self.order = next(_ORDER)
         self.session = session
         self.cancel = threading.Event()
         self.steer: str | None = None
@@ -42,6 +46,10 @@ class Jobs:
             if job is None or job.session != session or job.running:
                 job = Job(session)
                 self._by_id[job.id] = job
+            else:  # this session's jobs submitted before it and not started never will: gradio refused their input
+                for old in [j for j in self._by_id.values()  # (an API value outside a slider's range, say) before
+                            if j.session == session and j.order < job.order and not j.running]:  # their run began
+                    del self._by_id[old.id]
             job.running = True
             return job
 

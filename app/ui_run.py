@@ -101,9 +101,14 @@ def _start_image(form: Form, server: Server) -> str:
 def _num(value, name: str) -> str | None:
     if value is None or str(value).strip() == "":
         return None
+    if isinstance(value, int) and not isinstance(value, bool):  # (exactly: a float would round 2**53 + 1)
+        return str(value)
+    text = str(value).strip()
+    if text.lstrip("+-").isascii() and text.lstrip("+-").isdigit() and len(text) < 100:
+        return str(int(text))  # (the range is qvg-generate's check)
     try:
         f = float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         raise UsageError(f"{name} must be a number, got {value!r}") from None
     if not f.is_integer():
         raise UsageError(f"{name} must be a whole number, got {value}")
@@ -131,10 +136,10 @@ def settings(form: Form, server: Server, out: Path) -> list[dict]:
     if server.device:
         argv += ["--device", server.device]
     if form.pipeline == "tiny":
-        argv += ["--image", _start_image(form, server), "--actions", form.actions or DEFAULT_ACTIONS]
+        argv += ["--image", _start_image(form, server), "--actions", (form.actions or "").strip() or DEFAULT_ACTIONS]
     else:
         argv += ["--checkpoint", checkpoint_dir(form.checkpoint, server.checkpoint_root),
-                 "--prompt", form.prompt.strip() or DEFAULT_PROMPT]
+                 "--prompt", (form.prompt or "").strip() or DEFAULT_PROMPT]
     opts = []
     if form.method != "bf16":  # the options of the chosen method (the page hides those it has not)
         if form.bits not in (None, "", "default"):

@@ -315,6 +315,11 @@ def test_jobs_unit():
     assert k.cancel.is_set() and jobs.start(k.id, "t") is not k  # a closed page's queued job is forgotten
     assert cancel_message(0, 0) == "Nothing is running." and "2 queued jobs" in cancel_message(0, 2)
     assert cancel_message(1, 1).startswith("**Cancelling**") and "queued job will not run" in cancel_message(1, 1)
+    # a job whose run never began (gradio refused its input) is gone when a later job of its session starts, so
+    # Cancel does not count it as queued (it counted every such job for the page's life)
+    lost, nxt, _ = jobs.submit("v"), jobs.submit("v"), jobs.submit("w")
+    jobs.start(nxt.id, "v")
+    assert jobs.cancel("v") == (1, 0) and jobs.cancel("w") == (0, 1) and not lost.cancel.is_set()
 
 
 def test_keys_build_the_action_list_and_steer_a_running_video(client):
@@ -338,6 +343,16 @@ def test_uploaded_start_image(client, tmp_path):
                                api_name="/generate"))
     first = iio.imread(outs[-1][VIDEO])[0].astype(float)
     assert abs(first[32, 8] - (220, 20, 20)).max() < 40 and first[32, 56].max() < 40
+
+
+def test_an_upload_that_is_no_image_is_the_apps_message(client, tmp_path):
+    """A file PIL cannot open, uploaded as the start image, reaches the app's own check (its message in the status
+    line), not gradio's preprocessing (a traceback in the log and a bare 'Error' on the page)."""
+    (tmp_path / "bad.png").write_text("not an image")
+    outs = _wait(client.submit(*form(upload=handle_file(str(tmp_path / "bad.png")), frames=4, method="bf16"),
+                               api_name="/generate"))
+    text = outs[-1][STATUS]
+    assert text.startswith("**Error:** ") and "as an image" in text, text
 
 
 def test_pipeline_choice_sets_length_and_live_image(client):
@@ -415,6 +430,22 @@ def test_path_rules_unit(tmp_path):
     with pytest.raises(UsageError, match="no bundled photo"):
         settings(Form(photo="../../etc/passwd"), Server(None, tmp_path / "up"), tmp_path)
     assert append_action("", "left") == "left" and append_action("left", "left") == "left*2"
+
+
+def test_whole_numbers_are_read_exactly(tmp_path):
+    """Seeds past 2**53 are kept exactly (they went through float: 2**53 + 1 ran as 2**53, 2**63 - 1 was refused
+    as 2**63), a huge one is one message (it was an OverflowError), and a missing prompt is the default one."""
+    from qvg.app.generate import DEFAULT_PROMPT
+    srv = Server(None, None)
+    for seed in (2 ** 53 + 1, 2 ** 63 - 1, "9007199254740993"):
+        assert settings(Form(seed=seed), srv, tmp_path)[0]["seed"] == int(seed)
+    for seed, msg in ((10 ** 400, "seed must be in [0, "), (1e400, "seed must be a "), ("1.5", "whole number")):
+        with pytest.raises(UsageError, match=re.escape(msg)):
+            settings(Form(seed=seed), srv, tmp_path)
+    root = tmp_path / "root"
+    (root / "ck").mkdir(parents=True)
+    sf = settings(Form(pipeline="self-forcing", checkpoint="ck", prompt=None), Server(root, None), tmp_path)[0]
+    assert sf["prompt"] == DEFAULT_PROMPT  # (None was an AttributeError)
 
 
 def test_cli_binds_localhost_by_default(monkeypatch, tmp_path, capsys):
