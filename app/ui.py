@@ -232,6 +232,7 @@ def build(server: Server):
                 # bad input is one message in the status line, and the page keeps its last video until the input
                 # passes: the form's checks first, then (the model loaded) the cache's
                 runs = settings(f, server, workdir)
+                c.steerable = runs[0]["pipeline"] == "tiny"
                 yield ("Starting..." if models.has(runs[0]) else "Loading the model...", *skip_all)
                 gens = prepare(runs, c, models)
                 empty = Update("", [s["label"] for s in runs])
@@ -263,6 +264,9 @@ def build(server: Server):
 
         def press(name: str, text: str, request: gr.Request):
             c = jobs.running(request.session_hash)
+            if c is not None and not c.steerable:  # (the keys still reach the page: its shortcuts)
+                return gr.skip(), ("steering: the running video is Self-Forcing's (text to video), which takes no "
+                                   "camera actions")
             if c is not None:
                 c.steer = name
                 return gr.skip(), f"steering: **{name}** from the next chunk that starts"

@@ -21,6 +21,7 @@ class Job:
         self.session = session
         self.cancel = threading.Event()
         self.steer: str | None = None
+        self.steerable = True  # (its run's pipeline takes camera actions: the embedded world model)
         self.running = False
 
 

@@ -333,6 +333,16 @@ def test_keys_build_the_action_list_and_steer_a_running_video(client):
     assert acts[0] == "stay" and acts[-1] == "up" and acts == sorted(acts, key=lambda a: a == "up"), acts
 
 
+def test_keys_say_a_self_forcing_run_takes_no_steering(client, sf_checkpoint):
+    """A key pressed while a Self-Forcing video runs (text to video) says it takes no camera actions (it said
+    'steering: **up** from the next chunk', which that pipeline ignores)."""
+    job = client.submit(*form(pipeline="self-forcing", checkpoint="sf", prompt="a fox", frames=13),
+                        api_name="/generate")
+    _until(lambda: any("chunk 1 of" in o[0] for o in job.outputs()), what="the first chunk")
+    assert "takes no camera actions" in client.predict("stay", api_name="/press_up")[1]
+    assert _wait(job)[-1][STATUS].startswith("**done:")
+
+
 def test_uploaded_start_image(client, tmp_path):
     import imageio.v3 as iio
     import numpy as np
