@@ -82,11 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "camera's spatial offsets too). "
                    "Default window; on CPU the torch reference runs whatever this says, and the report's `read` says "
                    "reference there (and for bf16 / kivi / quarot, which have no packed read: window only)")
-    p.add_argument("--history", default="full", help="full, or window:N (keep N past latent frames)")
-    p.add_argument("--sink", default="0", help="latent frames kept in BF16 at the start (a multiple of 3)")
+    p.add_argument("--history", default="full",
+                   help="full (default), or window:N: keep N past latent frames, a multiple of 3")
+    p.add_argument("--sink", default="0", help="latent frames kept in BF16 at the start, a multiple of 3 (default 0)")
     p.add_argument("--seed", default="0", help="sampling seed (default 0)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")
-    p.add_argument("--out", default="qvg-output.mp4", help="output .mp4 (the .json report goes beside it)")
+    p.add_argument("--out", default="qvg-output.mp4",
+                   help="output .mp4, the .json report beside it (default qvg-output.mp4)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 

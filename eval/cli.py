@@ -132,7 +132,7 @@ def build_parser():
     _common(c)
     r = sub.add_parser("report", help="run the evaluation and write a markdown report")
     r.add_argument("outdir")
-    r.add_argument("--preset", default="cpu", help="cpu or gpu (see qvg.eval.report)")
+    r.add_argument("--preset", default="cpu", help="cpu (default) or gpu (see qvg.eval.report)")
     r.add_argument("--from-json", action="store_true", help="re-render OUTDIR/results.json, run nothing")
     r.add_argument("--model", default=None, help="world model folder (default: the embedded assets/world)")
     r.add_argument("--vbench", default="all", help="VBench dimensions (comma list), 'all' or 'none' (default all: "
@@ -146,7 +146,7 @@ def build_parser():
                    "pipeline: tiny, self-forcing (runs qvg-generate's code; mp4s are read back)")
     s.add_argument("--checkpoint", default=None, help="self-forcing checkpoint directory")
     s.add_argument("--inputs", default="coffee,camera", help="start images (embedded / tiny) or prompts "
-                   "(self-forcing), separated by '|' for prompts or ',' for images")
+                   "(self-forcing), separated by '|' for prompts or ',' for images (default coffee,camera)")
     s.add_argument("--seeds", default="0,1", help="sampling seeds (default 0,1; two or more give the sampling floor: "
                    "BF16 at the next seed)")
     s.add_argument("--methods", default="rtn,kivi,quarot,qvg,qvg-pro", help="cache methods against the BF16 cache "
