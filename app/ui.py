@@ -78,18 +78,28 @@ def start_preview(photo: str, upload: str | None = None):
     return np.asarray(preview(to_uint8(frame[:, None]))[0])
 
 
-def _lenient_preprocess(image) -> None:
-    """An image input whose upload PIL cannot open is passed on as its path, so that the app's own reader says why
-    (start_frame: "cannot read ... as an image"). gradio's preprocessing raised PIL's error before any handler ran:
-    a traceback in the log, a bare "Error" on the page, the previous preview left in place. (On the instance: a
-    gr.Image subclass makes gradio write a .pyi stub beside this file.)"""
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+
+
+def _lenient_preprocess(image, gr) -> None:
+    """An upload PIL cannot open: with an image's suffix it is passed on as its path, so that the app's own reader
+    says why in the status line (start_frame: "cannot read ... as an image"); any other file is gradio's error with
+    that reason (a video or the like is never handed to the readers behind imageio). gradio's preprocessing raised
+    PIL's error before any handler ran: a traceback in the log, a bare "Error" on the page, the old preview kept.
+    (Wrapped on the instance: a gr.Image subclass makes gradio write a .pyi stub beside this file.)"""
     strict = image.preprocess
 
     def preprocess(payload):
         try:
             return strict(payload)
         except Exception:  # (PIL's UnidentifiedImageError, a truncated file, ...)
-            return None if payload is None or payload.path is None else str(payload.path)
+            if payload is None or payload.path is None:  # (no file: gradio's own error stands)
+                raise
+            name = payload.orig_name or Path(payload.path).name
+            if Path(name).suffix.lower() in IMAGE_SUFFIXES:
+                return str(payload.path)
+            raise gr.Error(f"start image: {name!r} is not an image file ({', '.join(IMAGE_SUFFIXES)})",
+                           print_exception=False) from None
     image.preprocess = preprocess
 
 
@@ -123,7 +133,7 @@ def build(server: Server):
                     with gr.Row():
                         photo = gr.Dropdown(photo_names("all"), value=DEFAULT_IMAGE, label="start image: bundled")
                         upload = gr.Image(type="filepath", sources=["upload"], label="or upload one", height=140)
-                        _lenient_preprocess(upload)
+                        _lenient_preprocess(upload, gr)
                     with gr.Row(elem_classes="qvg-keys"):
                         buttons = {name: gr.Button(label, size="sm", elem_id=f"qvg-act-{name}")
                                    for name, (label, _) in ACTION_KEYS.items()}
@@ -222,7 +232,7 @@ def build(server: Server):
                      centroids, history, window, sink, seed, frames, compare, job, request: gr.Request):
             values = locals()
             f = Form(**{k: values[k] for k in FORM_FIELDS})
-            c = jobs.start(job, request.session_hash)
+            c = jobs.start(job, request.session_hash, steerable=f.pipeline == "tiny")
             up = None
             try:
                 if c.cancel.is_set():  # the page says nothing more: Cancel said this job will not run, and the
@@ -232,7 +242,6 @@ def build(server: Server):
                 # bad input is one message in the status line, and the page keeps its last video until the input
                 # passes: the form's checks first, then (the model loaded) the cache's
                 runs = settings(f, server, workdir)
-                c.steerable = runs[0]["pipeline"] == "tiny"
                 yield ("Starting..." if models.has(runs[0]) else "Loading the model...", *skip_all)
                 gens = prepare(runs, c, models)
                 empty = Update("", [s["label"] for s in runs])
@@ -264,9 +273,9 @@ def build(server: Server):
 
         def press(name: str, text: str, request: gr.Request):
             c = jobs.running(request.session_hash)
-            if c is not None and not c.steerable:  # (the keys still reach the page: its shortcuts)
-                return gr.skip(), ("steering: the running video is Self-Forcing's (text to video), which takes no "
-                                   "camera actions")
+            if c is not None and not c.steerable:  # (the form is the world model's again: the next run's list)
+                return append_action(text, name), ("the running video is Self-Forcing's (text to video): it takes no "
+                                                   "camera actions; added to the list for the next run")
             if c is not None:
                 c.steer = name
                 return gr.skip(), f"steering: **{name}** from the next chunk that starts"

@@ -23,6 +23,7 @@ class Job:
         self.steer: str | None = None
         self.steerable = True  # (its run's pipeline takes camera actions: the embedded world model)
         self.running = False
+        self.stale = False  # queued, and a job of its session submitted later has started (see Jobs.start)
 
 
 class Jobs:
@@ -39,19 +40,22 @@ class Jobs:
             self._by_id[job.id] = job
         return job
 
-    def start(self, job_id: str | None, session: str) -> Job:
+    def start(self, job_id: str | None, session: str, steerable: bool = True) -> Job:
         """The run's job, now running: the queued job with this id, if it is this session's; otherwise (an API call
-        that took no id, an id already used or another session's) a new job, which Cancel reaches from now on."""
+        that took no id, an id already used or another session's) a new job, which Cancel reaches from now on.
+        This session's jobs submitted before it and not started are marked stale: most likely gradio refused their
+        input before their run began (an API value outside a slider's range), so Cancel stops counting them; one
+        that does start after all (two clicks queued in the other order) is found as usual, a Cancel honoured."""
         with self._lock:
             job = self._by_id.get(job_id or "")
             if job is None or job.session != session or job.running:
                 job = Job(session)
                 self._by_id[job.id] = job
-            else:  # this session's jobs submitted before it and not started never will: gradio refused their input
-                for old in [j for j in self._by_id.values()  # (an API value outside a slider's range, say) before
-                            if j.session == session and j.order < job.order and not j.running]:  # their run began
-                    del self._by_id[old.id]
-            job.running = True
+            else:
+                for old in self._by_id.values():
+                    if old.session == session and old.order < job.order and not old.running:
+                        old.stale = True
+            job.running, job.stale, job.steerable = True, False, steerable
             return job
 
     def finish(self, job: Job) -> None:
@@ -66,7 +70,7 @@ class Jobs:
         for j in mine:
             j.cancel.set()
         running = sum(j.running for j in mine)
-        return running, len(mine) - running
+        return running, sum(not j.running and not j.stale for j in mine)
 
     def running(self, session: str) -> Job | None:
         with self._lock:

@@ -104,8 +104,8 @@ def _num(value, name: str) -> str | None:
     if isinstance(value, int) and not isinstance(value, bool):  # (exactly: a float would round 2**53 + 1)
         return str(value)
     text = str(value).strip()
-    if text.lstrip("+-").isascii() and text.lstrip("+-").isdigit() and len(text) < 100:
-        return str(int(text))  # (the range is qvg-generate's check)
+    if re.fullmatch(r"[+-]?[0-9]{1,4000}", text):  # (within int()'s digit limit; the range is qvg-generate's check)
+        return str(int(text))
     try:
         f = float(value)
     except (TypeError, ValueError, OverflowError):

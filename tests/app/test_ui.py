@@ -315,11 +315,13 @@ def test_jobs_unit():
     assert k.cancel.is_set() and jobs.start(k.id, "t") is not k  # a closed page's queued job is forgotten
     assert cancel_message(0, 0) == "Nothing is running." and "2 queued jobs" in cancel_message(0, 2)
     assert cancel_message(1, 1).startswith("**Cancelling**") and "queued job will not run" in cancel_message(1, 1)
-    # a job whose run never began (gradio refused its input) is gone when a later job of its session starts, so
-    # Cancel does not count it as queued (it counted every such job for the page's life)
+    # a job whose run never began (gradio refused its input) is stale once a later job of its session starts:
+    # Cancel no longer counts it as queued (it counted every such job for the page's life), but still reaches it
+    # if it does start after all (two clicks queued in the other order)
     lost, nxt, _ = jobs.submit("v"), jobs.submit("v"), jobs.submit("w")
     jobs.start(nxt.id, "v")
-    assert jobs.cancel("v") == (1, 0) and jobs.cancel("w") == (0, 1) and not lost.cancel.is_set()
+    assert jobs.cancel("v") == (1, 0) and jobs.cancel("w") == (0, 1)
+    assert jobs.start(lost.id, "v") is lost and lost.cancel.is_set()
 
 
 def test_keys_build_the_action_list_and_steer_a_running_video(client):
@@ -339,7 +341,8 @@ def test_keys_say_a_self_forcing_run_takes_no_steering(client, sf_checkpoint):
     job = client.submit(*form(pipeline="self-forcing", checkpoint="sf", prompt="a fox", frames=13),
                         api_name="/generate")
     _until(lambda: any("chunk 1 of" in o[0] for o in job.outputs()), what="the first chunk")
-    assert "takes no camera actions" in client.predict("stay", api_name="/press_up")[1]
+    text, note = client.predict("stay", api_name="/press_up")
+    assert "takes no camera actions" in note and text == "stay,up"  # (the list is the next run's)
     assert _wait(job)[-1][STATUS].startswith("**done:")
 
 
@@ -363,6 +366,11 @@ def test_an_upload_that_is_no_image_is_the_apps_message(client, tmp_path):
                                api_name="/generate"))
     text = outs[-1][STATUS]
     assert text.startswith("**Error:** ") and "as an image" in text, text
+    (tmp_path / "clip.mp4").write_text("not an image either")  # (never handed to imageio's readers)
+    from gradio_client.exceptions import AppError
+    with pytest.raises(AppError, match="'clip.mp4' is not an image file"):
+        client.predict(*form(upload=handle_file(str(tmp_path / "clip.mp4")), frames=4, method="bf16"),
+                       api_name="/generate")
 
 
 def test_pipeline_choice_sets_length_and_live_image(client):
@@ -449,7 +457,8 @@ def test_whole_numbers_are_read_exactly(tmp_path):
     srv = Server(None, None)
     for seed in (2 ** 53 + 1, 2 ** 63 - 1, "9007199254740993"):
         assert settings(Form(seed=seed), srv, tmp_path)[0]["seed"] == int(seed)
-    for seed, msg in ((10 ** 400, "seed must be in [0, "), (1e400, "seed must be a "), ("1.5", "whole number")):
+    for seed, msg in ((10 ** 400, "seed must be in [0, "), (1e400, "seed must be a "), ("1.5", "whole number"),
+                      ("--5", "seed must be a number"), ("+-5", "seed must be a number")):
         with pytest.raises(UsageError, match=re.escape(msg)):
             settings(Form(seed=seed), srv, tmp_path)
     root = tmp_path / "root"
