@@ -154,8 +154,8 @@ def load_world(directory=None, device="cpu", dtype=torch.float32) -> tuple[World
                               f"{e.strerror or type(e).__name__})") from None
     except (ValueError, KeyError, TypeError, AttributeError, RuntimeError, ArithmeticError, AssertionError) as e:
         # (not JSON, not UTF-8, a missing or mistyped field, a size the layers refuse: -256 channels)
-        raise WorldModelError(f"{d / 'config.json'}: not a world-model config ({type(e).__name__}: "
-                              f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})") from None
+        from .state_dicts import first_line
+        raise WorldModelError(f"{d / 'config.json'}: not a world-model config ({first_line(e)})") from None
     try:
         sd = load_file(str(d / "model.safetensors"))
     except FileNotFoundError:
