@@ -159,7 +159,8 @@ def build(server: Server):
                         sink = gr.Number(0, label="sink (latent frames)", precision=0)
                     with gr.Row():
                         frames = gr.Slider(1, 301, value=31, step=3, label="length (frames)", elem_id="qvg-frames")
-                        seed = gr.Number(0, label="seed", precision=0)
+                        # a Textbox: a browser's number field holds a double, so seeds past 2**53 would be rounded
+                        seed = gr.Textbox("0", label="seed", elem_id="qvg-seed")
                     compare = gr.Checkbox(False, label="compare with BF16 (same seed, side by side, PSNR per chunk)",
                                           elem_id="qvg-compare")
                 with gr.Row():

@@ -48,7 +48,7 @@ class Form:
     history: str = "full"  # full | window
     window: float | None = 12
     sink: float | None = 0
-    seed: float | None = 0
+    seed: str | float | None = 0
     frames: float | None = 31
     compare: bool = False
 

@@ -467,6 +467,17 @@ def test_whole_numbers_are_read_exactly(tmp_path):
     assert sf["prompt"] == DEFAULT_PROMPT  # (None was an AttributeError)
 
 
+def test_the_pages_seed_is_text_so_big_seeds_stay_exact(client):
+    """The page's seed field is text: a browser's number field holds a double, so 2**53 + 1 typed there was sent
+    as 2**53. The text reaches the run's report exactly."""
+    import gradio as gr
+    seed = [c for c in SERVER["app"].blocks.values() if getattr(c, "elem_id", None) == "qvg-seed"]
+    assert len(seed) == 1 and isinstance(seed[0], gr.Textbox) and seed[0].value == "0"
+    last = _wait(client.submit(*form(seed=" 9007199254740993 ", frames=3), api_name="/generate"))[-1]
+    assert last[STATUS].startswith("**done"), last[STATUS]
+    assert json.loads(open(last[REPORTS][0]).read())["seed"] == 2 ** 53 + 1
+
+
 def test_cli_binds_localhost_by_default(monkeypatch, tmp_path, capsys):
     import qvg.app.ui as ui
     seen = {}
