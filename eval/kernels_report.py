@@ -111,43 +111,9 @@ def render(d: dict, notes: str = "") -> str:
     elif d.get("compress"):
         out += ["## Compress", "", f"Not measured in this run: `{d['compress'].get('error')}`", ""]
     if isinstance(d.get("attention"), list):
-        out += ["## Attention over the packed cache (12 heads x 128, 4680 queries)", "",
-                "staged = the history decoded window by window into an L2-sized BF16 buffer by the dequant kernel, "
-                "attended by a flash kernel that carries the softmax state; fused = decoded on chip per query "
-                "block. SDPA = torch's flash backend on the materialized BF16 cache. Target: >= "
-                f"{TARGETS['attention_vs_sdpa']:.0%} of SDPA's throughput, no BF16 history allocated.", "",
-                "| keys | SDPA ms (TFLOP/s) | staged ms (TFLOP/s) | staged / SDPA | +BF16 tail ms | RoPE on read ms | "
-                "fused ms | fused, RoPE on chip ms | dequant-all + SDPA ms | target |",
-                "|---|---|---|---|---|---|---|---|---|---|"]
-        for r in d["attention"]:
-            s = r["staged"]
-            out.append(f"| {r['keys']} | {r['sdpa_flash_ms']:.3f} ({r['sdpa_TFLOPs']:.0f}) | {s['ms']:.3f} "
-                       f"({s['TFLOPs']:.0f}) | {r['staged_vs_sdpa_throughput']:.0%} | "
-                       f"{r['staged_history_plus_bf16_tail_ms']:.3f} | {r['staged_rope_on_read_ms']:.3f} | "
-                       f"{r['fused']['ms']:.3f} | {_ms(r.get('fused_rope_on_chip'))} | {r['dequant_then_sdpa_ms']:.3f} | "
-                       f"{_ok(r['staged_vs_sdpa_throughput'] >= TARGETS['attention_vs_sdpa'])} |")
-        out += ["", "Peak transient GPU memory during one call (bytes above what was allocated before it), and "
-                "accuracy:", "", "| keys | packed K+V MB | BF16 K+V history MB | SDPA (cache already BF16) | "
-                "staged | fused | dequant-all + SDPA | rel. err staged / fused vs SDPA on the dequantized cache | "
-                "rel. err vs fp32 reference (512 queries) | with RoPE on read, vs fp32 reference: staged / fused on "
-                "chip | with RoPE, peak MB: staged; fused on chip by schedule |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in d["attention"]:
-            p, e = r["peak_transient_bytes"], r["rel_err_vs_sdpa_on_dequantized"]
-            ref = r.get("rel_err_vs_fp32_reference_512_queries") or {}
-            ref_s = " / ".join(f"{k} {_err(v)}" for k, v in ref.items()) or "-"
-            out.append(f"| {r['keys']} | {r['packed_bytes_kv'] / 1e6:.0f} | {r['bf16_history_bytes_kv'] / 1e6:.0f} | "
-                       f"{p['sdpa_on_materialized'] / 1e6:.0f} | {p['staged'] / 1e6:.0f} | {p['fused'] / 1e6:.0f} | "
-                       f"{p['dequant_then_sdpa'] / 1e6:.0f} | {_err(e['staged'])} / {_err(e['fused'])} | {ref_s} | "
-                       f"{_err(r.get('staged_rope_rel_err_vs_fp32_reference_512_queries'))} / "
-                       f"{_err(r.get('fused_rope_rel_err_vs_fp32_reference_512_queries'))} | {_rope_peaks(r)} |")
-        out.append("")
+        out += _attention(d["attention"])
     if isinstance(d.get("ablation"), dict):
-        out += ["## Where the fused (on-chip) kernel's time goes", "",
-                "Same kernel, 32760 keys, storage formats of growing decode cost (best of a few tile configs):", "",
-                "| format | ms | TFLOP/s |", "|---|---|---|"]
-        for k, v in d["ablation"].items():
-            out.append(f"| {k} | {v['ms']:.3f} | {v['TFLOPs']:.0f} |")
-        out.append("")
+        out += _ablation(d["ablation"], d.get("attention"))
     if isinstance(d.get("kmeans"), dict):
         k = d["kmeans"]
         out += ["## k-means kernels vs the torch reference ([8, 4680, 128], K=256, 4 iterations, same seed)", "",
@@ -157,6 +123,82 @@ def render(d: dict, notes: str = "") -> str:
     if notes:
         out += ["## Notes", "", notes.strip(), ""]
     return "\n".join(out)
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0%}"
+
+
+def _attention(rows: list[dict]) -> list[str]:
+    """The attention section. The target is the issue's: the on-chip (fused) read at >= 85% of SDPA-flash's
+    throughput on the materialized cache, without allocating the BF16 history. The staged read (decoded through
+    L2-sized BF16 windows) and the windowed read (the cache's default on the GPU: each layer's history decoded
+    into one BF16 window, then torch's default SDPA) are shown beside it, not judged: neither decodes on chip."""
+    target = TARGETS["attention_vs_sdpa"]
+    out = ["## Attention over the packed cache (12 heads x 128, 4680 queries)", "",
+           "The history is packed as qvg INT2 S1/B64 (other formats: the next section). on chip = the fused kernel: K and V tiles decoded on chip per query block (the issue's kernel). "
+           "staged = the history decoded window by window into an L2-sized BF16 buffer by the dequant kernel, "
+           "attended by a flash kernel that carries the softmax state. windowed = the KV cache's default read on "
+           "the GPU: the layer's history decoded into one BF16 window (up to 1 GiB), then torch's default SDPA. "
+           "SDPA-flash = torch's flash backend on the materialized BF16 cache (the issue's baseline); SDPA default "
+           "= torch's own choice there (cuDNN on Hopper). Target: the on-chip read at >= "
+           f"{target:.0%} of SDPA-flash's throughput, no BF16 history allocated.", "",
+           "| keys | SDPA-flash ms (TFLOP/s) | SDPA default ms | on chip ms (TFLOP/s) | on chip / SDPA-flash | "
+           "on chip / SDPA default | staged ms (TFLOP/s) | staged / SDPA-flash | windowed ms | windowed / SDPA "
+           "default | target (on chip) |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        s, f = r["staged"], r["fused"]
+        dflt = r.get("sdpa_default_ms")
+        on_default = None if dflt is None else dflt / f["ms"]
+        no_history = r["peak_transient_bytes"]["fused"] < r["bf16_history_bytes_kv"]
+        ok = r["fused_vs_sdpa_throughput"] >= target and no_history
+        out.append(_row(r["keys"], f"{r['sdpa_flash_ms']:.3f} ({r['sdpa_TFLOPs']:.0f})",
+                        "-" if dflt is None else f"{dflt:.3f}", f"{f['ms']:.3f} ({f['TFLOPs']:.0f})",
+                        _pct(r["fused_vs_sdpa_throughput"]), _pct(on_default), f"{s['ms']:.3f} ({s['TFLOPs']:.0f})",
+                        _pct(r["staged_vs_sdpa_throughput"]), _ms({"ms": r["windowed_sdpa_ms"]} if
+                                                                 "windowed_sdpa_ms" in r else None),
+                        _pct(r.get("windowed_vs_sdpa_default_throughput")),
+                        _ok(ok) + ("" if no_history else " (allocates the BF16 history)")))
+    out += ["", "Variants of the reads (ms):", "",
+            "| keys | staged + BF16 tail | staged, RoPE on read | on chip, RoPE on chip | windowed + BF16 tail | "
+            "dequant-all + SDPA-flash |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(_row(r["keys"], f"{r['staged_history_plus_bf16_tail_ms']:.3f}", f"{r['staged_rope_on_read_ms']:.3f}",
+                        _ms(r.get("fused_rope_on_chip")),
+                        _ms({"ms": r["windowed_history_plus_bf16_tail_ms"]} if
+                            "windowed_history_plus_bf16_tail_ms" in r else None),
+                        f"{r['dequant_then_sdpa_ms']:.3f}"))
+    out += ["", "Peak transient GPU memory during one call (MB above what was allocated before it), and accuracy:", "",
+            "| keys | packed K+V MB | BF16 K+V history MB | SDPA (cache already BF16) | on chip | staged | windowed | "
+            "dequant-all + SDPA | rel. err staged / on chip vs SDPA on the dequantized cache | rel. err vs fp32 "
+            "reference (512 queries) | with RoPE on read, vs fp32 reference: staged / on chip | with RoPE, peak MB: "
+            "staged; on chip by schedule |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        p, e = r["peak_transient_bytes"], r["rel_err_vs_sdpa_on_dequantized"]
+        ref = r.get("rel_err_vs_fp32_reference_512_queries") or {}
+        ref_s = " / ".join(f"{'on chip' if k == 'fused' else k} {_err(v)}" for k, v in ref.items()) or "-"
+        win = r.get("windowed_peak_transient_bytes")
+        out.append(_row(r["keys"], f"{r['packed_bytes_kv'] / 1e6:.0f}", f"{r['bf16_history_bytes_kv'] / 1e6:.0f}",
+                        f"{p['sdpa_on_materialized'] / 1e6:.0f}", f"{p['fused'] / 1e6:.0f}", f"{p['staged'] / 1e6:.0f}",
+                        "-" if win is None else f"{win / 1e6:.0f}", f"{p['dequant_then_sdpa'] / 1e6:.0f}",
+                        f"{_err(e['staged'])} / {_err(e['fused'])}", ref_s,
+                        f"{_err(r.get('staged_rope_rel_err_vs_fp32_reference_512_queries'))} / "
+                        f"{_err(r.get('fused_rope_rel_err_vs_fp32_reference_512_queries'))}", _rope_peaks(r)))
+    return out + [""]
+
+
+def _ablation(ab: dict, attention) -> list[str]:
+    """The on-chip kernel over storage formats of growing decode cost, each as a share of SDPA-flash at the same
+    32,760 keys (from the attention section of the same run, where there is one)."""
+    sdpa = next((r["sdpa_flash_ms"] for r in attention or () if r["keys"] == 32760), None)
+    out = ["## Where the on-chip (fused) kernel's time goes", "",
+           "Same kernel, 32760 keys, storage formats of growing decode cost (best of a few tile configs); "
+           "of SDPA-flash = its throughput as a share of SDPA-flash's on the materialized cache in this run "
+           f"(the attention section above measures qvg int2 S1 B64; its target is >= {TARGETS['attention_vs_sdpa']:.0%}):", "",
+           "| format | ms | TFLOP/s | of SDPA-flash |", "|---|---|---|---|"]
+    for k, v in ab.items():
+        out.append(_row(k, f"{v['ms']:.3f}", f"{v['TFLOPs']:.0f}", "-" if sdpa is None else f"{sdpa / v['ms']:.0%}"))
+    return out + [""]
 
 
 def main(argv=None) -> int:
