@@ -1,6 +1,8 @@
-"""The tiny pipeline: the same causal Wan transformer, loop, cache and Wan VAE as Self-Forcing, at a size that runs
-on a laptop CPU. Until the trained embedded model ships (assets/), its weights are a seeded random init, so its
-video is structured noise: good for exercising the product end to end, not for judging quality."""
+"""A tiny Self-Forcing model: the same causal Wan transformer, loop, cache and Wan VAE as the real one, at a size
+that runs on a laptop CPU, with seeded random weights (`build_tiny`), so its video is structured noise: the tests
+build it to exercise the Self-Forcing path end to end. (qvg-generate's `--pipeline tiny` runs the trained embedded
+world model instead, pipelines/world_model.py.) Also Wan's frame rate and its frames -> latent frames rule, which
+the Self-Forcing path of qvg-generate uses."""
 from __future__ import annotations
 
 import torch

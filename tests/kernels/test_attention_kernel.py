@@ -315,6 +315,48 @@ def test_history_is_never_materialized():
     assert transient["staged"] < bf16_bytes / 2, (transient, bf16_bytes)
 
 
+class _Allocations:
+    """A dispatch mode that records the bytes of every new storage an op returns (views and the interpreter's
+    storage swaps are not allocations)."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        rec = self.bytes = []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if func.is_view or str(func).startswith("aten.set_"):
+                    return out
+                ins = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                       if isinstance(a, torch.Tensor)}
+                for o in torch.utils._pytree.tree_leaves(out):
+                    if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in ins:
+                        rec.append(o.untyped_storage().nbytes())
+                return out
+        self.mode = Mode()
+
+
+def test_no_history_sized_allocation_under_the_interpreter(device):
+    """What test_history_is_never_materialized checks on a GPU, in CI: over 8 chunks of history (80 KiB of BF16 K),
+    the on-chip read allocates its output and nothing more (every allocation together below a quarter of the BF16
+    K + V history), and the staged read one window at a time (the largest allocation one 64-token window of K)."""
+    if device != "cpu":
+        pytest.skip("the interpreter's run; on a GPU test_history_is_never_materialized measures the allocator")
+    kh, vh = _history("qvg", chunks=8)
+    q, kt, vt = _qkv(m=16, t=8)
+    history = 2 * kh.shape[0] * kh.shape[1] * kh.shape[2] * kh.shape[3] * 2  # BF16 K + V
+    for fn, kw, most in ((packed_attention, {}, q.numel() * 2),
+                         (staged_attention, {"window": 64}, HKV * 64 * D * 2)):
+        rec = _Allocations()
+        with rec.mode:
+            out = fn(q, kh, vh, kt, vt, block_m=16, block_n=32, **kw)
+        assert torch.isfinite(out).all()
+        assert max(rec.bytes) <= most and sum(rec.bytes) < history / (4 if fn is packed_attention else 1), (
+            fn.__name__, sorted(rec.bytes)[-4:], history)
+
+
 @pytest.mark.parametrize("b", [1, 2])
 def test_staged_reads_a_tail_view_in_place(b, device):
     """The tail as a view of the first tokens of a longer buffer (the cache's BF16 zones) gives the same result
