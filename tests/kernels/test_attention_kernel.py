@@ -16,7 +16,8 @@ from qvg.kernels.dequant import _rope_args
 from qvg.sequence import PackedSequence
 
 L, CHUNKS, HKV, HQ, D = 40, 3, 2, 4, 64  # 3 chunks of 40 tokens: N = 120, not a multiple of the 32-token tiles
-TOL = 2e-2  # relative Frobenius error: BF16 operands in QK^T and PV
+TOL = 1e-2  # relative Frobenius error: BF16 operands in QK^T and PV and a BF16 output (0.40-0.41% under the
+# interpreter at most, 2026-11-30: the BF16 floor; 2e-2 before, 5x that floor)
 METHODS = {  # grids explicit: the method presets may change
     "qvg": ("qvg", {"centroids": 8, "grid": "midrise"}),
     "qvg-auto": ("qvg", {"centroids": 8, "grid": "auto"}),  # the default grid: per-group sym or midrise
@@ -133,7 +134,7 @@ def test_key_schedules(schedule, name, device):
     out = _run("packed", device, q, kh, vh, kt, vt, **schedule)
     err = rel_err(out, ref)
     assert err < TOL, f"{schedule}: {err:.4f}"
-    # the pieces are BF16: against one share, about one more BF16 rounding (2^-9 relative), not TOL's 2e-2
+    # the pieces are BF16: against one share, about one more BF16 rounding (2^-9 relative), not TOL's 1e-2
     drift = rel_err(out, _run("packed", device, q, kh, vh, kt, vt, splits=1).float())
     assert drift < 4e-3, f"{schedule} vs one share: {drift:.5f}"
 
