@@ -89,6 +89,10 @@ def render(d: dict, notes: str = "") -> str:
         out.append("")
     if isinstance(d.get("compress"), list):
         out += ["## Compress (2 warm-started k-means iterations + PRQ + pack)", "",
+                "ms = `compress_prq` eagerly (the kernels the cache's commits run, from their graph); API ms = "
+                "`qvg.compress(x, method, init=...)`, whose input checks include a NaN/inf scan that waits for the GPU "
+                "(a host sync: the compress's launches are then no longer queued ahead of the GPU); "
+                "`check_finite=False` skips it. The target is judged on ms.", "",
                 "| shape | method | ms | CUDA-graph replay ms | assign ms | update ms (one-hot update) | residual ms (per stage) | "
                 "pack ms | API ms (with input checks) | torch ref ms | ids = torch ref | MSE kernels / torch | target |",
                 "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
