@@ -50,3 +50,24 @@ def test_kmeans_cuda_deterministic_and_warm():
     assert a.ids.dtype == torch.uint8
     w = kmeans(x, 256, iters=2, init=a.centroids, track=True)
     assert bool((w.trace[1:] <= w.trace[:-1] * (1 + 1e-5)).all())
+
+
+@cuda
+@pytest.mark.parametrize("method", qvg.methods())
+def test_non_finite_input_is_refused_on_cuda_after_the_queued_compression(method):
+    """On CUDA the NaN/inf scan's verdict is waited for after the compression is queued (which then ran on the bad
+    input): every method, cold and warm-started, still raises the one ValueError, and the device stays usable (no
+    device-side assert from indices computed off NaN data: the next compression is the same as on a fresh input)."""
+    kw = {"centroids": 16} if method.startswith("qvg") else {}
+    x = _clustered(n=512).bfloat16()
+    good = qvg.compress(x, method, **kw)
+    for bad_value in (float("nan"), float("inf"), -float("inf")):
+        bad = x.clone()
+        bad[0, 1, 100, 7] = bad_value
+        for init in ((None, good) if kw else (None,)):
+            with pytest.raises(ValueError, match="non-finite"):
+                qvg.compress(bad, method, init=init, **kw)
+    again = qvg.compress(x, method, **kw)
+    torch.cuda.synchronize()
+    assert all(torch.equal(good.tensors[n], again.tensors[n]) for n in good.tensors)
+    assert qvg.compress(bad, method, check_finite=False, **kw).device.type == "cuda"  # (no scan, no error)

@@ -78,7 +78,27 @@ def _check_input(x, finite: bool = True) -> None:
     if x.numel() == 0:
         raise ValueError(f"x is empty (shape {tuple(x.shape)})")
     if finite and not bool(torch.isfinite(x).all()):
-        raise ValueError("x holds non-finite values (NaN or inf)")
+        raise ValueError(NON_FINITE)
+
+
+NON_FINITE = "x holds non-finite values (NaN or inf)"
+
+
+def _finite_later(x: torch.Tensor):
+    """On CUDA: queue the NaN/inf scan of x and a copy of its verdict to pinned host memory, and return the check
+    that raises on it (called after the compression is queued: the scan's wait for the GPU then overlaps the
+    compression's launches instead of stalling them)."""
+    bad = torch.isfinite(x).all().logical_not()
+    host = torch.empty((), dtype=torch.bool, pin_memory=True)
+    host.copy_(bad, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+
+    def check() -> None:
+        done.synchronize()
+        if bool(host):
+            raise ValueError(NON_FINITE)
+    return check
 
 
 def compress(x: torch.Tensor, method: str = "qvg", *, bits: int | None = None, block_size: int | None = None,
@@ -90,17 +110,23 @@ def compress(x: torch.Tensor, method: str = "qvg", *, bits: int | None = None, b
     stages=4). `init` warm-starts k-means (qvg, qvg-pro) with a previous chunk's centroids: pass its Packed or a
     [S, B, H, K, D] tensor. Further options: grid ("midrise" | "sym" | "asym"), scale_dtype ("fp8" | "bf16"),
     iters, seeding (qvg*), signs (quarot), role ("key" | "value") and residual (kivi). Raises ValueError naming
-    the problem for bad input. check_finite=False skips the NaN/inf scan (a full pass over x and a host sync):
-    for callers whose inputs are model activations on the hot path, such as the KV cache's commit.
+    the problem for bad input. check_finite=False skips the NaN/inf scan (a full pass over x and a wait for it):
+    for callers whose inputs are model activations on the hot path, such as the KV cache's commit. On CUDA the scan
+    is queued before the compression and its verdict is waited for after the compression is queued, so the wait
+    does not hold back the compression's launches (the compression then ran on the bad input and is dropped).
     """
     m = get_method(method)
-    _check_input(x, check_finite)
+    later = check_finite and isinstance(x, torch.Tensor) and x.is_cuda
+    _check_input(x, check_finite and not later)
     x = x.detach()  # stored tensors never keep an autograd graph (and what it holds) alive
     o = resolve_options(method, tuple(x.shape), bits=bits, block_size=block_size, stages=stages,
                         centroids=centroids, seed=seed, **options)
     if init is not None and not m.warm_start:
         raise ValueError(f"method {method!r} takes no init (only k-means methods warm-start)")
+    finite = _finite_later(x) if later else None
     tensors = m.compress(x, o, init) if m.warm_start else m.compress(x, o)
+    if finite is not None:
+        finite()
     return Packed(method, tuple(x.shape), x.dtype, tensors, o)
 
 
