@@ -92,7 +92,7 @@ def _finite_later(x: torch.Tensor):
     host = torch.empty((), dtype=torch.bool, pin_memory=True)
     host.copy_(bad, non_blocking=True)
     done = torch.cuda.Event()
-    done.record()
+    done.record(torch.cuda.current_stream(x.device))  # (x's device: the current device may be another)
 
     def check() -> None:
         done.synchronize()
