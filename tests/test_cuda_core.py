@@ -71,3 +71,47 @@ def test_non_finite_input_is_refused_on_cuda_after_the_queued_compression(method
     torch.cuda.synchronize()
     assert all(torch.equal(good.tensors[n], again.tensors[n]) for n in good.tensors)
     assert qvg.compress(bad, method, check_finite=False, **kw).device.type == "cuda"  # (no scan, no error)
+
+
+@cuda
+def test_the_finite_verdict_is_awaited_after_the_compression_is_queued(monkeypatch):
+    """The order on CUDA: the scan is queued, then the compression, then its verdict is awaited; and a NaN input
+    whose options are also wrong is named non-finite first, as on the CPU."""
+    import dataclasses
+
+    import qvg.compression as C
+    log, real_later, real_get = [], C._finite_later, C.get_method
+
+    def later(x):
+        log.append("scan queued")
+        check = real_later(x)
+        return lambda: (log.append("verdict awaited"), check())
+
+    def get_method(name):
+        m = real_get(name)
+        return dataclasses.replace(m, compress=lambda *a: (log.append("compression queued"), m.compress(*a))[1])
+    monkeypatch.setattr(C, "_finite_later", later)
+    monkeypatch.setattr(C, "get_method", get_method)
+    x = _clustered(n=256).bfloat16()
+    qvg.compress(x, "rtn")
+    assert log == ["scan queued", "compression queued", "verdict awaited"], log
+    x[0, 0, 3, 5] = float("nan")
+    with pytest.raises(ValueError, match="non-finite"):
+        qvg.compress(x, "rtn", bits=3)  # (bits=3 alone: "unsupported bits")
+    with pytest.raises(ValueError, match="non-finite"):
+        qvg.compress(torch.full((1, 1, 4, 64), float("nan")), "rtn", bits=3)  # (CPU: the same)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+def test_the_finite_verdict_waits_on_the_inputs_device():
+    """x on cuda:1 while cuda:0 is current, behind a long kernel on cuda:1: the verdict is the scan's, not the
+    pinned buffer's value before the copy lands."""
+    with torch.cuda.device(0):
+        for _ in range(3):
+            x = _clustered(n=256, device="cuda:1").bfloat16()
+            x[0, 0, 3, 5] = float("nan")
+            with torch.cuda.device(1):
+                torch.cuda._sleep(50_000_000)  # cuda:1 busy: the scan and its copy land late
+            with pytest.raises(ValueError, match="non-finite"):
+                qvg.compress(x, "rtn")
+            assert qvg.compress(x.nan_to_num(), "rtn").device == torch.device("cuda:1")

@@ -113,18 +113,25 @@ def compress(x: torch.Tensor, method: str = "qvg", *, bits: int | None = None, b
     the problem for bad input. check_finite=False skips the NaN/inf scan (a full pass over x and a wait for it):
     for callers whose inputs are model activations on the hot path, such as the KV cache's commit. On CUDA the scan
     is queued before the compression and its verdict is waited for after the compression is queued, so the wait
-    does not hold back the compression's launches (the compression then ran on the bad input and is dropped).
+    does not hold back the compression's launches (the compression then ran on the bad input and is dropped); any
+    other error is raised after that verdict, as on the CPU, where the scan comes first. Inside a CUDA graph capture
+    pass check_finite=False (the verdict cannot be waited for there).
     """
     m = get_method(method)
     later = check_finite and isinstance(x, torch.Tensor) and x.is_cuda
     _check_input(x, check_finite and not later)
-    x = x.detach()  # stored tensors never keep an autograd graph (and what it holds) alive
-    o = resolve_options(method, tuple(x.shape), bits=bits, block_size=block_size, stages=stages,
-                        centroids=centroids, seed=seed, **options)
-    if init is not None and not m.warm_start:
-        raise ValueError(f"method {method!r} takes no init (only k-means methods warm-start)")
     finite = _finite_later(x) if later else None
-    tensors = m.compress(x, o, init) if m.warm_start else m.compress(x, o)
+    try:
+        x = x.detach()  # stored tensors never keep an autograd graph (and what it holds) alive
+        o = resolve_options(method, tuple(x.shape), bits=bits, block_size=block_size, stages=stages,
+                            centroids=centroids, seed=seed, **options)
+        if init is not None and not m.warm_start:
+            raise ValueError(f"method {method!r} takes no init (only k-means methods warm-start)")
+        tensors = m.compress(x, o, init) if m.warm_start else m.compress(x, o)
+    except Exception as e:
+        if finite is not None:
+            finite()  # (non-finite input is named first, whatever else failed)
+        raise
     if finite is not None:
         finite()
     return Packed(method, tuple(x.shape), x.dtype, tensors, o)
