@@ -8,6 +8,7 @@ is checked: the loader reads the files it finds inside it, following symlinks (t
 """
 from __future__ import annotations
 
+import decimal
 import os
 import re
 import shutil
@@ -106,6 +107,18 @@ def _num(value, name: str) -> str | None:
     text = str(value).strip()
     if re.fullmatch(r"[+-]?[0-9]{1,4000}", text):  # (within int()'s digit limit; the range is qvg-generate's check)
         return str(int(text))
+    if isinstance(value, str):  # "9007199254740993.0" or "9.007199254740993e15": exactly, not through a float
+        try:
+            d = decimal.Decimal(text)
+        except decimal.InvalidOperation:
+            raise UsageError(f"{name} must be a number, got {value!r}") from None
+        if not d.is_finite():
+            raise UsageError(f"{name} must be a number, got {value!r}")
+        if d != d.to_integral_value():
+            raise UsageError(f"{name} must be a whole number, got {value}")
+        if d.adjusted() >= 4000:
+            raise UsageError(f"{name} is too large, got {text[:20]}{'...' * (len(text) > 20)}")
+        return str(int(d))
     try:
         f = float(value)
     except (TypeError, ValueError, OverflowError):

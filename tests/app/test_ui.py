@@ -455,10 +455,13 @@ def test_whole_numbers_are_read_exactly(tmp_path):
     as 2**63), a huge one is one message (it was an OverflowError), and a missing prompt is the default one."""
     from qvg.app.generate import DEFAULT_PROMPT
     srv = Server(None, None)
-    for seed in (2 ** 53 + 1, 2 ** 63 - 1, "9007199254740993"):
-        assert settings(Form(seed=seed), srv, tmp_path)[0]["seed"] == int(seed)
+    for seed, want in ((2 ** 53 + 1, 2 ** 53 + 1), (2 ** 63 - 1, 2 ** 63 - 1), ("9007199254740993", 2 ** 53 + 1),
+                       ("9007199254740993.0", 2 ** 53 + 1), ("9.007199254740993e15", 2 ** 53 + 1)):  # (text: exactly)
+        assert settings(Form(seed=seed), srv, tmp_path)[0]["seed"] == want, seed
     for seed, msg in ((10 ** 400, "seed must be in [0, "), (1e400, "seed must be a "), ("1.5", "whole number"),
-                      ("--5", "seed must be a number"), ("+-5", "seed must be a number")):
+                      ("--5", "seed must be a number"), ("+-5", "seed must be a number"),
+                      ("1e400", "seed must be in [0, "), ("1e5000", "seed is too large, got 1e5000"),
+                      ("nan", "seed must be a number"), ("0x10", "seed must be a number")):
         with pytest.raises(UsageError, match=re.escape(msg)):
             settings(Form(seed=seed), srv, tmp_path)
     root = tmp_path / "root"
