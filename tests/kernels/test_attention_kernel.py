@@ -339,23 +339,29 @@ class _Allocations:
         self.mode = Mode()
 
 
-def test_no_history_sized_allocation_under_the_interpreter(device):
-    """What test_history_is_never_materialized checks on a GPU, in CI: over 8 chunks of history (80 KiB of BF16 K),
-    the on-chip read allocates its output and nothing more (every allocation together below a quarter of the BF16
-    K + V history), and the staged read one window at a time (the largest allocation one 64-token window of K)."""
+ALLOCATION_CASES = [("packed", "qvg", {}), ("packed", "qvg", {"splits": 4}), ("packed", "qvg", {"programs": 4}),
+                    ("packed", "qvg-pro", {}), ("packed", "qvg-pro", {"splits": 4}), ("staged", "qvg", {"window": 64})]
+
+
+@pytest.mark.parametrize("kind,name,kw", ALLOCATION_CASES, ids=[f"{k}-{n}-{kw}" for k, n, kw in ALLOCATION_CASES])
+def test_no_history_sized_allocation_under_the_interpreter(kind, name, kw, device):
+    """What test_history_is_never_materialized checks on a GPU, in CI: over 16 chunks of history (160 KiB of BF16
+    K), the on-chip read allocates its output, or one partial output per key split (stream-K: a partial query block
+    per program), and nothing of the history's size (every allocation together below a quarter of the BF16 K + V
+    history); the staged read one window at a time (the largest allocation one 64-token window of K)."""
     if device != "cpu":
         pytest.skip("the interpreter's run; on a GPU test_history_is_never_materialized measures the allocator")
-    kh, vh = _history("qvg", chunks=8)
+    kh, vh = _history(name, chunks=16)
     q, kt, vt = _qkv(m=16, t=8)
     history = 2 * kh.shape[0] * kh.shape[1] * kh.shape[2] * kh.shape[3] * 2  # BF16 K + V
-    for fn, kw, most in ((packed_attention, {}, q.numel() * 2),
-                         (staged_attention, {"window": 64}, HKV * 64 * D * 2)):
-        rec = _Allocations()
-        with rec.mode:
-            out = fn(q, kh, vh, kt, vt, block_m=16, block_n=32, **kw)
-        assert torch.isfinite(out).all()
-        assert max(rec.bytes) <= most and sum(rec.bytes) < history / (4 if fn is packed_attention else 1), (
-            fn.__name__, sorted(rec.bytes)[-4:], history)
+    fn = packed_attention if kind == "packed" else staged_attention
+    most = HKV * 64 * D * 2 if kind == "staged" else q.numel() * 2 * max(1, kw.get("splits", 1))
+    rec = _Allocations()
+    with rec.mode:
+        out = fn(q, kh, vh, kt, vt, block_m=16, block_n=32, **kw)
+    assert torch.isfinite(out).all()
+    assert max(rec.bytes) <= most and sum(rec.bytes) < history / (4 if kind == "packed" else 1), (
+        sorted(rec.bytes)[-4:], most, history)
 
 
 @pytest.mark.parametrize("b", [1, 2])
