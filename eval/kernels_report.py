@@ -90,8 +90,8 @@ def render(d: dict, notes: str = "") -> str:
     if isinstance(d.get("compress"), list):
         out += ["## Compress (2 warm-started k-means iterations + PRQ + pack)", "",
                 "ms = `compress_prq` eagerly (the kernels the cache's commits run, from their graph); API ms = "
-                "`qvg.compress(x, method, init=...)`, whose input checks include a NaN/inf scan that waits for the GPU "
-                "(a host sync: the compress's launches are then no longer queued ahead of the GPU); "
+                "`qvg.compress(x, method, init=...)` with its input checks, whose NaN/inf scan is waited for (before "
+                "f6361e5 ahead of the compression, which stalled its launches; since, after they are queued); "
                 "`check_finite=False` skips it. The target is judged on ms.", "",
                 "| shape | method | ms | CUDA-graph replay ms | assign ms | update ms (one-hot update) | residual ms (per stage) | "
                 "pack ms | API ms (with input checks) | torch ref ms | ids = torch ref | MSE kernels / torch | target |",
@@ -145,7 +145,7 @@ def _attention(rows: list[dict]) -> list[str]:
            "attended by a flash kernel that carries the softmax state. windowed = the KV cache's default read on "
            "the GPU: the layer's history decoded into one BF16 window (up to 1 GiB), then torch's default SDPA. "
            "SDPA-flash = torch's flash backend on the materialized BF16 cache (the issue's baseline); SDPA default "
-           "= torch's own choice there (cuDNN on Hopper). Target: the on-chip read at >= "
+           "= torch's own choice there (on Hopper it times as the cuDNN backend does: profile_pipeline's sdpa_ms). Target: the on-chip read at >= "
            f"{target:.0%} of SDPA-flash's throughput, no BF16 history allocated.", "",
            "| keys | SDPA-flash ms (TFLOP/s) | SDPA default ms | on chip ms (TFLOP/s) | on chip / SDPA-flash | "
            "on chip / SDPA default | staged ms (TFLOP/s) | staged / SDPA-flash | windowed ms | windowed / SDPA "
