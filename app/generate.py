@@ -445,10 +445,18 @@ class Generation:
         return chunks, start[:, None]
 
     def __iter__(self):
+        import contextlib
         import time
+
+        import torch
+        dev = self.s["device"]
+        # the chunks run with their device current: the Triton kernels and the cache's CUDA graphs and streams
+        # belong to the current device (with cuda:1 given, cuda:0 stayed current)
+        on_device = (lambda: torch.cuda.device(dev)) if dev.type == "cuda" else contextlib.nullcontext
         while True:
             t0 = time.perf_counter()
-            res = next(self._chunks, None)
+            with on_device():
+                res = next(self._chunks, None)
             if res is None:
                 return
             mem = self.cache.memory()

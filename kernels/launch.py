@@ -119,7 +119,24 @@ def _launchable(kernel) -> bool:
 
 def launch(fn, grid, *args, **kw):
     """`fn[grid](*args, **kw)` (a Triton JITFunction), by its compiled kernel's launcher when this key has been
-    launched before (see the module docstring)."""
+    launched before (see the module docstring). On the device of the first CUDA tensor among args (Triton, and the
+    launcher, launch on the current device: tensors on another one were refused)."""
+    dev = _tensor_device(args)
+    if dev >= 0 and dev != torch.cuda.current_device():
+        with torch.cuda.device(dev):
+            return _launch(fn, grid, args, kw)
+    return _launch(fn, grid, args, kw)
+
+
+def _tensor_device(args) -> int:
+    """The CUDA device index of the first tensor among args, or -1 (none, or it is on the CPU)."""
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a.get_device()
+    return -1
+
+
+def _launch(fn, grid, args, kw):
     if not ENABLED or type(grid) is not tuple or getattr(fn, "pre_run_hooks", None):  # (hooks: Triton runs them)
         return fn[grid](*args, **kw)
     plan = _plan(fn)

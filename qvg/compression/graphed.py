@@ -51,7 +51,7 @@ class GraphedCompress:
                None if init is None else (tuple(init.shape), init.dtype), preset)
         e = self._graphs.get(key)
         if e is None:
-            with kernels_compress.use_variant(preset):
+            with kernels_compress.use_variant(preset), torch.cuda.device(x.device):  # (captured on x's device)
                 e = self._graphs[key] = self._capture(x, method, init, options)
         e["x"].copy_(x)
         if init is not None:

@@ -573,3 +573,21 @@ def test_a_long_valid_file_name_is_written(tmp_path):
         assert main(["--frames", "4", "--method", "bf16", "--out", str(out), "--quiet"]) == 0
         assert out.is_file() and out.with_suffix(".json").is_file()
     assert len(list(tmp_path.iterdir())) == 4
+
+
+@pytest.mark.parametrize("method", ["qvg", "qvg-pro"])
+def test_runs_on_the_second_gpu(tmp_path, method):
+    """--device cuda:1: the whole run on that GPU (the Triton kernels and the cache's graphs ran on the current
+    device, cuda:0, and failed), and the same video and report numbers as on cuda:0."""
+    import torch
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs")
+    import imageio.v3 as iio
+    reps, videos = [], []
+    for dev in ("cuda:0", "cuda:1"):
+        out = tmp_path / f"{dev[-1]}.mp4"
+        assert main(["--device", dev, "--method", method, "--frames", "10", "--out", str(out), "--quiet"]) == 0
+        reps.append(json.loads(out.with_suffix(".json").read_text()))
+        videos.append(iio.imread(out))
+    assert reps[1]["peak_gpu_bytes"] > 0 and reps[0]["kv_bytes"] == reps[1]["kv_bytes"]
+    assert (videos[0] == videos[1]).all()

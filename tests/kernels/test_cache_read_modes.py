@@ -216,3 +216,29 @@ def test_read_error_is_the_caches_message():
     for method in ("rtn", "qvg", "qvg-pro"):  # every read takes pre-RoPE keys (fused: staged on a GPU)
         assert read_error(method, "fused") is None
         assert KVCache(1, method, read="fused", key_storage="pre-rope", **kw).read_mode == "fused"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+@pytest.mark.parametrize("method", ["qvg", "qvg-pro"])
+@pytest.mark.parametrize("read", ["window", "fused"])
+def test_a_cache_on_the_second_gpu_while_the_first_is_current(method, read):
+    """K/V on cuda:1 while cuda:0 is current (a library caller's default): the Triton kernels, the compression's
+    CUDA graphs and the side streams run on cuda:1 (they ran on the current device: 'cannot be accessed from
+    Triton'), and every output and the history equal those of the same cache driven with cuda:1 current."""
+    kw = dict(chunk_frames=CF, tokens_per_frame=TPF, window_frames=2 * CF, centroids=4, block_size=16,
+              grid="midrise", read=read)
+    q = torch.randn(1, 4, CF * TPF, D, generator=torch.Generator().manual_seed(3)).bfloat16().to("cuda:1")
+    runs = []
+    for current in (0, 1):
+        with torch.cuda.device(current):
+            cache = KVCache(LAYERS, method, **kw)
+            outs = []
+            for i in range(4):
+                x = clustered(2 * LAYERS, 2, CF * TPF, D, spread=1.0, noise=0.5, seed=60 + i).bfloat16().to("cuda:1")
+                outs += _chunk(cache, x, q)
+            cache.wait_side_streams()
+            torch.cuda.synchronize(1)
+            runs.append((outs, [t for layer in range(LAYERS) for t in cache.read(layer)]))
+    assert all(o.device == torch.device("cuda:1") for o in runs[0][0])
+    for a, b in zip(runs[0][0] + runs[0][1], runs[1][0] + runs[1][1]):
+        assert torch.equal(a, b)
