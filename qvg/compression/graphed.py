@@ -75,7 +75,9 @@ class GraphedCompress:
                 call()
         torch.cuda.current_stream(x.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # captured on x's device's side stream: torch.cuda.graph's default capture stream is made once per process,
+        # on the device current at the first capture, and a capture on it for another device recorded the wrong work
+        with torch.cuda.graph(graph, stream=side):
             out = call()
         torch.cuda.synchronize(x.device)
         # allocated since `before`: the static inputs and outputs (the outputs live in the graph's pool); plus the

@@ -578,7 +578,9 @@ def test_a_long_valid_file_name_is_written(tmp_path):
 @pytest.mark.parametrize("method", ["qvg", "qvg-pro"])
 def test_runs_on_the_second_gpu(tmp_path, method):
     """--device cuda:1: the whole run on that GPU (the Triton kernels and the cache's graphs ran on the current
-    device, cuda:0, and failed), and the same video and report numbers as on cuda:0."""
+    device, cuda:0, and failed; then its compression graphs were captured on a stream of cuda:0 and its video
+    differed), and the same video and stored bytes as on cuda:0. (Not the workspace: the free blocks of the
+    compression graphs' pools depend on the allocator's history in the process.)"""
     import torch
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA GPUs")
@@ -589,5 +591,6 @@ def test_runs_on_the_second_gpu(tmp_path, method):
         assert main(["--device", dev, "--method", method, "--frames", "10", "--out", str(out), "--quiet"]) == 0
         reps.append(json.loads(out.with_suffix(".json").read_text()))
         videos.append(iio.imread(out))
-    assert reps[1]["peak_gpu_bytes"] > 0 and reps[0]["kv_bytes"] == reps[1]["kv_bytes"]
+    stored = [{k: v for k, v in r["kv_bytes"].items() if k not in ("workspace", "total")} for r in reps]
+    assert reps[1]["peak_gpu_bytes"] > 0 and stored[0] == stored[1] and reps[1]["device"] == reps[0]["device"]
     assert (videos[0] == videos[1]).all()

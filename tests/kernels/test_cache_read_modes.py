@@ -224,21 +224,23 @@ def test_read_error_is_the_caches_message():
 def test_a_cache_on_the_second_gpu_while_the_first_is_current(method, read):
     """K/V on cuda:1 while cuda:0 is current (a library caller's default): the Triton kernels, the compression's
     CUDA graphs and the side streams run on cuda:1 (they ran on the current device: 'cannot be accessed from
-    Triton'), and every output and the history equal those of the same cache driven with cuda:1 current."""
+    Triton'), and every output and the history equal, bitwise, those of the same cache driven with cuda:1 current
+    and of the same cache on cuda:0 (whose graphs were captured on torch's process-wide capture stream, made on
+    the device current at the first capture: on the other device they replayed wrong work)."""
     kw = dict(chunk_frames=CF, tokens_per_frame=TPF, window_frames=2 * CF, centroids=4, block_size=16,
               grid="midrise", read=read)
-    q = torch.randn(1, 4, CF * TPF, D, generator=torch.Generator().manual_seed(3)).bfloat16().to("cuda:1")
+    q = torch.randn(1, 4, CF * TPF, D, generator=torch.Generator().manual_seed(3)).bfloat16()
     runs = []
-    for current in (0, 1):
+    for current, on in ((0, 1), (1, 1), (0, 0), (1, 0)):
         with torch.cuda.device(current):
             cache = KVCache(LAYERS, method, **kw)
             outs = []
             for i in range(4):
-                x = clustered(2 * LAYERS, 2, CF * TPF, D, spread=1.0, noise=0.5, seed=60 + i).bfloat16().to("cuda:1")
-                outs += _chunk(cache, x, q)
+                x = clustered(2 * LAYERS, 2, CF * TPF, D, spread=1.0, noise=0.5, seed=60 + i).bfloat16()
+                outs += _chunk(cache, x.to(f"cuda:{on}"), q.to(f"cuda:{on}"))
             cache.wait_side_streams()
-            torch.cuda.synchronize(1)
-            runs.append((outs, [t for layer in range(LAYERS) for t in cache.read(layer)]))
-    assert all(o.device == torch.device("cuda:1") for o in runs[0][0])
-    for a, b in zip(runs[0][0] + runs[0][1], runs[1][0] + runs[1][1]):
-        assert torch.equal(a, b)
+            torch.cuda.synchronize(on)
+            assert all(o.device == torch.device(f"cuda:{on}") for o in outs)
+            runs.append([t.cpu() for t in outs + [t for layer in range(LAYERS) for t in cache.read(layer)]])
+    for other in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], other))
