@@ -128,12 +128,9 @@ def compress(x: torch.Tensor, method: str = "qvg", *, bits: int | None = None, b
         if init is not None and not m.warm_start:
             raise ValueError(f"method {method!r} takes no init (only k-means methods warm-start)")
         tensors = m.compress(x, o, init) if m.warm_start else m.compress(x, o)
-    except Exception as e:
-        if finite is not None:
-            finite()  # (non-finite input is named first, whatever else failed)
-        raise
-    if finite is not None:
-        finite()
+    finally:
+        if finite is not None:  # (also after another error: non-finite input is named first, as on the CPU)
+            finite()
     return Packed(method, tuple(x.shape), x.dtype, tensors, o)
 
 
