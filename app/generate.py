@@ -450,8 +450,8 @@ class Generation:
 
         import torch
         dev = self.s["device"]
-        # the chunks run with their device current: the Triton kernels and the cache's CUDA graphs and streams
-        # belong to the current device (with cuda:1 given, cuda:0 stayed current)
+        # each chunk runs with its device current (the pipelines' generation stream switches to it too; this also
+        # covers what a chunk does outside that stream)
         on_device = (lambda: torch.cuda.device(dev)) if dev.type == "cuda" else contextlib.nullcontext
         while True:
             t0 = time.perf_counter()

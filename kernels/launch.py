@@ -119,19 +119,23 @@ def _launchable(kernel) -> bool:
 
 def launch(fn, grid, *args, **kw):
     """`fn[grid](*args, **kw)` (a Triton JITFunction), by its compiled kernel's launcher when this key has been
-    launched before (see the module docstring). On the device of the first CUDA tensor among args (Triton, and the
-    launcher, launch on the current device: tensors on another one were refused)."""
+    launched before (see the module docstring). On the device of the first CUDA tensor among the positional args
+    (Triton, and the launcher, launch on the current device: tensors on another one were refused). During a CUDA
+    graph capture on another device that is an error: the kernel would run outside the graph."""
     dev = _tensor_device(args)
     if dev >= 0 and dev != torch.cuda.current_device():
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"a CUDA graph is being captured on cuda:{torch.cuda.current_device()}, but this "
+                               f"kernel's tensors are on cuda:{dev}: capture on their device")
         with torch.cuda.device(dev):
             return _launch(fn, grid, args, kw)
     return _launch(fn, grid, args, kw)
 
 
 def _tensor_device(args) -> int:
-    """The CUDA device index of the first tensor among args, or -1 (none, or it is on the CPU)."""
+    """The device index of the first CUDA tensor among args, or -1 (none)."""
     for a in args:
-        if isinstance(a, torch.Tensor):
+        if isinstance(a, torch.Tensor) and a.is_cuda:
             return a.get_device()
     return -1
 

@@ -128,9 +128,12 @@ def compress(x: torch.Tensor, method: str = "qvg", *, bits: int | None = None, b
         if init is not None and not m.warm_start:
             raise ValueError(f"method {method!r} takes no init (only k-means methods warm-start)")
         tensors = m.compress(x, o, init) if m.warm_start else m.compress(x, o)
-    finally:
-        if finite is not None:  # (also after another error: non-finite input is named first, as on the CPU)
-            finite()
+    except Exception:  # (not KeyboardInterrupt and the like: they are not held up by the wait, nor replaced)
+        if finite is not None:
+            finite()  # (non-finite input is named first, whatever else failed, as on the CPU)
+        raise
+    if finite is not None:
+        finite()
     return Packed(method, tuple(x.shape), x.dtype, tensors, o)
 
 

@@ -219,6 +219,7 @@ def test_read_error_is_the_caches_message():
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+@pytest.mark.filterwarnings("error:The CUDA Graph is empty")
 @pytest.mark.parametrize("method", ["qvg", "qvg-pro"])
 @pytest.mark.parametrize("read", ["window", "fused"])
 def test_a_cache_on_the_second_gpu_while_the_first_is_current(method, read):
