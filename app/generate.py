@@ -445,18 +445,10 @@ class Generation:
         return chunks, start[:, None]
 
     def __iter__(self):
-        import contextlib
         import time
-
-        import torch
-        dev = self.s["device"]
-        # each chunk runs with its device current (the pipelines' generation stream switches to it too; this also
-        # covers what a chunk does outside that stream)
-        on_device = (lambda: torch.cuda.device(dev)) if dev.type == "cuda" else contextlib.nullcontext
         while True:
             t0 = time.perf_counter()
-            with on_device():
-                res = next(self._chunks, None)
+            res = next(self._chunks, None)  # (each chunk runs in qvg.streams.generation_stream: its device current)
             if res is None:
                 return
             mem = self.cache.memory()

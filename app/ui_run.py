@@ -105,10 +105,8 @@ def _num(value, name: str) -> str | None:
     if isinstance(value, int) and not isinstance(value, bool):  # (exactly: a float would round 2**53 + 1)
         return str(value)
     text = str(value).strip()
-    if re.fullmatch(r"[+-]?[0-9]{1,4000}", text):  # (within int()'s digit limit; the range is qvg-generate's check)
-        return str(int(text))
-    if isinstance(value, str):  # "9007199254740993.0" or "9.007199254740993e15": exactly, not through a float
-        try:
+    if not isinstance(value, (float, bool)):  # text ("9007199254740993", "...993.0", "9.007199254740993e15") and
+        try:  # other integers exactly, not through a float (the range is qvg-generate's check)
             d = decimal.Decimal(text)
         except decimal.InvalidOperation:
             raise UsageError(f"{name} must be a number, got {value!r}") from None

@@ -43,7 +43,12 @@ def _err(x: float | None) -> str:
 
 def _ms(row: dict | None) -> str:
     """A timed config's ms, or - (results from before it was measured)."""
-    return f"{row['ms']:.3f}" if row else "-"
+    return _f3(row["ms"]) if row else "-"
+
+
+def _f3(ms: float | None) -> str:
+    """ms to 3 decimals, or - (not in the results file: measured since)."""
+    return "-" if ms is None else f"{ms:.3f}"
 
 
 def _ok(flag: bool) -> str:
@@ -159,8 +164,7 @@ def _attention(rows: list[dict]) -> list[str]:
         out.append(_row(r["keys"], f"{r['sdpa_flash_ms']:.3f} ({r['sdpa_TFLOPs']:.0f})",
                         "-" if dflt is None else f"{dflt:.3f}", f"{f['ms']:.3f} ({f['TFLOPs']:.0f})",
                         _pct(r["fused_vs_sdpa_throughput"]), _pct(on_default), f"{s['ms']:.3f} ({s['TFLOPs']:.0f})",
-                        _pct(r["staged_vs_sdpa_throughput"]), _ms({"ms": r["windowed_sdpa_ms"]} if
-                                                                 "windowed_sdpa_ms" in r else None),
+                        _pct(r["staged_vs_sdpa_throughput"]), _f3(r.get("windowed_sdpa_ms")),
                         _pct(r.get("windowed_vs_sdpa_default_throughput")),
                         _ok(ok) + ("" if no_history else " (allocates the BF16 history)")))
     out += ["", "Variants of the reads (ms):", "",
@@ -169,8 +173,7 @@ def _attention(rows: list[dict]) -> list[str]:
     for r in rows:
         out.append(_row(r["keys"], f"{r['staged_history_plus_bf16_tail_ms']:.3f}", f"{r['staged_rope_on_read_ms']:.3f}",
                         _ms(r.get("fused_rope_on_chip")),
-                        _ms({"ms": r["windowed_history_plus_bf16_tail_ms"]} if
-                            "windowed_history_plus_bf16_tail_ms" in r else None),
+                        _f3(r.get("windowed_history_plus_bf16_tail_ms")),
                         f"{r['dequant_then_sdpa_ms']:.3f}"))
     out += ["", "Peak transient GPU memory during one call (MB above what was allocated before it), and accuracy:", "",
             "| keys | packed K+V MB | BF16 K+V history MB | SDPA (cache already BF16) | on chip | staged | windowed | "

@@ -11,7 +11,9 @@ The stream is made once per device (normal priority, from torch's pool) and hand
 the caller's stream on entry, and the caller's stream waits for it on exit (exception or not). So work queued
 before, inside and after the block runs in that order, and memory freed outside the block is reused inside it
 only after the caller's stream has finished with it. A caller already on a stream other than the default keeps
-it (the block then changes nothing). On a CPU device the block changes nothing.
+it. Either way the block runs with the device current (torch.cuda.stream switches to its stream's device), so
+kernels and graph captures of a tensor on a non-current device go to that device. On a CPU device the block changes
+nothing.
 """
 from __future__ import annotations
 
@@ -43,7 +45,8 @@ def generation_stream(device):
     index = _index(device)
     caller = torch.cuda.current_stream(index)
     if caller != torch.cuda.default_stream(index):
-        yield caller
+        with torch.cuda.stream(caller):  # (its own stream, kept; entering it makes the device current)
+            yield caller
         return
     with _MAKING:
         if index not in _STREAMS:

@@ -68,6 +68,9 @@ def _check_options(m: Method, o: dict, shape) -> None:
             raise ValueError(f"unknown seeding {o['seeding']!r}; choose one of {SEEDINGS}")
 
 
+NON_FINITE = "x holds non-finite values (NaN or inf)"
+
+
 def _check_input(x, finite: bool = True) -> None:
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"x must be a torch.Tensor of shape [B, H, N, D], got {type(x).__name__}")
@@ -79,9 +82,6 @@ def _check_input(x, finite: bool = True) -> None:
         raise ValueError(f"x is empty (shape {tuple(x.shape)})")
     if finite and not bool(torch.isfinite(x).all()):
         raise ValueError(NON_FINITE)
-
-
-NON_FINITE = "x holds non-finite values (NaN or inf)"
 
 
 def _finite_later(x: torch.Tensor):
