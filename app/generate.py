@@ -30,6 +30,7 @@ DEFAULT_IMAGE = "astronaut"
 DEFAULT_ACTIONS = "right*3,down*2,left*3,up*2"  # a loop: the camera comes back to where it started
 
 
+MIN_TINY_FRAMES = 2  # the embedded model's video starts with its start image: one frame more is generated
 MAX_FRAMES = 100_000  # --frames at most (a sweep's videos are held to it too: qvg.eval.cli.MAX_CHUNKS)
 
 
@@ -63,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(stay, left, right, up, down, zoom_in, zoom_out; repeated to fill the video; default "
                    f"'{DEFAULT_ACTIONS}')")
     p.add_argument("--frames", default=None, help="video frames to write (default: about 4 s; tiny 31 at 8 fps, "
-                   "self-forcing 49 at 16 fps)")
+                   "at least 2, the first its start image; self-forcing 49 at 16 fps)")
     p.add_argument("--method", default="qvg", help=f"KV cache method: {', '.join(CACHE_METHODS)} (default qvg)")
     p.add_argument("--bits", default=None, help="2, 4 or 8 (default: the method's)")
     p.add_argument("--stages", default=None, help="k-means stages S (qvg, qvg-pro; 0: none, which is plain RTN)")
@@ -264,6 +265,9 @@ def parse(argv) -> dict:
         raise UsageError("--weights applies to --pipeline self-forcing")
     s["checkpoint"], s["weights"], s["generator"] = a.checkpoint, a.weights, a.generator
     if tiny:
+        if s["frames"] < MIN_TINY_FRAMES:  # (its first frame is the start image: nothing would be generated)
+            raise UsageError(f"--frames must be >= {MIN_TINY_FRAMES} for the embedded model (--pipeline tiny), whose "
+                             f"frame 1 is its start image, got {s['frames']}")
         if a.prompt is not None:
             raise UsageError("--prompt: the embedded world model is not text-conditioned; steer it with --image and "
                              "--actions")

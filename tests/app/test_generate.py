@@ -109,6 +109,8 @@ BAD = [
     (["--method", "kivi", "--key-storage", "pre-rope"], "--key-storage pre-rope is for rtn, qvg, qvg-pro"),
     (["--frames", "0"], "--frames must be in"),
     (["--frames", "x"], "--frames must be an integer"),
+    # (the embedded model's first frame is its start image: one frame generated a chunk only to drop it)
+    (["--frames", "1"], "--frames must be >= 2 for the embedded model (--pipeline tiny), whose frame 1 is its start image, got 1"),
     (["--method", "fp4"], "unknown method"),
     (["--pipeline", "ltx"], "unknown pipeline"),
     (["--block-size", "48"], "not divisible by block_size"),
