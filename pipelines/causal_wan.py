@@ -130,6 +130,10 @@ class CrossKV:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for kv in self.kv.values() for t in kv)
 
+    def covers(self, layers: int) -> bool:
+        """Whether every one of `layers` layers has its K/V here."""
+        return all(i in self.kv for i in range(layers))
+
 
 class _SelfAttention:
     def __init__(self, layer: int, ctx: _Context):
@@ -261,6 +265,10 @@ class CausalWanTransformer(WanTransformer3DModel):
         self.rope.spatial_offsets = spatial_offsets
         if cache is not None and getattr(cache, "key_storage", "post-rope") == "pre-rope":
             cache.set_positions(*self.rope_positions(hidden_states.shape, frame_offset, frame_ids, spatial_offsets))
+        if cross is not None and cross.covers(len(self.blocks)):
+            # every layer's text K/V is held: the text is only read by diffusers' text embedder, whose output no
+            # layer reads, so it embeds one token (the prompt's projections run once per prompt, not per forward)
+            encoder_hidden_states = encoder_hidden_states[:, :1]
         ctx = self._ctx
         ctx.cache, ctx.cross, ctx.commit, ctx.attn_mask = cache, cross, commit, attn_mask
         ctx.transient = transient

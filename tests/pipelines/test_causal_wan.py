@@ -220,6 +220,27 @@ def test_cross_attention_kv_is_computed_once_per_prompt(model):
     assert torch.equal(a, b)
 
 
+def test_text_is_embedded_once_per_prompt(model):
+    """Once every layer's text K/V is held, diffusers' text embedder (whose output then feeds no layer) gets one
+    token per forward, not the prompt's; the output is unchanged."""
+    x, t, txt = _inputs(2)
+    seen = []
+    hook = model.condition_embedder.text_embedder.register_forward_hook(lambda m, i, o: seen.append(i[0].shape[1]))
+    try:
+        with torch.no_grad():
+            cross = CrossKV()
+            first, second = model(x, t, txt, cross=cross), model(x, t, txt, cross=cross)
+            partial = CrossKV()
+            partial.kv[0] = cross.kv[0]  # one layer still to compute: it needs the embedded prompt
+            third = model(x, t, txt, cross=partial)
+            plain = model(x, t, txt)
+    finally:
+        hook.remove()
+    assert seen == [7, 1, 7, 7]
+    assert torch.equal(first, second) and torch.equal(first, third) and torch.equal(first, plain)
+    assert CrossKV().covers(0) and not partial.covers(3) and cross.covers(2)
+
+
 def test_flow_sigmas_follow_the_shift_warp():
     s = flow_sigmas()
     assert s[0] == 1.0 and all(a > b for a, b in zip(s, s[1:]))
