@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -150,8 +150,40 @@ def _renamed(sd: dict, converted: dict) -> dict[str, str]:
     return {k: by_id.get(id(t), k) for k, t in converted.items()}
 
 
-def read_generator(path: Path, ema: bool | None = None) -> tuple[dict, dict, str]:
-    """(state dict in diffusers' names, new key -> key in the file, 'generator_ema' or 'generator')."""
+# a text-to-video transformer's keys in diffusers' names -> Wan's, the inverse of diffusers'
+# convert_wan_transformer_to_diffusers (tests check the round trip on every key of a model): for naming the keys a
+# Wan-named file lacks in the file's own terms
+_TO_WAN = ((r"^condition_embedder\.time_embedder\.linear_1\.", "time_embedding.0."),
+           (r"^condition_embedder\.time_embedder\.linear_2\.", "time_embedding.2."),
+           (r"^condition_embedder\.text_embedder\.linear_1\.", "text_embedding.0."),
+           (r"^condition_embedder\.text_embedder\.linear_2\.", "text_embedding.2."),
+           (r"^condition_embedder\.time_proj\.", "time_projection.1."),
+           (r"^scale_shift_table$", "head.modulation"), (r"^proj_out\.", "head.head."),
+           (r"\.scale_shift_table$", ".modulation"), (r"\.attn1\.", ".self_attn."), (r"\.attn2\.", ".cross_attn."),
+           (r"\.to_out\.0\.", ".o."), (r"\.to_([qkv])\.", r".\1."), (r"\.ffn\.net\.0\.proj\.", ".ffn.0."),
+           (r"\.ffn\.net\.2\.", ".ffn.2."), (r"\.norm2\.", ".norm3."))
+
+
+def wan_name(key: str) -> str:
+    """A transformer key in diffusers' names (a CausalWanTransformer's) -> the same key in Wan's."""
+    import re
+    for pattern, repl in _TO_WAN:
+        key = re.sub(pattern, repl, key)
+    return key
+
+
+def _missing_names(names: dict[str, str], own: Callable[[str], str]) -> Callable[[str], str]:
+    """model key -> the name a file with these `names` (model key -> file key) would give it: `own` (wan_name, or
+    no renaming) under the file's wrapper prefix (the one most of its keys carry)."""
+    from collections import Counter
+    prefixes = Counter(f[:len(f) - len(own(k))] for k, f in names.items() if f.endswith(own(k)))
+    prefix = prefixes.most_common(1)[0][0] if prefixes else ""
+    return lambda k: prefix + own(k)
+
+
+def read_generator(path: Path, ema: bool | None = None) -> tuple[dict, dict, str, Callable[[str], str]]:
+    """(state dict in diffusers' names, new key -> key in the file, 'generator_ema' or 'generator', a function
+    giving a key the file lacks the name the file would have given it)."""
     from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
     obj = read_torch(path)
     wanted = ("generator_ema", "generator") if ema is None else ("generator_ema",) if ema else ("generator",)
@@ -169,9 +201,11 @@ def read_generator(path: Path, ema: bool | None = None) -> tuple[dict, dict, str
         k = k[len(DDP_PREFIX):] if k.startswith(DDP_PREFIX) else k
         stripped[k[len(WRAPPER_PREFIX):] if k.startswith(WRAPPER_PREFIX) else k] = t
     if diffusers_names(stripped):  # saved from a diffusers-named model (ours included): nothing to rename
-        return stripped, _renamed(sd, stripped), which
+        names = _renamed(sd, stripped)
+        return stripped, names, which, _missing_names(names, lambda k: k)
     converted = convert_wan_transformer_to_diffusers(dict(stripped))
-    return converted, _renamed(sd, converted), which
+    names = _renamed(sd, converted)
+    return converted, names, which, _missing_names(names, wan_name)
 
 
 def diffusers_names(sd: dict) -> bool:
@@ -242,12 +276,13 @@ def load_self_forcing(checkpoint_dir, device="cpu", dtype=torch.bfloat16, *, ema
         umt5.require(package)
     files = find_files(checkpoint_dir, generator)
     config, config_source = transformer_config(files)
-    sd, names, which = read_generator(files.generator, ema)
+    sd, names, which, missing_names = read_generator(files.generator, ema)
     model = _build(config_source, "transformer", CausalWanTransformer, **config)
     c = model.config
     what = f"Wan transformer ({c.num_layers} layers, dim {c.num_attention_heads * c.attention_head_dim})"
     try:
         transformer = load_strict(model, sd, f"{files.generator} [{which}]", what=what, file_names=names,
+                                  missing_names=missing_names,
                                   device=device, dtype=dtype)
     except CheckpointError as e:  # which side is wrong: say what the config asked for and what the file holds
         raise CheckpointError(f"{e}; the model's config is {config_source}, the checkpoint holds "

@@ -124,11 +124,14 @@ def empty_init():
 
 
 def load_strict(model: torch.nn.Module, sd: dict[str, torch.Tensor], source, *, what: str,
-                file_names: dict[str, str] | None = None, device="cpu", dtype: torch.dtype | None = None):
+                file_names: dict[str, str] | None = None, missing_names=None, device="cpu",
+                dtype: torch.dtype | None = None):
     """Fill `model` (built under `empty_init`) with `sd`, cast to `dtype` (floating tensors) on `device`.
     Every key of the model's state dict must be in `sd` with its shape, and `sd` must hold nothing else.
     file_names: model key -> the key as the file names it (for messages; default: the same). Tensors shared by
-    several keys (the same storage and view) stay shared. Returns the model, in eval mode."""
+    several keys (the same storage and view) stay shared. missing_names: model key -> the name the file would
+    give it, for the keys it lacks (default: the model's names, which the message then says). Returns the model,
+    in eval mode."""
     file_names = file_names or {}
     expected = model.state_dict(keep_vars=True)
     missing = [k for k in expected if k not in sd]
@@ -136,8 +139,9 @@ def load_strict(model: torch.nn.Module, sd: dict[str, torch.Tensor], source, *, 
     if missing or unexpected:
         parts = []
         if missing:
-            parts.append(f"{len(missing)} missing key{'s' * (len(missing) > 1)} ({_few(missing)}; as the model "
-                         f"names {'them' if len(missing) > 1 else 'it'})")
+            named = _few(map(missing_names, missing)) if missing_names else \
+                f"{_few(missing)}; as the model names {'them' if len(missing) > 1 else 'it'}"
+            parts.append(f"{len(missing)} missing key{'s' * (len(missing) > 1)} ({named})")
         if unexpected:
             parts.append(f"{len(unexpected)} unexpected key{'s' * (len(unexpected) > 1)} ({_few(unexpected)})")
         raise CheckpointError(f"{source}: not a {what} checkpoint: {' and '.join(parts)}")

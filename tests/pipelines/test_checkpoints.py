@@ -255,7 +255,15 @@ def _reshape(obj):
 
 
 BAD = [
-    ("missing-key", _rewrite(GEN, _drop("model.blocks.1.ffn.2.bias")), ["1 missing key", "blocks.1.ffn.net.2.bias"]),
+    # missing keys named as the file names its keys (Wan's names under Self-Forcing's prefix), as unexpected ones are
+    ("missing-key", _rewrite(GEN, _drop("model.blocks.1.ffn.2.bias")), ["1 missing key (model.blocks.1.ffn.2.bias)"]),
+    ("missing-keys", _rewrite(GEN, lambda o: {"generator_ema": {k: v for k, v in o["generator_ema"].items()
+                                                                if ".norm3." not in k and "head.modulation" not in k}}),
+     ["5 missing keys (model.head.modulation, model.blocks.0.norm3.weight, model.blocks.0.norm3.bias, "
+      "model.blocks.1.norm3.weight, model.blocks.1.norm3.bias)"]),
+    ("missing-key-ddp", _rewrite(GEN, lambda o: {"generator_ema": {f"module.{k}": v for k, v in o["generator_ema"].items()
+                                                                   if k != "model.text_embedding.2.weight"}}),
+     ["1 missing key (module.model.text_embedding.2.weight)"]),
     ("unexpected-key", _rewrite(GEN, _add("model.blocks.0.extra.weight", torch.zeros(3))),
      ["1 unexpected key", "model.blocks.0.extra.weight"]),
     ("wrong-shape", _rewrite(GEN, _reshape), ["wrong shape", "model.blocks.1.self_attn.q.weight [128, 64]",
@@ -315,6 +323,33 @@ def test_diffusers_named_generator_loads_as_it_is(src, ckpt, tmp_path):
             "generator_ema": {prefix + k: v.clone() for k, v in src["ema"].state_dict().items()}}))
         _same_weights(load_self_forcing(root, "cpu", **F32).transformer, src["ema"])
         _same_weights(load_self_forcing(root, "cpu", **F32, ema=False).transformer, src["raw"])
+
+
+def test_diffusers_named_generator_missing_key_is_named_as_the_file_names_keys(src, ckpt, tmp_path):
+    sd = {"model." + k: v.clone() for k, v in src["ema"].state_dict().items() if k != "blocks.1.norm2.bias"}
+    root = _variant(ckpt, tmp_path, _rewrite(GEN, lambda o: {"generator_ema": sd}))
+    with pytest.raises(CheckpointError, match=r"1 missing key \(model\.blocks\.1\.norm2\.bias\)"):
+        load_self_forcing(root, "cpu", **F32)
+
+
+@pytest.mark.parametrize("config", ["tiny", "1.3B"])
+def test_wan_names_invert_diffusers_converter(config):
+    """wan_name is the inverse of diffusers' Wan converter on every key of a text-to-video transformer (the tests'
+    tiny one and Wan2.1-T2V-1.3B's, built on the meta device)."""
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+    from qvg.pipelines.checkpoints import WAN_T2V_1_3B, wan_name
+    from qvg.pipelines.state_dicts import empty_init
+    with empty_init():
+        model = CausalWanTransformer(**(WAN_T2V_1_3B if config == "1.3B" else TRANSFORMER))
+    keys = list(model.state_dict())
+    wan = {wan_name(k): k for k in keys}
+    assert len(wan) == len(keys) and not any(".attn" in w or "condition_embedder" in w or ".to_" in w for w in wan)
+    back = convert_wan_transformer_to_diffusers({w: torch.zeros(()) for w in wan})
+    assert sorted(back) == sorted(keys)
+    assert all(wan_name(k) == w for w, k in wan.items())
+    assert {"head.modulation", "head.head.weight", "time_projection.1.weight", "blocks.0.norm3.weight",
+            "blocks.0.self_attn.o.weight", "blocks.0.cross_attn.norm_k.weight", "blocks.0.modulation"} <= set(wan)
 
 
 @pytest.mark.parametrize("case,edit,needles", BAD, ids=[b[0] for b in BAD])
