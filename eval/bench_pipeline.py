@@ -50,8 +50,8 @@ def wan_model(**config):
 def new_cache(model, method: str, window: int, options: dict):
     """A 30-layer cache of 3-frame chunks with a rolling window (options apply to the compressed methods).
     method "NAME[:pre-rope][:sync][:eager-commit][:noprefetch|:prefetch-after|:prefetch-split][:plain-writes]
-    [:high-priority|:default-stream][:staged-read|:fused-read][:compress=PRESET][:every=N][:shift][:nographs]"
-    (`parse_method`):
+    [:high-priority|:default-stream][:staged-read|:fused-read][:compress=PRESET][:every=N][:shift][:nographs]
+    [:commit-sms=N][:prefetch-sms=N]" (`parse_method`):
     keys packed before RoPE (KVCache key_storage); commits in line with the forward instead of on the cache's side
     stream (KVCache async_commit=False); side-stream commits queued by each layer's commit_layer (KVCache
     defer_commits=False); every history decoded in line before its attention (KVCache prefetch_bytes=0), or its
@@ -69,7 +69,8 @@ def new_cache(model, method: str, window: int, options: dict):
     then times N chunks per call, one whole commit cycle); shift (bf16 only): the full window makes room by
     copying the history one chunk back, as upstream Self-Forcing's cache does, instead of the ring (KVCache
     bf16_rolling="shift"); nographs: the commits compress eagerly instead of replaying CUDA graphs (KVCache
-    cuda_graphs=False)."""
+    cuda_graphs=False); commit-sms=N / prefetch-sms=N: the queued commits / the prefetched decodes run on N SMs only,
+    a CUDA green context's stream (KVCache commit_sms / prefetch_sms)."""
     from qvg.cache import KVCache
     name, flags, preset = parse_method(method)
     return KVCache(30, name, chunk_frames=3, tokens_per_frame=model.tokens_per_latent_frame(*LATENT_HW),
@@ -78,13 +79,19 @@ def new_cache(model, method: str, window: int, options: dict):
                    prefetch_at=_prefetch_at(flags),
                    read=_read(flags), bf16_rolling="shift" if "shift" in flags else "ring",
                    cuda_graphs="nographs" not in flags, commit_every=commit_every(method),
+                   commit_sms=_numbered(method, "commit-sms"), prefetch_sms=_numbered(method, "prefetch-sms"),
                    **({"prefetch_bytes": 0} if "noprefetch" in flags else {}),
                    **({} if name == "bf16" else dict(options, compress_preset=preset)))
 
 
 def commit_every(method: str) -> int:
     """N of a method string's every=N flag (KVCache commit_every), 1 without it."""
-    return next((int(f[6:]) for f in method.split(":")[1:] if f.startswith("every=")), 1)
+    return _numbered(method, "every") or 1
+
+
+def _numbered(method: str, flag: str) -> int | None:
+    """N of a method string's FLAG=N, None without it."""
+    return next((int(f.split("=", 1)[1]) for f in method.split(":")[1:] if f.startswith(flag + "=")), None)
 
 
 def _prefetch_at(flags: list[str]) -> str:
@@ -111,13 +118,14 @@ def parse_method(method: str) -> tuple[str, list[str], str | None]:
     name, *flags = method.split(":")
     presets = [f.split("=", 1)[1] for f in flags if f.startswith("compress=")]
     everies = [f.split("=", 1)[1] for f in flags if f.startswith("every=")]
-    flags = [f for f in flags if not f.startswith(("compress=", "every="))]
+    sms = {k: [f.split("=", 1)[1] for f in flags if f.startswith(k + "=")] for k in ("commit-sms", "prefetch-sms")}
+    flags = [f for f in flags if not f.startswith(("compress=", "every=", "commit-sms=", "prefetch-sms="))]
     if name not in CACHE_METHODS:
         raise ValueError(f"unknown cache method {name!r} in {method!r}; choose one of: {', '.join(CACHE_METHODS)}")
     unknown = set(flags) - set(FLAGS)
     if unknown:
         raise ValueError(f"unknown method flag(s) {', '.join(sorted(unknown))} in {method!r} "
-                         f"({', '.join(FLAGS)}, compress=PRESET, every=N)")
+                         f"({', '.join(FLAGS)}, compress=PRESET, every=N, commit-sms=N, prefetch-sms=N)")
     if "shift" in flags and name != "bf16":
         raise ValueError(f"{method!r}: shift is for bf16 (the packed methods' rolling window is a ring)")
     if "staged-read" in flags and "fused-read" in flags:
@@ -132,6 +140,9 @@ def parse_method(method: str) -> tuple[str, list[str], str | None]:
         check_variant(p)
     if len(everies) > 1 or (everies and name == "bf16") or any(not e.isdigit() or int(e) < 1 for e in everies):
         raise ValueError(f"{method!r}: one every=N at most (N >= 1), and not for bf16 (it packs nothing)")
+    for k, ns in sms.items():
+        if len(ns) > 1 or any(not n.isdigit() or int(n) < 1 for n in ns):
+            raise ValueError(f"{method!r}: one {k}=N at most (N >= 1)")
     from qvg.cache import read_error
     bad_read = read_error(name, _read(flags))
     if bad_read:

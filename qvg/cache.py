@@ -106,7 +106,7 @@ from .compression.graphed import GraphedCompress
 from .packed import COMPONENTS
 from .rope import RopeTables, apply_rope, frame_angles
 from .sequence import PER_TOKEN_METHODS, PackedSequence
-from .streams import reserved
+from .streams import green_stream, reserved
 
 CACHE_METHODS = ("bf16", *compression.methods())
 KEY_STORAGE = ("post-rope", "pre-rope")
@@ -240,13 +240,17 @@ class KVCache:
     compress_preset: on CUDA, the compress kernels' preset (a kernels/compress.py COMPRESS_VARIANTS name); None: the
     method's entry in COMMIT_PRESETS, else the kernels' default "auto" (picked by shape). Same compression either way
     (ids equal, centroids up to the order of the FP32 sums).
+    commit_sms / prefetch_sms (experimental): on CUDA, the queued commits / the prefetched decodes run on this many
+    SMs only (a CUDA green context's stream, `qvg.streams.green_stream`) instead of a side stream that may use every
+    SM; None: the latter.
     """
 
     def __init__(self, num_layers: int, method: str = "qvg", *, chunk_frames: int, tokens_per_frame: int,
                  sink_frames: int = 0, window_frames: int | None = None, commit_every: int = 1,
                  cuda_graphs: bool = True, key_storage: str = "post-rope", async_commit: bool = True,
                  prefetch_bytes: int = PREFETCH_BYTES, defer_commits: bool = True, compress_preset: str | None = None,
-                 prefetch_at: str = "before", read: str = "window", bf16_rolling: str = "ring", **options):
+                 prefetch_at: str = "before", read: str = "window", bf16_rolling: str = "ring",
+                 commit_sms: int | None = None, prefetch_sms: int | None = None, **options):
         if method not in CACHE_METHODS:
             raise ValueError(f"unknown cache method {method!r}; choose one of: {', '.join(CACHE_METHODS)}")
         if key_storage not in KEY_STORAGE:
@@ -295,6 +299,10 @@ class KVCache:
         self.commits = 0
         self._graphed = GraphedCompress() if cuda_graphs and method != "bf16" else None
         self.async_commit, self.defer_commits = async_commit, defer_commits
+        for name, v in (("commit_sms", commit_sms), ("prefetch_sms", prefetch_sms)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} must be a positive integer or None, got {v!r}")
+        self.commit_sms, self.prefetch_sms = commit_sms, prefetch_sms
         self._side: dict = {}  # device -> the CUDA side stream of the async commits
         self.prefetch_bytes, self.prefetch_at = prefetch_bytes, prefetch_at
         self.read_mode = read
@@ -468,7 +476,7 @@ class KVCache:
             if any(x.done is not None for x in self.layers):  # queued commits first: the layers share the
                 self._join()  # compression graphs' static tensors
             return self._commit_now(L)
-        side = _stream(self._side, dev)
+        side = _stream(self._side, dev, self.commit_sms)
         side.wait_stream(torch.cuda.current_stream(dev))  # behind this chunk's writes and the layer's reads
         with torch.cuda.stream(side):
             self._commit_now(L)
@@ -729,7 +737,7 @@ class KVCache:
             self.prefetch_stats["no_memory"] += 1  # other prefetch is tried before commit() (each failure makes the
             self._prefetch_off = True  # allocator free its whole cache first)
             return
-        side = _stream(self._ahead, dev)
+        side = _stream(self._ahead, dev, self.prefetch_sms)
         side.wait_stream(torch.cuda.current_stream(dev))
         if L.done is not None:  # (a commit of L still queued on the commit stream)
             side.wait_event(L.done[1])
@@ -898,10 +906,12 @@ def _owners_wait(streams: dict) -> None:
             gen.wait_stream(side)
 
 
-def _stream(streams: dict, dev) -> torch.cuda.Stream:
+def _stream(streams: dict, dev, sms: int | None = None) -> torch.cuda.Stream:
     """The side stream of `dev` in `streams` (made on first use). torch hands out its pool's streams in turn, so a
     new one can be the stream the chunk runs on (the current one, or the generation stream): such a draw is skipped,
-    or the side stream's work would queue behind the forward."""
+    or the side stream's work would queue behind the forward. sms: a green context's stream on that many SMs."""
+    if dev not in streams and sms is not None:
+        streams[dev] = green_stream(dev, sms)
     if dev not in streams:
         avoid = (torch.cuda.current_stream(dev), reserved(dev))
         s = torch.cuda.Stream(dev)

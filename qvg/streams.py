@@ -58,3 +58,22 @@ def generation_stream(device):
             yield stream
     finally:
         caller.wait_stream(stream)
+
+
+_GREEN: dict[tuple[int, int], tuple[object, torch.cuda.Stream]] = {}
+
+
+def green_stream(device, sms: int) -> torch.cuda.Stream:
+    """A CUDA stream whose kernels run on `sms` SMs of the device only (a CUDA green context, kept for the process;
+    experimental, for confining side-stream work: `KVCache(side_sms=...)`). RuntimeError where torch or the driver
+    has no green contexts with streams (torch built without them, a driver before CUDA 12.8)."""
+    from torch.cuda import green_contexts
+    index = _index(device)
+    key = (index, sms)
+    with _MAKING:
+        if key not in _GREEN:
+            if not green_contexts.SUPPORTED or not hasattr(green_contexts.GreenContext, "Stream"):
+                raise RuntimeError(f"green contexts with streams are not available in torch {torch.__version__}")
+            ctx = green_contexts.GreenContext.create(num_sms=sms, device_id=index)
+            _GREEN[key] = (ctx, ctx.Stream())
+    return _GREEN[key][1]

@@ -367,6 +367,10 @@ def test_async_commit_option():
             KVCache(1, "qvg", chunk_frames=CF, tokens_per_frame=TPF, prefetch_bytes=bad)
     with pytest.raises(ValueError, match="prefetch_at must be one of before, after"):
         KVCache(1, "qvg", chunk_frames=CF, tokens_per_frame=TPF, prefetch_at="during")
+    for name in ("commit_sms", "prefetch_sms"):
+        for bad in (0, True, 1.5, "8"):
+            with pytest.raises(ValueError, match=f"{name} must be a positive integer or None"):
+                KVCache(1, "qvg", chunk_frames=CF, tokens_per_frame=TPF, **{name: bad})
     # on the CPU there is no side stream: both settings commit in line, with the same result
     caches = [KVCache(1, "qvg", chunk_frames=CF, tokens_per_frame=TPF, window_frames=2 * CF, async_commit=flag,
                       **SMALL["qvg"]) for flag in (True, False)]

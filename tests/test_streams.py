@@ -17,6 +17,36 @@ def test_cpu_block_changes_nothing():
     assert x.sum().item() == 6
 
 
+def test_green_stream_without_green_contexts_is_one_clear_error(monkeypatch):
+    """Where torch has no green contexts with streams (CPU builds, older torch), green_stream says so."""
+    from torch.cuda import green_contexts
+
+    from qvg.streams import green_stream
+    monkeypatch.setattr(green_contexts, "SUPPORTED", False)
+    with pytest.raises(RuntimeError, match="green contexts with streams are not available in torch"):
+        green_stream("cuda:0", 16)
+
+
+@cuda
+def test_green_stream_runs_in_order_with_the_caller():
+    """Work on a green context's stream follows the usual stream handshakes (CUDA: skipped where torch has no green
+    contexts with streams)."""
+    from qvg.streams import green_stream
+    try:
+        g = green_stream("cuda", 16)
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    assert green_stream("cuda", 16) is g  # (one per device and SM count)
+    a = torch.zeros(1 << 22, device="cuda")
+    torch.cuda._sleep(200_000_000)
+    a.add_(1)
+    g.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(g):
+        b = a * 3
+    torch.cuda.current_stream().wait_stream(g)
+    assert b.sum().item() == 3 * a.numel()
+
+
 @cuda
 def test_block_runs_on_its_own_stream_in_order():
     default = torch.cuda.default_stream()

@@ -123,3 +123,19 @@ def test_every_is_refused_where_one_chunk_is_timed(capsys):
     from qvg.eval import find_host_syncs
     assert find_host_syncs.main(["--methods", "bf16,qvg:every=2"]) == 2
     assert "every=N" in capsys.readouterr().err
+
+
+def test_sms_flags_confine_the_side_streams(monkeypatch):
+    """`commit-sms=N` / `prefetch-sms=N` build a cache whose commits / decodes go to a green context's stream of N
+    SMs (KVCache commit_sms / prefetch_sms); bad values are refused before anything runs."""
+    import types
+
+    from qvg.eval import bench_pipeline as bp
+    model = types.SimpleNamespace(tokens_per_latent_frame=lambda h, w: 16)
+    c = bp.new_cache(model, "qvg-pro:commit-sms=16:prefetch-sms=32", 6, {})
+    assert (c.commit_sms, c.prefetch_sms) == (16, 32)
+    assert (bp.new_cache(model, "qvg-pro", 6, {}).commit_sms, bp.new_cache(model, "bf16", 6, {}).prefetch_sms) == \
+        (None, None)
+    for bad in ("qvg:commit-sms=0", "qvg:prefetch-sms=x", "qvg:commit-sms=2:commit-sms=3"):
+        with pytest.raises(ValueError, match="-sms=N at most"):
+            bp.parse_method(bad)

@@ -95,3 +95,29 @@ def test_reset_waits_for_queued_commits(defer):
     # deferred until commit(), or already queued)
     c.reset()  # with a commit still queued (or deferred)
     assert c.memory()["total"] == 0 and all(L.done is None for L in c.layers)
+
+
+@pytest.mark.parametrize("method,opts", [("qvg", {"centroids": 8}), ("qvg-pro", {"centroids": 8})])
+def test_side_streams_on_green_contexts_equal_the_plain_ones(method, opts):
+    """commit_sms / prefetch_sms (side streams of a green context, a few SMs): the same history and outputs
+    (skipped where torch has no green contexts with streams)."""
+    from qvg.streams import green_stream
+    try:
+        green_stream("cuda", 8)
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    caches = [KVCache(LAYERS, method, chunk_frames=CF, tokens_per_frame=TPF, window_frames=2 * CF, **kw, **opts)
+              for kw in ({}, {"commit_sms": 8, "prefetch_sms": 8})]
+    q = torch.randn(1, 2, CF * TPF, 64, device="cuda").bfloat16()
+    outs = [[], []]
+    for i in range(6):
+        x = clustered(2 * LAYERS, 2, CF * TPF, 64, seed=500 + i).bfloat16().cuda()
+        for j, c in enumerate(caches):
+            for layer in range(LAYERS):
+                c.write(layer, x[2 * layer:2 * layer + 1], x[2 * layer + 1:2 * layer + 2])
+                outs[j].append(c.attend(layer, q))
+                c.commit_layer(layer)
+            c.commit()
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    assert caches[1]._side and all(s is green_stream("cuda", 8) for s in caches[1]._side.values())
