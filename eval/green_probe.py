@@ -9,8 +9,10 @@ On one GPU, for each SM count N:
   and replayed from a CUDA graph on the green stream equals the same on a normal stream, bit for bit;
 - `interference`: a stand-in for the forward (a loop of 8192^3 BF16 matmuls on the current stream) timed alone,
   with 60 graphed qvg-pro compress calls queued beside it on a normal side stream, and on the green stream
-  (the commits of one Self-Forcing chunk: 30 layers x K and V). Each: the matmul loop's time (CUDA events on its
-  stream) and when the side work ended, as medians of `--rounds` rounds in which the set-ups alternate.
+  (the commits of one Self-Forcing chunk: 30 layers x K and V), on the green stream replaying graphs captured on a
+  normal stream, and replaying graphs captured on the green stream (`GraphedCompress(capture_on_current=True)`).
+  Each: the matmul loop's time (CUDA events on its stream) and when the side work ended, as medians of `--rounds`
+  rounds in which the set-ups alternate.
 Writes green-probe-<gpu>.json.
 """
 from __future__ import annotations
@@ -74,23 +76,23 @@ def main(argv=None) -> int:
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16, generator=g)
     graphed = GraphedCompress()
 
-    def commits():
+    def commits(g=graphed):
         for _ in range(60):
-            graphed(x, "qvg-pro", init=init, **OPTS)
+            g(x, "qvg-pro", init=init, **OPTS)
 
     def forward():
         for _ in range(12):
             a @ a
 
-    def together(side):
-        """(matmul loop ms, ms until the side work ended) with `commits` queued on `side` first."""
+    def together(side, g=graphed):
+        """(matmul loop ms, ms until the side work ended) with `commits` (graphs of `g`) queued on `side` first."""
         cur = torch.cuda.current_stream()
         s0, m1, s1 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
         torch.cuda.synchronize()
         s0.record(cur)
         side.wait_stream(cur)
         with torch.cuda.stream(side):
-            commits()
+            commits(g)
             s1.record(side)
         forward()
         m1.record(cur)
@@ -116,34 +118,40 @@ def main(argv=None) -> int:
         try:
             row["copy_ms"] = statistics.median(_timed(gs, lambda: dst.copy_(big)) for _ in range(5))
             row["copy_ms_normal_stream"] = copy_normal
+            green_graphs = GraphedCompress(capture_on_current=True)  # (captured on the green stream)
             with torch.cuda.stream(gs):
                 eager = _copy(qvg.compress(x, "qvg-pro", init=init, **OPTS))
                 rep = _copy(graphed(x, "qvg-pro", init=init, **OPTS))
+                rep_green = _copy(green_graphs(x, "qvg-pro", init=init, **OPTS))
             torch.cuda.synchronize()
             row["same_bits_eager"], row["same_bits_graph"] = _equal(eager, ref_eager), _equal(rep, ref_graph)
-            setups = {"alone": None, "normal": normal, "green": gs}
+            row["same_bits_graph_captured_green"] = _equal(rep_green, ref_graph)
+            setups = {"alone": None, "normal": normal, "green": gs, "green_captured": gs}
             times = {k: [] for k in setups}
             for r in range(args.rounds):
-                for name in list(setups)[r % 3:] + list(setups)[:r % 3]:
+                for name in list(setups)[r % 4:] + list(setups)[:r % 4]:
                     s = setups[name]
                     if s is None:
                         times[name].append((_timed(torch.cuda.current_stream(), forward), 0.0))
                     else:
-                        times[name].append(together(s))
+                        times[name].append(together(s, green_graphs if name == "green_captured" else graphed))
             row["interference"] = {k: {"forward_ms": statistics.median(t[0] for t in v),
                                        "side_done_ms": statistics.median(t[1] for t in v),
                                        "forward_ms_all": [round(t[0], 3) for t in v]} for k, v in times.items()}
             commits_alone = {}
-            for name, s in (("normal", normal), ("green", gs)):
-                commits_alone[name] = statistics.median(_timed(s, commits) for _ in range(3))
+            for name, s, g in (("normal", normal, graphed), ("green", gs, graphed),
+                               ("green_captured", gs, green_graphs)):
+                commits_alone[name] = statistics.median(_timed(s, lambda: commits(g)) for _ in range(3))
             row["commits_alone_ms"] = commits_alone
             f = row["interference"]
             print(f"{sms} SMs: copy {row['copy_ms']:.3f} ms (normal {copy_normal:.3f}); same bits eager "
                   f"{row['same_bits_eager']} graph {row['same_bits_graph']}; forward alone {f['alone']['forward_ms']:.2f}"
                   f" ms, with commits on a normal stream {f['normal']['forward_ms']:.2f} (done at "
                   f"{f['normal']['side_done_ms']:.2f}), on {sms} SMs {f['green']['forward_ms']:.2f} (done at "
-                  f"{f['green']['side_done_ms']:.2f}); 60 commits alone {commits_alone['normal']:.2f} / "
-                  f"{commits_alone['green']:.2f} ms")
+                  f"{f['green']['side_done_ms']:.2f}), graphs captured there {f['green_captured']['forward_ms']:.2f} "
+                  f"(done at {f['green_captured']['side_done_ms']:.2f}); same bits {row['same_bits_graph_captured_green']}"
+                  f"; 60 commits alone {commits_alone['normal']:.2f} / {commits_alone['green']:.2f} / "
+                  f"{commits_alone['green_captured']:.2f} ms")
         except Exception as e:
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             print(f"{sms} SMs: {row['error']}")

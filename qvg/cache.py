@@ -297,7 +297,8 @@ class KVCache:
         self.layers = [_Layer(self.chunk_tokens) for _ in range(num_layers)]
         self.frames = 0  # frames committed so far (the next chunk's start frame: its RoPE time offset)
         self.commits = 0
-        self._graphed = GraphedCompress() if cuda_graphs and method != "bf16" else None
+        # (with commit_sms the graphs are captured on the green stream: replays then stay on its SMs)
+        self._graphed = GraphedCompress(commit_sms is not None) if cuda_graphs and method != "bf16" else None
         self.async_commit, self.defer_commits = async_commit, defer_commits
         for name, v in (("commit_sms", commit_sms), ("prefetch_sms", prefetch_sms)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):

@@ -23,9 +23,14 @@ GRAPHED_METHODS = ("rtn", "qvg", "qvg-pro")
 
 
 class GraphedCompress:
-    def __init__(self):
+    """capture_on_current: capture each graph on the stream current at its first call (if that is not a device's
+    default stream) instead of a fresh side stream: a graph's kernels run in the context they were captured in, so
+    one captured on a green context's stream (`qvg.streams.green_stream`) replays on that context's SMs only."""
+
+    def __init__(self, capture_on_current: bool = False):
         self._graphs: dict = {}
         self.nbytes = 0
+        self.capture_on_current = capture_on_current
 
     def clear(self) -> None:
         """Drop every graph. Their static tensors and private pools go back to the caching allocator once no
@@ -68,8 +73,10 @@ class GraphedCompress:
 
         def call():
             return compress(sx, method, init=si, check_finite=False, **options)
-        side = torch.cuda.Stream(x.device)
-        side.wait_stream(torch.cuda.current_stream(x.device))
+        current = torch.cuda.current_stream(x.device)
+        keep = self.capture_on_current and current != torch.cuda.default_stream(x.device)
+        side = current if keep else torch.cuda.Stream(x.device)
+        side.wait_stream(current)
         with torch.cuda.stream(side):  # compile the kernels and settle the allocator before capturing
             for _ in range(2):
                 call()
