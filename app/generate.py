@@ -30,7 +30,7 @@ DEFAULT_IMAGE = "astronaut"
 DEFAULT_ACTIONS = "right*3,down*2,left*3,up*2"  # a loop: the camera comes back to where it started
 
 
-MIN_TINY_FRAMES = 2  # the embedded model's video starts with its start image: one frame more is generated
+MIN_TINY_FRAMES = 2  # the embedded model's frame 1 is its start image: the first generated frame is frame 2
 MAX_FRAMES = 100_000  # --frames at most (a sweep's videos are held to it too: qvg.eval.cli.MAX_CHUNKS)
 
 
@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "(stay, left, right, up, down, zoom_in, zoom_out; repeated to fill the video; default "
                    f"'{DEFAULT_ACTIONS}')")
     p.add_argument("--frames", default=None, help="video frames to write (default: about 4 s; tiny 31 at 8 fps, "
-                   "at least 2, the first its start image; self-forcing 49 at 16 fps)")
+                   "at least 2, frame 1 being its start image; self-forcing 49 at 16 fps)")
     p.add_argument("--method", default="qvg", help=f"KV cache method: {', '.join(CACHE_METHODS)} (default qvg)")
     p.add_argument("--bits", default=None, help="2, 4 or 8 (default: the method's)")
     p.add_argument("--stages", default=None, help="k-means stages S (qvg, qvg-pro; 0: none, which is plain RTN)")
@@ -205,7 +205,7 @@ def parse(argv) -> dict:
     tiny = a.pipeline == "tiny"
     frames = a.frames if a.frames is not None else ("31" if tiny else "49")
     s = {"pipeline": a.pipeline, "method": a.method, "quiet": a.quiet,
-         "frames": _int("frames", frames, 1, MAX_FRAMES), "seed": _int("seed", a.seed, 0, 2**63 - 1),
+         "frames": _int("frames", frames), "seed": _int("seed", a.seed, 0, 2**63 - 1),
          "commit_every": _int("commit-every", a.commit_every, 1, 1000), "sink": _int("sink", a.sink, 0)}
     opts = {"bits": _int("bits", a.bits, allow_none=True), "stages": _int("stages", a.stages, 0, 16, True),
             "block_size": _int("block-size", a.block_size, 1, allow_none=True),
@@ -219,6 +219,8 @@ def parse(argv) -> dict:
         # the embedded model is sensitive to INT2 (eval/results/world-eval-h100.md: QVG INT2 at its default options
         # costs 1.0-2.4 dB on revisits, INT4 0.0 dB): its default is INT4; --bits 2 gives the 2-bit cache
         opts["bits"] = 4
+    if not 1 <= s["frames"] <= MAX_FRAMES:  # (the embedded model's lower bound: checked below, after its flags')
+        raise UsageError(f"--frames must be in [{MIN_TINY_FRAMES if tiny else 1}, {MAX_FRAMES}], got {s['frames']}")
     s["options"] = {k: v for k, v in opts.items() if v is not None}
     if a.method == "bf16" and s["options"]:
         raise UsageError(f"--method bf16 stores BF16: {', '.join('--' + k.replace('_', '-') for k in s['options'])}"
@@ -265,9 +267,6 @@ def parse(argv) -> dict:
         raise UsageError("--weights applies to --pipeline self-forcing")
     s["checkpoint"], s["weights"], s["generator"] = a.checkpoint, a.weights, a.generator
     if tiny:
-        if s["frames"] < MIN_TINY_FRAMES:  # (its first frame is the start image: nothing would be generated)
-            raise UsageError(f"--frames must be >= {MIN_TINY_FRAMES} for the embedded model (--pipeline tiny), whose "
-                             f"frame 1 is its start image, got {s['frames']}")
         if a.prompt is not None:
             raise UsageError("--prompt: the embedded world model is not text-conditioned; steer it with --image and "
                              "--actions")
@@ -276,6 +275,9 @@ def parse(argv) -> dict:
                              f"{DEFAULT_IMAGE!r}")
         if a.actions is not None and not a.actions.strip():
             raise UsageError(f"--actions: empty; give e.g. 'right*4,left*4' or leave it out for '{DEFAULT_ACTIONS}'")
+        if s["frames"] < MIN_TINY_FRAMES:  # (one frame would be the start image alone: a chunk generated for nothing)
+            raise UsageError(f"--frames must be in [{MIN_TINY_FRAMES}, {MAX_FRAMES}] for the embedded model (its "
+                             f"frame 1 is the start image), got {s['frames']}")
         s.update(_world_inputs(a.image or DEFAULT_IMAGE, DEFAULT_ACTIONS if a.actions is None else a.actions))
     else:
         for name in ("image", "actions"):

@@ -172,18 +172,21 @@ def wan_name(key: str) -> str:
     return key
 
 
-def _missing_names(names: dict[str, str], own: Callable[[str], str]) -> Callable[[str], str]:
-    """model key -> the name a file with these `names` (model key -> file key) would give it: `own` (wan_name, or
-    no renaming) under the file's wrapper prefix (the one most of its keys carry)."""
-    from collections import Counter
-    prefixes = Counter(f[:len(f) - len(own(k))] for k, f in names.items() if f.endswith(own(k)))
-    prefix = prefixes.most_common(1)[0][0] if prefixes else ""
-    return lambda k: prefix + own(k)
+def _missing_names(names: dict[str, str], own: Callable[[str], str], naming: str) -> tuple[Callable[[str], str], str]:
+    """(model key -> the name a file with these `names` (model key -> file key) would give it, a note for the
+    message). The name is `own`'s (wan_name, or no renaming) under the wrapper prefix all the file's keys carry:
+    then the note is empty. Where its keys carry no one prefix (wrappers inside keys: FSDP's, activation
+    checkpointing's), `own`'s name alone, and the note says whose names they are (`naming`)."""
+    prefixes = {f[:len(f) - len(own(k))] if f.endswith(own(k)) else None for k, f in names.items()}
+    if len(prefixes) == 1 and None not in prefixes:
+        prefix = prefixes.pop()
+        return (lambda k: prefix + own(k)), ""
+    return own, f"; {naming}, without the file's wrappers"
 
 
-def read_generator(path: Path, ema: bool | None = None) -> tuple[dict, dict, str, Callable[[str], str]]:
-    """(state dict in diffusers' names, new key -> key in the file, 'generator_ema' or 'generator', a function
-    giving a key the file lacks the name the file would have given it)."""
+def read_generator(path: Path, ema: bool | None = None) -> tuple[dict, dict, str, tuple[Callable[[str], str], str]]:
+    """(state dict in diffusers' names, new key -> key in the file, 'generator_ema' or 'generator', (a function
+    giving a key the file lacks the name the file would have given it, a note on those names: `_missing_names`))."""
     from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
     obj = read_torch(path)
     wanted = ("generator_ema", "generator") if ema is None else ("generator_ema",) if ema else ("generator",)
@@ -202,10 +205,10 @@ def read_generator(path: Path, ema: bool | None = None) -> tuple[dict, dict, str
         stripped[k[len(WRAPPER_PREFIX):] if k.startswith(WRAPPER_PREFIX) else k] = t
     if diffusers_names(stripped):  # saved from a diffusers-named model (ours included): nothing to rename
         names = _renamed(sd, stripped)
-        return stripped, names, which, _missing_names(names, lambda k: k)
+        return stripped, names, which, _missing_names(names, lambda k: k, "diffusers' names")
     converted = convert_wan_transformer_to_diffusers(dict(stripped))
     names = _renamed(sd, converted)
-    return converted, names, which, _missing_names(names, wan_name)
+    return converted, names, which, _missing_names(names, wan_name, "Wan's names")
 
 
 def diffusers_names(sd: dict) -> bool:
@@ -282,7 +285,7 @@ def load_self_forcing(checkpoint_dir, device="cpu", dtype=torch.bfloat16, *, ema
     what = f"Wan transformer ({c.num_layers} layers, dim {c.num_attention_heads * c.attention_head_dim})"
     try:
         transformer = load_strict(model, sd, f"{files.generator} [{which}]", what=what, file_names=names,
-                                  missing_names=missing_names,
+                                  missing_names=missing_names[0], missing_note=missing_names[1],
                                   device=device, dtype=dtype)
     except CheckpointError as e:  # which side is wrong: say what the config asked for and what the file holds
         raise CheckpointError(f"{e}; the model's config is {config_source}, the checkpoint holds "

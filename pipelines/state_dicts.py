@@ -124,14 +124,14 @@ def empty_init():
 
 
 def load_strict(model: torch.nn.Module, sd: dict[str, torch.Tensor], source, *, what: str,
-                file_names: dict[str, str] | None = None, missing_names=None, device="cpu",
-                dtype: torch.dtype | None = None):
+                file_names: dict[str, str] | None = None, missing_names=None, missing_note: str = "",
+                device="cpu", dtype: torch.dtype | None = None):
     """Fill `model` (built under `empty_init`) with `sd`, cast to `dtype` (floating tensors) on `device`.
     Every key of the model's state dict must be in `sd` with its shape, and `sd` must hold nothing else.
     file_names: model key -> the key as the file names it (for messages; default: the same). Tensors shared by
     several keys (the same storage and view) stay shared. missing_names: model key -> the name the file would
-    give it, for the keys it lacks (default: the model's names, which the message then says). Returns the model,
-    in eval mode."""
+    give it, for the keys it lacks (default: the model's names, which the message then says), and missing_note
+    what the message adds after them. Returns the model, in eval mode."""
     file_names = file_names or {}
     expected = model.state_dict(keep_vars=True)
     missing = [k for k in expected if k not in sd]
@@ -139,7 +139,7 @@ def load_strict(model: torch.nn.Module, sd: dict[str, torch.Tensor], source, *, 
     if missing or unexpected:
         parts = []
         if missing:
-            named = _few(map(missing_names, missing)) if missing_names else \
+            named = _few(map(missing_names, missing)) + missing_note if missing_names else \
                 f"{_few(missing)}; as the model names {'them' if len(missing) > 1 else 'it'}"
             parts.append(f"{len(missing)} missing key{'s' * (len(missing) > 1)} ({named})")
         if unexpected:

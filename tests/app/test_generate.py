@@ -107,10 +107,13 @@ BAD = [
     (["--read", "staged", "--method", "quarot"], "--read staged: method 'quarot' supports read='window' only"),
     (["--key-storage", "pre"], "--key-storage must be auto, post-rope or pre-rope"),
     (["--method", "kivi", "--key-storage", "pre-rope"], "--key-storage pre-rope is for rtn, qvg, qvg-pro"),
-    (["--frames", "0"], "--frames must be in"),
+    (["--frames", "0"], "--frames must be in [2, 100000], got 0"),
+    (["--frames", "100001"], "--frames must be in [2, 100000], got 100001"),
+    (["--pipeline", "self-forcing", "--checkpoint", ".", "--frames", "0"], "--frames must be in [1, 100000], got 0"),
+    (["--frames", "1", "--prompt", "a fox"], "not text-conditioned"),  # (the flags' applicability first)
     (["--frames", "x"], "--frames must be an integer"),
     # (the embedded model's first frame is its start image: one frame generated a chunk only to drop it)
-    (["--frames", "1"], "--frames must be >= 2 for the embedded model (--pipeline tiny), whose frame 1 is its start image, got 1"),
+    (["--frames", "1"], "--frames must be in [2, 100000] for the embedded model (its frame 1 is the start image), got 1"),
     (["--method", "fp4"], "unknown method"),
     (["--pipeline", "ltx"], "unknown pipeline"),
     (["--block-size", "48"], "not divisible by block_size"),

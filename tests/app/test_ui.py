@@ -216,7 +216,7 @@ BAD = [
     (dict(sink=None), "sink: give a number"),
     (dict(sink=-3), "sink must be >= 0, got -3"),  # (the app's check, not a gradio pop-up: no minimum= there)
     (dict(seed=-5), "seed must be in [0, "),
-    (dict(frames=1), "length (frames) must be >= 2 for the embedded model"),
+    (dict(frames=1), "length (frames) must be in [2, 100000] for the embedded model (its frame 1 is the start image), got 1"),
     (dict(history="window", window=1), "window must be a multiple of the chunk size"),
     (dict(pipeline="self-forcing", checkpoint="../"), "outside the checkpoint root"),
     (dict(pipeline="self-forcing", checkpoint="escape"), "outside the checkpoint root"),
