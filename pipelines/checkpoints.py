@@ -174,11 +174,12 @@ def wan_name(key: str) -> str:
 
 def _missing_names(names: dict[str, str], own: Callable[[str], str], naming: str) -> tuple[Callable[[str], str], str]:
     """(model key -> the name a file with these `names` (model key -> file key) would give it, a note for the
-    message). The name is `own`'s (wan_name, or no renaming) under the wrapper prefix all the file's keys carry:
-    then the note is empty. Where its keys carry no one prefix (wrappers inside keys: FSDP's, activation
-    checkpointing's), `own`'s name alone, and the note says whose names they are (`naming`)."""
-    prefixes = {f[:len(f) - len(own(k))] if f.endswith(own(k)) else None for k, f in names.items()}
-    if len(prefixes) == 1 and None not in prefixes:
+    message). The name is `own`'s (wan_name, or no renaming) under the one prefix the file's keys carry before
+    their own names (`model.`, `module.model.`, none): then the note is empty. Where that can't be rebuilt (training
+    wrappers inside keys: FSDP's, activation checkpointing's; several prefixes), `own`'s name alone, and the note
+    says whose names they are (`naming`)."""
+    prefixes = {f[:len(f) - len(own(k))] for k, f in names.items() if f.endswith(own(k))}
+    if len(prefixes) == 1 and not any(w in f for f in names.values() for w in TRAINING_WRAPPERS):
         prefix = prefixes.pop()
         return (lambda k: prefix + own(k)), ""
     return own, f"; {naming}, without the file's wrappers"
