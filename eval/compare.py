@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from qvg.outputs import atomic, write_text
+from qvg.outputs import atomic
 
 from .metrics import psnr, ssim
 
@@ -137,7 +137,17 @@ def output_paths(out: str | Path) -> tuple[Path, Path]:
 
 
 def save(res: dict, out: str | Path) -> list[str]:
+    """The JSON and the PNG, both or neither (the JSON is put in place only once the PNG is: a full disk leaves
+    neither); an OSError names the file it was writing."""
     js, png = output_paths(out)
     js.parent.mkdir(parents=True, exist_ok=True)
-    write_text(js, json.dumps(res, indent=1) + "\n")
-    return [f"wrote {js}", plot(res, png, res.get("meta", {}).get("title", ""))]
+    path = js
+    try:
+        with atomic(js) as tmp:
+            tmp.write_text(json.dumps(res, indent=1) + "\n")
+            path = png
+            line = plot(res, png, res.get("meta", {}).get("title", ""))
+            path = js
+    except OSError as e:
+        raise OSError(e.errno, f"cannot write {str(path)!r}: {e.strerror or e}") from None
+    return [f"wrote {js}", line]

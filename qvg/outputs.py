@@ -7,6 +7,7 @@ import contextlib
 import errno
 import os
 import signal
+import stat
 import tempfile
 import threading
 from pathlib import Path
@@ -41,15 +42,33 @@ def target(path: str | os.PathLike) -> Path:
         raise ValueError(f"{str(path)!r}: {why}") from None
 
 
+def special_kind(t: Path) -> str | None:
+    """What `t` is if it exists and is neither a regular file nor a folder (a device, a FIFO, a socket), else None:
+    a write must not replace such a file (root replacing /dev/null through an `--out` symlink)."""
+    try:
+        mode = os.stat(t).st_mode
+    except OSError:
+        return None
+    for test, kind in ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return None
+
+
 def target_error(path: str | os.PathLike) -> str | None:
     """Why `path` can't be written as a new or replaced file (its target's folder missing or taking no files, the
-    target a folder, a symlink loop), or None."""
+    target a folder, a device, a FIFO or a socket, a symlink loop), or None."""
     try:
         t = target(path)
     except ValueError as e:
         return str(e)
     if t.is_dir():
         return f"{str(path)!r} is a directory"
+    kind = special_kind(t)
+    if kind:
+        via = f" (through a symlink to {str(t)!r})" if t != Path(os.path.abspath(path)) else ""
+        return f"{str(path)!r} is {kind}{via}, not a regular file"
     if not t.parent.is_dir():
         return f"cannot write to {str(t.parent)!r} (no such directory)"
     err = writable_error(t.parent)
@@ -77,6 +96,9 @@ def atomic(path: str | os.PathLike):
     else it is removed: `path` is then left as it was, never half written. A symlink is written through, as open()
     would: the file it names is replaced (its folder holds the temporary file), the link stays."""
     path = target(path)
+    kind = special_kind(path)
+    if kind:  # (never replaced: callers check with target_error first; this guards the others)
+        raise OSError(errno.EEXIST, f"{str(path)!r} is {kind}, not a regular file")
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix, dir=path.parent)
     try:
         os.close(fd)

@@ -5,6 +5,7 @@ import errno
 import os
 import signal
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -49,6 +50,33 @@ def test_target_follows_links_and_names_loops(tmp_path):
     (tmp_path / "e").symlink_to(tmp_path / "gone" / "e")
     assert "no such directory" in outputs.target_error(tmp_path / "e")
     assert outputs.target_error(tmp_path / "new.json") is None
+
+
+def test_devices_fifos_and_sockets_are_never_replaced(tmp_path):
+    """A write through a symlink to a device (root: `ln -s /dev/null out.mp4`) or to a FIFO is refused, not a
+    rename over it: target_error names it, and atomic() raises without touching it."""
+    import socket
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    (tmp_path / "to-null.mp4").symlink_to("/dev/null")
+    (tmp_path / "to-pipe.json").symlink_to(fifo)
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(tmp_path / "s"))
+    try:
+        assert outputs.target_error(tmp_path / "to-null.mp4") == (
+            f"{str(tmp_path / 'to-null.mp4')!r} is a character device (through a symlink to '/dev/null'), "
+            "not a regular file")
+        assert "is a FIFO (through a symlink" in outputs.target_error(tmp_path / "to-pipe.json")
+        assert outputs.target_error(fifo) == f"{str(fifo)!r} is a FIFO, not a regular file"
+        assert "is a socket" in outputs.target_error(tmp_path / "s")
+        assert outputs.targets_error([tmp_path / "ok.mp4", tmp_path / "to-null.mp4"])[0] == tmp_path / "to-null.mp4"
+        with pytest.raises(OSError, match="is a FIFO, not a regular file"):
+            with outputs.atomic(tmp_path / "to-pipe.json") as tmp:
+                tmp.write_text("x")
+        assert fifo.is_fifo() and os.path.exists("/dev/null") and not Path("/dev/null").is_file()
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["pipe", "s", "to-null.mp4", "to-pipe.json"]
+    finally:
+        sock.close()
 
 
 def test_writable_error_names_why(tmp_path, monkeypatch):

@@ -1,5 +1,6 @@
 """qvg-generate: the mp4 + JSON it writes, and bad input (one error line, exit 2, nothing left behind)."""
 import json
+import os
 
 import pytest
 
@@ -156,6 +157,18 @@ def test_bad_input_one_line_exit_2_nothing_written(tmp_path, capsys, args, msg):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("qvg-generate: error:") and msg in err[0], err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", ["v.mp4", "v.json"])
+def test_output_linked_to_a_device_is_refused(tmp_path, capsys, name):
+    """--out (or its JSON) a symlink to /dev/null: refused before any work, not replaced by a regular file (as root
+    the rename would have removed the device)."""
+    (tmp_path / name).symlink_to("/dev/null")
+    assert main(["--out", str(tmp_path / "v.mp4"), "--quiet", "--frames", "4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is a character device (through a symlink to '/dev/null'), not a regular file" in err[0]
+    assert (tmp_path / name).is_symlink() and [p.name for p in tmp_path.iterdir()] == [name]
+    assert os.path.exists("/dev/null") and not os.path.isfile("/dev/null")
 
 
 @pytest.mark.parametrize("case", ["missing-dir", "avi", "json-is-a-dir"])

@@ -78,6 +78,30 @@ def test_cli_compare_default_out_keeps_the_reports(tmp_path, capsys):
     assert f"wrote {tmp_path / 'qvg.compare.json'}" in out and f"wrote {tmp_path / 'named.json'}" in out
 
 
+def test_a_failed_write_leaves_the_old_outputs_and_names_its_file(tmp_path, capsys, monkeypatch):
+    """A full disk while the PNG is written: the JSON is not put in place either (the old pair stays), and the one
+    error line names the file."""
+    import errno
+
+    from qvg.eval import compare as cmp
+    rng = np.random.default_rng(2)
+    base = (rng.random((7, 16, 16, 3)) * 255).astype(np.uint8)
+    _write_mp4(tmp_path / "ref.mp4", base, {"pipeline": "tiny"})
+    _write_mp4(tmp_path / "test.mp4", base)
+    (tmp_path / "c.json").write_text("old")
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(cmp, "plot", full)
+    args = ["compare", str(tmp_path / "ref.mp4"), str(tmp_path / "test.mp4"), "--out", str(tmp_path / "c"),
+            "--lpips", "none"]
+    assert main(args) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"qvg-eval: error: [Errno 28] cannot write {str(tmp_path / 'c.png')!r}: No space left on device"]
+    assert (tmp_path / "c.json").read_text() == "old" and not (tmp_path / "c.png").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.json", "ref.json", "ref.mp4", "test.mp4"]
+
+
 def test_cli_errors(tmp_path, capsys):
     assert main(["compare", str(tmp_path / "nope.mp4"), str(tmp_path / "x.mp4")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
