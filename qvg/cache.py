@@ -815,8 +815,9 @@ class KVCache:
         (sink, pending and current zones, with their reserved room) and any full-precision tokens a method keeps
         inside its packed history. The BF16 equivalent is what a BF16 cache of the same tokens holds: the sink,
         history, pending and current tokens, plus, for method "bf16" itself, its buffers' rounding room (so it is
-        always 1.0x); a compressed cache's idle current-chunk slot between chunks is bytes it holds, not
-        equivalent. `bf16` split by zone (not components: they sum to `bf16` exactly, not counted again in
+        always 1.0x); a compressed cache's idle current-chunk slot between chunks is bytes it holds, and equivalent
+        only where a BF16 cache holds one too: a wrapped rolling window, whose ring keeps the slot of the chunk the
+        next write evicts (so the ratio compares what the two caches hold at the same point). `bf16` split by zone (not components: they sum to `bf16` exactly, not counted again in
         `total`):
         - bf16_sink: the sink's tokens;
         - bf16_pending: the committed chunks not packed yet (method "bf16": its whole history past the sink);
@@ -839,7 +840,7 @@ class KVCache:
                 # the BF16 cache's own reserved room (allocator rounding) is its equivalent too, so "bf16" is 1.0x;
                 # a compressed cache's room (the current chunk's slot between chunks, commit_every room) is not:
                 # a BF16 cache holds no such slot between chunks
-                room = cap - (L.n_sink + L.n_pending + L.n_cur) if self.method == "bf16" else 0
+                room = cap - (L.n_sink + L.n_pending + L.n_cur) if self.method == "bf16" else self._ring_slot_room(L)
             elif L.hist[0] is not None:  # a history installed before any write (benchmarks)
                 h0 = L.hist[0]
                 b, h, _, d = h0.shape if isinstance(h0, PackedSequence) else h0[0].shape
@@ -862,6 +863,16 @@ class KVCache:
         total = sum(comp.values())
         return {**comp, **zones, "total": total, "bf16_equivalent": equiv,
                 "compression_ratio": equiv / total if total else 1.0}
+
+    def _ring_slot_room(self, L: _Layer) -> int:
+        """Tokens a BF16 cache of these settings holds beyond L's tokens: once its rolling window has wrapped, its
+        ring keeps the slot of the chunk being written, between chunks too (holding the chunk the next write
+        evicts); a compressed cache evicts at the commit instead, so between chunks its history is a chunk short of
+        what the BF16 ring holds."""
+        if self.window_frames is None or self.frames <= self.sink_frames + self.window_frames:
+            return 0  # (not wrapped: a BF16 cache holds the same tokens)
+        ring = self.window_frames * self.tokens_per_frame + self.chunk_tokens
+        return max(0, ring - (self._hist_tokens(L) + L.n_pending + L.n_cur))
 
     def reset(self) -> None:
         """Forget everything (a new video), the compression graphs and their memory too: a reset cache holds no

@@ -357,6 +357,33 @@ def test_bf16_equivalent_is_what_a_bf16_cache_holds_between_chunks():
     assert q["bf16_current"] > 0 and q["compression_ratio"] == q["bf16_equivalent"] / q["total"]
 
 
+@pytest.mark.parametrize("window,sink", [(None, 0), (3, 0), (6, 0), (6, 3), (9, 3)])
+def test_bf16_equivalent_is_what_a_bf16_cache_holds_with_a_rolling_window(window, sink):
+    """With a rolling window too, at every point (between chunks and while one is written): once its window has
+    wrapped, the BF16 ring keeps the slot of the chunk being written, between chunks as well, and a compressed
+    cache's equivalent counts it (qvg-generate's window runs reported a cache 36% smaller than BF16's as 1.28x
+    larger)."""
+    B, H, D, T = 1, 2, 64, 16
+    g = torch.Generator().manual_seed(1)
+    caches = {m: KVCache(2, m, chunk_frames=3, tokens_per_frame=T, window_frames=window, sink_frames=sink,
+                         cuda_graphs=False, **({} if m == "bf16" else {"centroids": 4}))
+              for m in ("bf16", "qvg", "qvg-pro")}
+    for _ in range(6):
+        for layer in range(2):
+            k, v = torch.randn(2, B, H, 3 * T, D, generator=g).bfloat16()
+            for c in caches.values():
+                c.write(layer, k, v)
+        for point in ("writing", "between"):
+            bf = caches["bf16"].memory()["total"]
+            for m in ("qvg", "qvg-pro"):
+                mem = caches[m].memory()
+                assert mem["bf16_equivalent"] == bf, (m, point, caches[m].frames)
+                assert mem["compression_ratio"] == bf / mem["total"]
+            if point == "writing":
+                for c in caches.values():
+                    c.commit()
+
+
 def test_async_commit_option():
     with pytest.raises(ValueError, match="async_commit must be True or False"):
         KVCache(1, "qvg", chunk_frames=CF, tokens_per_frame=TPF, async_commit="yes")
