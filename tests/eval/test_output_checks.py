@@ -1,0 +1,63 @@
+"""The standalone analysis tools (kv_analysis, rope_storage) check --out before their work (one line, status 2,
+nothing run) and write their files all or none (a failure after the work: one line, status 1, nothing written)."""
+from __future__ import annotations
+
+import errno
+
+import pytest
+
+from qvg.eval import kv_analysis, rope_storage
+
+
+def _never(*a, **k):
+    raise AssertionError("the work ran before --out was checked")
+
+
+@pytest.mark.parametrize("tool", [kv_analysis, rope_storage])
+def test_bad_out_is_one_line_before_any_work(tool, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(tool, "run", _never)
+    (tmp_path / "f").write_text("")
+    for out, msg in ((tmp_path / "f", "is a file, not a folder"), (tmp_path / "f" / "sub", "is a file, not a folder"),
+                     ("/proc/qvg-out", "cannot write to '/proc'")):
+        with pytest.raises(SystemExit) as e:
+            code = tool.main(["--out", str(out)])
+            raise SystemExit(code)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and "error: --out: " in err[0] and msg in err[0], err
+
+
+def test_kv_analysis_writes_all_or_none(tmp_path, capsys, monkeypatch):
+    """A full disk while the PNG is written: neither the JSON nor the markdown is put in place; the error names
+    the file."""
+    res = {"meta": {"quick": True}}
+    monkeypatch.setattr(kv_analysis, "run", lambda **k: res)
+    monkeypatch.setattr(kv_analysis, "to_markdown", lambda r: "# md\n")
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(kv_analysis, "_plot", full)
+    with pytest.raises(SystemExit) as e:
+        kv_analysis.main(["--out", str(tmp_path / "out"), "--quick", "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 1 and err == [
+        f"python -m qvg.eval.kv_analysis: error: cannot write {str(tmp_path / 'out' / 'kv_analysis.png')!r}: "
+        "No space left on device; nothing written"]
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_rope_storage_writes_both_or_none(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(rope_storage, "run", lambda **k: {"rows": []})
+    real = rope_storage.atomic
+    calls = []
+
+    def failing_second(path):
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path)
+    monkeypatch.setattr(rope_storage, "atomic", failing_second)
+    assert rope_storage.main(["--out", str(tmp_path)]) == 1
+    assert "nothing written" in capsys.readouterr().err and list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(rope_storage, "atomic", real)
+    assert rope_storage.main(["--out", str(tmp_path)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rope_storage.json", "rope_storage.md"]
