@@ -162,7 +162,8 @@ def build_parser():
     _common(s)
     v = sub.add_parser("vbench", help="VBench dimensions of video files")
     v.add_argument("videos", nargs="+")
-    v.add_argument("--dims", default="all", help="dimensions (comma list) or 'all' (default)")
+    v.add_argument("--dims", default="all", help="dimensions (comma list) or 'all' (default); those whose weights are "
+                   "missing are reported as not computed, and none computable is an error")
     v.add_argument("--out", default=None, help="JSON output (default: print)")
     _common(v, lpips=False)
     return p
@@ -223,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
                     raise UsageError(f"--threads must be in [1, {MAX_THREADS}], got {a.threads}")
                 import torch
                 torch.set_num_threads(a.threads)
+            if a.weights is not None and not Path(a.weights).is_dir():  # (a typo would only be notes, status 0)
+                what = "not a folder" if Path(a.weights).exists() else "no such folder"
+                raise UsageError(f"--weights: {what}: {a.weights!r}")
             return {"compare": _compare, "report": _report, "sweep": _sweep, "vbench": _vbench_cmd}[a.cmd](a, argv)
     except (UsageError, BadWeights, GenerateUsageError) as e:  # BadWeights: a broken weights file, wherever read
         return _fail(f"qvg-eval: error: {e}", 2)
@@ -481,6 +485,11 @@ def _vbench_cmd(a, argv) -> int:
         _out_dir(Path(a.out).resolve().parent, Path(a.out).name)
     notes = []
     dims = _vbench(names, a.weights, dev, notes)
+    missing = {k: f for k, f in dims.items() if isinstance(f, str)}
+    if dims and len(missing) == len(dims):  # (nothing to compute: an error, not an all-null result and status 0)
+        first = next(iter(missing))
+        raise UsageError(f"no VBench dimension can be computed: {first} {missing[first]}"
+                         + (f" (and {len(missing) - 1} more not computed)" if len(missing) > 1 else ""))
     res = {"meta": meta(command_line("qvg-eval", argv), dev, weight_files=weight_files(*dims.values())),
            "not_computed": {k: f for k, f in dims.items() if isinstance(f, str)},
            "videos": {}}

@@ -52,6 +52,7 @@ from qvg.kmeans import kmeans
 from qvg.compression import resolve_options
 from qvg.compression.prq import COLD_ITERS, WARM_ITERS, _gather, residual_tscale
 from qvg.compression.registry import token_spec
+from qvg.outputs import atomic, folder_error
 from qvg.packed import Packed
 from qvg.quant import quantize_packed
 from qvg.revision import git_commit
@@ -704,19 +705,34 @@ def _plot(res: dict, path: Path) -> str:
     ax[2].set_title("d. k-means warm vs cold start")
     ax[2].legend(fontsize=6, ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with atomic(path) as tmp:  # (the whole PNG or none)
+        fig.savefig(tmp, dpi=110, format="png")
     plt.close(fig)
     return f"wrote {path}"
 
 
+OUTPUTS = ("kv_analysis.json", "kv_analysis.md", "kv_analysis.png")
+
+
 def save(res: dict, out: str | Path) -> list[str]:
+    """The JSON, the markdown and the PNG in folder `out` (made if missing), all or none: each is put in place only
+    once the others are written. An OSError names the file it was writing."""
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "kv_analysis.json").write_text(json.dumps(res, indent=1) + "\n")
-    (out / "kv_analysis.md").write_text(to_markdown(res))
-    notes = [f"wrote {out / 'kv_analysis.json'}", f"wrote {out / 'kv_analysis.md'}"]
-    notes.append(_plot(res, out / "kv_analysis.png"))
-    return notes
+    js, md, png = (out / name for name in OUTPUTS)
+    path = out
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with atomic(js) as tmp_js, atomic(md) as tmp_md:
+            path = js
+            tmp_js.write_text(json.dumps(res, indent=1) + "\n")
+            path = md
+            tmp_md.write_text(to_markdown(res))
+            path = png
+            note = _plot(res, png)
+            path = md
+    except OSError as e:
+        raise OSError(e.errno, f"cannot write {str(path)!r}: {e.strerror or e}") from None
+    return [f"wrote {js}", f"wrote {md}", note]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -727,10 +743,19 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seed", type=int, default=0, help="data seed and first k-means seed (default 0)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
+    bad = folder_error(args.out, OUTPUTS)  # (before the work: not a traceback after it)
+    if bad:
+        print(f"{ap.prog}: error: --out: {bad}", file=sys.stderr)
+        raise SystemExit(2)
     cmd = " ".join(["python -m qvg.eval.kv_analysis", *(sys.argv[1:] if argv is None else argv)])
     res = run(quick=args.quick, seed=args.seed, progress=not args.no_progress, command=cmd)
     print(to_markdown(res))
-    for note in save(res, args.out):
+    try:
+        notes = save(res, args.out)
+    except OSError as e:  # (a full disk, a folder removed meanwhile: nothing written)
+        print(f"{ap.prog}: error: {e.strerror or e}; nothing written", file=sys.stderr)
+        raise SystemExit(1)
+    for note in notes:
         print(note)
     return res
 

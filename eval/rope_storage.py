@@ -16,11 +16,13 @@ import os
 import platform
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 import qvg
 from qvg.eval.synthetic_kv import DESCRIPTION, synthetic_kv
+from qvg.outputs import atomic, folder_error
 from qvg.rope import apply_rope, grid_angles
 from qvg.revision import code_commit
 
@@ -61,6 +63,9 @@ def run(chunks: int = 4, frames: int = 3, height: int = 30, width: int = 52, hea
     return {"rows": storage_rows(data, bits), "rms_k": float(k.pow(2).mean().sqrt())}
 
 
+OUTPUTS = ("rope_storage.json", "rope_storage.md")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m qvg.eval.rope_storage",
                                  description="pre- vs post-RoPE key storage on synthetic video-like KV")
@@ -69,8 +74,11 @@ def main(argv=None) -> int:
     ap.add_argument("--chunks", type=int, default=4, help="consecutive chunks compressed, warm-started (default 4)")
     ap.add_argument("--seed", type=int, default=0, help="data seed (default 0)")
     args = ap.parse_args(argv)
-    if args.chunks < 1:
-        ap.error("--chunks must be >= 1")
+    bad = "--chunks must be >= 1" if args.chunks < 1 else None
+    bad = bad or (f"--out: {why}" if (why := folder_error(args.out, OUTPUTS)) else None)  # (before the work)
+    if bad:
+        print(f"{ap.prog}: error: {bad}", file=sys.stderr)
+        return 2
     t0 = time.time()
     res = run(chunks=args.chunks, seed=args.seed)
     cmd = " ".join(["python -m qvg.eval.rope_storage", *(sys.argv[1:] if argv is None else argv)])
@@ -78,9 +86,6 @@ def main(argv=None) -> int:
                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "device": f"cpu ({platform.machine()})", "torch": torch.__version__, "data": DESCRIPTION,
                 "shape": [1, 12, 3 * 30 * 52, 128], "wall_s": time.time() - t0})
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "rope_storage.json"), "w") as f:
-        json.dump(res, f, indent=1)
     lines = ["# Pre- vs post-RoPE key storage (synthetic KV)", "",
              f"- command: `{res['command']}`; commit `{res['commit']}`; {res['date']}; {res['device']}; "
              f"torch {res['torch']}; {res['wall_s']:.0f} s",
@@ -91,9 +96,17 @@ def main(argv=None) -> int:
     for r in res["rows"]:
         lines.append(f"| {r['bits']} | {r['method']} | {r['chunk']} | {r['mse_pre']:.4g} | {r['mse_post']:.4g} | "
                      f"{r['ratio_post_over_pre']:.2f}x |")
-    with open(os.path.join(args.out, "rope_storage.md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
+    js, md = (Path(args.out) / name for name in OUTPUTS)
+    try:  # (both or neither: the JSON is put in place once the markdown is written)
+        os.makedirs(args.out, exist_ok=True)
+        with atomic(js) as tmp_js, atomic(md) as tmp_md:
+            tmp_js.write_text(json.dumps(res, indent=1))
+            tmp_md.write_text("\n".join(lines) + "\n")
+    except OSError as e:  # (a full disk, a folder removed meanwhile)
+        print(f"{ap.prog}: error: cannot write to {args.out!r} ({e.strerror or e}); nothing written", file=sys.stderr)
+        return 1
+    print(f"wrote {js}\nwrote {md}")
     return 0
 
 

@@ -90,6 +90,23 @@ def targets_error(paths) -> tuple[Path, str] | None:
     return None
 
 
+def folder_error(folder: str | os.PathLike, names=()) -> str | None:
+    """Why files `names` can't be written in the output folder `folder` (made, with its parents, when written), or
+    None: for tools that check their outputs before their work (a failure after minutes of work is a traceback
+    and a lost result)."""
+    f = Path(os.path.abspath(folder))
+    if f.exists() and not f.is_dir():
+        return f"{str(folder)!r} is a file, not a folder"
+    there = next(p for p in (f, *f.parents) if p.exists())
+    if not there.is_dir():
+        return f"cannot make {str(folder)!r}: {str(there)!r} is a file, not a folder"
+    err = writable_error(there)
+    if err:
+        return f"cannot write to {str(there)!r} ({err})"
+    bad = targets_error(f / n for n in names) if f.is_dir() else None
+    return f"cannot write {str(bad[0])!r}: {bad[1]}" if bad else None
+
+
 @contextlib.contextmanager
 def atomic(path: str | os.PathLike):
     """Yields a temporary path beside `path`; on a clean exit it replaces `path` (readable as a new file would be),

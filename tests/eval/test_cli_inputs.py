@@ -21,6 +21,7 @@ def _one_error(capsys, *needles):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("qvg-eval: error: "), err
     assert all(n in err[0] for n in needles), err
+    return err[0]
 
 
 SWEEP = ["--inputs", "coffee", "--seeds", "0", "--methods", "qvg", "--bits", "2", "--kmeans-seeds", "0",
@@ -149,13 +150,16 @@ def test_vbench_inputs_first_and_missing_metrics_are_null(tmp_path, capsys):
     assert main(["vbench", _video(tmp_path / "v.npy"), "--dims", "nonsense"]) == 2
     _one_error(capsys, "--dims:")
     out = tmp_path / "vb.json"
+    # nothing computable: one error line naming both files of the metric, status 2, no all-null result
     assert main(["vbench", str(tmp_path / "v.npy"), "--dims", "aesthetic_quality", "--weights", str(tmp_path),
-                 "--out", str(out)]) == 0
-    err = capsys.readouterr().err
+                 "--out", str(out)]) == 2
+    err = _one_error(capsys, "no VBench dimension can be computed: aesthetic_quality")
     assert "clip-vit-large-patch14" in err and "sa_0_4_vit_l_14_linear.pth" in err  # both files named at once
-    res = json.loads(out.read_text())
-    assert res["videos"][str(tmp_path / "v.npy")] == {"aesthetic_quality": None}
-    assert "missing" in res["not_computed"]["aesthetic_quality"]
+    assert not out.exists()
+    # --weights naming no folder (a typo): an error, not notes
+    for w, msg in ((tmp_path / "nope", "--weights: no such folder"), (out.parent / "v.npy", "--weights: not a folder")):
+        assert main(["vbench", str(tmp_path / "v.npy"), "--weights", str(w)]) == 2
+        _one_error(capsys, msg)
 
 
 def test_vbench_has_no_lpips_option(tmp_path, capsys):
@@ -201,6 +205,7 @@ def test_compare_checks_before_making_its_folder(tmp_path, capsys):
 
 def test_missing_weights_are_a_note_after_the_result_not_a_line_before_an_error(tmp_path, capsys):
     ref = _video(tmp_path / "ref.npy")
+    (tmp_path / "w").mkdir()  # (a folder without the files: a note; no such folder is an error)
     assert main(["compare", ref, ref, "--lead", "10", "--weights", str(tmp_path / "w")]) == 2
     _one_error(capsys, "none after the 10 lead frame(s)")
     assert main(["compare", ref, ref, "--weights", str(tmp_path / "w"), "--lead", "1", "--first", "3", "--chunk",

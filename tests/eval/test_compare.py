@@ -113,6 +113,7 @@ def test_cli_errors(tmp_path, capsys):
 def test_lpips_missing_weights_message(tmp_path, capsys):
     v = (np.random.default_rng(1).random((4, 32, 32, 3)) * 255).astype(np.uint8)
     np.save(tmp_path / "a.npy", v)
+    (tmp_path / "w").mkdir()  # (without the files)
     assert main(["compare", str(tmp_path / "a.npy"), str(tmp_path / "a.npy"), "--weights", str(tmp_path / "w"),
                  "--out", str(tmp_path / "c")]) == 0
     err = capsys.readouterr().err
