@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from qvg.numbers import parse_int
 from qvg.outputs import Terminated, new_file_mode, sigterm_held, sigterm_raises, target, targets_error
 
 from .start_image import MIN_IMAGE_SIDE, image_array
@@ -98,7 +99,7 @@ def _int(name: str, value, lo: int | None = None, hi: int | None = None, allow_n
     if value is None and allow_none:
         return None
     try:
-        v = int(str(value), 10)
+        v = parse_int(value)  # (ASCII digits only: int() takes '٣' as 3)
     except ValueError:
         raise UsageError(f"--{name} must be an integer, got {value!r}") from None
     if (lo is not None and v < lo) or (hi is not None and v > hi):

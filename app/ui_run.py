@@ -105,6 +105,8 @@ def _num(value, name: str) -> str | None:
     if isinstance(value, int) and not isinstance(value, bool):  # (exactly: a float would round 2**53 + 1)
         return str(value)
     text = str(value).strip()
+    if not text.isascii():  # (Decimal, like int, reads other scripts' digits: '٣' would be 3)
+        raise UsageError(f"{name} must be a number, got {value!r}")
     if not isinstance(value, (float, bool)):  # text ("9007199254740993", "...993.0", "9.007199254740993e15") and
         try:  # other integers exactly, not through a float (the range is qvg-generate's check)
             d = decimal.Decimal(text)

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from qvg.app.generate import MAX_FRAMES
+from qvg.numbers import parse_int
 from qvg.outputs import Terminated, sigterm_raises, targets_error, writable_error, write_text
 
 from .weights import BadWeights
@@ -50,7 +51,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _ints(text: str, name: str) -> list[int]:
     try:
-        return [int(x) for x in text.split(",") if x.strip()]
+        return [parse_int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise UsageError(f"--{name} must be comma-separated integers, got {text!r}") from None
 

@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 from diffusers.models.embeddings import TimestepEmbedding
 
+from qvg.numbers import parse_int
+
 from .causal_wan import CausalWanTransformer
 
 ACTIONS = ("stay", "left", "right", "up", "down", "zoom_in", "zoom_out")
@@ -198,7 +200,7 @@ def parse_actions(text: str, config: dict | None = None) -> list[int]:
             continue
         name, star, times = part.partition("*")
         try:
-            n = int(times) if star else 1
+            n = parse_int(times) if star else 1
         except ValueError:
             raise WorldModelError(f"bad repeat count in action {part!r} (use NAME or NAME*N)") from None
         if not 1 <= n <= MAX_REPEAT:

@@ -113,6 +113,11 @@ BAD = [
     (["--pipeline", "self-forcing", "--checkpoint", ".", "--frames", "0"], "--frames must be in [1, 100000], got 0"),
     (["--frames", "1", "--prompt", "a fox"], "not text-conditioned"),  # (the flags' applicability first)
     (["--frames", "x"], "--frames must be an integer"),
+    # other scripts' digits and underscores are not taken as numbers (int() reads '٣' as 3)
+    (["--stages", "\u0661"], "--stages must be an integer, got '\u0661'"),
+    (["--frames", "1_000"], "--frames must be an integer, got '1_000'"),
+    (["--history", "window:\u0663"], "--history window must be an integer"),
+    (["--actions", "left*\u0663"], "bad repeat count in action"),
     # (the embedded model's first frame is its start image: one frame generated a chunk only to drop it)
     (["--frames", "1"], "--frames must be in [2, 100000] for the embedded model (its frame 1 is the start image), got 1"),
     (["--method", "fp4"], "unknown method"),

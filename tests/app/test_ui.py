@@ -462,7 +462,8 @@ def test_whole_numbers_are_read_exactly(tmp_path):
     for seed, msg in ((10 ** 400, "seed must be in [0, "), (1e400, "seed must be a "), ("1.5", "whole number"),
                       ("--5", "seed must be a number"), ("+-5", "seed must be a number"),
                       ("1e400", "seed must be in [0, "), ("1e5000", "seed is too large, got 1e5000"),
-                      ("nan", "seed must be a number"), ("0x10", "seed must be a number")):
+                      ("nan", "seed must be a number"), ("0x10", "seed must be a number"),
+                      ("\u0663", "seed must be a number")):
         with pytest.raises(UsageError, match=re.escape(msg)):
             settings(Form(seed=seed), srv, tmp_path)
     root = tmp_path / "root"

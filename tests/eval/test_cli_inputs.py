@@ -40,6 +40,7 @@ SWEEP = ["--inputs", "coffee", "--seeds", "0", "--methods", "qvg", "--bits", "2"
     (["--threads", "-3"], "--threads must be in [1, "),
     (["--threads", "100000"], "--threads must be in [1, 1024], got 100000"),  # (libgomp failed, or a crash)
     (["--seeds", "0,-1"], "--seeds must be in [0, "),
+    (["--seeds", "\u0660,1"], "--seeds must be comma-separated integers, got '\u0660,1'"),  # (int() took it as 0)
     (["--kmeans-seeds", "0,2147483648"], "--kmeans-seeds must be in [0, 2147483647], got 2147483648"),
     (["--checkpoint", "."], "--checkpoint applies to --pipeline self-forcing, not the embedded model"),
     (["--seeds", "3,3"], "--seeds: 3 given twice"),  # (a seed that is its own floor: inf dB)

@@ -1,0 +1,16 @@
+"""Whole numbers typed by a user (command-line flags, the UI's fields, action repeat counts): ASCII decimal digits
+only. Python's int() also takes other scripts' digits ('٣' is 3) and underscores ('1_000'), which a flag's value
+should not silently become."""
+from __future__ import annotations
+
+import re
+
+_DECIMAL = re.compile(r"[+-]?[0-9]+")
+
+
+def parse_int(text) -> int:
+    """`text` (surrounding spaces allowed) as an int; ValueError unless it is an optional sign and ASCII digits."""
+    s = str(text).strip()
+    if not _DECIMAL.fullmatch(s):
+        raise ValueError(f"invalid literal for a whole number: {text!r}")
+    return int(s)
