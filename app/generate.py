@@ -31,6 +31,7 @@ DEFAULT_IMAGE = "astronaut"
 DEFAULT_ACTIONS = "right*3,down*2,left*3,up*2"  # a loop: the camera comes back to where it started
 
 
+OPTION_FLAGS = {"bits": "--bits", "block_size": "--block-size", "stages": "--stages", "centroids": "--centroids"}
 MIN_TINY_FRAMES = 2  # the embedded model's frame 1 is its start image: the first generated frame is frame 2
 MAX_FRAMES = 100_000  # --frames at most (a sweep's videos are held to it too: qvg.eval.cli.MAX_CHUNKS)
 
@@ -214,6 +215,17 @@ def parse(argv) -> dict:
             "seed": _int("kmeans-seed", a.kmeans_seed, 0, 2**31 - 1, True)}
     if opts["seed"] is not None and a.method not in ("qvg", "qvg-pro"):
         raise UsageError(f"--kmeans-seed is for qvg and qvg-pro (k-means), not --method {a.method}")
+    if a.method != "bf16":  # (bf16: its own message below)
+        from qvg.compression import get_method
+        own = get_method(a.method).defaults
+        bad = [flag for k, flag in OPTION_FLAGS.items() if opts[k] is not None and k not in own]
+        if bad:
+            mine = ", ".join(flag for k, flag in OPTION_FLAGS.items() if k in own)
+            raise UsageError(f"{', '.join(bad)} {'does' if len(bad) == 1 else 'do'} not apply to --method "
+                             f"{a.method} (its options: {mine})")
+    if opts["stages"] == 0 and opts["centroids"] is not None:
+        raise UsageError("--centroids: --stages 0 runs no k-means (the residual is quantized as plain RTN); leave "
+                         "--centroids out or give --stages 1 or more")
     if opts["bits"] is not None and opts["bits"] not in (2, 4, 8):
         raise UsageError(f"--bits must be 2, 4 or 8, got {opts['bits']}")
     if a.pipeline == "tiny" and a.method == "qvg" and opts["bits"] is None:
@@ -240,6 +252,8 @@ def parse(argv) -> dict:
         raise UsageError(f"--history must be 'full' or 'window:N', got {a.history!r}")
     s["device"] = device_arg(a.device)
     out = Path(a.out)
+    if out.name.lower() == ".mp4":  # (a dot file: its suffix is "", and "must end in .mp4" would contradict it)
+        raise UsageError(f"--out needs a file name before .mp4 (e.g. video.mp4), got {a.out!r}")
     if out.suffix.lower() != ".mp4":
         raise UsageError(f"--out must end in .mp4, got {a.out!r}")
     bad = targets_error([out, out.with_suffix(".json")])  # each where it will be written: symlinks followed
@@ -330,7 +344,7 @@ def start_frame(image: str, flag: str = "--image", size: int | None = None):
 
         from qvg.pipelines.world_data import photo_view  # the scale the model was trained at
         img = photo_view(torch.from_numpy(a.copy()).permute(2, 0, 1).float() / 127.5 - 1, size)
-        source = str(path)
+        source = os.path.abspath(path)  # (the report names the file wherever it is read from)
     return img, source
 
 

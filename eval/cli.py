@@ -289,8 +289,11 @@ def _compare(a, argv) -> int:
     pipeline = side.get("pipeline") if isinstance(side.get("pipeline"), str) else None  # (a report's, or none)
     lay = dict(compare.LAYOUTS.get(pipeline, {"lead": 0, "first": 3, "chunk": 3}))
     if pipeline not in compare.LAYOUTS and any(getattr(a, k) is None for k in ("lead", "first", "chunk")):
-        notes.append(f"no qvg-generate report beside {a.ref!r} names its pipeline: chunk layout lead {lay['lead']}, "
-                     f"first {lay['first']}, chunk {lay['chunk']} where --lead / --first / --chunk did not say")
+        beside = Path(a.ref).with_suffix(".json")
+        why = (f"{str(beside)!r}, beside REF, is not a readable qvg-generate report" if beside.is_file() and not side
+               else f"no qvg-generate report beside {a.ref!r} names its pipeline")
+        notes.append(f"{why}: chunk layout lead {lay['lead']}, first {lay['first']}, chunk {lay['chunk']} where "
+                     "--lead / --first / --chunk did not say")
     for k in ("lead", "first", "chunk"):
         if getattr(a, k) is not None:
             lay[k] = getattr(a, k)

@@ -136,6 +136,11 @@ BAD = [
     (["--device", ""], "--device is empty"),  # (it took the default silently)
     (["--unknown-flag"], "unrecognized arguments"),
     (["--method", "kivi", "--block-size", "128"], "not divisible by block_size"),
+    # flags named as flags (the message listed the method's internal options: grid, scale_dtype, ...)
+    (["--method", "rtn", "--centroids", "8"], "--centroids does not apply to --method rtn (its options: --bits, "
+                                              "--block-size)"),
+    (["--method", "kivi", "--stages", "2", "--centroids", "8"], "--stages, --centroids do not apply to --method kivi"),
+    (["--stages", "0", "--centroids", "4"], "--centroids: --stages 0 runs no k-means"),
     (["--seed", "99999999999999999999999"], "--seed must be in"),
     (["--actions", "fly*2"], "unknown action"),
     (["--actions", "left*x"], "bad repeat count"),
@@ -176,9 +181,9 @@ def test_output_linked_to_a_device_is_refused(tmp_path, capsys, name):
     assert os.path.exists("/dev/null") and not os.path.isfile("/dev/null")
 
 
-@pytest.mark.parametrize("case", ["missing-dir", "avi", "json-is-a-dir"])
+@pytest.mark.parametrize("case", ["missing-dir", "avi", "json-is-a-dir", "no-name"])
 def test_unwritable_output(tmp_path, capsys, case):
-    out = {"missing-dir": tmp_path / "missing" / "v.mp4", "avi": tmp_path / "v.avi",
+    out = {"missing-dir": tmp_path / "missing" / "v.mp4", "avi": tmp_path / "v.avi", "no-name": tmp_path / ".mp4",
            "json-is-a-dir": tmp_path / "v.mp4"}[case]
     if case == "json-is-a-dir":
         (tmp_path / "v.json").mkdir()

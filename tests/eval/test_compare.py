@@ -102,6 +102,18 @@ def test_a_failed_write_leaves_the_old_outputs_and_names_its_file(tmp_path, caps
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.json", "ref.json", "ref.mp4", "test.mp4"]
 
 
+def test_unreadable_report_beside_ref_is_named(tmp_path, capsys):
+    """A corrupt JSON beside REF is said to be unreadable (not "no report"), and the default layout is used."""
+    base = (np.random.default_rng(3).random((7, 16, 16, 3)) * 255).astype(np.uint8)
+    _write_mp4(tmp_path / "ref.mp4", base)
+    (tmp_path / "ref.json").write_text("{not json")
+    assert main(["compare", str(tmp_path / "ref.mp4"), str(tmp_path / "ref.mp4"), "--out", str(tmp_path / "c"),
+                 "--lpips", "none"]) == 0
+    err = capsys.readouterr().err
+    assert f"{str(tmp_path / 'ref.json')!r}, beside REF, is not a readable qvg-generate report: chunk layout lead 0" \
+        in err
+
+
 def test_cli_errors(tmp_path, capsys):
     assert main(["compare", str(tmp_path / "nope.mp4"), str(tmp_path / "x.mp4")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
