@@ -223,9 +223,10 @@ def parse(argv) -> dict:
             mine = ", ".join(flag for k, flag in OPTION_FLAGS.items() if k in own)
             raise UsageError(f"{', '.join(bad)} {'does' if len(bad) == 1 else 'do'} not apply to --method "
                              f"{a.method} (its options: {mine})")
-    if opts["stages"] == 0 and opts["centroids"] is not None:
-        raise UsageError("--centroids: --stages 0 runs no k-means (the residual is quantized as plain RTN); leave "
-                         "--centroids out or give --stages 1 or more")
+    for k, flag in (("centroids", "--centroids"), ("seed", "--kmeans-seed")):
+        if opts["stages"] == 0 and opts[k] is not None:
+            raise UsageError(f"{flag}: --stages 0 runs no k-means (the residual is quantized as plain RTN); leave "
+                             f"{flag} out or give --stages 1 or more")
     if opts["bits"] is not None and opts["bits"] not in (2, 4, 8):
         raise UsageError(f"--bits must be 2, 4 or 8, got {opts['bits']}")
     if a.pipeline == "tiny" and a.method == "qvg" and opts["bits"] is None:
@@ -574,7 +575,7 @@ def run(s) -> dict:
                 writer.append_data(f)
             for ch in gen:
                 mem = ch.memory
-                peak_kv = mem if peak_kv is None or mem["total"] > peak_kv["total"] else peak_kv
+                peak_kv = mem if peak_kv is None or mem["total"] >= peak_kv["total"] else peak_kv  # (ties: the latest)
                 rows.append(chunk_row(ch))
                 for f in ch.frames:
                     writer.append_data(f)

@@ -105,7 +105,7 @@ def _num(value, name: str) -> str | None:
     if isinstance(value, int) and not isinstance(value, bool):  # (exactly: a float would round 2**53 + 1)
         return str(value)
     text = str(value).strip()
-    if not text.isascii():  # (Decimal, like int, reads other scripts' digits: '٣' would be 3)
+    if not text.isascii() or "_" in text:  # (Decimal, like int, reads other scripts' digits and underscores)
         raise UsageError(f"{name} must be a number, got {value!r}")
     if not isinstance(value, (float, bool)):  # text ("9007199254740993", "...993.0", "9.007199254740993e15") and
         try:  # other integers exactly, not through a float (the range is qvg-generate's check)
@@ -305,7 +305,7 @@ def run(runs: list[dict], gens: list[Generation], controls: Job, workdir: Path):
                 for f in ch.frames:
                     writers[lb].append_data(f)
                 chunk_seconds[lb] += ch.seconds
-                if peaks[lb] is None or ch.memory["total"] > peaks[lb]["total"]:
+                if peaks[lb] is None or ch.memory["total"] >= peaks[lb]["total"]:  # (ties: the latest)
                     peaks[lb] = ch.memory
             up.rows.append(Row(c, chunks[-1].action, int(chunks[-1].frames.shape[0]),
                                {lb: ch.seconds for lb, ch in zip(labels, chunks)},
@@ -374,7 +374,7 @@ def append_action(text: str, name: str) -> str:
     """'right*2' + right -> 'right*3'; 'right*2' + left -> 'right*2,left'."""
     parts = [p.strip() for p in (text or "").split(",") if p.strip()]
     if parts:
-        m = re.fullmatch(r"(\w+)(?:\*(\d+))?", parts[-1])
+        m = re.fullmatch(r"(\w+)(?:\*([0-9]+))?", parts[-1])  # (\d would take other scripts' digits)
         if m and m.group(1) == name:
             parts[-1] = f"{name}*{int(m.group(2) or 1) + 1}"
             return ",".join(parts)

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from qvg.app.generate import MAX_FRAMES
-from qvg.numbers import parse_int
+from qvg.numbers import integer, parse_int
 from qvg.outputs import Terminated, sigterm_raises, targets_error, writable_error, write_text
 
 from .weights import BadWeights
@@ -114,7 +114,7 @@ def _common(p, lpips: bool = True):
         p.add_argument("--lpips", default="alex", choices=["alex", "vgg", "none"],
                        help="LPIPS backbone (default alex)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--threads", type=integer, default=None, help="torch CPU threads (default: torch's)")
 
 
 def build_parser():
@@ -124,11 +124,11 @@ def build_parser():
     c.add_argument("ref")
     c.add_argument("test")
     c.add_argument("--out", default=None, help="output path without extension (default: TEST's, + '.compare')")
-    c.add_argument("--lead", type=int, default=None, help="frames given, not generated (default: from REF's JSON "
+    c.add_argument("--lead", type=integer, default=None, help="frames given, not generated (default: from REF's JSON "
                    "or 0)")
-    c.add_argument("--first", type=int, default=None, help="frames of the first generated chunk")
-    c.add_argument("--chunk", type=int, default=None, help="frames per later chunk")
-    c.add_argument("--onset-chunks", type=int, default=1, help="chunks in the onset window (default 1)")
+    c.add_argument("--first", type=integer, default=None, help="frames of the first generated chunk")
+    c.add_argument("--chunk", type=integer, default=None, help="frames per later chunk")
+    c.add_argument("--onset-chunks", type=integer, default=1, help="chunks in the onset window (default 1)")
     c.add_argument("--threshold", type=_finite, default=30.0, help="PSNR dB for 'first frame below' (default 30)")
     _common(c)
     r = sub.add_parser("report", help="run the evaluation and write a markdown report")
@@ -155,8 +155,8 @@ def build_parser():
     s.add_argument("--bits", default="2,4", help="2, 4 and/or 8 (default 2,4)")
     s.add_argument("--kmeans-seeds", default="0,1", help="k-means seeds of qvg / qvg-pro (default 0,1; two or more "
                    "give the k-means floor)")
-    s.add_argument("--chunks", type=int, default=4, help="generated chunks per video (default 4)")
-    s.add_argument("--onset-chunks", type=int, default=1, help="chunks in the onset window (default 1)")
+    s.add_argument("--chunks", type=integer, default=4, help="generated chunks per video (default 4)")
+    s.add_argument("--onset-chunks", type=integer, default=1, help="chunks in the onset window (default 1)")
     s.add_argument("--vbench", default="all", help="VBench dimensions (comma list), 'all' or 'none' (default all: "
                    "those whose weights are missing are reported as not computed)")
     _key_storage_arg(s)
@@ -225,9 +225,7 @@ def main(argv: list[str] | None = None) -> int:
                     raise UsageError(f"--threads must be in [1, {MAX_THREADS}], got {a.threads}")
                 import torch
                 torch.set_num_threads(a.threads)
-            if a.weights is not None and not Path(a.weights).is_dir():  # (a typo would only be notes, status 0)
-                what = "not a folder" if Path(a.weights).exists() else "no such folder"
-                raise UsageError(f"--weights: {what}: {a.weights!r}")
+            _check_weights(a.weights)
             return {"compare": _compare, "report": _report, "sweep": _sweep, "vbench": _vbench_cmd}[a.cmd](a, argv)
     except (UsageError, BadWeights, GenerateUsageError) as e:  # BadWeights: a broken weights file, wherever read
         return _fail(f"qvg-eval: error: {e}", 2)
@@ -240,6 +238,20 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException:  # anything else (a bug, out of memory) as it is, after the same clean-up
         _clean_up()
         raise
+
+
+def _check_weights(given: str | None) -> None:
+    """--weights (or $QVG_WEIGHTS) naming no folder is bad input (a typo would only leave notes and status 0); the
+    default folder may be missing (then each metric that needs it is a note)."""
+    from .weights import ENV
+    for value, name in ((given, "--weights"), (None if given is not None else os.environ.get(ENV), f"${ENV}")):
+        if value is None:
+            continue
+        if not value.strip():
+            raise UsageError(f"{name} is empty: give the folder of the pretrained weights")
+        if not Path(value).is_dir():
+            what = "not a folder" if Path(value).exists() else "no such folder"
+            raise UsageError(f"{name}: {what}: {value!r}")
 
 
 def _fail(line: str, code: int) -> int:
@@ -290,7 +302,7 @@ def _compare(a, argv) -> int:
     lay = dict(compare.LAYOUTS.get(pipeline, {"lead": 0, "first": 3, "chunk": 3}))
     if pipeline not in compare.LAYOUTS and any(getattr(a, k) is None for k in ("lead", "first", "chunk")):
         beside = Path(a.ref).with_suffix(".json")
-        why = (f"{str(beside)!r}, beside REF, is not a readable qvg-generate report" if beside.is_file() and not side
+        why = (f"{str(beside)!r}, beside REF, is not a qvg-generate report" if beside.is_file() and not side
                else f"no qvg-generate report beside {a.ref!r} names its pipeline")
         notes.append(f"{why}: chunk layout lead {lay['lead']}, first {lay['first']}, chunk {lay['chunk']} where "
                      "--lead / --first / --chunk did not say")

@@ -52,6 +52,7 @@ from qvg.kmeans import kmeans
 from qvg.compression import resolve_options
 from qvg.compression.prq import COLD_ITERS, WARM_ITERS, _gather, residual_tscale
 from qvg.compression.registry import token_spec
+from qvg.numbers import integer
 from qvg.outputs import atomic, folder_error
 from qvg.packed import Packed
 from qvg.quant import quantize_packed
@@ -740,7 +741,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", default=".", help="output folder (default: the current one; the committed copies are "
                     "in eval/results)")
     ap.add_argument("--quick", action="store_true", help="small sizes: a seconds-long smoke test")
-    ap.add_argument("--seed", type=int, default=0, help="data seed and first k-means seed (default 0)")
+    ap.add_argument("--seed", type=integer, default=0, help="data seed and first k-means seed (default 0)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
     bad = folder_error(args.out, OUTPUTS)  # (before the work: not a traceback after it)

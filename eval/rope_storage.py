@@ -22,6 +22,7 @@ import torch
 
 import qvg
 from qvg.eval.synthetic_kv import DESCRIPTION, synthetic_kv
+from qvg.numbers import integer
 from qvg.outputs import atomic, folder_error
 from qvg.rope import apply_rope, grid_angles
 from qvg.revision import code_commit
@@ -71,8 +72,8 @@ def main(argv=None) -> int:
                                  description="pre- vs post-RoPE key storage on synthetic video-like KV")
     ap.add_argument("--out", default=".", help="output folder for rope_storage.json / .md (default: the current "
                     "one; the committed copies are in eval/results)")
-    ap.add_argument("--chunks", type=int, default=4, help="consecutive chunks compressed, warm-started (default 4)")
-    ap.add_argument("--seed", type=int, default=0, help="data seed (default 0)")
+    ap.add_argument("--chunks", type=integer, default=4, help="consecutive chunks compressed, warm-started (default 4)")
+    ap.add_argument("--seed", type=integer, default=0, help="data seed (default 0)")
     args = ap.parse_args(argv)
     bad = "--chunks must be >= 1" if args.chunks < 1 else None
     bad = bad or (f"--out: {why}" if (why := folder_error(args.out, OUTPUTS)) else None)  # (before the work)

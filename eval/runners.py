@@ -98,7 +98,7 @@ class EmbeddedRunner:
             for r in rollout(self.model, self.config, start, acts, cache, seed=seed):
                 vids.append(r.video[0].float().cpu())
                 m = cache.memory()
-                mem = m if mem is None or m["total"] > mem["total"] else mem
+                mem = m if mem is None or m["total"] >= mem["total"] else mem  # (ties: the latest)
         return Video(torch.cat(vids, 1), mem, time.perf_counter() - t0)
 
 

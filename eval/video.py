@@ -54,6 +54,6 @@ def sidecar(path: str | Path) -> dict:
     j = Path(path).with_suffix(".json")
     try:
         report = json.loads(j.read_text()) if j.is_file() else {}
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError):  # (not JSON, or not UTF-8)
         return {}
     return report if isinstance(report, dict) else {}

@@ -817,8 +817,11 @@ class KVCache:
         history, pending and current tokens, plus, for method "bf16" itself, its buffers' rounding room (so it is
         always 1.0x); a compressed cache's idle current-chunk slot between chunks is bytes it holds, and equivalent
         only where a BF16 cache holds one too: a wrapped rolling window, whose ring keeps the slot of the chunk the
-        next write evicts (so the ratio compares what the two caches hold at the same point). `bf16` split by zone (not components: they sum to `bf16` exactly, not counted again in
-        `total`):
+        next write evicts. So with commit_every 1 the equivalent is what a BF16 cache of the same settings holds at
+        the same point, up to that cache's allocation rounding on CUDA (2 MiB blocks); with commit_every k > 1 the
+        compressed cache holds up to k - 1 pending chunks beyond the window, and the equivalent counts those tokens
+        in BF16 too (a BF16 cache of the same window would not hold them). `bf16` split by zone (not components:
+        they sum to `bf16` exactly, not counted again in `total`):
         - bf16_sink: the sink's tokens;
         - bf16_pending: the committed chunks not packed yet (method "bf16": its whole history past the sink);
         - bf16_current: the rest of the buffers: the current chunk's slot (held between chunks too) and the
@@ -869,7 +872,8 @@ class KVCache:
         ring keeps the slot of the chunk being written, between chunks too (holding the chunk the next write
         evicts); a compressed cache evicts at the commit instead, so between chunks its history is a chunk short of
         what the BF16 ring holds."""
-        if self.window_frames is None or self.frames <= self.sink_frames + self.window_frames:
+        frames = self.frames + (self.chunk_frames if L.committed else 0)  # (a layer committed before commit())
+        if self.window_frames is None or frames <= self.sink_frames + self.window_frames:
             return 0  # (not wrapped: a BF16 cache holds the same tokens)
         ring = self.window_frames * self.tokens_per_frame + self.chunk_tokens
         return max(0, ring - (self._hist_tokens(L) + L.n_pending + L.n_cur))

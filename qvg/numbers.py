@@ -14,3 +14,8 @@ def parse_int(text) -> int:
     if not _DECIMAL.fullmatch(s):
         raise ValueError(f"invalid literal for a whole number: {text!r}")
     return int(s)
+
+
+def integer(text) -> int:
+    """`parse_int` as an argparse type (argparse then says "invalid integer value: '...'")."""
+    return parse_int(text)

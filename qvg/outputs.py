@@ -94,17 +94,21 @@ def folder_error(folder: str | os.PathLike, names=()) -> str | None:
     """Why files `names` can't be written in the output folder `folder` (made, with its parents, when written), or
     None: for tools that check their outputs before their work (a failure after minutes of work is a traceback
     and a lost result)."""
+    if not str(folder).strip():
+        return "empty: give a folder"
     f = Path(os.path.abspath(folder))
+    if os.path.lexists(f) and not f.exists():  # (a symlink to nothing, or a loop)
+        return f"{str(folder)!r} is a symlink to nothing (or a loop), not a folder"
     if f.exists() and not f.is_dir():
-        return f"{str(folder)!r} is a file, not a folder"
-    there = next(p for p in (f, *f.parents) if p.exists())
+        return f"{str(folder)!r} is not a folder"
+    there = next(p for p in (f, *f.parents) if os.path.lexists(p))
     if not there.is_dir():
-        return f"cannot make {str(folder)!r}: {str(there)!r} is a file, not a folder"
+        return f"cannot make {str(folder)!r}: {str(there)!r} is not a folder"
     err = writable_error(there)
     if err:
         return f"cannot write to {str(there)!r} ({err})"
-    bad = targets_error(f / n for n in names) if f.is_dir() else None
-    return f"cannot write {str(bad[0])!r}: {bad[1]}" if bad else None
+    bad = targets_error(Path(folder) / n for n in names) if f.is_dir() else None
+    return bad[1] if bad else None
 
 
 @contextlib.contextmanager

@@ -373,6 +373,8 @@ def test_bf16_equivalent_is_what_a_bf16_cache_holds_with_a_rolling_window(window
             k, v = torch.randn(2, B, H, 3 * T, D, generator=g).bfloat16()
             for c in caches.values():
                 c.write(layer, k, v)
+        for c in caches.values():  # (a layer committed before commit(), as the pipelines' re-run does)
+            c.commit_layer(0)
         for point in ("writing", "between"):
             bf = caches["bf16"].memory()["total"]
             for m in ("qvg", "qvg-pro"):

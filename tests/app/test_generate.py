@@ -100,6 +100,20 @@ def test_bf16_with_a_window_is_still_1x(tmp_path):
     assert json.loads(out.with_suffix(".json").read_text())["compression_ratio"] == 1.0
 
 
+@pytest.mark.parametrize("history", [["--history", "window:3", "--sink", "3"], ["--history", "window:6"]])
+def test_window_report_compares_with_what_the_bf16_run_holds(tmp_path, history):
+    """The report's BF16 equivalent is what the BF16 run of the same settings holds (a QVG window run whose cache
+    held fewer bytes reported itself larger: its equivalent was taken before the window wrapped)."""
+    reps = {}
+    for method in ("bf16", "qvg"):
+        out = tmp_path / f"{method}.mp4"
+        assert main(["--method", method, *history, "--frames", "28", "--out", str(out), "--quiet"]) == 0
+        reps[method] = json.loads(out.with_suffix(".json").read_text())
+    bf, q = reps["bf16"], reps["qvg"]
+    assert q["bf16_equivalent_bytes"] == bf["kv_bytes"]["total"] == bf["bf16_equivalent_bytes"]
+    assert q["kv_bytes"]["total"] < bf["kv_bytes"]["total"] and q["compression_ratio"] > 1
+
+
 BAD = [
     (["--bits", "3"], "--bits must be 2, 4 or 8"),
     (["--read", "flash"], "--read must be one of window, staged, fused, got 'flash'"),
@@ -141,6 +155,7 @@ BAD = [
                                               "--block-size)"),
     (["--method", "kivi", "--stages", "2", "--centroids", "8"], "--stages, --centroids do not apply to --method kivi"),
     (["--stages", "0", "--centroids", "4"], "--centroids: --stages 0 runs no k-means"),
+    (["--stages", "0", "--kmeans-seed", "3"], "--kmeans-seed: --stages 0 runs no k-means"),
     (["--seed", "99999999999999999999999"], "--seed must be in"),
     (["--actions", "fly*2"], "unknown action"),
     (["--actions", "left*x"], "bad repeat count"),
@@ -348,7 +363,7 @@ def test_default_centroids_keep_the_centroid_cost_low():
         assert 16 * default_centroids(n) / n <= 0.25
 
 
-def test_start_image_from_a_file(tmp_path):
+def test_start_image_from_a_file(tmp_path, monkeypatch):
     """--image FILE: its centre view, at the bundled photos' scale (world_data.photo_view), is the video's first
     frame: here the view straddles the red / blue boundary at the photo's centre."""
     import imageio.v3 as iio
@@ -358,7 +373,8 @@ def test_start_image_from_a_file(tmp_path):
     img[:, 60:] = (20, 40, 220)
     iio.imwrite(tmp_path / "start.png", img)
     out = tmp_path / "v.mp4"
-    assert main(["--image", str(tmp_path / "start.png"), "--actions", "stay", "--frames", "4", "--method", "bf16",
+    monkeypatch.chdir(tmp_path)  # (given relative: the report names it absolute)
+    assert main(["--image", "start.png", "--actions", "stay", "--frames", "4", "--method", "bf16",
                  "--out", str(out), "--quiet"]) == 0
     first = iio.imread(out)[0].astype(float)
     assert abs(first[32, 8] - (200, 30, 30)).max() < 40 and abs(first[32, 56] - (20, 40, 220)).max() < 40

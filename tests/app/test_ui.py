@@ -449,6 +449,7 @@ def test_path_rules_unit(tmp_path):
     with pytest.raises(UsageError, match="no bundled photo"):
         settings(Form(photo="../../etc/passwd"), Server(None, tmp_path / "up"), tmp_path)
     assert append_action("", "left") == "left" and append_action("left", "left") == "left*2"
+    assert append_action("right*\u0663", "right") == "right*\u0663,right"  # (not read as right*3: left as typed)
 
 
 def test_whole_numbers_are_read_exactly(tmp_path):
@@ -463,7 +464,7 @@ def test_whole_numbers_are_read_exactly(tmp_path):
                       ("--5", "seed must be a number"), ("+-5", "seed must be a number"),
                       ("1e400", "seed must be in [0, "), ("1e5000", "seed is too large, got 1e5000"),
                       ("nan", "seed must be a number"), ("0x10", "seed must be a number"),
-                      ("\u0663", "seed must be a number")):
+                      ("\u0663", "seed must be a number"), ("1_000", "seed must be a number")):
         with pytest.raises(UsageError, match=re.escape(msg)):
             settings(Form(seed=seed), srv, tmp_path)
     root = tmp_path / "root"

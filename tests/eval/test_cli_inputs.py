@@ -41,6 +41,8 @@ SWEEP = ["--inputs", "coffee", "--seeds", "0", "--methods", "qvg", "--bits", "2"
     (["--threads", "100000"], "--threads must be in [1, 1024], got 100000"),  # (libgomp failed, or a crash)
     (["--seeds", "0,-1"], "--seeds must be in [0, "),
     (["--seeds", "\u0660,1"], "--seeds must be comma-separated integers, got '\u0660,1'"),  # (int() took it as 0)
+    (["--chunks", "\u0663"], "argument --chunks: invalid integer value: '\u0663'"),
+    (["--threads", "1_0"], "argument --threads: invalid integer value: '1_0'"),
     (["--kmeans-seeds", "0,2147483648"], "--kmeans-seeds must be in [0, 2147483647], got 2147483648"),
     (["--checkpoint", "."], "--checkpoint applies to --pipeline self-forcing, not the embedded model"),
     (["--seeds", "3,3"], "--seeds: 3 given twice"),  # (a seed that is its own floor: inf dB)
@@ -118,10 +120,11 @@ def test_compare_notes_come_after_the_result(tmp_path, capsys):
 def test_compare_reads_a_sidecar_that_is_no_report_as_none(tmp_path, capsys):
     """REF's .json beside it that is valid JSON but not an object (was an AttributeError traceback): no report."""
     ref, test = _video(tmp_path / "ref.npy"), _video(tmp_path / "t.npy", seed=1)
-    for side in ("[1]", '{"pipeline": ["tiny"]}'):  # (the second: an object whose pipeline is no name)
-        (tmp_path / "ref.json").write_text(side)
+    for side, said in (("[1]", "beside REF, is not a qvg-generate report"), (b"\xff\xfe{", "is not a qvg-generate"),
+                       ('{"pipeline": ["tiny"]}', "no qvg-generate report beside")):  # (an object, no pipeline name)
+        (tmp_path / "ref.json").write_bytes(side if isinstance(side, bytes) else side.encode())
         assert main(["compare", ref, test, "--lpips", "none"]) == 0
-        assert "no qvg-generate report beside" in capsys.readouterr().err
+        assert said in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf", "x"])
@@ -157,10 +160,19 @@ def test_vbench_inputs_first_and_missing_metrics_are_null(tmp_path, capsys):
     err = _one_error(capsys, "no VBench dimension can be computed: aesthetic_quality")
     assert "clip-vit-large-patch14" in err and "sa_0_4_vit_l_14_linear.pth" in err  # both files named at once
     assert not out.exists()
-    # --weights naming no folder (a typo): an error, not notes
-    for w, msg in ((tmp_path / "nope", "--weights: no such folder"), (out.parent / "v.npy", "--weights: not a folder")):
+    # --weights (or $QVG_WEIGHTS) naming no folder (a typo): an error, not notes
+    for w, msg in ((tmp_path / "nope", "--weights: no such folder"), (out.parent / "v.npy", "--weights: not a folder"),
+                   ("", "--weights is empty")):
         assert main(["vbench", str(tmp_path / "v.npy"), "--weights", str(w)]) == 2
         _one_error(capsys, msg)
+
+
+def test_weights_env_naming_no_folder_is_an_error(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("QVG_WEIGHTS", str(tmp_path / "typo"))
+    assert main(["vbench", _video(tmp_path / "v.npy")]) == 2
+    _one_error(capsys, "$QVG_WEIGHTS: no such folder")
+    assert main(["vbench", str(tmp_path / "v.npy"), "--weights", str(tmp_path)]) == 2  # (--weights wins)
+    _one_error(capsys, "no VBench dimension can be computed")
 
 
 def test_vbench_has_no_lpips_option(tmp_path, capsys):

@@ -110,8 +110,7 @@ def test_unreadable_report_beside_ref_is_named(tmp_path, capsys):
     assert main(["compare", str(tmp_path / "ref.mp4"), str(tmp_path / "ref.mp4"), "--out", str(tmp_path / "c"),
                  "--lpips", "none"]) == 0
     err = capsys.readouterr().err
-    assert f"{str(tmp_path / 'ref.json')!r}, beside REF, is not a readable qvg-generate report: chunk layout lead 0" \
-        in err
+    assert f"{str(tmp_path / 'ref.json')!r}, beside REF, is not a qvg-generate report: chunk layout lead 0" in err
 
 
 def test_cli_errors(tmp_path, capsys):

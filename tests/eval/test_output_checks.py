@@ -9,6 +9,9 @@ import pytest
 from qvg.eval import kv_analysis, rope_storage
 
 
+OUT_NAME = {kv_analysis: "kv_analysis.json", rope_storage: "rope_storage.md"}
+
+
 def _never(*a, **k):
     raise AssertionError("the work ran before --out was checked")
 
@@ -17,8 +20,12 @@ def _never(*a, **k):
 def test_bad_out_is_one_line_before_any_work(tool, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(tool, "run", _never)
     (tmp_path / "f").write_text("")
-    for out, msg in ((tmp_path / "f", "is a file, not a folder"), (tmp_path / "f" / "sub", "is a file, not a folder"),
-                     ("/proc/qvg-out", "cannot write to '/proc'")):
+    (tmp_path / "dangling").symlink_to(tmp_path / "nothing")
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / OUT_NAME[tool]).mkdir()  # (a folder where an output file goes)
+    for out, msg in ((tmp_path / "f", "is not a folder"), (tmp_path / "f" / "sub", "is not a folder"),
+                     ("/proc/qvg-out", "cannot write to '/proc'"), ("", "empty: give a folder"),
+                     (tmp_path / "dangling", "is a symlink to nothing"), (tmp_path / "d", "is a directory")):
         with pytest.raises(SystemExit) as e:
             code = tool.main(["--out", str(out)])
             raise SystemExit(code)
