@@ -507,7 +507,7 @@ def _vbench_cmd(a, argv) -> int:
         raise UsageError(f"no VBench dimension can be computed: {first} {missing[first]}"
                          + (f" (and {len(missing) - 1} more not computed)" if len(missing) > 1 else ""))
     res = {"meta": meta(command_line("qvg-eval", argv), dev, weight_files=weight_files(*dims.values())),
-           "not_computed": {k: f for k, f in dims.items() if isinstance(f, str)},
+           "not_computed": missing,
            "videos": {}}
     for path in a.videos:
         v = read(path)

@@ -65,8 +65,8 @@ _GREEN: dict[tuple[int, int], tuple[object, torch.cuda.Stream]] = {}
 
 def green_stream(device, sms: int) -> torch.cuda.Stream:
     """A CUDA stream whose kernels run on `sms` SMs of the device only (a CUDA green context, kept for the process;
-    experimental, for confining side-stream work: `KVCache(side_sms=...)`). RuntimeError where torch or the driver
-    has no green contexts with streams (torch built without them, a driver before CUDA 12.8)."""
+    experimental, for confining side-stream work: `KVCache(commit_sms=..., prefetch_sms=...)`). RuntimeError where
+    torch or the driver has no green contexts with streams (torch built without them, a driver before CUDA 12.8)."""
     from torch.cuda import green_contexts
     index = _index(device)
     key = (index, sms)
