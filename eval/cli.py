@@ -180,6 +180,8 @@ def _key_storage_arg(p):
 def _out_dir(path: str | Path, *files: str) -> Path:
     """An output folder, made (with its parents) and checked writable, and that `files` in it can be written, before
     any work: UsageError otherwise. (Call it after every other input check: it makes the folder.)"""
+    if not str(path).strip():  # (Path("") is the current folder: an empty OUTDIR wrote there)
+        raise UsageError("the output folder is empty: give one (e.g. eval/results/run1)")
     out = Path(path)
     for name in files:
         if (out / name).is_dir():
