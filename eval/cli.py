@@ -180,8 +180,6 @@ def _key_storage_arg(p):
 def _out_dir(path: str | Path, *files: str) -> Path:
     """An output folder, made (with its parents) and checked writable, and that `files` in it can be written, before
     any work: UsageError otherwise. (Call it after every other input check: it makes the folder.)"""
-    if not str(path).strip():  # (Path("") is the current folder: an empty OUTDIR wrote there)
-        raise UsageError("the output folder is empty: give one (e.g. eval/results/run1)")
     out = Path(path)
     for name in files:
         if (out / name).is_dir():
@@ -228,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
                 import torch
                 torch.set_num_threads(a.threads)
             _check_weights(a.weights)
+            if getattr(a, "outdir", None) is not None and not a.outdir.strip():  # (Path("") is the current folder)
+                raise UsageError("OUTDIR is empty: give the output folder (e.g. eval/results/run1)")
             return {"compare": _compare, "report": _report, "sweep": _sweep, "vbench": _vbench_cmd}[a.cmd](a, argv)
     except (UsageError, BadWeights, GenerateUsageError) as e:  # BadWeights: a broken weights file, wherever read
         return _fail(f"qvg-eval: error: {e}", 2)

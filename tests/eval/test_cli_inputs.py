@@ -82,7 +82,7 @@ def test_unwritable_output_folder_before_any_work(tmp_path, capsys, cmd):
     assert main([cmd, str(tmp_path / "file")] + extra) == 2  # the folder named is a file (was "(File exists)")
     _one_error(capsys, f"cannot write to {str(tmp_path / 'file')!r}: a file is there, not a folder")
     assert main([cmd, ""] + extra) == 2  # (Path("") is the current folder: it wrote there)
-    _one_error(capsys, "the output folder is empty")
+    _one_error(capsys, "OUTDIR is empty")
 
 
 def test_report_from_json_still_checks_its_values(tmp_path, capsys):
