@@ -36,6 +36,7 @@ tensors (memory-mapped, so a CPU load in the file's dtype copies nothing).
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -166,7 +167,6 @@ _TO_WAN = ((r"^condition_embedder\.time_embedder\.linear_1\.", "time_embedding.0
 
 def wan_name(key: str) -> str:
     """A transformer key in diffusers' names (a CausalWanTransformer's) -> the same key in Wan's."""
-    import re
     for pattern, repl in _TO_WAN:
         key = re.sub(pattern, repl, key)
     return key

@@ -16,7 +16,7 @@ need("ftfy", "pip install -e '.[wan]'")  # (the `wan` extra: CI has it; the bare
 from transformers import UMT5Config, UMT5EncoderModel  # noqa: E402
 
 from qvg.pipelines.causal_wan import CausalWanTransformer  # noqa: E402
-from qvg.pipelines.checkpoints import load_self_forcing  # noqa: E402
+from qvg.pipelines.checkpoints import load_self_forcing, wan_name  # noqa: E402
 from qvg.pipelines.state_dicts import CheckpointError  # noqa: E402
 
 WAN_CONFIG = {"_class_name": "WanModel", "model_type": "t2v", "dim": 128, "num_heads": 2, "ffn_dim": 256,
@@ -33,19 +33,7 @@ F32 = dict(dtype=torch.float32, text_dtype=torch.float32)
 
 
 # --- inverse key tables: diffusers / transformers names -> the original (Wan) names ---------------------------------
-
-def wan_transformer_key(k: str) -> str:
-    if k == "scale_shift_table":
-        return "head.modulation"
-    for new, old in [("condition_embedder.time_embedder.linear_", "time_embedding.L"),
-                     ("condition_embedder.text_embedder.linear_", "text_embedding.L"),
-                     ("condition_embedder.time_proj", "time_projection.1"), ("proj_out", "head.head"),
-                     ("scale_shift_table", "modulation"), ("attn1.", "self_attn."), ("attn2.", "cross_attn."),
-                     (".to_out.0.", ".o."), (".to_q.", ".q."), (".to_k.", ".k."), (".to_v.", ".v."),
-                     ("ffn.net.0.proj", "ffn.0"), ("ffn.net.2", "ffn.2"), (".norm2.", ".norm3.")]:
-        k = k.replace(new, old)
-    return k.replace("embedding.L1", "embedding.0").replace("embedding.L2", "embedding.2")
-
+# (the transformer's: qvg.pipelines.checkpoints.wan_name, checked against diffusers' converter below)
 
 RESNET = {"norm1.gamma": "residual.0.gamma", "conv1.weight": "residual.2.weight", "conv1.bias": "residual.2.bias",
           "norm2.gamma": "residual.3.gamma", "conv2.weight": "residual.6.weight", "conv2.bias": "residual.6.bias",
@@ -104,7 +92,7 @@ def _seeded(seed, ctor):
 
 
 def _generator_dict(model) -> dict:
-    return {"model." + wan_transformer_key(k): v.clone() for k, v in model.state_dict().items()}
+    return {"model." + wan_name(k): v.clone() for k, v in model.state_dict().items()}
 
 
 def write_tokenizer(folder):
@@ -343,7 +331,7 @@ def test_wan_names_invert_diffusers_converter(config):
     tiny one and Wan2.1-T2V-1.3B's, built on the meta device)."""
     from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 
-    from qvg.pipelines.checkpoints import WAN_T2V_1_3B, wan_name
+    from qvg.pipelines.checkpoints import WAN_T2V_1_3B
     from qvg.pipelines.state_dicts import empty_init
     with empty_init():
         model = CausalWanTransformer(**(WAN_T2V_1_3B if config == "1.3B" else TRANSFORMER))
