@@ -993,11 +993,10 @@ def check_options(method: str, options: dict, unit_tokens: int, head_dim: int | 
 
 def default_centroids(unit_tokens: int) -> int:
     """K per compressed unit: the largest power of two <= tokens / 64 (centroids then cost <= 0.25 bit per
-    element: 16 K / N), at most 256; units under 256 tokens (the tiny model) take tokens / 4. Self-Forcing's
-    4,680-token chunk gets K = 64: 2.41 bits per element, a 6.6x history (eval/results/pipeline-h100.md)."""
-    if unit_tokens < 256:
-        return max(1, unit_tokens // 4)
-    return min(256, 1 << (unit_tokens // 64).bit_length() - 1)
+    element: 16 K / N), at most 256, at least 4 (units under 256 tokens cannot keep that cost with more than one
+    centroid; 4 keeps some grouping), and never more than tokens / 4. Non-decreasing in the unit's tokens.
+    Self-Forcing's 4,680-token chunk gets K = 64: 2.41 bits per element, a 6.6x history (eval/results/pipeline-h100.md)."""
+    return max(1, min(unit_tokens // 4, 256, max(4, 1 << max(unit_tokens // 64, 1).bit_length() - 1)))
 
 
 @functools.lru_cache(maxsize=None)

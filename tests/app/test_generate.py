@@ -360,10 +360,13 @@ def test_self_forcing_checkpoint_dir_without_checkpoints(tmp_path, capsys):
 def test_default_centroids_keep_the_centroid_cost_low():
     from qvg.cache import default_centroids
     assert default_centroids(4680) == 64  # Self-Forcing's chunk: 16 * 64 / 4680 = 0.22 bit per element
-    assert default_centroids(48) == 12  # the tiny model's chunk
+    assert default_centroids(768) == 8  # the embedded model's chunk
+    assert default_centroids(48) == 4 and default_centroids(8) == 2 and default_centroids(1) == 1  # tiny tests' units
     assert default_centroids(10 ** 6) == 256
     for n in (256, 300, 4680, 20000):
         assert 16 * default_centroids(n) / n <= 0.25
+    ks = [default_centroids(n) for n in range(1, 5000)]  # no jump down (255 tokens once took 63, 256 took 4)
+    assert ks == sorted(ks)
 
 
 def test_start_image_from_a_file(tmp_path, monkeypatch):
