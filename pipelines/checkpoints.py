@@ -267,7 +267,7 @@ def load_text_encoder(files: WanFiles, text_dim: int, device="cpu", dtype=torch.
         raise CheckpointError(f"{source}: text encoder width {config.get('d_model')} does not match the "
                               f"transformer's text_dim {text_dim}")
     return umt5.UMT5TextEncoder(config, sd, tokenizer, source, names=names, device=device, dtype=dtype,
-                                out_dtype=out_dtype)
+                                missing_names=None if files.diffusers else umt5.umt5_key_to_wan, out_dtype=out_dtype)
 
 
 def load_self_forcing(checkpoint_dir, device="cpu", dtype=torch.bfloat16, *, ema: bool | None = None,

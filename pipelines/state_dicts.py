@@ -138,10 +138,11 @@ def load_strict(model: torch.nn.Module, sd: dict[str, torch.Tensor], source, *, 
     unexpected = [file_names.get(k, k) for k in sd if k not in expected]
     if missing or unexpected:
         parts = []
-        if missing:
-            named = _few(map(missing_names, missing)) + missing_note if missing_names else \
+        if missing:  # (named as the file would name them: keys the model ties to one tensor are one file key)
+            shown = list(dict.fromkeys(map(missing_names, missing))) if missing_names else missing
+            named = _few(shown) + missing_note if missing_names else \
                 f"{_few(missing)}; as the model names {'them' if len(missing) > 1 else 'it'}"
-            parts.append(f"{len(missing)} missing key{'s' * (len(missing) > 1)} ({named})")
+            parts.append(f"{len(shown)} missing key{'s' * (len(shown) > 1)} ({named})")
         if unexpected:
             parts.append(f"{len(unexpected)} unexpected key{'s' * (len(unexpected) > 1)} ({_few(unexpected)})")
         raise CheckpointError(f"{source}: not a {what} checkpoint: {' and '.join(parts)}")

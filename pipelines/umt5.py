@@ -63,6 +63,20 @@ def wan_key_to_umt5(key: str) -> str | None:
     return None
 
 
+_UMT5_TO_WAN = {v: k for k, v in WAN_TO_UMT5.items()}
+
+
+def umt5_key_to_wan(key: str) -> str:
+    """UMT5EncoderModel's key -> the name Wan's T5 file gives it (the inverse of wan_key_to_umt5, for naming the keys
+    a file lacks in its own terms; a key Wan's file has no name for is returned as it is)."""
+    if key in (EMBED, EMBED_ALIAS):
+        return "token_embedding.weight"
+    if key == "encoder.final_layer_norm.weight":
+        return "norm.weight"
+    m = re.fullmatch(r"encoder\.block\.(\d+)\.(.+)", key)
+    return f"blocks.{m.group(1)}.{_UMT5_TO_WAN[m.group(2)]}" if m and m.group(2) in _UMT5_TO_WAN else key
+
+
 def _config_from_wan(sd: dict, source) -> dict:
     """umT5-XXL's architecture (24 layers) with the widths read from the checkpoint (every key is then checked
     against them): vocab and model width from the embedding, heads and buckets from block 0's position table."""
@@ -114,12 +128,14 @@ class UMT5TextEncoder:
     copies them to `device`, encodes and frees that copy again unless `keep_on_device` (umT5-XXL is ~11 GB in
     BF16: more than the 1.3B transformer and its cache, and needed once per prompt)."""
 
-    def __init__(self, config: dict, sd: dict, tokenizer_dir: Path, source, *, names=None, device="cpu",
-                 dtype=torch.bfloat16, out_dtype=None, text_len: int = TEXT_LEN, keep_on_device: bool = False):
+    def __init__(self, config: dict, sd: dict, tokenizer_dir: Path, source, *, names=None, missing_names=None,
+                 device="cpu", dtype=torch.bfloat16, out_dtype=None, text_len: int = TEXT_LEN,
+                 keep_on_device: bool = False):
         self.config = require("transformers").UMT5Config.from_dict(config)
         self.source, self.device, self.dtype = source, torch.device(device), dtype
         self.out_dtype, self.text_len, self.keep_on_device = out_dtype or dtype, text_len, keep_on_device
-        self.cpu_model = load_strict(self._empty(), sd, source, what="umT5 encoder", file_names=names, dtype=dtype)
+        self.cpu_model = load_strict(self._empty(), sd, source, what="umT5 encoder", file_names=names,
+                                     missing_names=missing_names, dtype=dtype)
         self.tokenizer = load_tokenizer(tokenizer_dir)
         rows = self.config.vocab_size
         if len(self.tokenizer) > rows:  # its ids would index past the embedding (an IndexError at the first prompt)

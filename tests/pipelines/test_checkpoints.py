@@ -280,6 +280,10 @@ BAD = [
     ("vae-missing-key", _rewrite(f"{WAN}/Wan2.1_VAE.pth", lambda o: {k: v for k, v in o.items()
                                                                      if k != "decoder.head.2.bias"}),
      ["Wan2.1_VAE.pth: not a Wan2.1 VAE checkpoint", "decoder.conv_out.bias"]),
+    # Wan's T5 file's missing keys in its own names (the embedding, tied to a second name in the model, is one key)
+    ("t5-missing-keys", _rewrite(f"{WAN}/models_t5_umt5-xxl-enc-bf16.pth", lambda o: {
+        k: v for k, v in o.items() if k not in ("blocks.1.ffn.gate.0.weight", "norm.weight")}),
+     ["not a umT5 encoder checkpoint", "2 missing keys (blocks.1.ffn.gate.0.weight, norm.weight)"]),
     ("t5-unexpected-key", _rewrite(f"{WAN}/models_t5_umt5-xxl-enc-bf16.pth",
                                    lambda o: {**o, "blocks.24.norm1.weight": torch.ones(32)}),
      ["not a umT5 encoder checkpoint", "1 unexpected key", "blocks.24.norm1.weight"]),
@@ -519,3 +523,15 @@ def test_unreadable_torch_file_reason_is_ours(tmp_path, case):
     assert "weights_only` set to `False`" not in msg and "If you are seeing this error" not in msg, msg
     if case == "pickled-object":
         assert "pickled Python objects besides tensors, which are never unpickled here" in msg
+
+
+def test_umt5_key_names_round_trip():
+    """umt5_key_to_wan inverts wan_key_to_umt5 on every key of a UMT5 encoder (the tied embedding's two names
+    are Wan's one), so a Wan T5 file's missing keys are named as the file would name them."""
+    from qvg.pipelines import umt5
+    transformers = pytest.importorskip("transformers")
+    model = transformers.UMT5EncoderModel(transformers.UMT5Config(
+        vocab_size=8, d_model=8, d_kv=4, d_ff=8, num_heads=2, num_layers=2, feed_forward_proj="gated-gelu"))
+    for key in model.state_dict():
+        wan = umt5.umt5_key_to_wan(key)
+        assert wan != key and umt5.wan_key_to_umt5(wan) in (key, umt5.EMBED), key
