@@ -208,7 +208,7 @@ def parse(argv) -> dict:
     frames = a.frames if a.frames is not None else ("31" if tiny else "49")
     s = {"pipeline": a.pipeline, "method": a.method, "quiet": a.quiet,
          "frames": _int("frames", frames), "seed": _int("seed", a.seed, 0, 2**63 - 1),
-         "commit_every": _int("commit-every", a.commit_every, 1, 1000), "sink": _int("sink", a.sink, 0)}
+         "commit_every": _int("commit-every", a.commit_every, 1, 1000), "sink": _int("sink", a.sink, 0, MAX_FRAMES)}
     opts = {"bits": _int("bits", a.bits, allow_none=True), "stages": _int("stages", a.stages, 0, 16, True),
             "block_size": _int("block-size", a.block_size, 1, allow_none=True),
             "centroids": _int("centroids", a.centroids, 1, 65536, True),

@@ -12,6 +12,7 @@ the status line, which stays (the form is checked before anything loads or the p
 """
 
 import logging
+import math
 import os
 import re
 import sys
@@ -41,13 +42,16 @@ KEYS_JS = """() => {
 CSS = """#qvg-live img {image-rendering: pixelated;} #qvg-ref img {image-rendering: pixelated;}
 #qvg-status {font-size: 1.05em;} .qvg-keys button {min-width: 4em;}"""
 FORM_FIELDS = list(Form.__dataclass_fields__)
+REFUSED = "refused"  # the job id of a click whose form failed the unqueued checks (its queued run does nothing)
 FRAMES = {"tiny": 31, "self-forcing": 49}  # the length slider's value per pipeline: qvg-generate's defaults
 # the memory panel's plots (app.ui_panel.plots: name -> x, y, colour column, title), drawn in the browser
-PLOTS = {"components": ("size", "component", "{lb}: KV cache bytes by component"),
-         "kv": ("size", "series", "KV cache bytes vs the BF16 equivalent"),
-         "ratio": ("ratio", "video", "compression ratio (BF16 bytes / bytes held)"),
-         "latency": ("seconds", "series", "seconds per chunk: generation, UI"),
-         "psnr": ("PSNR dB", None, "PSNR {lb} vs bf16 per chunk")}
+# (short titles: a plot is at least PLOT_WIDTH pixels wide, two or three to a row only on wide pages)
+PLOTS = {"components": ("size", "component", "{lb}: KV bytes by component"),
+         "kv": ("size", "series", "KV bytes vs the BF16 equivalent"),
+         "ratio": ("ratio", "video", "compression ratio"),
+         "latency": ("seconds", "series", "seconds per chunk"),
+         "psnr": ("PSNR dB", None, "PSNR {lb} vs bf16")}
+PLOT_WIDTH = 420
 
 
 def error_status(message: str) -> str:
@@ -158,7 +162,8 @@ def build(server: Server):
                         window = gr.Number(12, label="window (latent frames)", precision=0, visible=False)
                         sink = gr.Number(0, label="sink (latent frames)", precision=0)
                     with gr.Row():
-                        frames = gr.Slider(1, 301, value=31, step=3, label="length (frames)", elem_id="qvg-frames")
+                        # (4 frames: the start frame and one chunk; a longer video than 301: qvg-generate --frames)
+                        frames = gr.Slider(4, 301, value=31, step=3, label="length (frames)", elem_id="qvg-frames")
                         # a Textbox: a browser's number field holds a double, so seeds past 2**53 would be rounded
                         seed = gr.Textbox("0", label="seed", elem_id="qvg-seed")
                     compare = gr.Checkbox(False, label="compare with BF16 (same seed, side by side, PSNR per chunk)",
@@ -177,16 +182,14 @@ def build(server: Server):
                                    height=300, visible=False, format="png")
                 summary = gr.Markdown("Memory: waiting for the first chunk.", elem_id="qvg-memory")
                 plots = {}
-                for names in (("components", "kv"), ("ratio", "latency", "psnr")):
-                    with gr.Row():
-                        for name in names:
-                            y, color, title = PLOTS[name]
-                            kind = gr.BarPlot if name == "components" else gr.LinePlot
-                            plots[name] = kind(None, x="chunk", y=y, color=color, title=title.format(lb="qvg"),
-                                               color_map=ui_panel.COLORS if name == "components" else None,
-                                               y_lim=None if name == "psnr" else [0, None],
-                                               height=260, elem_id=f"qvg-plot-{name}", visible=name != "psnr",
-                                               show_label=False)
+                with gr.Row():  # (a row wraps: as many plots to a line as PLOT_WIDTH lets, their legends unclipped)
+                    for name, (y, color, title) in PLOTS.items():
+                        kind = gr.BarPlot if name == "components" else gr.LinePlot
+                        plots[name] = kind(None, x="chunk", y=y, color=color, title=title.format(lb="qvg"),
+                                           color_map=ui_panel.COLORS if name == "components" else None,
+                                           y_lim=None if name == "psnr" else [0, None], min_width=PLOT_WIDTH,
+                                           height=260, elem_id=f"qvg-plot-{name}", visible=name != "psnr",
+                                           show_label=False)
                 table = gr.Dataframe({"headers": ui_panel.table(Update("", ["qvg"]))[0], "data": []},
                                      label="per chunk", interactive=False, elem_id="qvg-table", max_height=420)
                 with gr.Row():
@@ -220,18 +223,35 @@ def build(server: Server):
                 if name == "psnr":
                     kw["visible"] = name in data
                 value = data.get(name) if n else None
+                if value is not None and name in ("kv", "ratio", "latency"):  # the top above the largest value
+                    kw["y_lim"] = [0, ui_panel.y_top(value, PLOTS[name][0])]
+                elif value is not None and name == "psnr" and value["PSNR dB"].notna().any():  # whole dB around
+                    kw["y_lim"] = [math.floor(value["PSNR dB"].min() - 0.5), math.ceil(value["PSNR dB"].max() + 0.5)]
                 if value is not None and name != "components" and ui_panel.one_point(value, PLOTS[name][0], color):
                     value = plots[name].postprocess(value).model_dump()  # drawn as points: a line through one
                     value["mark"] = "point"  # point draws nothing (gradio passes a dict value on as it is)
                 out.append(gr.update(value=value, title=title.format(lb=lb), **kw))
             return out
 
-        def submit(request: gr.Request):
-            return jobs.submit(request.session_hash).id
+        def submit(pipeline, checkpoint, prompt, photo, upload, actions, method, bits, stages, block_size,
+                   centroids, history, window, sink, seed, frames, compare, request: gr.Request):
+            """Unqueued: the form's checks (bad input said at once, not after every run queued before it), then a
+            job id for the queued run; REFUSED, which that run skips, if the form fails them."""
+            import tempfile
+            values = locals()
+            try:
+                with tempfile.TemporaryDirectory(prefix="qvg-check-") as tmp:
+                    settings(Form(**{k: values[k] for k in FORM_FIELDS}), server, Path(tmp))
+            except UsageError as e:
+                return REFUSED, error_status(ui_message(e))
+            return jobs.submit(request.session_hash).id, gr.skip()
 
         def generate(pipeline, checkpoint, prompt, photo, upload, actions, method, bits, stages, block_size,
                      centroids, history, window, sink, seed, frames, compare, job, request: gr.Request):
             values = locals()
+            if job == REFUSED:  # the click's form failed its checks: the status line says why already
+                yield (gr.skip(), *skip_all)
+                return
             f = Form(**{k: values[k] for k in FORM_FIELDS})
             c = jobs.start(job, request.session_hash, steerable=f.pipeline == "tiny")
             up = None
@@ -284,7 +304,7 @@ def build(server: Server):
 
         # each click is a job: its id first (unqueued, so Cancel reaches it while it waits), then the queued run
         go.click(lambda: "", None, steer_note, queue=False, api_visibility="private")  # a new job: the note goes
-        go.click(submit, None, job_id, queue=False, api_name="job", trigger_mode="multiple").then(
+        go.click(submit, form, [job_id, status], queue=False, api_name="job", trigger_mode="multiple").then(
             generate, [*form, job_id], outputs, api_name="generate", concurrency_limit=1,
             concurrency_id="generation", show_progress="minimal", show_progress_on=[status], trigger_mode="multiple")
         stop.click(cancel, None, status, queue=False, api_name="cancel")
@@ -333,10 +353,10 @@ def launch(app, host: str = "127.0.0.1", port: int | None = None, **kw):
 def _host_error(host: str) -> str | None:
     """Why `host` cannot be served on, or None: it does not resolve, or one of its addresses is no address of this
     machine (the server binds every address a name resolves to, as asyncio's create_server does, and fails if one
-    fails). As gradio takes it: "" is its default address, [::1] is ::1."""
+    fails). "" is refused (gradio would take it for its default, or $GRADIO_SERVER_NAME); [::1] is ::1."""
     import socket
-    if not host:
-        return None
+    if not host.strip():
+        return "--host: empty: give an address (127.0.0.1: this machine only; 0.0.0.0: every interface)"
     name = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     try:
         found = socket.getaddrinfo(name, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
@@ -393,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
         if "Cannot find empty port" in text:  # (gradio's words, whose advice is for its Python API)
             text = (f"port {a.port} is in use or cannot be bound here; give another --port" if a.port else
                     "no free port from 7860 on; give --port")
-        print(f"qvg-app: error: cannot serve on {a.host or 'the default address'}: {text}", file=sys.stderr)
+        print(f"qvg-app: error: cannot serve on {a.host}: {text}", file=sys.stderr)
         return 2
     finally:
         app.qvg_workdirs.clear()

@@ -89,9 +89,21 @@ def summary(up) -> str:
                      f"{sum(ui) / len(ui):.3f} s mean")
     ps = [row.psnr for row in up.rows if row.psnr is not None]
     if ps:
-        lines.append(f"- **PSNR {up.labels[-1]} vs bf16**: {ps[-1]:.2f} dB this chunk, {sum(ps) / len(ps):.2f} dB "
-                     "mean (same seed and actions)")
+        differ = [p for p in ps if not identical(p)]
+        now = "identical to bf16 this chunk" if identical(ps[-1]) else f"{ps[-1]:.2f} dB this chunk"
+        same = len(ps) - len(differ)
+        mean = (f"{sum(differ) / len(differ):.2f} dB mean over the {len(differ)} chunk{'s' * (len(differ) > 1)} that "
+                f"differ" if differ else "no chunk differs yet")
+        lines.append(f"- **PSNR {up.labels[-1]} vs bf16**: {now}, {mean}" +
+                     (f" ({same} identical, left out)" if same and differ else "") + " (same seed and actions)")
     return "\n".join(lines)
+
+
+def identical(psnr: float) -> bool:
+    """A chunk's PSNR at the metric's cap: the frames equal bf16's (e.g. while the sink holds everything in BF16).
+    Left out of the mean and the plot, where the cap would read as a quality figure."""
+    from qvg.eval.metrics import PSNR_CAP
+    return psnr >= PSNR_CAP
 
 
 def components(label: str) -> tuple[str, ...]:
@@ -153,7 +165,8 @@ def plots(up) -> tuple[dict, str]:
     x = str if len(up.rows) <= BAR_LABELS else int
     comp = [(x(r.index + 1), c, r.memory[lb].get(c, 0) / scale) for r in up.rows for c in held]
     kv = [(r.index + 1, f"{name} KV cache", r.memory[name]["total"] / scale) for r in up.rows for name in up.labels]
-    kv += [(r.index + 1, "BF16 equivalent", r.memory[lb]["bf16_equivalent"] / scale) for r in up.rows]
+    if "bf16" not in up.labels:  # (comparing, the bf16 run's cache is the BF16 equivalent: one line over the other)
+        kv += [(r.index + 1, "BF16 equivalent", r.memory[lb]["bf16_equivalent"] / scale) for r in up.rows]
     ratio = [(r.index + 1, name, r.memory[name]["compression_ratio"]) for r in up.rows for name in up.labels]
     lat = [(r.index + 1, name, r.seconds[name]) for r in up.rows for name in up.labels]
     lat += [(r.index + 1, "UI", r.ui_seconds) for r in up.rows if r.ui_seconds is not None]
@@ -161,7 +174,8 @@ def plots(up) -> tuple[dict, str]:
     lines = {"kv": (kv, ["chunk", "series", "size"]), "ratio": (ratio, ["chunk", "video", "ratio"]),
              "latency": (lat, ["chunk", "series", "seconds"])}
     if len(up.labels) == 2:
-        lines["psnr"] = ([(r.index + 1, r.psnr) for r in up.rows if r.psnr is not None], ["chunk", "PSNR dB"])
+        lines["psnr"] = ([(r.index + 1, float("nan") if identical(r.psnr) else r.psnr) for r in up.rows
+                          if r.psnr is not None], ["chunk", "PSNR dB"])
     for name, (rows, cols) in lines.items():
         if lines_labelled(up):
             series = list(dict.fromkeys(r[1] for r in rows)) if len(cols) == 3 else [None]
@@ -170,6 +184,13 @@ def plots(up) -> tuple[dict, str]:
                      for c in range(len(up.rows) + 1, up.total_chunks + 1) for s in series]
         out[name] = pd.DataFrame(rows, columns=cols).astype({cols[-1]: float})
     return out, unit
+
+
+def y_top(df, y: str) -> float | None:
+    """The top of a plot's y axis: 8% above its largest value (not on the frame, where the newest point of a flat
+    line hid in it), None with no value."""
+    top = df[y].max() if len(df) else float("nan")
+    return None if top != top else float(top) * 1.08 or 1.0
 
 
 def one_point(df, y: str, color: str | None) -> bool:

@@ -93,6 +93,11 @@ def _start_image(form: Form, server: Server) -> str:
         up = Path(os.path.realpath(form.upload))
         if server.upload_dir is None or not up.is_relative_to(os.path.realpath(server.upload_dir)):
             raise UsageError("start image: only uploaded files are read")
+        from .start_image import image_array
+        try:  # (here, in the page's words: qvg-generate's would name the server's copy of the upload)
+            image_array(up)
+        except Exception:
+            raise UsageError(f"start image: the upload {up.name!r} is not a readable image") from None
         return str(up)
     if form.photo not in photo_names("all"):
         raise UsageError(f"start image: no bundled photo {form.photo!r}")
@@ -182,11 +187,31 @@ def settings(form: Form, server: Server, out: Path) -> list[dict]:
 
 
 def file_stem(s: dict) -> str:
-    """The name (without suffix) of a video's downloads, mp4 and JSON: what made it, e.g. qvg-int4-astronaut-seed0
-    or bf16-self-forcing-seed3 (an upload's own name stands for its photo), so two runs' downloads do not collide."""
+    """The name (without suffix) of a video's downloads, mp4 and JSON: what made it, e.g.
+    qvg-int4-astronaut-seed0-3f9a1c or bf16-self-forcing-seed3-0b72e4 (an upload's own name stands for its photo),
+    ending in a digest of every setting that changes the video (`settings_digest`), so two runs' downloads collide
+    only if they hold the same video."""
     bits = s.get("resolved_options", {}).get("bits")
     parts = [s["label"], *([f"int{bits}"] if bits else []), s.get("subject") or s["pipeline"], f"seed{s['seed']}"]
-    return re.sub(r"[^A-Za-z0-9_.+-]+", "_", "-".join(parts)).strip("._") or s["label"]
+    name = re.sub(r"[^A-Za-z0-9_.+-]+", "_", "-".join(parts)).strip("._") or s["label"]
+    return f"{name}-{settings_digest(s)}"
+
+
+def settings_digest(s: dict) -> str:
+    """6 hex digits over what makes a run's video: pipeline, method and its resolved options, frames, seed,
+    history (window, sink, packing), key storage, the start image's pixels and the actions (the world model), or
+    the checkpoint and prompt (Self-Forcing). Steering during the run is not known yet, so not in it."""
+    import hashlib
+    import json
+    keys = ("pipeline", "method", "frames", "seed", "window", "sink", "commit_every", "key_storage", "checkpoint",
+            "generator", "weights", "prompt", "actions")
+    what = {k: s.get(k) for k in keys}
+    what["options"] = s.get("resolved_options", s.get("options"))
+    h = hashlib.sha1(json.dumps(what, sort_keys=True, default=str).encode())
+    image = s.get("image")
+    if image is not None:
+        h.update(image.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()[:6]
 
 
 class Plan:
@@ -338,6 +363,10 @@ def run(runs: list[dict], gens: list[Generation], controls: Job, workdir: Path):
                                cancelled={"after_chunks": cancelled, "of_chunks": up.total_chunks})
                 path.write_text(json.dumps(rep, indent=1))
                 up.reports.append(str(path))
+        lb, s = labels[-1], runs[-1]
+        if lb != "bf16" and up.rows and not up.rows[-1].memory[lb].get("codes"):  # (as qvg-generate's note says)
+            up.status += (f" · note: {lb} compressed nothing: every frame stayed in BF16 (a sink of {s['sink']} "
+                          "latent frames covering the video)")
         up.done = True
         yield up
     finally:

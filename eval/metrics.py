@@ -8,11 +8,14 @@ import torch
 import torch.nn.functional as F
 
 
+PSNR_CAP = 100.0  # dB: what identical inputs give
+
+
 def psnr(a: torch.Tensor, b: torch.Tensor, peak_to_peak: float = 2.0) -> float:
     """PSNR in dB of a vs b (any equal shapes, values in a range of `peak_to_peak`: 2 for [-1, 1]); identical
-    inputs give 100 dB (capped)."""
+    inputs give PSNR_CAP, 100 dB (capped)."""
     mse = ((a.float() - b.float()) ** 2).mean().item()
-    return 100.0 if mse <= 1e-10 else min(100.0, 10 * math.log10(peak_to_peak ** 2 / mse))
+    return PSNR_CAP if mse <= 1e-10 else min(PSNR_CAP, 10 * math.log10(peak_to_peak ** 2 / mse))
 
 
 def _gauss(size: int = 11, sigma: float = 1.5) -> torch.Tensor:

@@ -145,6 +145,7 @@ BAD = [
     (["--centroids", "5000"], "centroids (5000) > tokens"),
     (["--history", "last"], "--history must be"),
     (["--sink", "2"], "multiple of the chunk size"),
+    (["--sink", "1" + "0" * 300], "--sink must be in [0, 100000]"),  # (was taken, and written into the report)
     (["--pipeline", "self-forcing"], "needs --checkpoint"),
     (["--pipeline", "self-forcing", "--checkpoint", "/no/such/dir"], "no such directory"),
     (["--method", "bf16", "--bits", "2"], "do not apply"),

@@ -79,7 +79,8 @@ def client(url):
 
 def submit(client, **kw):
     """A Generate click as the page makes it: a job id (/job, unqueued), then the queued run with that id."""
-    return client.submit(*form(**kw), client.predict(api_name="/job"), api_name="/generate")
+    job, _ = client.predict(*form(**kw), api_name="/job")
+    return client.submit(*form(**kw), job, api_name="/generate")
 
 
 SERVER = {}  # the running app (url's), for the report a timed-out wait prints
@@ -174,11 +175,13 @@ def test_compare_runs_bf16_and_the_method_side_by_side(client):
     assert last[PSNR]["visible"] is True and len(last[PSNR]["value"]["data"]) == len(rows)
     # one chunk: each series is one point, drawn as a point (a line through one point draws nothing)
     assert last[PSNR]["value"]["mark"] == last[KV]["value"]["mark"] == "point"
-    assert {s for _, s, _ in last[KV]["value"]["data"]} == {"bf16 KV cache", "rtn KV cache", "BF16 equivalent"}
+    # (the bf16 run's cache is the BF16 equivalent: one line each, not two over each other)
+    assert {s for _, s, _ in last[KV]["value"]["data"]} == {"bf16 KV cache", "rtn KV cache"}
     assert last[LIVE]["label"] == "live: rtn" and last[REF] and last[REF_VIDEO]  # both live frames, both videos
     # the downloads are named for what made them; the method's report has its PSNR against BF16 per chunk
     names = [os.path.basename(p) for p in last[REPORTS]]
-    assert names == ["bf16-astronaut-seed0.json", "rtn-int4-astronaut-seed0.json"], names
+    assert [re.fullmatch(r"(.+)-[0-9a-f]{6}\.json", n)[1] for n in names] == ["bf16-astronaut-seed0",
+                                                                             "rtn-int4-astronaut-seed0"], names
     chunks = json.loads(open(last[REPORTS][1]).read())["chunks"]
     assert len(chunks) == 1 and abs(chunks[0]["psnr_vs_bf16"] - row["PSNR dB"]) < 0.01
     assert "psnr_vs_bf16" not in json.loads(open(last[REPORTS][0]).read())["chunks"][0]
@@ -195,11 +198,11 @@ def test_compare_runs_bf16_and_the_method_side_by_side(client):
 
 def test_self_forcing_from_a_checkpoint_directory_in_the_root(client, sf_checkpoint):
     """A checkpoint directory named relative to the server's root runs the real Self-Forcing loader and loop."""
-    outs = _wait(client.submit(*form(pipeline="self-forcing", checkpoint="sf", prompt="a red fox", frames=1),
+    outs = _wait(client.submit(*form(pipeline="self-forcing", checkpoint="sf", prompt="a red fox", frames=4),
                                api_name="/generate"))
     assert outs[-1][STATUS].startswith("**done: 1 chunk in"), outs[-1][STATUS]
     import imageio.v3 as iio
-    assert iio.imread(outs[-1][VIDEO]).shape == (1, 480, 832, 3)  # the mp4 at full size, the live preview halved
+    assert iio.imread(outs[-1][VIDEO]).shape == (4, 480, 832, 3)  # the mp4 at full size, the live preview halved
     from PIL import Image
     assert Image.open(outs[-1][LIVE]["value"]).size == (416, 240)
     rep = json.loads(open(outs[-1][REPORTS][0]).read())
@@ -214,9 +217,8 @@ BAD = [
     (dict(method="bf16", compare=True), "choose a compressed method"),
     (dict(history="window", window=4), "window must be a multiple of the chunk size"),
     (dict(sink=None), "sink: give a number"),
-    (dict(sink=-3), "sink must be >= 0, got -3"),  # (the app's check, not a gradio pop-up: no minimum= there)
+    (dict(sink=-3), "sink must be in [0, 100000], got -3"),  # (the app's check, not a gradio pop-up: no minimum= there)
     (dict(seed=-5), "seed must be in [0, "),
-    (dict(frames=1), "length (frames) must be in [2, 100000] for the embedded model (its frame 1 is the start image), got 1"),
     (dict(history="window", window=1), "window must be a multiple of the chunk size"),
     (dict(pipeline="self-forcing", checkpoint="../"), "outside the checkpoint root"),
     (dict(pipeline="self-forcing", checkpoint="escape"), "outside the checkpoint root"),
@@ -237,6 +239,17 @@ def test_bad_input_is_one_message_not_a_traceback(client, kw, msg):
     assert "Traceback" not in text and "\n" not in text.strip(), text
     assert [o[STATUS] for o in outs[:-1]] in ([], ["Starting..."], ["Loading the model..."]), outs
     assert all(v == {"__type__": "update"} for o in outs for v in o[1:]), outs  # gr.skip(): left as they were
+    # a Generate click: the form's checks run unqueued (at once, not after the runs queued before it); what needs
+    # the model (the head dim's block sizes, the checkpoint's files) is said by the queued run, as above
+    job, status = client.predict(*form(**kw), api_name="/job")
+    if msg in ("not divisible by block_size", "no Self-Forcing generator checkpoint",
+               "window must be a multiple of the chunk size"):
+        assert job != "refused" and status == {"__type__": "update"}, status
+        client.predict(api_name="/cancel")
+    else:  # and its queued run, when its turn comes, changes nothing (the status line keeps the error)
+        assert job == "refused" and status == text, status
+        outs = _wait(client.submit(*form(**kw), job, api_name="/generate"))
+        assert len(outs) == 1 and all(v == {"__type__": "update"} for v in outs[0]), outs
 
 
 def test_queue_positions_one_job_at_a_time_and_cancel(url):
@@ -365,8 +378,8 @@ def test_an_upload_that_is_no_image_is_the_apps_message(client, tmp_path):
     (tmp_path / "bad.png").write_text("not an image")
     outs = _wait(client.submit(*form(upload=handle_file(str(tmp_path / "bad.png")), frames=4, method="bf16"),
                                api_name="/generate"))
-    text = outs[-1][STATUS]
-    assert text.startswith("**Error:** ") and "as an image" in text, text
+    text = outs[-1][STATUS]  # (in the page's words: the upload's name, not the server's path to its copy)
+    assert text == "**Error:** start image: the upload 'bad.png' is not a readable image", text
     (tmp_path / "clip.mp4").write_text("not an image either")  # (never handed to imageio's readers)
     from gradio_client.exceptions import AppError
     with pytest.raises(AppError, match="'clip.mp4' is not an image file"):
@@ -420,6 +433,25 @@ def test_panel_unit():
     from qvg.app.ui_panel import one_point
     assert one_point(kv, "size", "series") and not one_point(data["kv"], "size", "series")
     assert error_status("block_size <b>\n x") == "**Error:** block\\_size \\<b\\> x"
+    from qvg.app.ui_panel import y_top
+    assert y_top(data["ratio"], "ratio") > data["ratio"]["ratio"].max() and y_top(kv.iloc[:0], "size") is None
+
+
+def test_panel_psnr_of_identical_chunks():
+    """Comparing, a chunk equal to bf16's (PSNR at the metric's cap, e.g. while the sink holds it) is said to be
+    identical and left out of the mean and the plot (it read as '51.30 dB mean' beside chunks of 32-39 dB)."""
+    from qvg.app.ui_panel import plots, summary
+    from qvg.app.ui_run import Row, Update
+    m = {"codes": 10, "total": 10, "bf16_equivalent": 40, "compression_ratio": 4.0}
+    up = Update("", ["bf16", "qvg"], total_chunks=3)
+    for i, p in enumerate((100.0, 38.0, 34.0)):
+        up.rows.append(Row(i, "left", 3, {"bf16": 0.5, "qvg": 0.5}, {"bf16": m, "qvg": m}, psnr=p))
+        line = summary(up).splitlines()[-1]
+        if i == 0:
+            assert "identical to bf16 this chunk, no chunk differs yet" in line, line
+    assert "34.00 dB this chunk, 36.00 dB mean over the 2 chunks that differ (1 identical, left out)" in line, line
+    ps = plots(up)[0]["psnr"]["PSNR dB"]
+    assert ps.isna().iloc[0] and list(ps.iloc[1:]) == [38.0, 34.0]
 
 
 def test_no_file_outside_gradio_cache_is_served(url):
@@ -479,7 +511,7 @@ def test_the_pages_seed_is_text_so_big_seeds_stay_exact(client):
     import gradio as gr
     seed = [c for c in SERVER["app"].blocks.values() if getattr(c, "elem_id", None) == "qvg-seed"]
     assert len(seed) == 1 and isinstance(seed[0], gr.Textbox) and seed[0].value == "0"
-    last = _wait(client.submit(*form(seed=" 9007199254740993 ", frames=3), api_name="/generate"))[-1]
+    last = _wait(client.submit(*form(seed=" 9007199254740993 ", frames=4), api_name="/generate"))[-1]
     assert last[STATUS].startswith("**done"), last[STATUS]
     assert json.loads(open(last[REPORTS][0]).read())["seed"] == 2 ** 53 + 1
 
@@ -511,7 +543,10 @@ def test_cli_binds_localhost_by_default(monkeypatch, tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("qvg-app: error:") and msg in err[0], (args, err)
 
-    assert ui._host_error("") is None  # (gradio's default address)
+    for empty in ("", " "):  # (gradio would take "" for its default address, or $GRADIO_SERVER_NAME's)
+        assert ui.main(["--host", empty]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("qvg-app: error: --host: empty: give an address"), err
     e = ui._host_error("[::1]")  # (gradio's bracketed form: resolved as ::1, here through the fake resolver)
     assert e is None or "cannot bind '[::1]'" in e
 
@@ -631,3 +666,29 @@ def test_start_preview_shows_an_uploads_start_frame(tmp_path):
     assert b[..., 0].max() > 200 and b[..., 2].max() > 200 and b[..., 1].max() < 60  # the red / blue boundary
     (tmp_path / "x.png").write_text("not an image")
     assert start_preview("astronaut", str(tmp_path / "x.png")) is None
+
+
+def test_download_names_differ_with_every_setting(tmp_path):
+    """A download's name ends in a digest of what makes the video: runs that differ only in block size, window,
+    sink, length, actions or start image get different names (they collided), the same settings the same name."""
+    from qvg.app.ui_run import Form, Server, file_stem, settings
+    from qvg.pipelines.world_data import photo_names
+
+    def stem(**kw):
+        return file_stem(settings(Form(**kw), Server(), tmp_path)[-1])
+    base = stem(method="kivi")
+    assert re.fullmatch(r"kivi-astronaut-seed0-[0-9a-f]{6}", base) and stem(method="kivi") == base
+    other = next(p for p in photo_names("all") if p != "astronaut")
+    variants = [dict(block_size="16"), dict(history="window", window=6), dict(sink=3), dict(frames=13),
+                dict(actions="left"), dict(photo=other), dict(seed="1")]
+    stems = [stem(method="kivi", **kw) for kw in variants]
+    assert len({base, *stems}) == len(variants) + 1, stems
+
+
+def test_a_sink_covering_the_video_is_said(client):
+    """Nothing compressed (the sink holds the whole video in BF16): the done line says so, as qvg-generate's note
+    does (a ratio of 1x read like a bug)."""
+    last = _wait(client.submit(*form(frames=4, sink=6), api_name="/generate"))[-1]
+    assert last[STATUS].startswith("**done: 1 chunk in") and "qvg compressed nothing" in last[STATUS], last[STATUS]
+    last = _wait(client.submit(*form(frames=7, sink=3), api_name="/generate"))[-1]
+    assert "compressed nothing" not in last[STATUS], last[STATUS]
