@@ -146,8 +146,9 @@ def build_parser():
     s.add_argument("--pipeline", default="embedded", help="embedded (default, in memory), or a qvg-generate "
                    "pipeline: tiny, self-forcing (runs qvg-generate's code; mp4s are read back)")
     s.add_argument("--checkpoint", default=None, help="self-forcing checkpoint directory")
-    s.add_argument("--inputs", default="coffee,camera", help="start images (embedded / tiny) or prompts "
-                   "(self-forcing), separated by '|' for prompts or ',' for images (default coffee,camera)")
+    s.add_argument("--inputs", default=None, help="start images (embedded / tiny) or prompts "
+                   "(self-forcing), separated by '|' for prompts or ',' for images (default coffee,camera; "
+                   "self-forcing: qvg-generate's default prompt)")
     s.add_argument("--seeds", default="0,1", help="sampling seeds (default 0,1; two or more give the sampling floor: "
                    "BF16 at the next seed)")
     s.add_argument("--methods", default="rtn,kivi,quarot,qvg,qvg-pro", help="cache methods against the BF16 cache "
@@ -278,11 +279,14 @@ def _clean_up() -> None:
 
 def _compare(a, argv) -> int:
     from . import compare
+    from .metrics import SSIM_WINDOW
     from .provenance import command_line, meta, weight_files
     from .video import read_video, sidecar
     dev = _device(a.device)
-    if a.out is not None and Path(a.out).name in ("", ".", ".."):  # (X with a folder X there writes X.json, X.png)
-        raise UsageError(f"--out {a.out!r}: no name; give the outputs' path without extension, e.g. "
+    # (X with a folder X there writes X.json, X.png beside it; "X/" names the folder: its outputs were put beside it)
+    if a.out is not None and (Path(a.out).name in ("", ".", "..") or a.out.endswith(("/", os.sep))):
+        what = "no name" if Path(a.out).name in ("", ".", "..") else "a folder"
+        raise UsageError(f"--out {a.out!r}: {what}; give the outputs' path without extension, e.g. "
                          f"{os.path.join(a.out or '.', 'name')}")
     try:  # (first: a folder or a missing file given as a video is refused before its name is used)
         ref, test = read_video(a.ref), read_video(a.test)
@@ -295,6 +299,9 @@ def _compare(a, argv) -> int:
             raise UsageError(f"--out {out}: would overwrite {str(js)!r}, the report of {video!r}; choose another name")
     if ref.shape[0] != test.shape[0] or ref.shape[2:] != test.shape[2:]:
         raise UsageError(f"frame sizes differ: {tuple(ref.shape[2:])} vs {tuple(test.shape[2:])}")
+    if min(ref.shape[2:]) < SSIM_WINDOW:
+        raise UsageError(f"frames of {ref.shape[3]} x {ref.shape[2]} pixels: SSIM needs at least {SSIM_WINDOW} on "
+                         "each side (its Gaussian window)")
     n = min(ref.shape[1], test.shape[1])
     notes = []  # (said once the comparison is written: an error stays the only line)
     if ref.shape[1] != test.shape[1]:
@@ -342,6 +349,9 @@ def _notes(notes: list[str]) -> None:
         print(f"qvg-eval: note: {n}", file=sys.stderr)
 
 
+REPORT_PARTS = ("sweep", "long", "block", "kv", "warm", "rope")  # what --skip names
+
+
 def _report(a, argv) -> int:
     from . import report
     from .provenance import command_line
@@ -349,9 +359,11 @@ def _report(a, argv) -> int:
     if a.preset not in report.PRESETS:
         raise UsageError(f"--preset must be one of {', '.join(report.PRESETS)}, got {a.preset!r}")
     skip = tuple(x.strip() for x in a.skip.split(",") if x.strip())
-    bad = [x for x in skip if x not in ("sweep", "long", "block", "kv", "warm", "rope")]
+    bad = [x for x in skip if x not in REPORT_PARTS]
     if bad:
         raise UsageError(f"--skip: unknown part(s) {', '.join(bad)}")
+    if not a.from_json and set(REPORT_PARTS) <= set(skip):  # (an empty report and status 0 read as success)
+        raise UsageError(f"--skip {a.skip}: every part skipped; nothing to report")
     if a.from_json:
         try:
             res = json.loads((out / "results.json").read_text())
@@ -377,7 +389,8 @@ def _report(a, argv) -> int:
     report.run(out, report.PRESETS[a.preset], runner, command=command_line("qvg-eval", argv), device=dev,
                preset_name=a.preset, lpips_model=model, lpips_status=status, vbench=vb,
                progress=not a.no_progress, skip=skip)
-    print(f"wrote {out / 'report.md'}, its plots and {out / 'results.json'}")
+    plots = "its plots, " if {"sweep", "long", "kv"} - set(skip) else ""  # (the parts with a figure)
+    print(f"wrote {out / 'report.md'}, {plots}{out / 'results.json'}")
     _notes(notes)
     return 0
 
@@ -402,6 +415,9 @@ def _sweep(a, argv) -> int:
     if a.pipeline == "embedded" and a.checkpoint is not None:  # (tiny: qvg-generate's own check refuses it)
         raise UsageError("--checkpoint applies to --pipeline self-forcing, not the embedded model")
     sep = "|" if a.pipeline == "self-forcing" else ","
+    if a.inputs is None:  # (the images' default read as one prompt, "coffee,camera", for Self-Forcing)
+        from qvg.app.generate import DEFAULT_PROMPT
+        a.inputs = DEFAULT_PROMPT if a.pipeline == "self-forcing" else "coffee,camera"
     spec = dict(inputs=[x.strip() for x in a.inputs.split(sep) if x.strip()], seeds=_ints(a.seeds, "seeds"),
                 methods=[m.strip() for m in a.methods.split(",") if m.strip()], bits=_ints(a.bits, "bits"),
                 kmeans_seeds=_ints(a.kmeans_seeds, "kmeans-seeds"), chunks=a.chunks, onset_chunks=a.onset_chunks)
@@ -422,9 +438,10 @@ def _sweep(a, argv) -> int:
     res = sweep.run(runner, spec, lpips_model=model, vbench=vb, progress=not a.no_progress)
     res["meta"] = meta(command_line("qvg-eval", argv), dev, lpips=status, runner=runner.describe(),
                        weight_files=weight_files(model, *vb.values()))
+    res["notes"] = list(notes)  # (a missing floor or metric: in the files, not only on the terminal)
     print(sweep.table_markdown(res))
     print(_write(out / "sweep.json", json.dumps(res, indent=1) + "\n"))
-    print(_write(out / "sweep.md", sweep.table_markdown(res) + "\n"))
+    print(_write(out / "sweep.md", sweep.file_markdown(res) + "\n"))
     _notes(notes)
     return 0
 
@@ -489,6 +506,8 @@ def _vbench_cmd(a, argv) -> int:
     from .provenance import command_line, meta, weight_files
     from .video import read_video
     names = _dims(a.dims, "--dims")
+    if not names:  # (an empty result and status 0 would read as success)
+        raise UsageError("--dims none: no dimension to compute; name one or more, or 'all'")
     dev = _device(a.device)
 
     def read(path):
@@ -496,8 +515,12 @@ def _vbench_cmd(a, argv) -> int:
             return read_video(path)
         except ValueError as e:
             raise UsageError(str(e)) from None
-    for path in a.videos:  # every input readable before any weights load (read again, one at a time, to score)
-        read(path)
+    pairs = [n for n in names if n.endswith("_consistency")]  # (frame-to-frame scores)
+    for path in a.videos:  # every input readable and long enough before any weights load (read again to score)
+        frames = read(path).shape[1]
+        if frames == 0 or (frames == 1 and pairs):
+            raise UsageError(f"{path}: no frames" if not frames else
+                             f"{path}: 1 frame; {pairs[0]} compares frames: give videos of at least 2")
     if a.out is not None:
         _check_out_file(a.out, a.videos)
         _out_dir(Path(a.out).resolve().parent, Path(a.out).name)

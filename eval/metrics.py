@@ -18,7 +18,10 @@ def psnr(a: torch.Tensor, b: torch.Tensor, peak_to_peak: float = 2.0) -> float:
     return PSNR_CAP if mse <= 1e-10 else min(PSNR_CAP, 10 * math.log10(peak_to_peak ** 2 / mse))
 
 
-def _gauss(size: int = 11, sigma: float = 1.5) -> torch.Tensor:
+SSIM_WINDOW = 11  # pixels: the SSIM window's side (frames need at least this on each side)
+
+
+def _gauss(size: int = SSIM_WINDOW, sigma: float = 1.5) -> torch.Tensor:
     x = torch.arange(size, dtype=torch.float32) - (size - 1) / 2
     g = torch.exp(-x ** 2 / (2 * sigma ** 2))
     return g / g.sum()

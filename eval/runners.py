@@ -31,6 +31,7 @@ class Video:
     video: torch.Tensor
     memory: dict
     seconds: float
+    path: str | None = None  # the mp4 it was read from (qvg-generate's runs), recorded in a sweep's runs
 
 
 def check_key_storage(key_storage: str) -> str:
@@ -180,11 +181,13 @@ class GenerateRunner:
             raise ValueError("KV capture needs the in-memory embedded runner")
         self._n += 1
         self.workdir.mkdir(parents=True, exist_ok=True)
-        out = self.workdir / f"run{self._n}.mp4"
+        bits = f"-int{options['bits']}" if options.get("bits") else ""
+        k = f"-kmeans{options['seed']}" if options.get("seed") is not None else ""
+        out = self.workdir / f"run{self._n}-{method}{bits}-seed{seed}{k}.mp4"  # (the run's record names it too)
         t0 = time.perf_counter()
         rep = generate.run(generate.parse(self.argv(text, seed, method, options, chunks, out)))
         video = read_video(out)
         self.fps = rep.get("fps")
         mem = {**rep["kv_bytes"], "bf16_equivalent": rep["bf16_equivalent_bytes"],
                "compression_ratio": rep["compression_ratio"]}
-        return Video(video, mem, time.perf_counter() - t0)
+        return Video(video, mem, time.perf_counter() - t0, str(out))

@@ -61,7 +61,7 @@ def run(runner, spec: dict, *, lpips_model=None, vbench: dict | None = None, pro
             refs[s] = ref.video
             rec = {"input": inp, "seed": s, "method": "bf16", "bits": 16, "kmeans_seed": None, "options": {},
                    "memory": ref.memory, "seconds": round(ref.seconds, 2), "vs_ref": None,
-                   "vbench": {k: f(ref.video) for k, f in scorers.items()}}
+                   "vbench": {k: f(ref.video) for k, f in scorers.items()}, **_path(ref)}
             runs.append(rec)
             bar.update(1)
             first_k = {}
@@ -72,7 +72,7 @@ def run(runner, spec: dict, *, lpips_model=None, vbench: dict | None = None, pro
                 runs.append({"input": inp, "seed": s, "method": m, "bits": b,
                              "kmeans_seed": k if seeded(m) else None, "options": opts, "memory": out.memory,
                              "seconds": round(out.seconds, 2), "vs_ref": _brief(compare(ref.video, out.video, **cmp)),
-                             "vbench": {n: f(out.video) for n, f in scorers.items()}})
+                             "vbench": {n: f(out.video) for n, f in scorers.items()}, **_path(out)})
                 if seeded(m):
                     if (m, b) in first_k:
                         kmeans_floor.append({"input": inp, "seed": s, "method": m, "bits": b,
@@ -167,6 +167,23 @@ def table_markdown(res: dict) -> str:
         cells.append("-" if ks is None else f"{ks:.2f} ({r['kmeans_seeds']} seeds)")
         cells += [_pm(r.get("vbench", {}).get(d), 4) for d in dims] + [str(r["n"])]
         lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _path(v) -> dict:
+    """{"video": the mp4 a run wrote} where the runner wrote one (qvg-generate's), else nothing."""
+    return {"video": v.path} if getattr(v, "path", None) else {}
+
+
+def file_markdown(res: dict) -> str:
+    """sweep.md: what ran (inputs, seeds, chunks, command, commit, device), the table, and the notes (a floor one
+    seed could not give, a metric left out)."""
+    m, sp = res.get("meta", {}), res.get("spec", {})
+    what = "; ".join(f"{k.replace('_', ' ')} {', '.join(map(str, v)) if isinstance(v, list) else v}"
+                     for k, v in sp.items() if k in ("inputs", "seeds", "kmeans_seeds", "chunks", "onset_chunks"))
+    lines = ["# qvg-eval sweep", "", f"`{m.get('command', '')}`, at {m.get('git_commit', '?')} on "
+             f"{m.get('device', '?')}, {m.get('date', '')}" + (f"; {what}" if what else ""), "", table_markdown(res)]
+    lines += ["", *(f"- note: {n}" for n in res.get("notes", []))] if res.get("notes") else []
     return "\n".join(lines)
 
 

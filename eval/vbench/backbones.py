@@ -11,10 +11,12 @@
 - LAION aesthetic head: `nn.Linear(768, 1)` from sa_0_4_vit_l_14_linear.pth (keys weight, bias).
 
 Every loader takes `config=` to build the same class with random weights instead (tests). A file or folder that is
-there but is not these weights raises `BadWeights` naming it; a loaded model's `weight_files` are the files read.
+there but is not these weights (unreadable, keys the model lacks or does not fill, another patch size) raises
+`BadWeights` naming it; a loaded model's `weight_files` are the files read.
 """
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -74,11 +76,48 @@ def _hf_folder(path: Path) -> bool:
     return path.is_dir() and (path / "config.json").is_file()
 
 
-def _from_pretrained(cls, path: Path, what: str, **kw):
+# the patch size each backbone must have (VBench's DINO ViT-B/16, CLIP ViT-B/32 and ViT-L/14): another model's
+# folder under a backbone's name is refused, not scored
+PATCH = {"dino": ("DINO ViT-B/16", 16), "clip-b32": ("CLIP ViT-B/32", 32), "clip-l14": ("CLIP ViT-L/14", 14)}
+
+
+def _check_patch(key: str, patch: int, source) -> None:
+    name, want = PATCH[key]
+    if patch != want:
+        raise BadWeights(f"{source}: a model of patch size {patch}, not {name}'s {want}: another model's weights")
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """transformers' warnings and progress bars off (its load report of another model's folder is a table of
+    dozens of lines, and its bar ignores --no-progress): what is wrong is said by BadWeights, in one line."""
+    from transformers.utils import logging as tlog
+    level, bars = tlog.get_verbosity(), tlog.is_progress_bar_enabled()
+    tlog.set_verbosity_error()
+    tlog.disable_progress_bar()
+    try:
+        yield
+    finally:
+        tlog.set_verbosity(level)
+        if bars:
+            tlog.enable_progress_bar()
+
+
+def _from_pretrained(cls, path: Path, what: str, key: str, **kw):
     """cls.from_pretrained of a local folder; any failure (no weights file, a broken config, other shapes) is
-    BadWeights naming the folder."""
-    with reading(path, f"a Hugging Face {what} folder (config.json + model.safetensors or pytorch_model.bin)"):
-        model = cls.from_pretrained(str(path), local_files_only=True, **kw)
+    BadWeights naming the folder, and so is a folder whose weights leave any of the model's keys unfilled
+    (transformers would start those from random values and score with them: another model's folder) or whose
+    patch size is not the backbone's (`PATCH`)."""
+    with reading(path, f"a Hugging Face {what} folder (config.json + model.safetensors or pytorch_model.bin)"), \
+            _quiet_transformers():
+        model, info = cls.from_pretrained(str(path), local_files_only=True, output_loading_info=True, **kw)
+    unfilled = [*info.get("missing_keys", ()), *(m[0] if isinstance(m, tuple) else m
+                                                  for m in info.get("mismatched_keys", ()))]
+    if unfilled:
+        few = ", ".join(sorted(unfilled)[:3]) + (", ..." if len(unfilled) > 3 else "")
+        raise BadWeights(f"{path}: not {PATCH[key][0]} weights: {len(unfilled)} of the {what} model's tensors are "
+                         f"not in the folder or have other shapes ({few})")
+    _check_patch(key, model.config.patch_size, path)
     model.weight_files = hf_files(path)
     return model
 
@@ -90,15 +129,17 @@ def load_dino(weights=None, device="cpu", config=None) -> nn.Module:
             .eval().to(device)
     p = weight_path("dino", weights)
     if _hf_folder(p):
-        return _from_pretrained(ViTModel, p, "ViT", add_pooling_layer=False).eval().to(device)
+        return _from_pretrained(ViTModel, p, "ViT", "dino", add_pooling_layer=False).eval().to(device)
     f = p / DINO_FILE if p.is_dir() else p
     if not f.is_file():
         raise MissingWeights(f"missing {f} (DINO ViT-B/16: VBench's {DINO_FILE}) and {p} is not a Hugging Face "
                              "folder (no config.json)")
     raw = read_state_dict(f)
     with reading(f, "a DINO ViT checkpoint"):  # keys or shapes other than DINO's
-        model = ViTModel(ViTConfig(**dino_config(raw)), add_pooling_layer=False)
+        config = dino_config(raw)
+        model = ViTModel(ViTConfig(**config), add_pooling_layer=False)
         missing, unexpected = model.load_state_dict(dino_to_vit(raw, vit_layout(model)), strict=False)
+    _check_patch("dino", config["patch_size"], f)
     if missing or unexpected:
         raise BadWeights(f"{f}: not a DINO ViT checkpoint (missing {missing[:3]}, unexpected {unexpected[:3]})")
     model.weight_files = [f]
@@ -122,7 +163,7 @@ def load_clip(key: str, weights=None, device="cpu", config=None) -> nn.Module:
     p = weight_path(key, weights)
     if not _hf_folder(p):
         raise MissingWeights(f"missing {p / 'config.json'}: {p} must be a Hugging Face CLIP folder")
-    return _from_pretrained(CLIPVisionModelWithProjection, p, "CLIP").eval().to(device)
+    return _from_pretrained(CLIPVisionModelWithProjection, p, "CLIP", key).eval().to(device)
 
 
 def clip_features(model, pixels: torch.Tensor) -> torch.Tensor:

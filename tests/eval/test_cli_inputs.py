@@ -85,6 +85,14 @@ def test_unwritable_output_folder_before_any_work(tmp_path, capsys, cmd):
     _one_error(capsys, "OUTDIR is empty")
 
 
+def test_report_with_every_part_skipped_is_an_error(tmp_path, capsys):
+    """--skip naming all six parts: one line, nothing made (was an empty report and status 0)."""
+    assert main(["report", str(tmp_path / "r"), "--skip", "sweep,long,block,kv,warm,rope", "--lpips", "none",
+                 "--vbench", "none"]) == 2
+    _one_error(capsys, "every part skipped; nothing to report")
+    assert not (tmp_path / "r").exists()
+
+
 def test_report_from_json_still_checks_its_values(tmp_path, capsys):
     assert main(["report", str(tmp_path), "--from-json", "--preset", "nope"]) == 2
     _one_error(capsys, "--preset must be one of")
@@ -361,7 +369,7 @@ def test_a_failure_after_the_output_folder_is_made_removes_it(tmp_path, capsys, 
     monkeypatch.setattr(cli, "_lpips", bad_weights)
     out = tmp_path / "new" / "out"
     if cmd == "report":
-        args = ["report", str(out), "--skip", "sweep,long,block,kv,warm,rope", "--no-progress", "--vbench", "none"]
+        args = ["report", str(out), "--skip", "sweep,long,kv,warm,rope", "--no-progress", "--vbench", "none"]
     else:
         ref = _video(tmp_path / "ref.npy")
         args = ["compare", ref, ref, "--out", str(out / "c")]
@@ -397,6 +405,13 @@ def test_compare_bad_paths_and_an_onset_past_the_video(tmp_path, capsys):
     (tmp_path / "res").mkdir()  # valid: --out X with a folder X there writes X.json and X.png beside it
     assert main(["compare", ref, ref, "--out", str(tmp_path / "res"), "--lpips", "none", "--onset-chunks", "2"]) == 0
     assert (tmp_path / "res.json").is_file() and (tmp_path / "res.png").is_file()
+    capsys.readouterr()
+    assert main(["compare", ref, ref, "--out", str(tmp_path / "res") + "/", "--lpips", "none"]) == 2  # the folder
+    _one_error(capsys, "--out", "a folder; give the outputs' path without extension")
+    # frames under SSIM's 11-pixel window: one line (was a RuntimeError from the convolution)
+    small = _video(tmp_path / "small.npy", size=8)
+    assert main(["compare", small, small, "--lpips", "none"]) == 2
+    _one_error(capsys, "frames of 8 x 8 pixels: SSIM needs at least 11")
 
 
 def test_a_relative_sweep_folder_is_removed_after_a_failure(tmp_path, capsys, monkeypatch):
@@ -412,3 +427,42 @@ def test_a_relative_sweep_folder_is_removed_after_a_failure(tmp_path, capsys, mo
     assert main(["sweep", "x/y"] + SWEEP) == 2
     _one_error(capsys, "a checkpoint that does not load")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_vbench_frames_and_dims_none(tmp_path, capsys):
+    """A video with no frames, one frame for a frame-to-frame dimension, and --dims none: one line each, before any
+    weights load (were a ValueError from the scorer, and an empty result with status 0)."""
+    one, empty = _video(tmp_path / "one.npy", frames=1), _video(tmp_path / "empty.npy", frames=0)
+    assert main(["vbench", one, "--dims", "subject_consistency"]) == 2
+    _one_error(capsys, "one.npy: 1 frame; subject_consistency compares frames")
+    assert main(["vbench", empty, "--dims", "aesthetic_quality"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("qvg-eval: error: ") and "empty.npy" in err[0], err
+    assert main(["vbench", one, "--dims", "none"]) == 2
+    _one_error(capsys, "--dims none: no dimension to compute")
+
+
+def test_sweep_files_say_what_ran_and_its_notes(tmp_path, capsys):
+    """sweep.md names the command, commit, inputs and seeds above the table, and both files hold the notes (a floor
+    one seed cannot give), which went to the terminal only."""
+    assert main(["sweep", str(tmp_path / "sw")] + SWEEP) == 0
+    md = (tmp_path / "sw" / "sweep.md").read_text()
+    res = json.loads((tmp_path / "sw" / "sweep.json").read_text())
+    assert md.startswith("# qvg-eval sweep\n\n`qvg-eval sweep ") and "inputs coffee; seeds 0" in md, md
+    assert "- note: one sampling seed: no sampling floor" in md and "no k-means floor" in md, md
+    assert any("no sampling floor" in n for n in res["notes"]) and any("k-means floor" in n for n in res["notes"])
+
+
+def test_sweep_default_inputs_follow_the_pipeline(monkeypatch):
+    """Without --inputs the embedded model gets the photos coffee and camera, Self-Forcing qvg-generate's default
+    prompt (the photos' "coffee,camera" was read as one prompt)."""
+    from qvg.app.generate import DEFAULT_PROMPT
+    from qvg.eval import cli
+    seen = []
+
+    def stop(spec, pipeline):
+        seen.append(spec["inputs"])
+        raise cli.UsageError("stop")
+    monkeypatch.setattr(cli, "_check_sweep", stop)
+    assert main(["sweep", "x"]) == 2 and main(["sweep", "x", "--pipeline", "self-forcing"]) == 2
+    assert seen == [["coffee", "camera"], [DEFAULT_PROMPT]]

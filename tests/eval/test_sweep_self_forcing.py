@@ -48,6 +48,9 @@ def test_sweep_through_qvg_generate(sf_checkpoint, small_frames, tmp_path, capsy
     runs = res["runs"]
     assert len(runs) == 6 and {r["input"] for r in runs} == {prompt}
     assert len(list((out / "videos").glob("run*.mp4"))) == len(list((out / "videos").glob("run*.json"))) == 6
+    assert len({r["video"] for r in runs}) == 6  # each run names the mp4 it wrote (method, bits, seeds in the name)
+    assert all(Path(r["video"]).is_file() and f"-{r['method']}" in Path(r["video"]).name and
+               f"-seed{r['seed']}" in r["video"] for r in runs)
     for r in runs:
         assert r["memory"]["total"] > 0 and r["memory"]["bf16_equivalent"] > 0
         if r["method"] == "bf16":

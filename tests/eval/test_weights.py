@@ -173,3 +173,25 @@ def test_eval_extra_has_the_backbones_package():
     for extra in ("eval", "test"):
         names = {d.split(">")[0].split("=")[0].split(";")[0].strip() for d in extras[extra]}
         assert {"transformers", "matplotlib"} <= names, extra
+
+
+def test_another_models_folder_is_refused_not_scored(tmp_path, video, capsys):
+    """A Hugging Face folder of another model under a backbone's name (transformers fills the tensors it lacks
+    with random values: the scores were random-weight scores, status 0), or a ViT of another patch size, is one
+    error line naming the folder; transformers' load report (a table of every key) is not printed."""
+    from transformers import CLIPVisionConfig, CLIPVisionModelWithProjection, ViTConfig, ViTModel
+    dino = tmp_path / "a" / "dino-vitb16"
+    CLIPVisionModelWithProjection(CLIPVisionConfig(**CLIP)).save_pretrained(dino)
+    capsys.readouterr()  # (save_pretrained's own progress bar)
+    assert main(["vbench", video, "--dims", "subject_consistency", "--weights", str(tmp_path / "a")]) == 2
+    _one_error_line(capsys, str(dino), "not DINO ViT-B/16 weights", "tensors are not in the folder")
+    clip = tmp_path / "b" / FILES["clip-b32"].name
+    ViTModel(ViTConfig(**VIT), add_pooling_layer=False).save_pretrained(clip)
+    with pytest.raises(BadWeights, match="not CLIP ViT-B/32 weights"):
+        load_clip("clip-b32", tmp_path / "b")
+    ViTModel(ViTConfig(**{**VIT, "patch_size": 8}), add_pooling_layer=False).save_pretrained(tmp_path / "c" /
+                                                                                            "dino-vitb16")
+    with pytest.raises(BadWeights, match="patch size 8, not DINO ViT-B/16's 16"):
+        load_dino(tmp_path / "c")
+    ViTModel(ViTConfig(**VIT), add_pooling_layer=False).save_pretrained(tmp_path / "d" / "dino-vitb16")
+    assert load_dino(tmp_path / "d").config.patch_size == 16  # (a ViT with every tensor filled loads)
