@@ -326,24 +326,33 @@ def _plot_sweep(writes: list, sw: dict, path: Path) -> str:
     if plt is None:
         return "matplotlib not importable: no plots"
     bits = sw["spec"]["bits"]
-    fig, axes = plt.subplots(1, len(bits), figsize=(6 * len(bits), 3.8), squeeze=False)
+    lead = sw.get("layout", {}).get("lead", 0)  # (the given start frame(s): equal by construction, not plotted)
+    fig, axes = plt.subplots(1, len(bits), figsize=(7 * len(bits), 3.8), squeeze=False)
     k0 = sw["spec"]["kmeans_seeds"][0]
     for ax, b in zip(axes[0], bits):
         for m in sw["spec"]["methods"]:
             rs = [r for r in sw["runs"] if r["method"] == m and r["bits"] == b and r["kmeans_seed"] in (None, k0)]
             if rs:
-                curve = [sum(min(r["vs_ref"]["frame_psnr"][f], 60) for r in rs) / len(rs)
-                         for f in range(len(rs[0]["vs_ref"]["frame_psnr"]))]
-                ax.plot(range(len(curve)), curve, marker=".", label=m)
+                xs, mean, std = _frame_stats([r["vs_ref"]["frame_psnr"] for r in rs], lead)
+                line, = ax.plot(xs, mean, marker=".", label=m)
+                ax.fill_between(xs, [a - d for a, d in zip(mean, std)], [a + d for a, d in zip(mean, std)],
+                                color=line.get_color(), alpha=0.12, lw=0)
         if sw["sampling_floor"]:
-            f = sw["sampling_floor"]
-            curve = [sum(min(r["frame_psnr"][i], 60) for r in f) / len(f) for i in range(len(f[0]["frame_psnr"]))]
-            ax.plot(range(len(curve)), curve, "k--", label="floor: BF16, next seed")
-        ax.set(title=f"INT{b}: PSNR vs the BF16 video (mean over inputs x seeds)", xlabel="frame",
+            xs, mean, _ = _frame_stats([r["frame_psnr"] for r in sw["sampling_floor"]], lead)
+            ax.plot(xs, mean, "k--", label="floor: BF16, next seed")
+        ax.set(title=f"INT{b}: PSNR vs the BF16 video (mean ± std over inputs x seeds)", xlabel="frame",
                ylabel="PSNR dB (capped at 60)")
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     writes.append((plt, fig, path))
     return ""
+
+
+def _frame_stats(curves: list[list[float]], lead: int) -> tuple[list[int], list[float], list[float]]:
+    """(frames from `lead` on, mean, std over the curves) of per-frame PSNR, each value capped at 60 dB."""
+    import statistics
+    xs = list(range(lead, len(curves[0])))
+    cols = [[min(c[f], 60) for c in curves] for f in xs]
+    return xs, [statistics.fmean(v) for v in cols], [statistics.pstdev(v) if len(v) > 1 else 0.0 for v in cols]
 
 
 def _plot_memory(writes: list, sw: dict, path: Path) -> str:
@@ -352,7 +361,7 @@ def _plot_memory(writes: list, sw: dict, path: Path) -> str:
         return ""
     rows = sweep.memory_rows(sw)
     comps = MEMORY_COMPONENTS
-    fig, ax = plt.subplots(figsize=(8, 3.6))
+    fig, ax = plt.subplots(figsize=(9, 3.6))
     names = [f"{r['method']} {'BF16' if r['bits'] == 16 else 'INT%d' % r['bits']}" for r in rows]
     bottom = [0.0] * len(rows)
     for c in comps:
@@ -361,7 +370,7 @@ def _plot_memory(writes: list, sw: dict, path: Path) -> str:
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.set(ylabel="MiB held", title="KV cache bytes by component (at its largest)")
     ax.tick_params(axis="x", rotation=45)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # (beside the bars: it hid the tallest)
     writes.append((plt, fig, path))
     return ""
 
@@ -370,13 +379,13 @@ def _plot_long(writes: list, lv: dict, path: Path) -> str:
     plt = _plt()
     if plt is None:
         return ""
-    fig, ax = plt.subplots(figsize=(8, 3.6))
+    fig, ax = plt.subplots(figsize=(9, 3.6))
     for k, c in lv["curves"].items():
         ax.plot(lv["window_starts"], [min(v, 60) for v in c["psnr"]], "k--" if "floor" in k else "-", marker=".",
                 label=k)
     ax.set(xlabel="first frame of the window", ylabel="PSNR dB vs BF16 (capped at 60)",
            title=f"Fig. 5a: quality every {lv['every']} frames")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # (beside the curves: it hid their ends)
     writes.append((plt, fig, path))
     return ""
 
@@ -403,11 +412,15 @@ def _plot_kv(writes: list, kv: dict, path: Path) -> str:
             ax[1].plot(range(5), vals, marker="o", label=f"{t} {b}")
     ax[1].set(yscale="log", xlabel="PRQ stages S", ylabel="rel MSE (INT2)", title="Fig. 5c: MSE vs stages")
     ax[1].legend(fontsize=7)
+    labelled = set()  # (each block size once, beside its first point: every series' labels overlapped)
     for t, bs in kv["block_size"].items():
         for name, es in bs.items():
             ax[2].plot([e["bpe"] for e in es], [e["rel"] for e in es], marker="o", label=f"{t} {name}")
             for e in es:
-                ax[2].annotate(f"B={e['B']}", (e["bpe"], e["rel"]), fontsize=6)
+                if e["B"] not in labelled:
+                    labelled.add(e["B"])
+                    ax[2].annotate(f"B={e['B']}", (e["bpe"], e["rel"]), xytext=(4, 4), textcoords="offset points",
+                                   fontsize=7)
     ax[2].set(yscale="log", xlabel="bits / element (measured)", ylabel="rel MSE",
               title="Fig. 7: block size trade-off")
     ax[2].legend(fontsize=6)
