@@ -244,7 +244,9 @@ def build(server: Server):
                     settings(Form(**{k: values[k] for k in FORM_FIELDS}), server, Path(tmp))
             except UsageError as e:
                 return REFUSED, error_status(ui_message(e))
-            return jobs.submit(request.session_hash).id, gr.skip()
+            wait = "Queued: another video is being generated; this one starts when it ends." if jobs.busy() else \
+                gr.skip()  # (gradio's own queue line is its time per streamed update, not the wait)
+            return jobs.submit(request.session_hash).id, wait
 
         def generate(pipeline, checkpoint, prompt, photo, upload, actions, method, bits, stages, block_size,
                      centroids, history, window, sink, seed, frames, compare, job, request: gr.Request):

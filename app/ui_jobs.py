@@ -72,6 +72,11 @@ class Jobs:
         running = sum(j.running for j in mine)
         return running, sum(not j.running and not j.stale for j in mine)
 
+    def busy(self) -> bool:
+        """Whether any session's job is running (a new one then waits in the queue)."""
+        with self._lock:
+            return any(j.running for j in self._by_id.values())
+
     def running(self, session: str) -> Job | None:
         with self._lock:
             return next((j for j in self._by_id.values() if j.session == session and j.running), None)

@@ -259,7 +259,9 @@ def test_queue_positions_one_job_at_a_time_and_cancel(url):
     ja = a.submit(*form(frames=301), api_name="/generate")
     _until(lambda: any("chunk 1 of" in o[0] for o in ja.outputs()), what="a's first chunk")
     t0 = time.time()
-    jb = b.submit(*form(frames=4), api_name="/generate")
+    job, said = b.predict(*form(frames=4), api_name="/job")  # (the Generate click's unqueued step)
+    assert said == "Queued: another video is being generated; this one starts when it ends.", said
+    jb = b.submit(*form(frames=4), job, api_name="/generate")
     seen = None
     while seen is None and time.time() - t0 < 60:
         st = jb.status()
