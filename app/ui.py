@@ -171,6 +171,9 @@ def build(server: Server):
                 with gr.Row():
                     go = gr.Button("Generate", variant="primary", elem_id="qvg-generate")
                     stop = gr.Button("Cancel", variant="stop", elem_id="qvg-cancel")
+                # what the last Generate click got (a form refused, or queued behind another video): kept until
+                # the next click (the status line is the running video's, which rewrites it after every chunk)
+                notice = gr.Markdown("", elem_id="qvg-notice")
                 # the id of the job a Generate click submits: sent with its queued request (a gr.State would be
                 # read when the request leaves the queue, by then perhaps the next click's)
                 job_id = gr.Textbox("", visible="hidden", elem_id="qvg-job")
@@ -236,7 +239,8 @@ def build(server: Server):
         def submit(pipeline, checkpoint, prompt, photo, upload, actions, method, bits, stages, block_size,
                    centroids, history, window, sink, seed, frames, compare, request: gr.Request):
             """Unqueued: the form's checks (bad input said at once, not after every run queued before it), then a
-            job id for the queued run; REFUSED, which that run skips, if the form fails them."""
+            job id for the queued run, and the click's notice; REFUSED if the form fails them (nothing is queued
+            then: `gate`)."""
             import tempfile
             values = locals()
             try:
@@ -244,14 +248,22 @@ def build(server: Server):
                     settings(Form(**{k: values[k] for k in FORM_FIELDS}), server, Path(tmp))
             except UsageError as e:
                 return REFUSED, error_status(ui_message(e))
-            wait = "Queued: another video is being generated; this one starts when it ends." if jobs.busy() else \
-                gr.skip()  # (gradio's own queue line is its time per streamed update, not the wait)
-            return jobs.submit(request.session_hash).id, wait
+            except Exception as e:  # (an unreadable folder, ...: one line here too; the traceback to the log)
+                log.exception("checking the form failed")
+                first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+                return REFUSED, error_status(f"{type(e).__name__}: {first}" if first else type(e).__name__)
+            wait = "Queued: another video is being generated; this one starts when it ends." if jobs.busy() else ""
+            return jobs.submit(request.session_hash).id, wait  # (gradio's queue line: its time per update, not a wait)
+
+        def gate(job):  # a refused click queues no run (its notice says why)
+            if job == REFUSED:
+                raise gr.Error("the form was refused", visible=False, print_exception=False)
 
         def generate(pipeline, checkpoint, prompt, photo, upload, actions, method, bits, stages, block_size,
                      centroids, history, window, sink, seed, frames, compare, job, request: gr.Request):
             values = locals()
-            if job == REFUSED:  # the click's form failed its checks: the status line says why already
+            if job == REFUSED:  # (an API call with /job's refusal: the click's notice said why; the page never
+                # queues one)
                 yield (gr.skip(), *skip_all)
                 return
             f = Form(**{k: values[k] for k in FORM_FIELDS})
@@ -306,7 +318,8 @@ def build(server: Server):
 
         # each click is a job: its id first (unqueued, so Cancel reaches it while it waits), then the queued run
         go.click(lambda: "", None, steer_note, queue=False, api_visibility="private")  # a new job: the note goes
-        go.click(submit, form, [job_id, status], queue=False, api_name="job", trigger_mode="multiple").then(
+        go.click(submit, form, [job_id, notice], queue=False, api_name="job", trigger_mode="multiple").then(
+            gate, job_id, None, queue=False, api_visibility="private", trigger_mode="multiple").success(
             generate, [*form, job_id], outputs, api_name="generate", concurrency_limit=1,
             concurrency_id="generation", show_progress="minimal", show_progress_on=[status], trigger_mode="multiple")
         stop.click(cancel, None, status, queue=False, api_name="cancel")

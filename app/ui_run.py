@@ -96,8 +96,10 @@ def _start_image(form: Form, server: Server) -> str:
         from .start_image import image_array
         try:  # (here, in the page's words: qvg-generate's would name the server's copy of the upload)
             image_array(up)
-        except Exception:
-            raise UsageError(f"start image: the upload {up.name!r} is not a readable image") from None
+        except Exception as e:
+            from qvg.pipelines.state_dicts import first_line
+            why = first_line(e).replace(str(up), up.name).replace(str(form.upload), up.name)
+            raise UsageError(f"start image: the upload {up.name!r} is not a readable image ({why})") from None
         return str(up)
     if form.photo not in photo_names("all"):
         raise UsageError(f"start image: no bundled photo {form.photo!r}")
@@ -189,8 +191,8 @@ def settings(form: Form, server: Server, out: Path) -> list[dict]:
 def file_stem(s: dict) -> str:
     """The name (without suffix) of a video's downloads, mp4 and JSON: what made it, e.g.
     qvg-int4-astronaut-seed0-3f9a1c or bf16-self-forcing-seed3-0b72e4 (an upload's own name stands for its photo),
-    ending in a digest of every setting that changes the video (`settings_digest`), so two runs' downloads collide
-    only if they hold the same video."""
+    ending in a digest of every setting that makes the video (`settings_digest`), so two runs' downloads collide
+    only if made with the same settings (keys pressed during a run are not known when it starts)."""
     bits = s.get("resolved_options", {}).get("bits")
     parts = [s["label"], *([f"int{bits}"] if bits else []), s.get("subject") or s["pipeline"], f"seed{s['seed']}"]
     name = re.sub(r"[^A-Za-z0-9_.+-]+", "_", "-".join(parts)).strip("._") or s["label"]
@@ -364,7 +366,8 @@ def run(runs: list[dict], gens: list[Generation], controls: Job, workdir: Path):
                 path.write_text(json.dumps(rep, indent=1))
                 up.reports.append(str(path))
         lb, s = labels[-1], runs[-1]
-        if lb != "bf16" and up.rows and not up.rows[-1].memory[lb].get("codes"):  # (as qvg-generate's note says)
+        if lb != "bf16" and up.rows and cancelled is None and not up.rows[-1].memory[lb].get("codes"):  # (as
+            # qvg-generate's note says; a video cancelled early may just not have reached its first commit)
             up.status += (f" · note: {lb} compressed nothing: every frame stayed in BF16 (a sink of {s['sink']} "
                           "latent frames covering the video)")
         up.done = True

@@ -11,7 +11,7 @@
 - LAION aesthetic head: `nn.Linear(768, 1)` from sa_0_4_vit_l_14_linear.pth (keys weight, bias).
 
 Every loader takes `config=` to build the same class with random weights instead (tests). A file or folder that is
-there but is not these weights (unreadable, keys the model lacks or does not fill, another patch size) raises
+there but is not these weights (unreadable, keys the model lacks or does not fill, another patch size or width) raises
 `BadWeights` naming it; a loaded model's `weight_files` are the files read.
 """
 from __future__ import annotations
@@ -76,15 +76,20 @@ def _hf_folder(path: Path) -> bool:
     return path.is_dir() and (path / "config.json").is_file()
 
 
-# the patch size each backbone must have (VBench's DINO ViT-B/16, CLIP ViT-B/32 and ViT-L/14): another model's
-# folder under a backbone's name is refused, not scored
-PATCH = {"dino": ("DINO ViT-B/16", 16), "clip-b32": ("CLIP ViT-B/32", 32), "clip-l14": ("CLIP ViT-L/14", 14)}
+# what each backbone must be (VBench's DINO ViT-B/16, CLIP ViT-B/32 and ViT-L/14: patch size and width): another
+# model's weights under a backbone's name (a ViT-S/16, a CLIP of another size) are refused, not scored
+EXPECTED = {"dino": ("DINO ViT-B/16", {"patch_size": 16, "hidden_size": 768}),
+            "clip-b32": ("CLIP ViT-B/32", {"patch_size": 32, "hidden_size": 768}),
+            "clip-l14": ("CLIP ViT-L/14", {"patch_size": 14, "hidden_size": 1024})}
 
 
-def _check_patch(key: str, patch: int, source) -> None:
-    name, want = PATCH[key]
-    if patch != want:
-        raise BadWeights(f"{source}: a model of patch size {patch}, not {name}'s {want}: another model's weights")
+def _check_arch(key: str, config, source) -> None:
+    name, want = EXPECTED[key]
+    get = config.get if isinstance(config, dict) else lambda k: getattr(config, k, None)
+    wrong = [f"{k.replace('_', ' ')} {get(k)}" for k, v in want.items() if get(k) != v]
+    if wrong:
+        need = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in want.items())
+        raise BadWeights(f"{source}: a model of {', '.join(wrong)}, not {name} ({need}): another model's weights")
 
 
 @contextlib.contextmanager
@@ -107,17 +112,18 @@ def _from_pretrained(cls, path: Path, what: str, key: str, **kw):
     """cls.from_pretrained of a local folder; any failure (no weights file, a broken config, other shapes) is
     BadWeights naming the folder, and so is a folder whose weights leave any of the model's keys unfilled
     (transformers would start those from random values and score with them: another model's folder) or whose
-    patch size is not the backbone's (`PATCH`)."""
+    patch size or width is not the backbone's (`EXPECTED`)."""
     with reading(path, f"a Hugging Face {what} folder (config.json + model.safetensors or pytorch_model.bin)"), \
             _quiet_transformers():
-        model, info = cls.from_pretrained(str(path), local_files_only=True, output_loading_info=True, **kw)
+        model, info = cls.from_pretrained(str(path), local_files_only=True, output_loading_info=True,
+                                          ignore_mismatched_sizes=True, **kw)  # (named below, not raised)
     unfilled = [*info.get("missing_keys", ()), *(m[0] if isinstance(m, tuple) else m
                                                   for m in info.get("mismatched_keys", ()))]
     if unfilled:
         few = ", ".join(sorted(unfilled)[:3]) + (", ..." if len(unfilled) > 3 else "")
-        raise BadWeights(f"{path}: not {PATCH[key][0]} weights: {len(unfilled)} of the {what} model's tensors are "
+        raise BadWeights(f"{path}: not {EXPECTED[key][0]} weights: {len(unfilled)} of the {what} model's tensors are "
                          f"not in the folder or have other shapes ({few})")
-    _check_patch(key, model.config.patch_size, path)
+    _check_arch(key, model.config, path)
     model.weight_files = hf_files(path)
     return model
 
@@ -139,7 +145,7 @@ def load_dino(weights=None, device="cpu", config=None) -> nn.Module:
         config = dino_config(raw)
         model = ViTModel(ViTConfig(**config), add_pooling_layer=False)
         missing, unexpected = model.load_state_dict(dino_to_vit(raw, vit_layout(model)), strict=False)
-    _check_patch("dino", config["patch_size"], f)
+    _check_arch("dino", config, f)
     if missing or unexpected:
         raise BadWeights(f"{f}: not a DINO ViT checkpoint (missing {missing[:3]}, unexpected {unexpected[:3]})")
     model.weight_files = [f]

@@ -76,6 +76,14 @@ def test_page_generates_live_and_screenshot(app_url, tmp_path):
         page.wait_for_selector("#qvg-generate", timeout=60000)
         head = page.locator("#qvg-table").inner_text()
         assert "chunk" in head and "qvg codes KiB" in head, head  # real headers before any run
+        seed = page.locator("#qvg-seed textarea, #qvg-seed input").first  # a form error: the click's notice,
+        seed.fill("abc")  # at once and nothing queued (the status line is the running video's)
+        page.click("#qvg-generate")
+        page.wait_for_function("() => document.querySelector('#qvg-notice').innerText.includes('Error:')",
+                               timeout=30000)
+        assert "seed must be" in page.locator("#qvg-notice").inner_text()
+        assert page.locator("#qvg-status").inner_text() == "Ready." and page.locator(".toast-body").count() == 0
+        seed.fill("0")
         block = page.locator("#qvg-block textarea, #qvg-block input").first
         block.fill("48")
         page.click("#qvg-generate")

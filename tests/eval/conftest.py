@@ -42,3 +42,15 @@ def tiny_runner():
 @pytest.fixture
 def tiny_preset():
     return copy.deepcopy(TINY_PRESET)
+
+
+@pytest.fixture
+def tiny_backbones(monkeypatch):
+    """The VBench backbones' architecture check (`backbones.EXPECTED`: ViT-B/16, B/32, L/14) taking the tests'
+    tiny random ViT / CLIP (test_vbench.VIT, CLIP: widths 64 and 32) for the real ones, so their loading paths
+    run in seconds; the check itself is tested with the real numbers."""
+    from qvg.eval.vbench import backbones
+    monkeypatch.setattr(backbones, "EXPECTED", {
+        "dino": ("DINO ViT-B/16", {"patch_size": 16, "hidden_size": 64}),
+        "clip-b32": ("CLIP ViT-B/32", {"patch_size": 32, "hidden_size": 32}),
+        "clip-l14": ("CLIP ViT-L/14", {"patch_size": 32, "hidden_size": 32})})

@@ -88,7 +88,7 @@ def _to_dino(sd: dict, layers: int, layout: str) -> dict:
     return out
 
 
-def test_dino_checkpoint_layout(tmp_path):
+def test_dino_checkpoint_layout(tmp_path, tiny_backbones):
     ref = load_dino(config=VIT)
     with torch.no_grad():
         for p in ref.parameters():

@@ -137,7 +137,7 @@ def test_compare_records_the_weight_files(tmp_path, video):
     assert json.loads((tmp_path / "n.json").read_text())["meta"]["weight_files"] == []
 
 
-def test_vbench_records_the_weight_files(tmp_path, video):
+def test_vbench_records_the_weight_files(tmp_path, video, tiny_backbones):
     ref = load_dino(config=VIT)
     (tmp_path / "dino-vitb16").mkdir()
     torch.save(_to_dino(ref.state_dict(), 2, vit_layout(ref)), tmp_path / "dino-vitb16" / DINO_FILE)
@@ -191,7 +191,21 @@ def test_another_models_folder_is_refused_not_scored(tmp_path, video, capsys):
         load_clip("clip-b32", tmp_path / "b")
     ViTModel(ViTConfig(**{**VIT, "patch_size": 8}), add_pooling_layer=False).save_pretrained(tmp_path / "c" /
                                                                                             "dino-vitb16")
-    with pytest.raises(BadWeights, match="patch size 8, not DINO ViT-B/16's 16"):
+    with pytest.raises(BadWeights, match="a model of patch size 8, hidden size 64, not DINO ViT-B/16"):
         load_dino(tmp_path / "c")
     ViTModel(ViTConfig(**VIT), add_pooling_layer=False).save_pretrained(tmp_path / "d" / "dino-vitb16")
-    assert load_dino(tmp_path / "d").config.patch_size == 16  # (a ViT with every tensor filled loads)
+    with pytest.raises(BadWeights, match="a model of hidden size 64, not DINO ViT-B/16 .patch size 16, hidden "
+                                         "size 768."):  # (every tensor filled, patch 16: a smaller ViT)
+        load_dino(tmp_path / "d")
+    vit = ViTModel(ViTConfig(**VIT), add_pooling_layer=False)
+    (tmp_path / "e" / "dino-vitb16").mkdir(parents=True)
+    torch.save(_to_dino(vit.state_dict(), 2, vit_layout(vit)), tmp_path / "e" / "dino-vitb16" / DINO_FILE)
+    with pytest.raises(BadWeights, match=f"{DINO_FILE}: a model of hidden size 64"):  # (VBench's .pth form too)
+        load_dino(tmp_path / "e")
+
+
+def test_a_folder_of_the_right_model_loads(tmp_path, tiny_backbones):
+    """With the check's numbers those of the tests' tiny ViT, its folder loads (every tensor filled)."""
+    from transformers import ViTConfig, ViTModel
+    ViTModel(ViTConfig(**VIT), add_pooling_layer=False).save_pretrained(tmp_path / "dino-vitb16")
+    assert load_dino(tmp_path).config.hidden_size == 64
