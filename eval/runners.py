@@ -15,6 +15,7 @@ cache's bytes by component at its largest, seconds)`.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import time
 from dataclasses import dataclass
@@ -190,4 +191,4 @@ class GenerateRunner:
         self.fps = rep.get("fps")
         mem = {**rep["kv_bytes"], "bf16_equivalent": rep["bf16_equivalent_bytes"],
                "compression_ratio": rep["compression_ratio"]}
-        return Video(video, mem, time.perf_counter() - t0, str(out))
+        return Video(video, mem, time.perf_counter() - t0, os.path.abspath(out))

@@ -181,7 +181,8 @@ def file_markdown(res: dict) -> str:
     m, sp = res.get("meta", {}), res.get("spec", {})
     what = "; ".join(f"{k.replace('_', ' ')} {', '.join(map(str, v)) if isinstance(v, list) else v}"
                      for k, v in sp.items() if k in ("inputs", "seeds", "kmeans_seeds", "chunks", "onset_chunks"))
-    lines = ["# qvg-eval sweep", "", f"`{m.get('command', '')}`, at {m.get('git_commit', '?')} on "
+    dirty = " (with uncommitted changes)" if m.get("git_dirty") else ""
+    lines = ["# qvg-eval sweep", "", f"`{m.get('command', '')}`, at {m.get('git_commit', '?')}{dirty} on "
              f"{m.get('device', '?')}, {m.get('date', '')}" + (f"; {what}" if what else ""), "", table_markdown(res)]
     lines += ["", *(f"- note: {n}" for n in res.get("notes", []))] if res.get("notes") else []
     return "\n".join(lines)
