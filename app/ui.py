@@ -203,7 +203,7 @@ def build(server: Server):
         form = [pipeline, checkpoint, prompt, photo, upload, actions, method, bits, stages, block_size, centroids,
                 history, window, sink, seed, frames, compare]
         assert len(form) == len(FORM_FIELDS)
-        outputs = [status, live, ref, summary, *plots.values(), table, video, ref_video, reports]
+        outputs = [status, live, ref, summary, *plots.values(), table, video, ref_video, reports, steer_note]
         skip_all = [gr.skip()] * (len(outputs) - 1)
 
         def plot_updates(up):  # the lines span the whole video from its start; the bars are one per chunk so far
@@ -282,7 +282,7 @@ def build(server: Server):
                 empty = Update("", [s["label"] for s in runs])
                 yield ("Starting...", gr.skip(), gr.update(visible=f.compare), "Memory: waiting for the first chunk.",
                        *plot_updates(empty), {"headers": ui_panel.table(empty)[0], "data": []}, None,
-                       gr.update(value=None, visible=f.compare), None)
+                       gr.update(value=None, visible=f.compare), None, gr.skip())
                 for n, up in enumerate(run(runs, gens, c, workdir)):
                     main_lb = up.labels[-1]
                     images = [ui_panel.frames_image(up.frames[lb], workdir / f"{lb}-{n}.png", up.fps)
@@ -293,7 +293,7 @@ def build(server: Server):
                            *(plot_updates(up) if up.rows else [gr.skip()] * len(PLOTS)),
                            {"headers": head, "data": rows}, up.videos.get(main_lb) if up.done else gr.skip(),
                            up.videos.get("bf16") if up.done and len(up.labels) == 2 else gr.skip(),
-                           up.reports or gr.skip())
+                           up.reports or gr.skip(), "" if up.done else gr.skip())  # (a run's end: no steering)
             except UsageError as e:  # bad input (or checkpoint files): the status line says it and stays
                 yield (error_status(ui_message(e)), *skip_all)
             except Exception as e:  # one line in the UI; the traceback goes to the server's log only

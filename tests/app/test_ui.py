@@ -23,7 +23,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*(no_silent_downcasting|copy ke
 
 # the /generate endpoint's inputs, in the page's order (app.ui_run.Form), and its outputs
 FIELDS = list(Form.__dataclass_fields__)
-STATUS, LIVE, REF, SUMMARY, COMPONENTS, KV, RATIO, LATENCY, PSNR, TABLE, VIDEO, REF_VIDEO, REPORTS = range(13)
+STATUS, LIVE, REF, SUMMARY, COMPONENTS, KV, RATIO, LATENCY, PSNR, TABLE, VIDEO, REF_VIDEO, REPORTS, STEER = range(14)
 
 
 def form(**kw):
@@ -348,7 +348,9 @@ def test_keys_build_the_action_list_and_steer_a_running_video(client):
     _until(lambda: any("chunk 1 of" in o[0] for o in job.outputs()), what="the first chunk")
     text, note = client.predict("stay", api_name="/press_up")
     assert "steering: **up**" in note
-    acts = [r[1] for r in _wait(job)[-1][TABLE]["data"]]
+    last = _wait(job)[-1]
+    assert last[STEER] == "", last[STEER]  # (the run's end clears the steering note: it stayed)
+    acts = [r[1] for r in last[TABLE]["data"]]
     assert acts[0] == "stay" and acts[-1] == "up" and acts == sorted(acts, key=lambda a: a == "up"), acts
 
 
