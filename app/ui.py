@@ -7,8 +7,9 @@ own id (app/ui_jobs.py); Cancel cancels the session's jobs of that moment: a que
 stops between chunks and keeps the video so far. Camera buttons and the arrow keys (+ / - zoom, . stay) build the
 action list, or steer the running video from its next chunk on. Binds 127.0.0.1 unless --host says otherwise.
 Paths: app/ui_run.py. The memory panel's plots are gradio's native plots: the server sends their data and the
-browser draws them, so nothing is rendered on the generation's thread between chunks. Bad input is one message in
-the status line, which stays (the form is checked before anything loads or the page is cleared).
+browser draws them, so nothing is rendered on the generation's thread between chunks. Bad input is one message
+that stays: the form's, checked when Generate is clicked (nothing queued), under the buttons; what needs the model,
+checked when the run starts, in the status line (before anything loads or the page is cleared).
 """
 
 import logging
