@@ -253,6 +253,8 @@ def parse(argv) -> dict:
         raise UsageError(f"--history must be 'full' or 'window:N', got {a.history!r}")
     s["device"] = device_arg(a.device)
     out = Path(a.out)
+    if a.out.endswith(("/", os.sep)):  # (Path drops the slash: "v.mp4/" named a folder and wrote the file v.mp4)
+        raise UsageError(f"--out names a folder (it ends in '/'); give the video's file name, got {a.out!r}")
     if out.name.lower() == ".mp4":  # (a dot file: its suffix is "", and "must end in .mp4" would contradict it)
         raise UsageError(f"--out needs a file name before .mp4 (e.g. video.mp4), got {a.out!r}")
     if out.suffix.lower() != ".mp4":
@@ -534,6 +536,9 @@ def _cache(s, transformer, latent_hw):
     if s["method"] != "bf16":
         try:  # with the model's head dim, before anything runs (kivi: keys' and values' roles both)
             s["resolved_options"] = check_options(s["method"], opts, unit, transformer.config.attention_head_dim)
+            if s["resolved_options"].get("stages") == 0:  # (no k-means: its settings were not used, so not reported)
+                for k in ("centroids", "iters", "seeding", "seed"):
+                    s["resolved_options"].pop(k, None)
         except ValueError as e:
             raise UsageError(f"--method {s['method']}: {e}") from None
     for name, frames in (("sink", s["sink"]), ("history window", s["window"])):
@@ -679,6 +684,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {s['out']} ({report['frames']} frames, {report['seconds']:.1f} s; KV cache "
           f"{report['kv_bytes']['total'] / 2**20:.2f} MiB, {ratio_words(report['compression_ratio'])}) "
           f"and {s['out'].with_suffix('.json')}")
+    if s["method"] != "bf16" and report["kv_bytes"].get("codes") and report["compression_ratio"] < 1:
+        print(f"qvg-generate: note: {s['method']} holds more than BF16 here: beside its packed history it keeps "
+              "BF16 room for the chunk being generated (and any sink), which a history this short does not repay; "
+              "the ratio grows with the history (README, 'What ratio to expect')", file=sys.stderr)
     if s["method"] != "bf16" and not report["kv_bytes"].get("codes"):  # (said: the line reads like a bug otherwise)
         print(f"qvg-generate: note: {s['method']} compressed nothing: every frame stayed in the BF16 zones (a sink "
               f"of --sink {s['sink']} frames covering the video, or chunks waiting for --commit-every "

@@ -616,6 +616,31 @@ def test_a_cache_that_compressed_nothing_says_why(tmp_path, capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_a_cache_larger_than_bf16_says_why(tmp_path, capsys):
+    """A history too short to repay the cache's BF16 room for the chunk being generated (and its sink): the line
+    "larger than BF16" gets a note saying why (it read like a bug)."""
+    assert main(["--frames", "4", "--history", "window:3", "--sink", "3", "--out", str(tmp_path / "v.mp4"),
+                 "--quiet"]) == 0
+    cap = capsys.readouterr()
+    assert "larger than BF16" in cap.out and "qvg-generate: note: qvg holds more than BF16 here" in cap.err, cap
+
+
+def test_out_ending_in_a_slash_is_refused(tmp_path, capsys):
+    """--out v.mp4/ names a folder: one line, nothing written (it wrote the file v.mp4)."""
+    assert main(["--out", str(tmp_path / "v.mp4") + "/", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--out names a folder (it ends in '/')" in err[0], err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_stages_0_reports_no_kmeans_settings(tmp_path):
+    """--stages 0 runs no k-means: its report's options hold no centroids, seeding, iterations or seed (the CLI
+    refuses those flags with --stages 0; the report listed them)."""
+    assert main(["--stages", "0", "--frames", "4", "--out", str(tmp_path / "v.mp4"), "--quiet"]) == 0
+    opts = json.loads((tmp_path / "v.json").read_text())["options"]
+    assert opts["stages"] == 0 and not {"centroids", "seeding", "iters", "seed"} & set(opts), opts
+
+
 def test_a_long_valid_file_name_is_written(tmp_path):
     """A 250-character name (valid: 255 is the limit) is written: the temporary files beside it take a shortened
     stem (they were named after the whole stem, so the name grew past the limit after the model had run)."""
