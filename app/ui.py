@@ -251,8 +251,8 @@ def build(server: Server):
                 return REFUSED, error_status(ui_message(e))
             except Exception as e:  # (an unreadable folder, ...: one line here too; the traceback to the log)
                 log.exception("checking the form failed")
-                first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-                return REFUSED, error_status(f"{type(e).__name__}: {first}" if first else type(e).__name__)
+                from qvg.pipelines.state_dicts import first_line
+                return REFUSED, error_status(first_line(e))
             wait = "Queued: another video is being generated; this one starts when it ends." if jobs.busy() else ""
             return jobs.submit(request.session_hash).id, wait  # (gradio's queue line: its time per update, not a wait)
 
@@ -299,8 +299,8 @@ def build(server: Server):
                 yield (error_status(ui_message(e)), *skip_all)
             except Exception as e:  # one line in the UI; the traceback goes to the server's log only
                 log.exception("generation failed")
-                first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-                yield (error_status(f"{type(e).__name__}: {first}" if first else type(e).__name__), *skip_all)
+                from qvg.pipelines.state_dicts import first_line
+                yield (error_status(first_line(e)), *skip_all)
             finally:
                 jobs.finish(c)
 

@@ -698,3 +698,18 @@ def test_a_sink_covering_the_video_is_said(client):
     assert last[STATUS].startswith("**done: 1 chunk in") and "qvg compressed nothing" in last[STATUS], last[STATUS]
     last = _wait(client.submit(*form(frames=7, sink=3), api_name="/generate"))[-1]
     assert "compressed nothing" not in last[STATUS], last[STATUS]
+
+
+def test_an_unexpected_error_is_one_short_line(client, monkeypatch):
+    """An exception that is no usage error (a library's, with its advice after the first sentence) is one line,
+    both from the click's unqueued check and from the queued run: `first_line`'s `Type: first sentence`."""
+    import qvg.app.ui as ui
+
+    def boom(*a, **k):
+        raise RuntimeError("the disk went away. Please report this to the library's authors.\nsecond line")
+    monkeypatch.setattr(ui, "settings", boom)
+    want = "**Error:** RuntimeError: the disk went away."
+    job, status = client.predict(*form(), api_name="/job")
+    assert re.sub(r"\\(.)", r"\1", status) == want, status
+    outs = _wait(client.submit(*form(), "any-job", api_name="/generate"))
+    assert re.sub(r"\\(.)", r"\1", outs[-1][STATUS]) == want, outs[-1][STATUS]
