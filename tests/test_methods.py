@@ -212,7 +212,8 @@ def test_stages_zero_equals_rtn_bitwise():
 @pytest.mark.parametrize("method", METHODS)
 def test_deterministic(method):
     x = randn(1, 2, 200, 64, seed=6)
-    outs = [qvg.compress(x.clone(), method, seed=3, **opts(method)) for _ in range(3)]
+    seeded = {"seed": 3} if "seed" in qvg.compression.methods(details=True)[method]["defaults"] else {}
+    outs = [qvg.compress(x.clone(), method, **seeded, **opts(method)) for _ in range(3)]
     for p in outs[1:]:
         assert p.tensors.keys() == outs[0].tensors.keys()
         for k in p.tensors:
@@ -225,6 +226,14 @@ def test_seed_matters(method):
     x = randn(1, 2, 200, 64, seed=7)
     a, b = (qvg.decompress(qvg.compress(x, method, seed=s, **opts(method))) for s in (0, 1))
     assert not torch.equal(a, b)
+
+
+@pytest.mark.parametrize("method", ["rtn", "kivi"])
+def test_a_seed_is_refused_where_nothing_is_random(method):
+    """rtn and kivi have no random part: a seed is refused (it was taken and ignored, and reported as an option)."""
+    assert "seed" not in qvg.compression.methods(details=True)[method]["defaults"]
+    with pytest.raises(ValueError, match=f"method '{method}' takes no option 'seed'"):
+        qvg.compress(randn(1, 2, 64, 64, seed=1), method, seed=3)
 
 
 def test_quarot_without_signs_is_seed_independent():
@@ -507,7 +516,7 @@ def test_packed_storage_holds_no_autograd_graph():
                                 dict(seed=1.5)])
 def test_integer_options_are_checked(kw):
     with pytest.raises(ValueError, match="must be an integer"):
-        qvg.compress(torch.randn(1, 1, 40, 64), "rtn", **kw)
+        qvg.compress(torch.randn(1, 1, 40, 64), "quarot", **kw)
 
 
 def test_bits_per_element_checks_rank():

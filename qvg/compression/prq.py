@@ -101,7 +101,7 @@ def bits(shape, o) -> float:
     return o["bits"] + scale_overhead_bits(token_spec(o), n, d) + id_bits * s / d + 16 * s * k / n
 
 
-_PRQ = {**QUANT_DEFAULTS, "stages": 1, "centroids": 256, "iters": None, "seeding": "k-means++"}
+_PRQ = {**QUANT_DEFAULTS, "seed": 0, "stages": 1, "centroids": 256, "iters": None, "seeding": "k-means++"}
 FORMULA = "b + scale_bits/B + id_bits*S/D + 16*S*K/N (+ 32/(N*D) for FP8's per-head tscale)"
 
 

@@ -35,5 +35,5 @@ def bits(shape, o) -> float:
 
 
 QUAROT = register(Method("quarot", "randomized Hadamard rotation per head, then RTN (needs a power-of-two D)",
-                         {**QUANT_DEFAULTS, "signs": True}, compress, decompress, bits,
+                         {**QUANT_DEFAULTS, "seed": 0, "signs": True}, compress, decompress, bits,
                          "b + scale_bits/B (+ 32/(N*D)); the rotation is regenerated from the seed"))

@@ -44,4 +44,4 @@ def scale_overhead_bits(spec: QuantSpec, n: int, d: int) -> float:
     return spec.scale_bits / spec.group + (32 / (n * d) if spec.scale_dtype == "fp8" else 0.0)
 
 
-QUANT_DEFAULTS = {"bits": 2, "block_size": 64, "grid": "auto", "scale_dtype": "fp8", "seed": 0}
+QUANT_DEFAULTS = {"bits": 2, "block_size": 64, "grid": "auto", "scale_dtype": "fp8"}  # (a seed only where it is used)
