@@ -192,12 +192,16 @@ MAX_REPEAT = 100_000  # chunks an action list may spell out, NAME*N included (10
 
 
 def parse_actions(text: str, config: dict | None = None) -> list[int]:
-    """'right*4,left*4,stay' -> one action id per chunk."""
+    """'right*4,left*4,stay' -> one action id per chunk. A trailing comma is allowed; an empty entry between two
+    actions is refused (it was skipped: 'left,,right' may mean a missing action, not none)."""
     names = []
-    for part in text.split(","):
-        part = part.strip()
+    parts = [p.strip() for p in text.split(",")]
+    while parts and not parts[-1]:
+        parts.pop()
+    for i, part in enumerate(parts):
         if not part:
-            continue
+            raise WorldModelError(f"empty action at position {i + 1} in {text.strip()!r} (give NAME or NAME*N "
+                                  "between the commas)")
         name, star, times = part.partition("*")
         try:
             n = parse_int(times) if star else 1

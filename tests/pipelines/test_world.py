@@ -107,9 +107,11 @@ def test_a_broken_config_is_one_error(tmp_path):
 def test_parse_actions():
     assert parse_actions("right*2, left,stay") == [2, 2, 1, 0]
     assert len(parse_actions("left*60000,right*40000")) == 100_000
+    assert parse_actions("left, right ,") == [1, 2]  # (a trailing comma is no action)
     for bad, msg in (("fly", "unknown action"), ("left*x", "bad repeat"), ("left*", "bad repeat"),
                      ("left*0", r"in \[1, 100,000\]"), ("left*100001", r"in \[1, 100,000\]"), (" , ", "no actions"),
-                     ("left*60000,right*40001", "more than 100,000 chunks"), ("left*100000," * 1000, "more than")):
+                     ("left*60000,right*40001", "more than 100,000 chunks"), ("left*100000," * 1000, "more than"),
+                     ("left,,right", "empty action at position 2 in 'left,,right'"), (",left", "position 1")):
         with pytest.raises(WorldModelError, match=msg):
             parse_actions(bad)
 
