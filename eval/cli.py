@@ -79,16 +79,19 @@ def _lpips(net: str, weights, device, notes: list[str]):
         raise UsageError(f"LPIPS weights: {e}") from None
 
 
-def _dims(dims: str, flag: str) -> list[str]:
-    """The VBench dimensions asked for ([] for 'none'), checked by name before anything loads."""
+def _dims(dims: str, flag: str, allow_none: bool = True) -> list[str]:
+    """The VBench dimensions asked for ([] for 'none', where allowed), checked by name before anything loads."""
     from .vbench import DIMENSIONS
-    if dims == "none":
+    if dims == "none" and allow_none:
         return []
+    if dims == "none":  # (an empty result and status 0 would read as success)
+        raise UsageError(f"{flag} none: no dimension to compute; name one or more, or 'all'")
     names = list(DIMENSIONS) if dims == "all" else [d.strip() for d in dims.split(",") if d.strip()]
     bad = [n for n in names if n not in DIMENSIONS]
     if not names or bad:
+        also = "'all' or 'none'" if allow_none else "or 'all'"
         raise UsageError(f"{flag}: {'unknown ' + ', '.join(bad) if bad else 'none given'}; choose among "
-                         f"{', '.join(DIMENSIONS)}, 'all' or 'none'")
+                         f"{', '.join(DIMENSIONS)}, {also}")
     return names
 
 
@@ -505,9 +508,7 @@ def _check_out_file(out: str, videos) -> None:
 def _vbench_cmd(a, argv) -> int:
     from .provenance import command_line, meta, weight_files
     from .video import read_video
-    names = _dims(a.dims, "--dims")
-    if not names:  # (an empty result and status 0 would read as success)
-        raise UsageError("--dims none: no dimension to compute; name one or more, or 'all'")
+    names = _dims(a.dims, "--dims", allow_none=False)
     dev = _device(a.device)
 
     def read(path):

@@ -162,7 +162,10 @@ def test_vbench_inputs_first_and_missing_metrics_are_null(tmp_path, capsys):
     assert main(["vbench", _video(tmp_path / "v.npy"), "--dims", ""]) == 2
     _one_error(capsys, "--dims: none given; choose among subject_consistency")
     assert main(["vbench", _video(tmp_path / "v.npy"), "--dims", "nonsense"]) == 2
-    _one_error(capsys, "--dims:")
+    _one_error(capsys, "--dims: unknown nonsense; choose among subject_consistency")
+    assert main(["vbench", _video(tmp_path / "v.npy"), "--dims", "nonsense"]) == 2
+    err = capsys.readouterr().err
+    assert err.rstrip().endswith("or 'all'") and "'none'" not in err, err  # (vbench refuses --dims none)
     out = tmp_path / "vb.json"
     # nothing computable: one error line naming both files of the metric, status 2, no all-null result
     assert main(["vbench", str(tmp_path / "v.npy"), "--dims", "aesthetic_quality", "--weights", str(tmp_path),
