@@ -495,9 +495,11 @@ def chunk_row(ch: Chunk) -> dict:
     return row
 
 
-def report(s, gen: Generation, frames: int, seconds: float, mem: dict, chunks: list[dict] | None = None) -> dict:
+def report(s, gen: Generation, frames: int, seconds: float, mem: dict, chunks: list[dict] | None = None,
+           load_seconds: float | None = None) -> dict:
     """The JSON report of a run (README: qvg-generate); mem: cache.memory() at the cache's largest; chunks: one
-    chunk_row per chunk generated."""
+    chunk_row per chunk generated; load_seconds: what ran before the first chunk (qvg-generate's; the UI keeps its
+    models loaded between runs)."""
     import torch
     from qvg.cache import MEMORY_COMPONENTS
     dev = s["device"]
@@ -511,6 +513,7 @@ def report(s, gen: Generation, frames: int, seconds: float, mem: dict, chunks: l
         "read": _reads_label(gen.cache.reads) or read_ran(s["read"], s["method"], s["key_storage"], dev),
         "reads": dict(gen.cache.reads),
         "seconds": round(seconds, 3),
+        **({} if load_seconds is None else {"load_seconds": round(load_seconds, 3)}),
         "kv_bytes": {k: mem[k] for k in (*MEMORY_COMPONENTS, "total")},
         "bf16_zones": {k[5:]: mem[k] for k in ("bf16_sink", "bf16_pending", "bf16_current", "bf16_residual")
                        if k in mem},
@@ -555,6 +558,7 @@ def run(s) -> dict:
     from tqdm import tqdm
 
     dev = s["device"]
+    t_load = time.perf_counter()
     gen = Generation(s)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
@@ -586,7 +590,7 @@ def run(s) -> dict:
                     writer.append_data(f)
                 bar.set_postfix(kv=f"{mem['total'] / 2**20:.1f} MiB", ratio=f"{mem['compression_ratio']:.2f}x")
                 bar.update(1)
-        rep = report(s, gen, gen.written, time.perf_counter() - t0, peak_kv, rows)
+        rep = report(s, gen, gen.written, time.perf_counter() - t0, peak_kv, rows, load_seconds=t0 - t_load)
         with open(tmp_json, "w") as f:
             json.dump(rep, f, indent=1)
         mode = new_file_mode()

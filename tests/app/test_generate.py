@@ -17,6 +17,7 @@ def test_writes_mp4_and_report(tmp_path, method, capsys):
     assert main(["--frames", "13", "--method", method, "--out", str(out), "--quiet"]) == 0
     rep = json.loads(out.with_suffix(".json").read_text())
     assert KEYS <= set(rep) and rep["frames"] == 13 and rep["method"] == method
+    assert rep["load_seconds"] > 0 and rep["seconds"] >= sum(c["seconds"] for c in rep["chunks"])
     assert set(rep["kv_bytes"]) == {"codes", "scales", "ids", "centroids", "positions", "bf16", "workspace",
                                  "total"}
     assert rep["kv_bytes"]["total"] == sum(v for k, v in rep["kv_bytes"].items() if k != "total")
