@@ -142,10 +142,12 @@ def build(server: Server):
                     with gr.Row(elem_classes="qvg-keys"):
                         buttons = {name: gr.Button(label, size="sm", elem_id=f"qvg-act-{name}")
                                    for name, (label, _) in ACTION_KEYS.items()}
+                        # (the list starts as the default one: clear it to build a path of one's own)
+                        clear = gr.Button("clear", size="sm", variant="secondary", elem_id="qvg-act-clear")
                     actions = gr.Textbox(DEFAULT_ACTIONS, label="camera actions, one per chunk (repeated)",
                                          elem_id="qvg-actions",
-                                         info="buttons or keys ← ↑ ↓ → + − . add to it; while generating "
-                                              "they steer the next chunks")
+                                         info="buttons or keys ← ↑ ↓ → + − . add to it (clear empties it); "
+                                              "while generating they steer the next chunks")
                     steer_note = gr.Markdown("")
                 with gr.Group():
                     method = gr.Dropdown(list(CACHE_METHODS), value="qvg", label="KV cache method")
@@ -330,6 +332,7 @@ def build(server: Server):
         app.unload(closed)
         for name, b in buttons.items():
             b.click(press, [gr.State(name), actions], [actions, steer_note], queue=False, api_name=f"press_{name}")
+        clear.click(lambda: "", None, actions, queue=False, api_name="clear_actions")
         def preview_start(photo, upload):  # (an upload is read only from gradio's upload folder)
             up = upload and os.path.realpath(upload)
             inside = up and Path(up).is_relative_to(os.path.realpath(server.upload_dir))

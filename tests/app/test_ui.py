@@ -344,6 +344,8 @@ def test_jobs_unit():
 def test_keys_build_the_action_list_and_steer_a_running_video(client):
     assert client.predict("right*2", api_name="/press_right")[0] == "right*3"
     assert client.predict("right*2", api_name="/press_zoom_in")[0] == "right*2,zoom_in"
+    assert client.predict(api_name="/clear_actions") == ""  # (then the keys build a list from nothing)
+    assert client.predict("", api_name="/press_left")[0] == "left"
     job = client.submit(*form(actions="stay", frames=13), api_name="/generate")
     _until(lambda: any("chunk 1 of" in o[0] for o in job.outputs()), what="the first chunk")
     text, note = client.predict("stay", api_name="/press_up")
