@@ -505,6 +505,18 @@ def test_option_combinations(method, bits, grid, sd):
         assert_within_half_step(x, y, step_size(p.tensors, token_spec(p.meta)), what=f"{method} {kw}")
 
 
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("n", [16, 48, 64])
+def test_packed_storage_owns_its_bytes(method, n):
+    """Nothing a Packed holds is a view of the input (KIVI's full-precision residual was, for BF16 input: a cache
+    reusing its chunk buffer then read every unit's keys as the newest chunk's)."""
+    x = randn(1, 1, n, 64, seed=8).to(torch.bfloat16)
+    p = qvg.compress(x, method, **opts(method))
+    before = qvg.decompress(p).clone()
+    x.zero_()
+    assert torch.equal(qvg.decompress(p), before)
+
+
 def test_packed_storage_holds_no_autograd_graph():
     x = torch.randn(1, 2, 300, 64, requires_grad=True)
     for method in qvg.methods():

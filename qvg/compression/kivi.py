@@ -32,7 +32,8 @@ def compress(x: torch.Tensor, o: dict) -> dict[str, torch.Tensor]:
     nq = quantized_tokens(x.shape[2], o)
     fp = x.dtype if x.dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
     tensors = quantize_packed(x[:, :, :nq], spec(o)) if nq else {}
-    tensors["residual"] = x[:, :, nq:].to(fp).contiguous()
+    # (always a copy: a view would keep the caller's buffer, which a cache reuses for its next chunk)
+    tensors["residual"] = x[:, :, nq:].to(fp, memory_format=torch.contiguous_format, copy=True)
     return tensors
 
 
