@@ -96,6 +96,7 @@ import collections
 import contextlib
 import functools
 import operator
+import warnings
 
 import torch
 
@@ -277,6 +278,13 @@ class KVCache:
         bad_read = read_error(method, read, options)
         if bad_read:
             raise ValueError(bad_read)
+        if method == "kivi" and {"role", "residual"} & set(options):
+            raise ValueError(f"kivi in the cache takes no {' or '.join(sorted({'role', 'residual'} & set(options)))}: "
+                             "the cache quantizes keys per channel and values per token, and its pending and "
+                             "current zones are KIVI's full-precision window")
+        misspelt = _misspelt(options, method)
+        if misspelt:
+            raise ValueError(misspelt)
         if method == "bf16" and (options or compress_preset is not None):
             raise ValueError(f"method 'bf16' takes no options, got {', '.join(sorted(options)) or 'compress_preset'}")
         if compress_preset is not None and triton_available():  # (without triton no preset applies, and the
@@ -292,6 +300,7 @@ class KVCache:
         self.num_layers = num_layers
         self.key_storage = key_storage
         self._positions = None  # pre-rope: the current chunk's positions [B, F, 3] (set_positions)
+        self._head_dim = None  # the head dim the options were checked with (_check_head_dim, at a write)
         self._grid = None  # pre-rope: (height, width, theta) of the token grid
         self._rope_memo: dict = {}  # the dequant kernel's rotation tables by positions (shared by the layers)
         self.layers = [_Layer(self.chunk_tokens) for _ in range(num_layers)]
@@ -359,6 +368,9 @@ class KVCache:
         """The current chunk's RoPE positions (pre-rope key storage; the model calls it once per forward): integer
         [B, chunk_frames, 3], per frame (time index, row offset dy, column offset dx) on a height x width token
         grid, Wan's 3D RoPE with base theta (qvg.rope.frame_angles)."""
+        if not isinstance(positions, torch.Tensor):
+            raise ValueError(f"positions must be an integer tensor [B, {self.chunk_frames}, 3], got "
+                             f"{type(positions).__name__}")
         if (positions.dim() != 3 or positions.shape[1:] != (self.chunk_frames, 3)
                 or positions.is_floating_point()):
             raise ValueError(f"positions must be an integer tensor [B, {self.chunk_frames}, 3], got "
@@ -367,6 +379,25 @@ class KVCache:
             raise ValueError(f"a {height} x {width} token grid does not hold {self.tokens_per_frame} tokens per frame")
         self._positions = positions.detach().to("cpu", torch.int32).clone()
         self._grid = (height, width, float(theta))
+
+    def _check_head_dim(self, d: int) -> None:
+        """The options checked against the model's head dim d at its first write (a block size d does not divide
+        is said then, not at the first commit, after a whole forward); a warning if a unit packs into more bits
+        per element than BF16 (units too small for the method's fixed costs: centroids, scales)."""
+        if self.method != "bf16":
+            unit = self.commit_every * self.chunk_tokens
+            try:
+                check_options(self.method, self.options, unit, d)
+            except ValueError as e:
+                raise ValueError(f"write: K/V of head dim {d}: {e}") from None
+            roles = ("key", "value") if self.method == "kivi" else ("key",)
+            bits = max(compression.bits_per_element(self.method, (1, 1, unit, d),
+                                                    **unit_options(self.method, self.options, r)) for r in roles)
+            if bits > 16:
+                warnings.warn(f"KVCache: {self.method} packs a unit of {unit} tokens x {d} channels into {bits:.1f} "
+                              "bits per element, more than BF16's 16: its fixed costs (centroids, scales) need "
+                              "larger units (chunk_frames x tokens_per_frame x commit_every)", stacklevel=3)
+        self._head_dim = d
 
     def _layer(self, layer: int, what: str) -> _Layer:
         try:
@@ -382,14 +413,26 @@ class KVCache:
         """Store the current chunk's K/V [B, H, chunk_tokens, D] of `layer` (overwrites the previous write).
         transient: they serve only the layer's next `attend` (a denoising step); the cache may hold k and v by
         reference until then (see the module docstring): don't modify them in place before that attend."""
+        if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+            raise ValueError(f"write expects k and v as torch tensors, got {type(k).__name__} and {type(v).__name__}")
         if k.shape != v.shape or k.dim() != 4 or k.shape[2] != self.chunk_tokens:
             raise ValueError(f"write expects k and v of shape [B, H, {self.chunk_tokens}, D], got "
                              f"{tuple(k.shape)} and {tuple(v.shape)}")
+        if not (k.is_floating_point() and v.is_floating_point()) or k.device != v.device:
+            raise ValueError(f"write expects floating-point k and v on one device, got {k.dtype} on {k.device} and "
+                             f"{v.dtype} on {v.device}")
+        if k.requires_grad or v.requires_grad:  # (the cache holds values, never an autograd graph: each chunk's
+            k, v = k.detach(), v.detach()  # would stay alive through the buffer's in-place copies)
+        if k.shape[3] != self._head_dim:
+            self._check_head_dim(k.shape[3])
         L = self._layer(layer, "write")
         if L.committed:
             raise RuntimeError(f"write: layer {layer} was committed by commit_layer; call commit() before the next "
                                "chunk")
         self._wait(L)  # (its queued commit still reads the zone this write overwrites)
+        if self._positions is not None and self._positions.shape[0] != k.shape[0]:
+            raise ValueError(f"write: K/V of batch {k.shape[0]}, but set_positions gave positions for batch "
+                             f"{self._positions.shape[0]}")
         if L.buf is not None and (L.buf[0].shape[:2] != k.shape[:2] or L.buf[0].shape[3] != k.shape[3]
                                   or L.buf[0].device != k.device):
             if L.n_sink or L.n_pending or L.hist[0] is not None:
@@ -647,6 +690,9 @@ class KVCache:
             b, h, _, d = L.buf[0].shape
             got = tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
             raise ValueError(f"attend: q must be [{b}, Hq, M, {d}] with Hq a multiple of the {h} kv heads, got {got}")
+        if not q.is_floating_point() or q.device != L.buf[0].device:
+            raise ValueError(f"attend: q must be floating point on the cache's device ({L.buf[0].device}), got "
+                             f"{q.dtype} on {q.device}")
         self._settle(L)
         self._wait(L)
         out = self._attend(L, layer, q, scale)
@@ -784,6 +830,8 @@ class KVCache:
         """The layer's K and V as BF16 [B, H, tokens, D]: sink, history, pending and current tokens in time order
         (decoded: tests and analyses only)."""
         L = self._layer(layer, "read")
+        if L.buf is None:
+            raise RuntimeError(f"read: layer {layer} holds nothing (write the current chunk first)")
         self._settle(L)
         self._wait(L)
         self._store_loose(L, "read")
@@ -961,6 +1009,23 @@ def _grown(old: torch.Tensor | None, used: int, need: int, like: torch.Tensor) -
     return new
 
 
+def _misspelt(options: dict, method: str) -> str | None:
+    """A message for an option neither the method nor KVCache takes that is close to one of KVCache's own arguments
+    (window=4 for window_frames=4: it would be reported as an unknown option of the method), else None."""
+    import difflib
+    import inspect
+    own = [p for p in inspect.signature(KVCache.__init__).parameters if p not in ("self", "options")]
+    taken = compression.methods(details=True)[method]["defaults"] if method != "bf16" else {}
+    for k in options:
+        if k in taken:
+            continue
+        near = difflib.get_close_matches(k, own, n=1, cutoff=0.6) or [p for p in own if p.startswith(k + "_")]
+        if near:
+            return f"KVCache got {k}=..., which is no argument of the cache nor an option of {method!r}; did you " \
+                   f"mean {near[0]}?"
+    return None
+
+
 def cache_options(method: str, options: dict, unit_tokens: int) -> dict:
     """A cache's options: the given ones, and for qvg / qvg-pro K = default_centroids(unit) unless given
     (compress's preset, 256, suits larger units)."""
@@ -974,7 +1039,7 @@ def cache_options(method: str, options: dict, unit_tokens: int) -> dict:
 def unit_options(method: str, options: dict, role: str) -> dict:
     """What a commit passes `compress` for a unit of keys (role "key") or values: kivi also gets its role, and no
     full-precision window of its own (the cache's pending / current zones are KIVI's recent window)."""
-    return {"role": role, "residual": 0, **options} if method == "kivi" else dict(options)
+    return {**options, "role": role, "residual": 0} if method == "kivi" else dict(options)
 
 
 def check_options(method: str, options: dict, unit_tokens: int, head_dim: int | None = None) -> dict:

@@ -485,3 +485,87 @@ def test_layer_and_query_mistakes_are_one_clear_error():
         with pytest.raises(ValueError, match=r"attend: q must be \[1, Hq, M, 8\]"):
             c.attend(0, q)
     assert c.attend(0, torch.randn(1, 4, 3, 8)).shape == (1, 4, 3, 8)  # GQA: 4 query heads over 2
+
+
+def test_kivi_history_is_not_the_next_chunks_buffer():
+    """KIVI keeps keys of units under its 32-token groups (and any tail) at full precision; that tail was a view of
+    the cache's chunk buffer, so every unit read back as the newest chunk's keys (one kv head, 16-token chunks)."""
+    c = KVCache(1, "kivi", chunk_frames=1, tokens_per_frame=16, bits=8)
+    ks = []
+    for i in range(3):
+        k = torch.randn(1, 1, 16, 64, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
+        ks.append(k)
+        c.write(0, k, k.clone())
+        c.commit()
+    z = torch.zeros(1, 1, 16, 64, dtype=torch.bfloat16)
+    c.write(0, z, z)
+    k_read, v_read = c.read(0)
+    assert torch.equal(k_read[:, :, :48], torch.cat(ks, 2))  # (full precision: exact)
+    assert (v_read[:, :, :48].float() - torch.cat(ks, 2).float()).abs().max() < 0.05  # (8-bit values)
+
+
+def test_written_tensors_keep_no_autograd_graph_alive():
+    """K/V written with grad (a model run without no_grad) are stored as values: the chunks' graphs and inputs are
+    freed (they stayed alive through the buffer's in-place copies), and reads need no grad."""
+    import gc
+    import weakref
+    c = KVCache(1, "qvg", chunk_frames=1, tokens_per_frame=64, window_frames=2, centroids=4)
+    lin, refs = torch.nn.Linear(64, 64), []
+    for _ in range(6):
+        x = torch.randn(1, 2, 64, 64, requires_grad=True)
+        refs.append(weakref.ref(x))
+        k = torch.nn.functional.gelu(lin(x))
+        c.write(0, k, lin(x))
+        c.attend(0, k)
+        c.commit()
+    del x, k
+    gc.collect()
+    assert not any(r() is not None for r in refs)
+    c.write(0, torch.randn(1, 2, 64, 64), torch.randn(1, 2, 64, 64))
+    assert not any(t.requires_grad for t in c.read(0))
+
+
+def test_library_mistakes_are_one_clear_error():
+    """What a library user gets wrong is one ValueError / RuntimeError naming the fix, not an error deep inside."""
+    c = KVCache(1, "qvg", chunk_frames=1, tokens_per_frame=16, centroids=4)
+    with pytest.raises(RuntimeError, match="read: layer 0 holds nothing"):
+        c.read(0)
+    k = torch.randn(1, 2, 16, 64)
+    for a, b, msg in ((k.numpy(), k, "as torch tensors, got ndarray"), (k.long(), k, "floating-point k and v"),
+                      (k, k.bool(), "floating-point k and v")):
+        with pytest.raises(ValueError, match=msg):
+            c.write(0, a, b)
+    c.write(0, k, k)
+    with pytest.raises(ValueError, match="attend: q must be floating point"):
+        c.attend(0, torch.ones(1, 2, 4, 64, dtype=torch.long))
+    for kw, msg in ((dict(window=4), "did you mean window_frames"), (dict(sink=3), "did you mean sink_frames")):
+        for method in ("qvg", "bf16"):
+            with pytest.raises(ValueError, match=msg):
+                KVCache(1, method, chunk_frames=1, tokens_per_frame=16, **kw)
+    for kw in (dict(role="value"), dict(residual=32)):  # (the cache's zones are KIVI's window; its roles are fixed)
+        with pytest.raises(ValueError, match="kivi in the cache takes no"):
+            KVCache(1, "kivi", chunk_frames=1, tokens_per_frame=16, **kw)
+    pre = KVCache(1, "qvg", chunk_frames=1, tokens_per_frame=16, centroids=4, key_storage="pre-rope")
+    with pytest.raises(ValueError, match="got list"):
+        pre.set_positions([[[0, 0, 0]]], 4, 4)
+    pre.set_positions(torch.zeros(2, 1, 3, dtype=torch.long), 4, 4)
+    with pytest.raises(ValueError, match="K/V of batch 1, but set_positions gave positions for batch 2"):
+        pre.write(0, k, k)
+
+
+def test_the_head_dim_is_checked_at_the_first_write():
+    """Options the model's head dim decides are checked when K/V first arrive (a block size D does not divide was
+    found at the first commit, after a whole forward), and a unit too small for the method's fixed costs, which
+    packs into more bits than BF16 (a token-by-token, LLM-style cache), is a warning."""
+    import warnings
+    c = KVCache(1, "qvg", chunk_frames=1, tokens_per_frame=16, centroids=4, block_size=48)
+    with pytest.raises(ValueError, match="write: K/V of head dim 64: .*not divisible by block_size=48"):
+        c.write(0, torch.randn(1, 2, 16, 64), torch.randn(1, 2, 16, 64))
+    tiny = KVCache(1, "qvg", chunk_frames=1, tokens_per_frame=1, centroids=1)
+    with pytest.warns(UserWarning, match=r"packs a unit of 1 tokens x 64 channels into 18.8 bits per element"):
+        tiny.write(0, torch.randn(1, 2, 1, 64), torch.randn(1, 2, 1, 64))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (once per head dim, and none for units that pack well)
+        tiny.write(0, torch.randn(1, 2, 1, 64), torch.randn(1, 2, 1, 64))
+        KVCache(1, "qvg", chunk_frames=1, tokens_per_frame=256).write(0, torch.randn(1, 2, 256, 64),
+                                                                      torch.randn(1, 2, 256, 64))
