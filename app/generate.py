@@ -41,6 +41,11 @@ class UsageError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs):
+        from qvg.help_format import HelpFormatter
+        kwargs.setdefault("formatter_class", HelpFormatter)  # (no line break inside qvg-pro, self-forcing, ...)
+        super().__init__(*args, **kwargs)
+
     def error(self, message):  # one line, no usage dump
         raise UsageError(message)
 
@@ -65,19 +70,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--actions", default=None, help="tiny: camera action per chunk of 3 frames, e.g. 'right*4,left*4' "
                    "(stay, left, right, up, down, zoom_in, zoom_out; repeated to fill the video; default "
                    f"'{DEFAULT_ACTIONS}')")
-    p.add_argument("--frames", default=None, help="video frames to write (default: about 4 s; tiny 31 at 8 fps, "
-                   "at least 2, frame 1 being its start image; self-forcing 49 at 16 fps)")
+    p.add_argument("--frames", default=None, help="video frames to write, at most 100,000 (default: about 4 s; tiny "
+                   "31 at 8 fps, at least 2, frame 1 being its start image; self-forcing 49 at 16 fps)")
     p.add_argument("--method", default="qvg", help=f"KV cache method: {', '.join(CACHE_METHODS)} (default qvg)")
-    p.add_argument("--bits", default=None, help="2, 4 or 8 (default: the method's)")
+    p.add_argument("--bits", default=None, help="2, 4 or 8 (default: the method's, 2; qvg on the tiny pipeline 4)")
     p.add_argument("--stages", default=None, help="k-means stages S (qvg, qvg-pro; 0: none, which is plain RTN)")
     p.add_argument("--block-size", default=None, help="quantization group size (divides the head dim)")
-    p.add_argument("--centroids", default=None, help="k-means centroids K (qvg, qvg-pro)")
+    p.add_argument("--centroids", default=None, help="k-means centroids K (qvg, qvg-pro; default from the chunk's "
+                   "tokens: the largest power of two <= tokens / 64, in [4, 256]; 8 on tiny, 64 on self-forcing)")
     p.add_argument("--kmeans-seed", default=None, help="k-means seed (qvg, qvg-pro; default 0): the seeding "
                    "of cold starts (the first chunk); another value gives the k-means seed-variance floor")
     p.add_argument("--commit-every", default="1", help="compress every k chunks (default 1)")
     p.add_argument("--key-storage", default="auto", help="pack keys before RoPE (pre-rope: rotated again on read) or "
                    "after it (post-rope). auto: pre-rope for rtn / qvg / qvg-pro on the embedded model (1.8 dB better "
-                   "on its revisits), post-rope otherwise (on Self-Forcing pre-rope costs 4-7%% more time per chunk)")
+                   "on its revisits), post-rope otherwise (on Self-Forcing pre-rope costs 2.3-4.9%% more time per chunk)")
     p.add_argument("--read", default="window", help="how the GPU reads a packed rtn / qvg / qvg-pro history for "
                    "attention: window (decode + cuDNN SDPA, the fastest), staged (<= 32 MiB decoded at a time, Triton "
                    "flash kernel) or fused (dequantized on chip, nothing decoded to memory; pre-rope keys are read "
@@ -174,8 +180,9 @@ def _reads_label(reads: dict) -> str:
 def _key_storage(given: str, method: str, pipeline: str) -> str:
     """auto: pre-RoPE keys where they are measured to pay (the embedded model:
     eval/results/world-confirm2-m6-h100.md, QVG INT2 B16 -0.34 dB vs BF16 against -2.15 post-RoPE); on Self-Forcing
-    they cost 4-7% more per chunk at 21-60 latent frames than post-RoPE keys
-    (pipeline-h100.prerope-{1996894,168b957}.json) for a gain not yet measured on real weights."""
+    they cost 2.3-3.9% more per chunk at 21 latent frames than post-RoPE keys on H200s (pipeline-h100.md, the
+    04:49 UTC run of 2026-11-29) and 4.3-4.9% on the H100 before the RoPE-table changes
+    (pipeline-h100.prerope-168b957.json), for a gain not yet measured on real weights."""
     from qvg.cache import KEY_STORAGE
     from qvg.sequence import PER_TOKEN_METHODS
     if given == "auto":
