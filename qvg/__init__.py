@@ -1,7 +1,8 @@
 """QVG (Quant VideoGen): a compressed KV cache for long auto-regressive video generation.
 
 Public API:
-    qvg.compress(x, method="qvg", *, bits=2, block_size=64, stages=1, centroids=256, seed=0, init=None, **options)
+    qvg.compress(x, method="qvg", *, bits=None, block_size=None, stages=None, centroids=None, seed=None, init=None,
+                 **options)  (None: the method's preset; qvg's: bits=2, block_size=64, stages=1, centroids=256)
     qvg.decompress(packed) -> torch.Tensor
     qvg.methods() -> ["rtn", "kivi", "quarot", "qvg", "qvg-pro"]
     qvg.bits_per_element(method, shape, **options) -> float

@@ -277,7 +277,7 @@ def test_warm_start_wrong_init_shape(bad):
             "K": lambda: qvg.compress(x, "qvg", centroids=4, iters=1),
             "D": lambda: qvg.compress(randn(1, 2, 100, 128, seed=13), "qvg", centroids=8, iters=1),
             "tensor": lambda: p.centroids[0]}[bad]()
-    with pytest.raises(ValueError, match="init centroids must have shape"):
+    with pytest.raises(ValueError, match=r"init: a qvg / qvg-pro Packed or centroids of shape \[S, B, H, K, D\]"):
         qvg.compress(x, "qvg", centroids=8, init=init)
 
 
@@ -534,3 +534,17 @@ def test_integer_options_are_checked(kw):
 def test_bits_per_element_checks_rank():
     with pytest.raises(ValueError, match="rank 4"):
         qvg.bits_per_element("qvg", (2, 300, 64))
+
+
+def test_option_values_a_library_user_gets_wrong():
+    """Out-of-range seeds, truthy strings for flags and a warm start from a method without centroids are one
+    ValueError naming the option (were torch's 'Overflow when unpacking long long', accepted, and '... got None')."""
+    x = randn(1, 1, 64, 64, seed=9)
+    for method, kw, msg in (("qvg", dict(seed=2 ** 70), r"seed must be in \[0, 2\*\*63 - 1\]"),
+                            ("qvg", dict(seed=-1), r"seed must be in \[0, 2\*\*63 - 1\]"),
+                            ("quarot", dict(signs="no"), "signs must be True or False"),
+                            ("rtn", dict(check_finite="no"), "check_finite must be True or False"),
+                            ("qvg", dict(init="abc", centroids=4), "init: a qvg / qvg-pro Packed .* got str"),
+                            ("qvg", dict(init=qvg.compress(x, "rtn"), centroids=4), "a Packed of 'rtn', which has no")):
+        with pytest.raises(ValueError, match=msg):
+            qvg.compress(x, method, **kw)

@@ -38,6 +38,10 @@ def resolve_options(method: str, shape, **given) -> dict:
     for name in ("bits", "block_size", "seed", "stages", "centroids", "iters", "residual"):
         if name in o and o[name] is not None and (isinstance(o[name], bool) or not isinstance(o[name], int)):
             raise ValueError(f"{name} must be an integer, got {o[name]!r}")
+    if "seed" in o and not 0 <= o["seed"] < 2 ** 63:  # (torch's generators take a 64-bit seed)
+        raise ValueError(f"seed must be in [0, 2**63 - 1], got {o['seed']}")
+    if "signs" in o and not isinstance(o["signs"], bool):  # ("no" would be true)
+        raise ValueError(f"signs must be True or False, got {o['signs']!r}")
     _check_options(m, o, shape)
     return o
 
@@ -108,8 +112,9 @@ def compress(x: torch.Tensor, method: str = "qvg", *, bits: int | None = None, b
 
     None means the method's preset (qvg: bits=2, block_size=64, stages=1, centroids=256; qvg-pro: block_size=16,
     stages=4). `init` warm-starts k-means (qvg, qvg-pro) with a previous chunk's centroids: pass its Packed or a
-    [S, B, H, K, D] tensor. Further options: grid ("midrise" | "sym" | "asym"), scale_dtype ("fp8" | "bf16"),
-    iters, seeding (qvg*), signs (quarot), role ("key" | "value") and residual (kivi). Raises ValueError naming
+    [S, B, H, K, D] tensor. Further options: grid ("auto", the default but kivi's | "midrise" | "sym" | "asym"),
+    scale_dtype ("fp8" | "bf16"), iters, seeding (qvg*), signs (quarot), role ("key" | "value") and residual
+    (kivi). Raises ValueError naming
     the problem for bad input. check_finite=False skips the NaN/inf scan (a full pass over x and a wait for it):
     for callers whose inputs are model activations on the hot path, such as the KV cache's commit. On CUDA the scan
     is queued before the compression and its verdict is waited for after the compression is queued, so the wait
@@ -118,6 +123,8 @@ def compress(x: torch.Tensor, method: str = "qvg", *, bits: int | None = None, b
     pass check_finite=False (the verdict cannot be waited for there).
     """
     m = get_method(method)
+    if not isinstance(check_finite, bool):  # ("no" would be true)
+        raise ValueError(f"check_finite must be True or False, got {check_finite!r}")
     later = check_finite and isinstance(x, torch.Tensor) and x.is_cuda
     _check_input(x, check_finite and not later)
     finite = _finite_later(x) if later else None

@@ -34,8 +34,10 @@ def init_centroids(init, o: dict, shape) -> torch.Tensor | None:
     b, h, _, d = shape
     want = (o["stages"], b, h, o["centroids"], d)
     if not isinstance(c, torch.Tensor) or tuple(c.shape) != want:
-        got = None if not isinstance(c, torch.Tensor) else tuple(c.shape)
-        raise ValueError(f"init centroids must have shape [S, B, H, K, D] = {list(want)}, got {got}")
+        got = tuple(c.shape) if isinstance(c, torch.Tensor) else \
+            f"a Packed of {init.method!r}, which has no centroids" if isinstance(init, Packed) else type(init).__name__
+        raise ValueError(f"init: a qvg / qvg-pro Packed or centroids of shape [S, B, H, K, D] = {list(want)}, got "
+                         f"{got}")
     return c.reshape(want[0], b * h, want[3], d)
 
 
