@@ -337,9 +337,10 @@ def _history(h, n_hist, chunk, method="qvg", centroids=None):
     """Packed K and V chunks of a history of n_hist tokens (4 distinct chunks of content, repeated); centroids: K per
     chunk (None: the method's preset, 256)."""
     import qvg
+    from qvg.compression import seeded
     distinct = [clustered((1, h, chunk, 128), seed=10 + i) for i in range(min(4, n_hist // chunk))]
     pk = [qvg.compress(x, method, centroids=centroids) for x in distinct]
-    pv = [qvg.compress(x, method, seed=1, centroids=centroids) for x in distinct[1:] + distinct[:1]]
+    pv = [qvg.compress(x, method, centroids=centroids, **seeded(method, 1)) for x in distinct[1:] + distinct[:1]]
     reps = n_hist // chunk
     return [pk[i % len(pk)] for i in range(reps)], [pv[i % len(pv)] for i in range(reps)]
 

@@ -212,8 +212,7 @@ def test_stages_zero_equals_rtn_bitwise():
 @pytest.mark.parametrize("method", METHODS)
 def test_deterministic(method):
     x = randn(1, 2, 200, 64, seed=6)
-    seeded = {"seed": 3} if "seed" in qvg.compression.methods(details=True)[method]["defaults"] else {}
-    outs = [qvg.compress(x.clone(), method, **seeded, **opts(method)) for _ in range(3)]
+    outs = [qvg.compress(x.clone(), method, **qvg.compression.seeded(method, 3), **opts(method)) for _ in range(3)]
     for p in outs[1:]:
         assert p.tensors.keys() == outs[0].tensors.keys()
         for k in p.tensors:

@@ -20,6 +20,12 @@ def methods(details: bool = False):
     return {n: {"summary": m.summary, "defaults": dict(m.defaults), "formula": m.formula} for n, m in REGISTRY.items()}
 
 
+def seeded(method: str, seed: int) -> dict:
+    """{"seed": seed} for a method with a random part (k-means seeding, QuaRot's signs), else {}: rtn and kivi refuse
+    a seed. For callers that run every method with one seed."""
+    return {"seed": seed} if "seed" in get_method(method).defaults else {}
+
+
 def get_method(name: str) -> Method:
     if name not in REGISTRY:
         raise ValueError(f"unknown method {name!r}; choose one of: {', '.join(REGISTRY)}")

@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 import qvg
+from qvg.compression import seeded
 from kernel_helpers import clustered, gen, poisoned, rel_err
 from qvg.attention import attend_reference
 from qvg.kernels.attention import packed_attention, staged_attention, stream_plan
@@ -42,7 +43,7 @@ def _history(name: str, b: int = 1, chunks: int = CHUNKS, seed: int = 0, d: int 
         for i in range(chunks):
             s = seed + 10 * role + i
             x = clustered(b, hkv, L, d, spread=1.0, noise=0.5, seed=s)
-            packs.append(qvg.compress(x.bfloat16(), method, seed=s, **opts))
+            packs.append(qvg.compress(x.bfloat16(), method, **seeded(method, s), **opts))
         out.append(PackedSequence.from_chunks(packs))
     return out
 
@@ -264,8 +265,8 @@ def test_staged_attention_without_inputs(device):
 
 
 def _asym_history():
-    packs = [[qvg.compress(clustered(1, HKV, L, D, spread=1.0, seed=10 * r + i).bfloat16(), "rtn", grid="asym",
-                           seed=i) for i in range(2)] for r in range(2)]
+    packs = [[qvg.compress(clustered(1, HKV, L, D, spread=1.0, seed=10 * r + i).bfloat16(), "rtn", grid="asym")
+              for i in range(2)] for r in range(2)]
     return [PackedSequence.from_chunks(p) for p in packs]
 
 
@@ -531,7 +532,7 @@ def test_packed_attention_at_real_shapes_on_a_gpu(method, rope):
     seqs = []
     for role in range(2):
         packs = [qvg.compress(clustered(1, 2, 4680, 128, spread=1.0, noise=0.5, seed=40 + 10 * role + i).bfloat16()
-                              .cuda(), method, seed=i) for i in range(2)]
+                              .cuda(), method, **seeded(method, i)) for i in range(2)]
         seqs.append(PackedSequence.from_chunks(packs))
     q = (torch.randn(1, 4, 256, 128, generator=gen(41)) * 1.5).bfloat16().cuda()
     r = RopeTables(30, 52, 128, torch.tensor([0, 3], device="cuda"), max_frames=6) if rope else None

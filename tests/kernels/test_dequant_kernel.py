@@ -6,6 +6,7 @@ import triton
 import triton.language as tl
 
 import qvg
+from qvg.compression import seeded
 from kernel_helpers import assert_bitwise_equal, clustered, gen, poisoned, varied
 from qvg.kernels import common
 from qvg.kernels.dequant import dequantize
@@ -33,7 +34,7 @@ CASES = [  # method, options (every grid explicit: the method presets may change
 
 def _pack(method, opts, dtype, seed=0, n=72):
     x = clustered(1, 2, n, 64, seed=seed) + 0.1 * varied(1, 2, n, 64, seed=seed + 100)
-    return qvg.compress(x.to(dtype), method, seed=seed, **opts)
+    return qvg.compress(x.to(dtype), method, **seeded(method, seed), **opts)
 
 
 def _nan_like(ref: torch.Tensor, device: str) -> torch.Tensor:
