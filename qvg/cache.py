@@ -300,7 +300,7 @@ class KVCache:
         self.num_layers = num_layers
         self.key_storage = key_storage
         self._positions = None  # pre-rope: the current chunk's positions [B, F, 3] (set_positions)
-        self._head_dim = None  # the head dim the options were checked with (_check_head_dim, at a write)
+        self._head_dims: set[int] = set()  # head dims the options were checked with (_check_head_dim, at a write)
         self._grid = None  # pre-rope: (height, width, theta) of the token grid
         self._rope_memo: dict = {}  # the dequant kernel's rotation tables by positions (shared by the layers)
         self.layers = [_Layer(self.chunk_tokens) for _ in range(num_layers)]
@@ -397,7 +397,7 @@ class KVCache:
                 warnings.warn(f"KVCache: {self.method} packs a unit of {unit} tokens x {d} channels into {bits:.1f} "
                               "bits per element, more than BF16's 16: its fixed costs (centroids, scales) need "
                               "larger units (chunk_frames x tokens_per_frame x commit_every)", stacklevel=3)
-        self._head_dim = d
+        self._head_dims.add(d)
 
     def _layer(self, layer: int, what: str) -> _Layer:
         try:
@@ -423,16 +423,16 @@ class KVCache:
                              f"{v.dtype} on {v.device}")
         if k.requires_grad or v.requires_grad:  # (the cache holds values, never an autograd graph: each chunk's
             k, v = k.detach(), v.detach()  # would stay alive through the buffer's in-place copies)
-        if k.shape[3] != self._head_dim:
+        if k.shape[3] not in self._head_dims:
             self._check_head_dim(k.shape[3])
         L = self._layer(layer, "write")
         if L.committed:
             raise RuntimeError(f"write: layer {layer} was committed by commit_layer; call commit() before the next "
                                "chunk")
         self._wait(L)  # (its queued commit still reads the zone this write overwrites)
-        if self._positions is not None and self._positions.shape[0] != k.shape[0]:
+        if self._positions is not None and self._positions.shape[0] not in (1, k.shape[0]) and self._pre_rope:
             raise ValueError(f"write: K/V of batch {k.shape[0]}, but set_positions gave positions for batch "
-                             f"{self._positions.shape[0]}")
+                             f"{self._positions.shape[0]} (give one row, shared by the batch, or one per sample)")
         if L.buf is not None and (L.buf[0].shape[:2] != k.shape[:2] or L.buf[0].shape[3] != k.shape[3]
                                   or L.buf[0].device != k.device):
             if L.n_sink or L.n_pending or L.hist[0] is not None:
@@ -1046,7 +1046,7 @@ def check_options(method: str, options: dict, unit_tokens: int, head_dim: int | 
     """A cache's options checked as compress checks them at each commit (ValueError naming the first bad one); the
     options resolved (the method's presets filled in; kivi's role and window left out). head_dim None (a cache
     being made, before any write): a head dim the block size divides, so what depends on the model's head dim is
-    checked at the first commit."""
+    checked at the first write."""
     if head_dim is None:
         bs = options.get("block_size", compression.methods(details=True)[method]["defaults"].get("block_size"))
         head_dim = 8 * bs if isinstance(bs, int) and not isinstance(bs, bool) and bs > 0 else 128

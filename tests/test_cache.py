@@ -551,6 +551,11 @@ def test_library_mistakes_are_one_clear_error():
     pre.set_positions(torch.zeros(2, 1, 3, dtype=torch.long), 4, 4)
     with pytest.raises(ValueError, match="K/V of batch 1, but set_positions gave positions for batch 2"):
         pre.write(0, k, k)
+    pre.set_positions(torch.zeros(1, 1, 3, dtype=torch.long), 4, 4)  # (one row serves a batch of 2)
+    pre.write(0, torch.randn(2, 2, 16, 64), torch.randn(2, 2, 16, 64))
+    bf = KVCache(1, "bf16", chunk_frames=1, tokens_per_frame=16, key_storage="pre-rope")  # (packs nothing: no RoPE)
+    bf.set_positions(torch.zeros(3, 1, 3, dtype=torch.long), 4, 4)
+    bf.write(0, k, k)
 
 
 def test_the_head_dim_is_checked_at_the_first_write():
