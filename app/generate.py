@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from qvg.help_format import Parser
 from qvg.numbers import parse_int
 from qvg.outputs import Terminated, new_file_mode, sigterm_held, sigterm_raises, target, targets_error
 
@@ -40,14 +41,8 @@ class UsageError(Exception):
     pass
 
 
-class _Parser(argparse.ArgumentParser):
-    def __init__(self, *args, **kwargs):
-        from qvg.help_format import HelpFormatter
-        kwargs.setdefault("formatter_class", HelpFormatter)  # (no line break inside qvg-pro, self-forcing, ...)
-        super().__init__(*args, **kwargs)
-
-    def error(self, message):  # one line, no usage dump
-        raise UsageError(message)
+class _Parser(Parser):
+    usage_error = UsageError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,8 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bits", default=None, help="2, 4 or 8 (default: the method's, 2; qvg on the tiny pipeline 4)")
     p.add_argument("--stages", default=None, help="k-means stages S (qvg, qvg-pro; 0: none, which is plain RTN)")
     p.add_argument("--block-size", default=None, help="quantization group size (divides the head dim)")
-    p.add_argument("--centroids", default=None, help="k-means centroids K (qvg, qvg-pro; default from the chunk's "
-                   "tokens: the largest power of two <= tokens / 64, in [4, 256]; 8 on tiny, 64 on self-forcing)")
+    p.add_argument("--centroids", default=None, help="k-means centroids K (qvg, qvg-pro; default from the unit's "
+                   "tokens, chunk x --commit-every: the largest power of two <= tokens / 64, in [4, 256]; 8 on tiny, "
+                   "64 on self-forcing)")
     p.add_argument("--kmeans-seed", default=None, help="k-means seed (qvg, qvg-pro; default 0): the seeding "
                    "of cold starts (the first chunk); another value gives the k-means seed-variance floor")
     p.add_argument("--commit-every", default="1", help="compress every k chunks (default 1)")
@@ -180,8 +176,8 @@ def _reads_label(reads: dict) -> str:
 def _key_storage(given: str, method: str, pipeline: str) -> str:
     """auto: pre-RoPE keys where they are measured to pay (the embedded model:
     eval/results/world-confirm2-m6-h100.md, QVG INT2 B16 -0.34 dB vs BF16 against -2.15 post-RoPE); on Self-Forcing
-    they cost 2.3-3.9% more per chunk at 21 latent frames than post-RoPE keys on H200s (pipeline-h100.md, the
-    04:49 UTC run of 2026-11-29) and 4.3-4.9% on the H100 before the RoPE-table changes
+    they cost 2.3-3.9 points more chunk time at 21 latent frames over four H200 runs of 2026-11-29 (pipeline-h100.md;
+    the one after the RoPE-table changes, the 04:49 UTC run: +2.31% against post-RoPE keys) and 4.3-4.9% on the H100
     (pipeline-h100.prerope-168b957.json), for a gain not yet measured on real weights."""
     from qvg.cache import KEY_STORAGE
     from qvg.sequence import PER_TOKEN_METHODS

@@ -146,7 +146,8 @@ def build(server: Server):
                         clear = gr.Button("clear", size="sm", variant="secondary", elem_id="qvg-act-clear")
                     actions = gr.Textbox(DEFAULT_ACTIONS, label="camera actions, one per chunk (repeated)",
                                          elem_id="qvg-actions",
-                                         info="buttons or keys ← ↑ ↓ → + − . add to it (clear empties it); "
+                                         info="buttons or keys ← ↑ ↓ → + − . add to it (clear empties it; left empty, the "
+                                              "default list runs); "
                                               "while generating they steer the next chunks")
                     steer_note = gr.Markdown("")
                 with gr.Group():

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from qvg.app.generate import MAX_FRAMES
+from qvg.help_format import Parser
 from qvg.numbers import integer, parse_int
 from qvg.outputs import Terminated, sigterm_raises, targets_error, writable_error, write_text
 
@@ -44,14 +45,8 @@ class UsageError(Exception):
     pass
 
 
-class _Parser(argparse.ArgumentParser):
-    def __init__(self, *args, **kwargs):
-        from qvg.help_format import HelpFormatter
-        kwargs.setdefault("formatter_class", HelpFormatter)  # (no line break inside qvg-pro, self-forcing, ...)
-        super().__init__(*args, **kwargs)
-
-    def error(self, message):
-        raise UsageError(message)
+class _Parser(Parser):
+    usage_error = UsageError
 
 
 def _ints(text: str, name: str) -> list[int]:

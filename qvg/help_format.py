@@ -1,4 +1,5 @@
-"""argparse help for the command-line tools: lines never break inside a hyphenated word (argparse's default wraps
+"""argparse for the command-line tools (qvg-generate, qvg-app, qvg-eval): a bad flag is one error line (the tool's
+usage-error type, no usage dump), and help lines never break inside a hyphenated word (argparse's default wraps
 `qvg-output.mp4`, `self-forcing` and `qvg-pro` across two lines)."""
 from __future__ import annotations
 
@@ -13,3 +14,15 @@ class HelpFormatter(argparse.HelpFormatter):
     def _fill_text(self, text, width, indent):
         return textwrap.fill(self._whitespace_matcher.sub(" ", text).strip(), width, initial_indent=indent,
                              subsequent_indent=indent, break_on_hyphens=False)
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors raise `usage_error` (a subclass sets the tool's type), with `HelpFormatter`."""
+    usage_error: type[Exception] = ValueError
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message):  # one line, no usage dump
+        raise self.usage_error(message)
