@@ -564,6 +564,7 @@ def run(s) -> dict:
     t_load = time.perf_counter()
     gen = Generation(s)
     if dev.type == "cuda":
+        torch.cuda.synchronize(dev)  # (the loading's queued copies count in load_seconds, not in the first chunk)
         torch.cuda.reset_peak_memory_stats(dev)
     out: Path = s["out"]
     # each temporary file beside the file it will replace (a symlinked JSON may be in another folder or file system)
