@@ -8,6 +8,7 @@ which writes the clean K/V into the cache, and the cache commits the chunk. Step
 """
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -28,7 +29,7 @@ def flow_sigmas(steps=(1000, 750, 500, 250), shift: float = 5.0, train_steps: in
 @dataclass
 class ChunkResult:
     index: int  # chunk number
-    first_frame: int  # its first latent frame
+    first_frame: int  # its first latent frame in the cache's time (a context chunk counts: the world model's is 0-2)
     latents: torch.Tensor  # [B, C, chunk_frames, h, w], the clean prediction
     video: torch.Tensor | None  # decoded frames [B, 3, frames, H, W] in [-1, 1] (with a VAE)
 
@@ -68,6 +69,14 @@ class StreamingVAEDecoder:
         return out.clamp(-1.0, 1.0)
 
 
+def _whole(v, low: int) -> bool:
+    """Whether v is an integer (not a bool) >= low."""
+    try:
+        return not isinstance(v, bool) and operator.index(v) >= low
+    except TypeError:
+        return False
+
+
 class SelfForcingPipeline:
     """transformer: a CausalWanTransformer; vae: a diffusers AutoencoderKLWan or None (latents only); decoder: any
     object with reset() and decode(latents) -> frames in [-1, 1], used instead of the VAE (the world model's
@@ -77,27 +86,49 @@ class SelfForcingPipeline:
                  shift: float = 5.0, decoder=None, context_sigma: float = 0.0):
         self.transformer, self.vae, self.decoder = transformer, vae, decoder
         self.context_sigma = context_sigma  # Self-Forcing's context noise: the clean re-run at this noise level
+        if not _whole(chunk_frames, 1):
+            raise ValueError(f"chunk_frames must be a positive integer, got {chunk_frames!r}")
+        if not len(steps):
+            raise ValueError("steps: give at least one denoising step")
         self.chunk_frames = chunk_frames
         self.sigmas = flow_sigmas(steps, shift)
 
-    @torch.no_grad()
     def generate(self, text: torch.Tensor, latent_frames: int, latent_hw: tuple[int, int], cache, *, seed: int = 0,
                  batch: int = 1, context: torch.Tensor | None = None,
                  chunk_inputs: Callable[[int], dict] | None = None) -> Iterator[ChunkResult]:
         """Yield the chunks of a video of `latent_frames` latent frames (the last chunk cut to fit). text:
-        encoder hidden states [B, L, text_dim]; cache: a qvg.cache.KVCache (reset here). context: clean latents
-        [B, C, chunk_frames, h, w] that come first (the world model's start image): run once at t = 0 into the
-        cache as chunk 0, not yielded; the generated chunks follow it. chunk_inputs(c): extra model inputs for
-        chunk c (counting the context chunk), e.g. the world model's action."""
+        encoder hidden states [B, L, text_dim]; cache: a qvg.cache.KVCache of this model's layers, chunk_frames and
+        tokens per latent frame (reset when the first chunk is asked for; one video at a time: a loop whose cache
+        another loop reset since raises). context: clean latents [B, C, chunk_frames, h, w] that come first (the
+        world model's start image): run once at t = 0 into the cache as chunk 0, not yielded; the generated chunks
+        follow it. chunk_inputs(c): extra model inputs for chunk c (counting the context chunk), e.g. the world
+        model's action. The arguments are checked here, before anything runs."""
+        model = self.transformer
+        for name, v, low in (("latent_frames", latent_frames, 1), ("batch", batch, 1), ("seed", seed, 0)):
+            if not _whole(v, low):
+                raise ValueError(f"{name} must be an integer >= {low}, got {v!r}")
+        _, ph, pw = model.config.patch_size
+        if (not isinstance(latent_hw, (tuple, list)) or len(latent_hw) != 2
+                or not all(_whole(v, 1) for v in latent_hw) or latent_hw[0] % ph or latent_hw[1] % pw):
+            raise ValueError(f"latent_hw must be (height, width), positive multiples of the patch size ({ph}, {pw}), "
+                             f"got {latent_hw!r}")
+        tpf = model.tokens_per_latent_frame(*latent_hw)
+        if (getattr(cache, "num_layers", None), getattr(cache, "chunk_frames", None),
+                getattr(cache, "tokens_per_frame", None)) != (len(model.blocks), self.chunk_frames, tpf):
+            raise ValueError(f"the cache must have num_layers={len(model.blocks)}, chunk_frames={self.chunk_frames} "
+                             f"and tokens_per_frame={tpf} for this model at {tuple(latent_hw)} latents")
+        return self._generate(text, latent_frames, tuple(latent_hw), cache, seed, batch, context, chunk_inputs)
+
+    @torch.no_grad()
+    def _generate(self, text, latent_frames, latent_hw, cache, seed, batch, context, chunk_inputs):
         from .causal_wan import CrossKV
-        if latent_frames < 1:
-            raise ValueError(f"latent_frames must be >= 1, got {latent_frames}")
         model = self.transformer
         dev, dtype = model.device, model.dtype
         cf = self.chunk_frames
         h, w = latent_hw
         chunks = -(-latent_frames // cf)
         cache.reset()
+        mine = cache.resets
         cross = CrossKV()
         decoder = self.decoder or (StreamingVAEDecoder(self.vae) if self.vae is not None else None)
         if decoder is not None:
@@ -116,6 +147,9 @@ class SelfForcingPipeline:
                 cache.commit()
             first = 1
         for c in range(chunks):
+            if cache.resets != mine:  # (another video's loop took the cache between two chunks of this one)
+                raise RuntimeError("the cache was reset by another generate() while this video was running: give "
+                                   "each video its own cache")
             with generation_stream(dev):  # (not across the yield: the caller's code runs on its own stream)
                 f0 = (c + first) * cf
                 lat, video = self._chunk(shape, gen, text, f0, cache, cross, extra(c + first), decoder,

@@ -275,6 +275,13 @@ def rollout(model: WorldModel, config: dict, start: torch.Tensor, actions: list,
         got = tuple(start.shape) if isinstance(start, torch.Tensor) else type(start).__name__
         raise ValueError(f"start must be a frame [3, {size}, {size}] in [-1, 1] (e.g. "
                          f"qvg.pipelines.world_data.centre_view(load_photo('coffee'))), got {got}")
+    if not start.is_floating_point() or not bool(torch.isfinite(start).all()) or start.abs().max() > 1 + 1e-3:
+        lo, hi = (start.min().item(), start.max().item()) if start.numel() else (0, 0)
+        raise ValueError(f"start must be a floating-point frame with values in [-1, 1] (an image's [0, 255] as "
+                         f"x / 127.5 - 1), got {start.dtype} in [{lo}, {hi}]")
+    if isinstance(actions, str) or not len(actions):
+        raise ValueError(f"actions: give a list of at least one action name or id (parse_actions turns text such as "
+                         f"'left*2,right' into one), got {actions!r}")
     names = config["actions"]
     ids = []
     for a in actions:
@@ -286,12 +293,7 @@ def rollout(model: WorldModel, config: dict, start: torch.Tensor, actions: list,
             ids.append(i)
         else:
             raise ValueError(f"unknown action {a!r}: give names ({', '.join(names)}) or their ids 0..{len(names) - 1}")
-    tpf = model.tokens_per_latent_frame(size, size)
-    if (getattr(cache, "num_layers", None), getattr(cache, "chunk_frames", None),
-            getattr(cache, "tokens_per_frame", None)) != (len(model.blocks), cf, tpf):
-        raise ValueError(f"the cache must have num_layers={len(model.blocks)}, chunk_frames={cf} and "
-                         f"tokens_per_frame={tpf} for this model")
-    actions = ids
+    actions = ids  # (the cache's layout is checked by generate)
     pipe = world_pipeline(model, config)
     ctx = start.reshape(1, 3, 1, size, size).expand(1, 3, cf, size, size)
     acts = torch.tensor([[0] + list(actions)])

@@ -306,6 +306,7 @@ class KVCache:
         self.layers = [_Layer(self.chunk_tokens) for _ in range(num_layers)]
         self.frames = 0  # frames committed so far (the next chunk's start frame: its RoPE time offset)
         self.commits = 0
+        self.resets = 0  # reset() calls so far
         # (with commit_sms the graphs are captured on the green stream: replays then stay on its SMs)
         self._graphed = GraphedCompress(commit_sms is not None) if cuda_graphs and method != "bf16" else None
         self.async_commit, self.defer_commits = async_commit, defer_commits
@@ -935,6 +936,7 @@ class KVCache:
         self.layers = [_Layer(self.chunk_tokens) for _ in range(self.num_layers)]
         self.frames = 0
         self.commits = 0
+        self.resets += 1  # (a video loop that reset the cache checks that no other one has since)
         self._clear_prefetch_state()
         self.reads.clear()
         self._positions = None

@@ -272,6 +272,40 @@ def test_loop_window_and_sink_bookkeeping(tiny):
     assert cache.tokens() == (3 + 6) * 16  # sink + window
 
 
+def test_two_loops_on_one_cache_is_an_error_not_a_wrong_video(tiny):
+    """A loop whose cache another generate() reset between its chunks raises (it attended the other video's
+    chunks, with no error); one loop after another on the same cache is fine."""
+    tr, vae, text = tiny
+    cache = KVCache(len(tr.blocks), "bf16", chunk_frames=3, tokens_per_frame=16)
+    pipe, emb = SelfForcingPipeline(tr, vae), text("a prompt")
+    g1 = pipe.generate(emb, 9, (8, 8), cache, seed=3)
+    next(g1)
+    next(pipe.generate(emb, 9, (8, 8), cache, seed=5))
+    with pytest.raises(RuntimeError, match="reset by another generate"):
+        next(g1)
+
+
+def test_generate_checks_its_arguments_before_anything_runs(tiny):
+    tr, vae, text = tiny
+    pipe, emb = SelfForcingPipeline(tr, vae), text("a prompt")
+    cache = KVCache(len(tr.blocks), "bf16", chunk_frames=3, tokens_per_frame=16)
+    for args, kw, msg in (((2.5, (8, 8)), {}, r"latent_frames must be an integer >= 1, got 2.5"),
+                          ((True, (8, 8)), {}, "latent_frames must be an integer"),
+                          ((9, (9, 9)), {}, r"latent_hw must be \(height, width\), positive multiples of the patch"),
+                          ((9, (8, 8)), {"seed": None}, "seed must be an integer >= 0"),
+                          ((9, (8, 8)), {"batch": 0}, "batch must be an integer >= 1")):
+        with pytest.raises(ValueError, match=msg):
+            pipe.generate(emb, *args, cache, **kw)  # (raised by the call, not at the first chunk)
+    for bad in (KVCache(len(tr.blocks), "bf16", chunk_frames=1, tokens_per_frame=48),  # (the same tokens per chunk)
+                KVCache(len(tr.blocks) + 1, "bf16", chunk_frames=3, tokens_per_frame=16)):
+        with pytest.raises(ValueError, match=f"the cache must have num_layers={len(tr.blocks)}, chunk_frames=3 and tokens_per_frame=16"):
+            pipe.generate(emb, 9, (8, 8), bad)
+    for kw, msg in ((dict(chunk_frames=0), "chunk_frames must be a positive integer"),
+                    (dict(steps=()), "at least one denoising step")):
+        with pytest.raises(ValueError, match=msg):
+            SelfForcingPipeline(tr, vae, **kw)
+
+
 def test_the_clean_rerun_writes_the_cache(tiny):
     """The committed K/V of chunk 0 are those of the clean prediction at t = 0, not of a denoising step."""
     tr, _, text = tiny
