@@ -176,11 +176,24 @@ def centre_view(canvas: torch.Tensor, size: int = DEFAULT_CONFIG["frame_size"], 
     return render(canvas, [Camera(w / 2, h / 2, z)], size)[:, 0]
 
 
+MAX_ASPECT = 4  # photo_view cuts longer photos to 4:1 around the centre (the bundled photos are at most 2.6:1)
+
+
 def photo_view(image: torch.Tensor, size: int = DEFAULT_CONFIG["frame_size"]) -> torch.Tensor:
     """A user's photo [3, H, W] in [-1, 1] -> its start frame [3, size, size] at the scale the model was trained
     at: the photo is scaled so its short side is PHOTO_SHORT_SIDE pixels (the bundled photos' most common), and the
     view at its centre at scale 1 is cut (squeezing a whole photo into 64 px gives a far wider view than any in
-    training)."""
+    training). A photo longer than MAX_ASPECT times its short side is cut to that around its centre first (the
+    view needs only the centre; a 16 x 32,000 strip scaled whole took gigabytes)."""
+    if not isinstance(image, torch.Tensor) or image.dim() != 3 or image.shape[0] != 3:
+        got = list(image.shape) if isinstance(image, torch.Tensor) else type(image).__name__
+        raise ValueError(f"a photo must be a tensor [3, H, W] (channels first), got {got}")
+    h, w = image.shape[-2:]
+    cap = MAX_ASPECT * min(h, w)
+    if h > cap:
+        image = image[:, (h - cap) // 2:(h - cap) // 2 + cap]
+    if w > cap:
+        image = image[:, :, (w - cap) // 2:(w - cap) // 2 + cap]
     h, w = image.shape[-2:]
     f = PHOTO_SHORT_SIDE / min(h, w)
     hw = (max(size, round(h * f)), max(size, round(w * f)))

@@ -284,6 +284,17 @@ def test_world_rope_rollout_gives_each_chunk_its_pan_offsets():
     assert not torch.equal(vid, ref)
 
 
+def test_photo_view_bounds_its_work_and_says_what_it_takes():
+    """An extreme strip is cut to 4:1 around its centre before scaling (a 16 x 32,000 PNG took gigabytes); a photo
+    in [H, W, 3] order is refused; a photo within 4:1 is scaled whole, as before."""
+    from qvg.pipelines.world_data import photo_view
+    strip = torch.rand(3, 16, 32000) * 2 - 1
+    assert photo_view(strip).shape == (3, 64, 64)
+    assert torch.equal(photo_view(strip), photo_view(strip[:, :, (32000 - 64) // 2:(32000 - 64) // 2 + 64]))
+    with pytest.raises(ValueError, match=r"a photo must be a tensor \[3, H, W\] \(channels first\), got \[64, 80, 3\]"):
+        photo_view(torch.zeros(64, 80, 3))
+
+
 def test_rollout_takes_action_names_and_says_what_does_not_fit():
     from qvg.cache import KVCache
     model, cfg = build_world(SMALL), SMALL
@@ -301,7 +312,13 @@ def test_rollout_takes_action_names_and_says_what_does_not_fit():
     for kw, msg in ((dict(start=start.permute(1, 2, 0)), rf"start must be a frame \[3, {size}, {size}\]"),
                     (dict(actions=["fly"]), "unknown action 'fly'"), (dict(actions=[99]), "unknown action 99"),
                     (dict(c=cache(layers=len(model.blocks) + 1)), "the cache must have num_layers"),
-                    (dict(c=cache(tokens=tpf * 2)), f"tokens_per_frame={tpf}")):
+                    (dict(c=cache(tokens=tpf * 2)), f"tokens_per_frame={tpf}"),
+                    # values outside [-1, 1] (an image's 0..255, a uint8 tensor) and NaN ran silently
+                    (dict(start=start + 200), r"values in \[-1, 1\] .* got torch.float32 in \[200.0, 200.0\]"),
+                    (dict(start=start.to(torch.uint8)), "floating-point frame"),
+                    (dict(start=start + float("nan")), "floating-point frame"),
+                    (dict(actions="left"), "give a list of at least one action"),
+                    (dict(actions=[]), "give a list of at least one action")):
         with pytest.raises(ValueError, match=msg):
             rollout(model, cfg, kw.get("start", start), kw.get("actions", ["left"]), kw.get("c") or cache())
 
