@@ -191,11 +191,12 @@ def read_generator(path: Path, ema: bool | None = None) -> tuple[dict, dict, str
     from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
     obj = read_torch(path)
     wanted = ("generator_ema", "generator") if ema is None else ("generator_ema",) if ema else ("generator",)
-    which = next((k for k in wanted if k in obj), None)
-    if which is None or not isinstance(obj[which], dict):
+    which = next((k for k in wanted if isinstance(obj.get(k), dict)), None)  # (a malformed EMA: the plain one)
+    if which is None:
         found = ", ".join(repr(k) for k in list(obj)[:5]) + (", ..." if len(obj) > 5 else "") or "none"
+        odd = [f"{k!r} is a {type(obj[k]).__name__}" for k in wanted if k in obj]
         raise CheckpointError(f"{path}: not a Self-Forcing checkpoint: no {' or '.join(map(repr, wanted))} state "
-                              f"dict (top-level keys: {found})")
+                              f"dict ({'; '.join(odd) + ', not a state dict' if odd else 'top-level keys: ' + found})")
     sd = check_tensors(obj[which], f"{path} [{which}]")
     stripped = {}
     for key, t in sd.items():

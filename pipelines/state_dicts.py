@@ -151,6 +151,11 @@ def load_strict(model: torch.nn.Module, sd: dict[str, torch.Tensor], source, *, 
     if wrong:
         raise CheckpointError(f"{source}: {len(wrong)} tensor{'s' * (len(wrong) > 1)} of the wrong shape for a "
                               f"{what}: {_few(wrong)}")
+    kinds = [f"{file_names.get(k, k)} ({sd[k].dtype}, expected {v.dtype})" for k, v in expected.items()
+             if sd[k].is_floating_point() != v.is_floating_point() or sd[k].is_complex() != v.is_complex()]
+    if kinds:  # (an integer weight: load_state_dict's error was two lines naming neither file nor key)
+        raise CheckpointError(f"{source}: {len(kinds)} tensor{'s' * (len(kinds) > 1)} of the wrong kind for a "
+                              f"{what}: {_few(kinds)}")
     moved: dict[tuple, torch.Tensor] = {}
     out = {}
     for k in expected:

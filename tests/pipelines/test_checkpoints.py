@@ -261,6 +261,11 @@ BAD = [
      ["1 unexpected key", "model.blocks.0.extra.weight"]),
     ("wrong-shape", _rewrite(GEN, _reshape), ["wrong shape", "model.blocks.1.self_attn.q.weight [128, 64]",
                                               "expected [128, 128]"]),
+    ("int-tensor", _rewrite(GEN, lambda o: {"generator_ema": {k: v.long() if k == "model.blocks.0.ffn.0.bias" else v
+                                                              for k, v in o["generator_ema"].items()}}),
+     ["1 tensor of the wrong kind", "model.blocks.0.ffn.0.bias (torch.int64, expected torch.float32)"]),
+    ("ema-not-a-dict", _rewrite(GEN, lambda o: {"generator_ema": None}),
+     ["no 'generator_ema' or 'generator' state dict ('generator_ema' is a NoneType, not a state dict)"]),
     ("top-level", _rewrite(GEN, lambda o: {"model": o["generator"]}), ["no 'generator_ema' or 'generator'",
                                                                       "top-level keys: 'model'"]),
     ("not-a-dict", _rewrite(GEN, lambda o: {"generator_ema": {"model.x": 3}}), ["not a state dict", "model.x"]),
