@@ -20,6 +20,7 @@ them un-rotated, with each chunk's positions, and rotates them back as it reads 
 from __future__ import annotations
 
 import json
+import math
 import operator
 from pathlib import Path
 
@@ -118,6 +119,55 @@ class WorldModelError(ValueError):
     pass
 
 
+def _number(cfg: dict, key: str, low: float, high: float = math.inf, *, integer: bool = False,
+            low_open: bool = False):
+    v = cfg[key]
+    kind = (int,) if integer else (int, float)
+    ok = isinstance(v, kind) and not isinstance(v, bool) and math.isfinite(v) and low <= v <= high
+    if not ok or (low_open and v == low):
+        what = "an integer" if integer else "a number"
+        bound = f"> {low:g}" if low_open else f">= {low:g}"
+        raise ValueError(f"{key} must be {what} {bound}" + (f" and <= {high:g}" if high < math.inf else "")
+                         + f", got {v!r}")
+    return v
+
+
+def check_config(cfg: dict) -> None:
+    """ValueError naming the first field of a world-model config that the runners cannot use (a string size, a
+    negative chunk, an empty step list), before any layer is built from it."""
+    tr = cfg["transformer"]
+    if not isinstance(tr, dict):
+        raise ValueError(f"transformer must be an object of CausalWanTransformer settings, got {tr!r}")
+    acts = cfg["actions"]
+    if (not isinstance(acts, list) or not acts or not all(isinstance(a, str) and a for a in acts)
+            or len(set(acts)) != len(acts)):
+        raise ValueError(f"actions must be a non-empty list of distinct names, got {acts!r}")
+    if acts[0] != "stay":
+        raise ValueError(f"actions must start with 'stay' (id 0, the start image's action), got {acts!r}")
+    patch = tr.get("patch_size", (1, 2, 2))
+    if (not isinstance(patch, (list, tuple)) or len(patch) != 3
+            or not all(isinstance(p, int) and not isinstance(p, bool) and p >= 1 for p in patch)):
+        raise ValueError(f"transformer.patch_size must be three positive integers, got {patch!r}")
+    size = _number(cfg, "frame_size", 1, integer=True)
+    if size % patch[1] or size % patch[2]:
+        raise ValueError(f"frame_size ({size}) must be a multiple of the patch ({patch[1]} x {patch[2]})")
+    _number(cfg, "fps", 0, low_open=True)
+    _number(cfg, "chunk_frames", 1, integer=True)
+    steps = cfg["steps"]
+    if not isinstance(steps, list) or not steps:
+        raise ValueError(f"steps must be a non-empty list of timesteps in [0, 1000], got {steps!r}")
+    for i in range(len(steps)):
+        _number({f"steps[{i}]": steps[i]}, f"steps[{i}]", 0, 1000)
+    _number(cfg, "shift", 0, low_open=True)
+    _number(cfg, "context_sigma", 0, 1)
+    _number(cfg, "pan_pixels", 0)
+    _number(cfg, "zoom_factor", 0, low_open=True)
+    if not isinstance(cfg.get("world_rope", False), bool):
+        raise ValueError(f"world_rope must be true or false, got {cfg['world_rope']!r}")
+    if cfg.get("world_rope", False):
+        _pan_patches(cfg)
+
+
 def build_world(config: dict | None = None, seed: int = 0) -> WorldModel:
     cfg = config or DEFAULT_CONFIG
     with torch.random.fork_rng(devices=[]):
@@ -148,6 +198,7 @@ def load_world(directory=None, device="cpu", dtype=torch.float32) -> tuple[World
         cfg = json.loads((d / "config.json").read_text())
         if not isinstance(cfg, dict) or not set(DEFAULT_CONFIG) <= set(cfg):  # (what the runners read)
             raise KeyError(f"not an object with the fields {', '.join(sorted(DEFAULT_CONFIG))}")
+        check_config(cfg)
         model = build_world(cfg)
     except FileNotFoundError:
         raise WorldModelError(f"no world model in {str(d)!r} (config.json missing)") from None
@@ -228,21 +279,26 @@ def image_frame(image: torch.Tensor, size: int) -> torch.Tensor:
     return F.interpolate(sq[None].float(), size=(size, size), mode=mode)[0].clamp(-1, 1)
 
 
-def pan_offsets(actions: torch.Tensor, config: dict) -> torch.Tensor:
-    """Action ids [B, chunks] (chunk 0: the still start chunk, its action ignored, as world_data.cameras_for does)
-    -> each frame's accumulated pan in patches, (dy, dx): int64 [B, chunks * chunk_frames, 2]. Each frame of a pan
-    chunk moves the camera by pan_pixels / patch patches (right and down positive, as world_data's camera x / y),
-    so a world point at screen patch (i, j) sits at (i + dy, j + dx) in every frame."""
-    cf = config["chunk_frames"]
+def _pan_patches(config: dict) -> int:
+    """pan_pixels in patches; world RoPE's offsets are whole patches."""
     _, ph, pw = config["transformer"]["patch_size"]
     step = config["pan_pixels"] / ph
     if step != int(step) or config["pan_pixels"] / pw != step:
         raise ValueError(f"world_rope needs pan_pixels ({config['pan_pixels']}) to be a whole number of "
                          f"{ph} x {pw} patches")
+    return int(step)
+
+
+def pan_offsets(actions: torch.Tensor, config: dict) -> torch.Tensor:
+    """Action ids [B, chunks] (chunk 0: the still start chunk, its action ignored, as world_data.cameras_for does)
+    -> each frame's accumulated pan in patches, (dy, dx): int64 [B, chunks * chunk_frames, 2]. Each frame of a pan
+    chunk moves the camera by pan_pixels / patch patches (right and down positive, as world_data's camera x / y),
+    so a world point at screen patch (i, j) sits at (i + dy, j + dx) in every frame."""
+    cf, step = config["chunk_frames"], _pan_patches(config)
     moves = torch.zeros(len(config["actions"]), 2, dtype=torch.long)
     for name, (dx, dy) in MOVES.items():
         if name in config["actions"]:
-            moves[config["actions"].index(name)] = torch.tensor([dy, dx]) * int(step)
+            moves[config["actions"].index(name)] = torch.tensor([dy, dx]) * step
     per_chunk = moves.to(actions.device)[actions]  # [B, chunks, 2]
     per_chunk[:, 0] = 0
     return per_chunk.repeat_interleave(cf, 1).cumsum(1)

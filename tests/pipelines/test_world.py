@@ -104,6 +104,29 @@ def test_a_broken_config_is_one_error(tmp_path):
         load_world(d / "model.safetensors")  # (a file given as the folder)
 
 
+def test_a_config_value_the_runners_cannot_use_is_named(tmp_path):
+    """A mistyped or out-of-range field (a string size, world_rope "yes", no steps) is one WorldModelError naming
+    the field; it was a TypeError deep in a run, or ran: bool("false") turned world RoPE on."""
+    d = tmp_path / "w"
+    save_world(build_world(SMALL), SMALL, d)
+    cases = [("frame_size", "32", "frame_size must be an integer >= 1"), ("frame_size", 30, "multiple of the patch"),
+             ("frame_size", 32.0, "an integer"), ("chunk_frames", 0, "chunk_frames must be an integer >= 1"),
+             ("chunk_frames", True, "chunk_frames"), ("steps", [], "steps must be a non-empty list"),
+             ("steps", [1000, "500"], r"steps\[1\] must be a number"), ("steps", [1001], r"<= 1000"),
+             ("shift", 0, "shift must be a number > 0"), ("fps", float("nan"), "fps"),
+             ("context_sigma", 2, "context_sigma"), ("pan_pixels", -4, "pan_pixels"), ("zoom_factor", 0, "zoom"),
+             ("world_rope", "false", "world_rope must be true or false"),
+             ("actions", ["left", "stay"], "must start with 'stay'"), ("actions", ["stay", "stay"], "distinct"),
+             ("actions", "stay,left", "non-empty list"), ("transformer", [], "transformer must be an object")]
+    for key, value, msg in cases:
+        (d / "config.json").write_text(json.dumps(dict(SMALL, **{key: value}), default=list))
+        with pytest.raises(WorldModelError, match=f"config.json: not a world-model config \\(.*{msg}"):
+            load_world(d)
+    (d / "config.json").write_text(json.dumps(dict(SMALL, world_rope=True, pan_pixels=6.0), default=list))
+    with pytest.raises(WorldModelError, match="whole number of 4 x 4 patches"):
+        load_world(d)
+
+
 def test_parse_actions():
     assert parse_actions("right*2, left,stay") == [2, 2, 1, 0]
     assert len(parse_actions("left*60000,right*40000")) == 100_000
