@@ -215,6 +215,12 @@ class CausalWanTransformer(WanTransformer3DModel):
     # `*args, **kwargs` alone it would drop every key of a saved config and build Wan's default model
     __init__.__signature__ = inspect.signature(WanTransformer3DModel.__init__)
 
+    def to(self, *args, **kwargs):
+        """torch's Module.to: the whole model moves / casts, as Self-Forcing runs it (every module in the one dtype).
+        diffusers' override logs a notice on every cast meant for from_pretrained's fp32-kept modules, which
+        printed in each bf16 run of the loaders, the CLI and the benchmarks."""
+        return torch.nn.Module.to(self, *args, **kwargs)
+
     def tokens_per_latent_frame(self, height: int, width: int) -> int:
         _, ph, pw = self.config.patch_size
         return (height // ph) * (width // pw)

@@ -421,3 +421,13 @@ def test_chunkwise_cache_with_spatial_offsets_equals_full_forward(model):
     assert (got - full).abs().max() < 2e-3 * full.abs().max()  # BF16 storage, as the plain parity test
     assert torch.equal(zero, plain)
     assert not torch.allclose(full[:, :, CF:], plain[:, :, CF:], atol=1e-4)
+
+
+def test_a_cast_is_quiet_and_casts_every_module(capfd, caplog):
+    """.to(bf16) casts the whole model (fp32-kept modules too, as Self-Forcing runs it) and prints nothing: diffusers'
+    override logged a from_pretrained notice on each cast, in every bf16 run of the loaders, CLI and benchmarks."""
+    torch.manual_seed(0)
+    m = CausalWanTransformer(**CFG).to(torch.bfloat16)
+    assert m.dtype == torch.bfloat16 and all(p.dtype == torch.bfloat16 for p in m.parameters())
+    assert m.to("cpu", torch.float32).dtype == torch.float32
+    assert "float32" not in capfd.readouterr().err + caplog.text
