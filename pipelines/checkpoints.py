@@ -197,6 +197,11 @@ def read_generator(path: Path, ema: bool | None = None) -> tuple[dict, dict, str
         odd = [f"{k!r} is a {type(obj[k]).__name__}" for k in wanted if k in obj]
         raise CheckpointError(f"{path}: not a Self-Forcing checkpoint: no {' or '.join(map(repr, wanted))} state "
                               f"dict ({'; '.join(odd) + ', not a state dict' if odd else 'top-level keys: ' + found})")
+    skipped = [k for k in wanted[:wanted.index(which)] if k in obj]
+    if skipped:  # (--weights auto: an EMA that is there but not a state dict; say which weights run instead)
+        import warnings
+        warnings.warn(f"{path}: {skipped[0]!r} is a {type(obj[skipped[0]]).__name__}, not a state dict: loading "
+                      f"{which!r} instead", stacklevel=3)
     sd = check_tensors(obj[which], f"{path} [{which}]")
     stripped = {}
     for key, t in sd.items():

@@ -148,8 +148,8 @@ class SelfForcingPipeline:
             first = 1
         for c in range(chunks):
             if cache.resets != mine:  # (another video's loop took the cache between two chunks of this one)
-                raise RuntimeError("the cache was reset by another generate() while this video was running: give "
-                                   "each video its own cache")
+                raise RuntimeError("the cache was reset (by another generate() or reset()) while this video was "
+                                   "running: give each video its own cache")
             with generation_stream(dev):  # (not across the yield: the caller's code runs on its own stream)
                 f0 = (c + first) * cf
                 lat, video = self._chunk(shape, gen, text, f0, cache, cross, extra(c + first), decoder,

@@ -48,7 +48,8 @@ DEFAULT_CONFIG = {
     "context_sigma": 0.1,  # the clean re-run's noise level (trained for 0 .. 0.2; 0.1 drifts less than 0)
     "pan_pixels": 4.0,  # view pixels the camera moves per frame (left/right/up/down)
     "zoom_factor": 1.05,  # view scale change per frame (zoom_in / zoom_out)
-    "world_rope": False,  # spatial RoPE in world coordinates (module docstring); absent in a config: False
+    "world_rope": False,  # spatial RoPE in world coordinates (module docstring); build_world reads it as False when
+    # absent, load_world wants it in config.json (as every field here)
 }
 
 
@@ -123,7 +124,8 @@ def _number(cfg: dict, key: str, low: float, high: float = math.inf, *, integer:
             low_open: bool = False):
     v = cfg[key]
     kind = (int,) if integer else (int, float)
-    ok = isinstance(v, kind) and not isinstance(v, bool) and math.isfinite(v) and low <= v <= high
+    ok = (isinstance(v, kind) and not isinstance(v, bool) and (isinstance(v, int) or math.isfinite(v))
+          and low <= v <= high)  # (an int compares exactly: 10**400 overflowed isfinite)
     if not ok or (low_open and v == low):
         what = "an integer" if integer else "a number"
         bound = f"> {low:g}" if low_open else f">= {low:g}"
@@ -148,11 +150,11 @@ def check_config(cfg: dict) -> None:
     if (not isinstance(patch, (list, tuple)) or len(patch) != 3
             or not all(isinstance(p, int) and not isinstance(p, bool) and p >= 1 for p in patch)):
         raise ValueError(f"transformer.patch_size must be three positive integers, got {patch!r}")
-    size = _number(cfg, "frame_size", 1, integer=True)
+    size = _number(cfg, "frame_size", 1, 16384, integer=True)
     if size % patch[1] or size % patch[2]:
         raise ValueError(f"frame_size ({size}) must be a multiple of the patch ({patch[1]} x {patch[2]})")
-    _number(cfg, "fps", 0, low_open=True)
-    _number(cfg, "chunk_frames", 1, integer=True)
+    _number(cfg, "fps", 0, 1000, low_open=True)
+    _number(cfg, "chunk_frames", 1, 1024, integer=True)
     steps = cfg["steps"]
     if not isinstance(steps, list) or not steps:
         raise ValueError(f"steps must be a non-empty list of timesteps in [0, 1000], got {steps!r}")
@@ -335,7 +337,12 @@ def rollout(model: WorldModel, config: dict, start: torch.Tensor, actions: list,
         lo, hi = (start.min().item(), start.max().item()) if start.numel() else (0, 0)
         raise ValueError(f"start must be a floating-point frame with values in [-1, 1] (an image's [0, 255] as "
                          f"x / 127.5 - 1), got {start.dtype} in [{lo}, {hi}]")
-    if isinstance(actions, str) or not len(actions):
+    if not isinstance(actions, str):
+        try:
+            actions = list(actions)  # (any iterable: a generator, a tensor of ids)
+        except TypeError:
+            pass
+    if not isinstance(actions, list) or not actions:
         raise ValueError(f"actions: give a list of at least one action name or id (parse_actions turns text such as "
                          f"'left*2,right' into one), got {actions!r}")
     names = config["actions"]

@@ -273,16 +273,24 @@ def test_loop_window_and_sink_bookkeeping(tiny):
 
 
 def test_two_loops_on_one_cache_is_an_error_not_a_wrong_video(tiny):
-    """A loop whose cache another generate() reset between its chunks raises (it attended the other video's
-    chunks, with no error); one loop after another on the same cache is fine."""
+    """A loop whose cache another generate() (or reset()) reset between its chunks raises (it attended the other
+    video's chunks, with no error); one loop after another on the same cache is fine."""
     tr, vae, text = tiny
     cache = KVCache(len(tr.blocks), "bf16", chunk_frames=3, tokens_per_frame=16)
     pipe, emb = SelfForcingPipeline(tr, vae), text("a prompt")
+    first = [c.video for c in pipe.generate(emb, 6, (8, 8), cache, seed=3)]
+    again = [c.video for c in pipe.generate(emb, 6, (8, 8), cache, seed=3)]  # (after the first ran to its end)
+    assert len(first) == 2 and all(torch.equal(a, b) for a, b in zip(first, again))
     g1 = pipe.generate(emb, 9, (8, 8), cache, seed=3)
     next(g1)
     next(pipe.generate(emb, 9, (8, 8), cache, seed=5))
-    with pytest.raises(RuntimeError, match="reset by another generate"):
+    with pytest.raises(RuntimeError, match=r"reset \(by another generate\(\) or reset\(\)\)"):
         next(g1)
+    g2 = pipe.generate(emb, 9, (8, 8), cache, seed=3)
+    next(g2)
+    cache.reset()
+    with pytest.raises(RuntimeError, match="give each video its own cache"):
+        next(g2)
 
 
 def test_generate_checks_its_arguments_before_anything_runs(tiny):

@@ -369,6 +369,16 @@ def test_ema_required_but_absent(ckpt, tmp_path):
     assert load_self_forcing(root, "cpu", **F32).sources["weights"] == "generator"  # default: falls back
 
 
+def test_a_malformed_ema_falls_back_to_the_generator_and_says_so(src, ckpt, tmp_path):
+    root = _variant(ckpt, tmp_path, _rewrite(GEN, lambda o: {"generator_ema": None, "generator": o["generator"]}))
+    with pytest.warns(UserWarning, match="'generator_ema' is a NoneType, not a state dict: loading 'generator'"):
+        m = load_self_forcing(root, "cpu", **F32)
+    assert m.sources["weights"] == "generator"
+    _same_weights(m.transformer, src["raw"])
+    with pytest.raises(CheckpointError, match="no 'generator_ema' state dict"):
+        load_self_forcing(root, "cpu", **F32, ema=True)
+
+
 def test_flat_layout_and_default_config(src, ckpt, tmp_path):
     """The generator as the only *.pt in DIR, the Wan files directly in DIR; without config.json the 1.3B config
     is expected, so the tiny generator is reported as the wrong shape."""

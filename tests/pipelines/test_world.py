@@ -109,9 +109,11 @@ def test_a_config_value_the_runners_cannot_use_is_named(tmp_path):
     the field; it was a TypeError deep in a run, or ran: bool("false") turned world RoPE on."""
     d = tmp_path / "w"
     save_world(build_world(SMALL), SMALL, d)
-    cases = [("frame_size", "32", "frame_size must be an integer >= 1"), ("frame_size", 30, "multiple of the patch"),
-             ("frame_size", 32.0, "an integer"), ("chunk_frames", 0, "chunk_frames must be an integer >= 1"),
-             ("chunk_frames", True, "chunk_frames"), ("steps", [], "steps must be a non-empty list"),
+    cases = [("frame_size", "32", "frame_size must be an integer >= 1 and <= 16384"),
+             ("frame_size", 30, "multiple of the patch"), ("frame_size", 32.0, "an integer"),
+             ("chunk_frames", 0, "chunk_frames must be an integer >= 1 and <= 1024"),
+             ("chunk_frames", True, "chunk_frames"), ("chunk_frames", 10**400, "chunk_frames"),
+             ("fps", 10**400, "fps must be a number > 0 and <= 1000"), ("steps", [], "steps must be a non-empty list"),
              ("steps", [1000, "500"], r"steps\[1\] must be a number"), ("steps", [1001], r"<= 1000"),
              ("shift", 0, "shift must be a number > 0"), ("fps", float("nan"), "fps"),
              ("context_sigma", 2, "context_sigma"), ("pan_pixels", -4, "pan_pixels"), ("zoom_factor", 0, "zoom"),
@@ -330,8 +332,9 @@ def test_rollout_takes_action_names_and_says_what_does_not_fit():
     by_name = [r.video for r in rollout(model, cfg, start, ["left", "stay"], cache())]
     by_id = [r.video for r in rollout(model, cfg, start, [ACTIONS.index("left"), 0], cache())]
     by_tensor = [r.video for r in rollout(model, cfg, start, torch.tensor([ACTIONS.index("left"), 0]), cache())]
-    assert len(by_name) == 2 and all(torch.equal(a, b) and torch.equal(a, c)
-                                     for a, b, c in zip(by_name, by_id, by_tensor))
+    by_iter = [r.video for r in rollout(model, cfg, start, (a for a in ["left", "stay"]), cache())]
+    assert len(by_name) == 2 and all(torch.equal(a, b) and torch.equal(a, c) and torch.equal(a, d)
+                                     for a, b, c, d in zip(by_name, by_id, by_tensor, by_iter))
     for kw, msg in ((dict(start=start.permute(1, 2, 0)), rf"start must be a frame \[3, {size}, {size}\]"),
                     (dict(actions=["fly"]), "unknown action 'fly'"), (dict(actions=[99]), "unknown action 99"),
                     (dict(c=cache(layers=len(model.blocks) + 1)), "the cache must have num_layers"),
@@ -341,7 +344,9 @@ def test_rollout_takes_action_names_and_says_what_does_not_fit():
                     (dict(start=start.to(torch.uint8)), "floating-point frame"),
                     (dict(start=start + float("nan")), "floating-point frame"),
                     (dict(actions="left"), "give a list of at least one action"),
-                    (dict(actions=[]), "give a list of at least one action")):
+                    (dict(actions=[]), "give a list of at least one action"),
+                    (dict(actions=1), "give a list of at least one action"),
+                    (dict(actions=torch.tensor(1)), "give a list of at least one action")):
         with pytest.raises(ValueError, match=msg):
             rollout(model, cfg, kw.get("start", start), kw.get("actions", ["left"]), kw.get("c") or cache())
 
