@@ -588,7 +588,13 @@ class KVCache:
                 if self._positions is None:
                     raise RuntimeError("pre-rope key storage: call set_positions(...) with the chunk's positions "
                                        "before committing it")
-                L.pos_pending.append(self._positions)
+                pos, rows = self._positions, {p.shape[0] for p in L.pos_hist[:1] + L.pos_pending[:1]}
+                if rows and rows != {pos.shape[0]}:  # (one row shared by the batch beside per-sample rows: all
+                    b = max(rows | {pos.shape[0]})  # per sample, so the units concatenate)
+                    L.pos_hist, L.pos_pending = ([p.expand(b, -1, -1).contiguous() for p in ps]
+                                                 for ps in (L.pos_hist, L.pos_pending))
+                    pos = pos.expand(b, -1, -1).contiguous()
+                L.pos_pending.append(pos)
         L.n_cur = 0
         if self.method != "bf16" and L.n_pending >= self.commit_every * self.chunk_tokens:
             self._pack_pending(L)
