@@ -216,8 +216,9 @@ def parse(argv) -> dict:
             "block_size": _int("block-size", a.block_size, 1, allow_none=True),
             "centroids": _int("centroids", a.centroids, 1, 65536, True),
             "seed": _int("kmeans-seed", a.kmeans_seed, 0, 2**31 - 1, True)}
-    if opts["seed"] is not None and a.method not in ("qvg", "qvg-pro"):
-        raise UsageError(f"--kmeans-seed is for qvg and qvg-pro (k-means), not --method {a.method}")
+    from qvg.compression import kmeans_methods
+    if opts["seed"] is not None and a.method not in kmeans_methods():
+        raise UsageError(f"--kmeans-seed is for {' and '.join(kmeans_methods())} (k-means), not --method {a.method}")
     if a.method != "bf16":  # (bf16: its own message below)
         from qvg.compression import get_method
         own = get_method(a.method).defaults

@@ -24,6 +24,7 @@ from .ui_jobs import Job
 
 _LABELS = {"tiny": "embedded world model", "self-forcing": "Self-Forcing (checkpoint)"}
 PIPELINES = {p: _LABELS[p] for p in generate.PIPELINES}  # qvg-generate's pipelines, labelled for the UI
+# qvg.compression.kmeans_methods(), spelt out: importing it imports torch (tests/test_methods.py keeps them equal)
 KMEANS = ("qvg", "qvg-pro")
 # qvg-generate's flags, as the UI names them in messages
 LABELS = {"--frames": "length (frames)", "--bits": "bits", "--stages": "stages", "--block-size": "block size",

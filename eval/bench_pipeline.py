@@ -31,6 +31,7 @@ import time
 import torch
 
 from qvg.compression.graphed import pool_free_bytes
+from qvg.help_format import Parser
 
 from .bench_kernels import gpu_tag, out_error, result_header, write_result
 
@@ -150,7 +151,7 @@ def parse_method(method: str) -> tuple[str, list[str], str | None]:
     return name, flags, (presets[0] if presets else None)
 
 
-class _OneLine(argparse.ArgumentParser):
+class _OneLine(Parser):
     """A usage error is one line ("PROG: error: ...") and exit 2, without argparse's usage block."""
     def error(self, message):
         print(f"{self.prog}: error: {message}", file=sys.stderr)
@@ -553,7 +554,7 @@ def check_args(args) -> tuple[list[int], list[str], dict]:
     for m in methods:
         try:
             cache = new_cache(stand_in, m, histories[0], opts)
-            if cache.method != "bf16":  # (and at Wan's head dim, as the first commit checks them)
+            if cache.method != "bf16":  # (and at Wan's head dim, as the first write checks them)
                 check_options(cache.method, cache.options, cache.commit_every * cache.chunk_frames *
                               cache.tokens_per_frame, head_dim=WAN_1_3B["attention_head_dim"])
         except (ValueError, TypeError, ArithmeticError) as e:
@@ -566,8 +567,7 @@ def check_args(args) -> tuple[list[int], list[str], dict]:
 
 
 def main(argv=None) -> int:
-    from qvg.app.generate import UsageError, _Parser  # (the project's parser: a usage error is one line)
-    ap = _Parser(prog="python -m qvg.eval.bench_pipeline", description=__doc__.splitlines()[0])
+    ap = Parser(prog="python -m qvg.eval.bench_pipeline", description=__doc__.splitlines()[0])  # (errors: ValueError)
     ap.add_argument("--out", default="eval/results")
     ap.add_argument("--history", default="21,60", help="past latent frames held, multiples of 3 (default 21,60)")
     ap.add_argument("--methods", default="bf16,qvg,qvg-pro")
@@ -581,7 +581,7 @@ def main(argv=None) -> int:
     try:  # every argument checked before anything runs (and before the GPU check: bad input is said on any machine)
         args = ap.parse_args(argv)
         histories, methods, opts = check_args(args)
-    except (UsageError, ValueError) as e:
+    except ValueError as e:
         print(f"bench_pipeline: error: {e}", file=sys.stderr)
         return 2
     if not torch.cuda.is_available():

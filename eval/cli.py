@@ -124,9 +124,9 @@ def build_parser():
     p = _Parser(prog="qvg-eval", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
     c = sub.add_parser("compare", help="compare a video with its reference")
-    c.add_argument("ref", help="the reference video (a BF16-cache run's mp4; its JSON report beside it gives the "
-                   "chunk layout)")
-    c.add_argument("test", help="the video to score against REF (same frames, same size)")
+    c.add_argument("ref", metavar="REF", help="the reference video (a BF16-cache run's mp4; its JSON report beside it "
+                   "gives the chunk layout)")
+    c.add_argument("test", metavar="TEST", help="the video to score against REF (same frames, same size)")
     c.add_argument("--out", default=None, help="output path without extension (default: TEST's, + '.compare')")
     c.add_argument("--lead", type=integer, default=None, help="frames given, not generated (default: from REF's JSON "
                    "or 0)")

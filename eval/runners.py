@@ -166,7 +166,8 @@ class GenerateRunner:
         if not folder.is_dir():  # the videos' folder or one above it is a file
             raise generate.UsageError(f"cannot write the videos to {str(self.workdir)!r}: {str(folder)!r} is a file")
         probe = folder / ".qvg-sweep-check.mp4"
-        runs = [("bf16", {})] + [(m, {"bits": b, **({"seed": spec["kmeans_seeds"][0]} if m in ("qvg", "qvg-pro")
+        from qvg.compression import kmeans_methods
+        runs = [("bf16", {})] + [(m, {"bits": b, **({"seed": spec["kmeans_seeds"][0]} if m in kmeans_methods()
                                                     else {})}) for m in spec["methods"] for b in spec["bits"]]
         try:
             for text in spec["inputs"]:

@@ -19,12 +19,13 @@ import statistics
 from .compare import compare
 from .progress import bar as progress_bar
 
-KMEANS_METHODS = ("qvg", "qvg-pro")
 METRICS = ("psnr", "ssim", "lpips")
 
 
-def seeded(method: str) -> bool:
-    return method in KMEANS_METHODS
+def has_kmeans(method: str) -> bool:
+    """Whether the method's runs differ by k-means seed (the sweep's second seed axis)."""
+    from qvg.compression import kmeans_methods
+    return method in kmeans_methods()
 
 
 def _brief(c: dict) -> dict:
@@ -49,7 +50,7 @@ def run(runner, spec: dict, *, lpips_model=None, vbench: dict | None = None, pro
     for m in methods:
         for b in bits:
             jobs.append((m, b, kseeds[0]))
-            if seeded(m) and b in floor_bits:
+            if has_kmeans(m) and b in floor_bits:
                 jobs += [(m, b, k) for k in kseeds[1:]]
     bar = progress_bar(len(inputs) * len(seeds) * (1 + len(jobs)), "sweep", progress, unit="video")
     runs, sampling_floor, kmeans_floor = [], [], []
@@ -66,14 +67,14 @@ def run(runner, spec: dict, *, lpips_model=None, vbench: dict | None = None, pro
             bar.update(1)
             first_k = {}
             for m, b, k in jobs:
-                bar.set_postfix_str(f"{inp} seed {s} {m} int{b}" + (f" k-means seed {k}" if seeded(m) else ""))
-                opts = {"bits": b, **({"seed": k} if seeded(m) else {})}
+                bar.set_postfix_str(f"{inp} seed {s} {m} int{b}" + (f" k-means seed {k}" if has_kmeans(m) else ""))
+                opts = {"bits": b, **({"seed": k} if has_kmeans(m) else {})}
                 out = runner.run(inp, s, m, opts, spec["chunks"])
                 runs.append({"input": inp, "seed": s, "method": m, "bits": b,
-                             "kmeans_seed": k if seeded(m) else None, "options": opts, "memory": out.memory,
+                             "kmeans_seed": k if has_kmeans(m) else None, "options": opts, "memory": out.memory,
                              "seconds": round(out.seconds, 2), "vs_ref": _brief(compare(ref.video, out.video, **cmp)),
                              "vbench": {n: f(out.video) for n, f in scorers.items()}, **_path(out)})
-                if seeded(m):
+                if has_kmeans(m):
                     if (m, b) in first_k:
                         kmeans_floor.append({"input": inp, "seed": s, "method": m, "bits": b,
                                              "kmeans_seeds": [kseeds[0], k],
@@ -117,7 +118,7 @@ def rows(res: dict) -> list[dict]:
                    "vbench": {d: _ms([r["vbench"].get(d) for r in main]) for d in dims}}
             for win in ("onset", "video"):
                 row[win] = {k: (_ms([r["vs_ref"][win][k] for r in main]) if m != "bf16" else None) for k in METRICS}
-            if seeded(m):  # spread over k-means seeds of the onset PSNR, per (input, seed), averaged
+            if has_kmeans(m):  # spread over k-means seeds of the onset PSNR, per (input, seed), averaged
                 groups = {}
                 for r in runs:
                     if r["method"] == m and r["bits"] == b:

@@ -220,6 +220,12 @@ def test_deterministic(method):
         assert torch.equal(qvg.decompress(p), qvg.decompress(outs[0]))
 
 
+def test_kmeans_methods_are_the_warm_started_ones_and_the_ui_spells_them_alike():
+    from qvg.app.ui_run import KMEANS
+    assert qvg.compression.kmeans_methods() == ("qvg", "qvg-pro") == KMEANS
+    assert qvg.compression.seeded("rtn", 3) == {} and qvg.compression.seeded("quarot", 3) == {"seed": 3}
+
+
 @pytest.mark.parametrize("method", ["qvg", "quarot"])
 def test_seed_matters(method):
     x = randn(1, 2, 200, 64, seed=7)

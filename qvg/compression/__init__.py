@@ -26,6 +26,12 @@ def seeded(method: str, seed: int) -> dict:
     return {"seed": seed} if "seed" in get_method(method).defaults else {}
 
 
+def kmeans_methods() -> tuple[str, ...]:
+    """The methods that cluster with k-means (warm-started from the previous chunk's centroids): the ones a k-means
+    seed (qvg-generate's --kmeans-seed) and a seed-variance floor over k-means seeds apply to."""
+    return tuple(n for n, m in REGISTRY.items() if m.warm_start)
+
+
 def get_method(name: str) -> Method:
     if name not in REGISTRY:
         raise ValueError(f"unknown method {name!r}; choose one of: {', '.join(REGISTRY)}")
