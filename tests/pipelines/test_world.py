@@ -318,6 +318,11 @@ def test_photo_view_bounds_its_work_and_says_what_it_takes():
     assert torch.equal(photo_view(strip), photo_view(strip[:, :, (32000 - 64) // 2:(32000 - 64) // 2 + 64]))
     with pytest.raises(ValueError, match=r"a photo must be a tensor \[3, H, W\] \(channels first\), got \[64, 80, 3\]"):
         photo_view(torch.zeros(64, 80, 3))
+    from qvg.pipelines.world_data import PHOTO_SHORT_SIDE, centre_view
+    wide = torch.rand(3, 512, 1990) * 2 - 1  # (3.9:1: scaled whole, as before the cut)
+    f = PHOTO_SHORT_SIDE / 512
+    whole = torch.nn.functional.interpolate(wide[None], size=(round(512 * f), round(1990 * f)), mode="area")[0]
+    assert torch.equal(photo_view(wide), centre_view(whole.clamp(-1, 1), 64))
 
 
 def test_rollout_takes_action_names_and_says_what_does_not_fit():
