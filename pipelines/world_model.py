@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from diffusers.models.embeddings import TimestepEmbedding
 
-from qvg.numbers import parse_int
+from qvg.numbers import is_int, parse_int
 
 from .causal_wan import CausalWanTransformer
 
@@ -123,9 +123,8 @@ class WorldModelError(ValueError):
 def _number(cfg: dict, key: str, low: float, high: float = math.inf, *, integer: bool = False,
             low_open: bool = False):
     v = cfg[key]
-    kind = (int,) if integer else (int, float)
-    ok = (isinstance(v, kind) and not isinstance(v, bool) and (isinstance(v, int) or math.isfinite(v))
-          and low <= v <= high)  # (an int compares exactly: 10**400 overflowed isfinite)
+    ok = (is_int(v) or not integer and isinstance(v, float) and math.isfinite(v)) and low <= v <= high
+    # (an int compares exactly: 10**400 overflowed isfinite)
     if not ok or (low_open and v == low):
         what = "an integer" if integer else "a number"
         bound = f"> {low:g}" if low_open else f">= {low:g}"
@@ -148,7 +147,7 @@ def check_config(cfg: dict) -> None:
         raise ValueError(f"actions must start with 'stay' (id 0, the start image's action), got {acts!r}")
     patch = tr.get("patch_size", (1, 2, 2))
     if (not isinstance(patch, (list, tuple)) or len(patch) != 3
-            or not all(isinstance(p, int) and not isinstance(p, bool) and p >= 1 for p in patch)):
+            or not all(is_int(p) and p >= 1 for p in patch)):
         raise ValueError(f"transformer.patch_size must be three positive integers, got {patch!r}")
     size = _number(cfg, "frame_size", 1, 16384, integer=True)
     if size % patch[1] or size % patch[2]:

@@ -103,6 +103,7 @@ import torch
 from . import compression
 from .attention import attend_reference, sdpa_gqa
 from .backend import triton_available, use_kernels
+from .numbers import is_int
 from .compression.graphed import GraphedCompress
 from .packed import COMPONENTS
 from .rope import RopeTables, apply_rope, frame_angles
@@ -261,15 +262,15 @@ class KVCache:
                              f"nothing), not {method!r}")
         for name, v in (("num_layers", num_layers), ("chunk_frames", chunk_frames),
                         ("tokens_per_frame", tokens_per_frame), ("commit_every", commit_every)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            if not is_int(v) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         for name, v in (("sink_frames", sink_frames), ("window_frames", window_frames)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0 or v % chunk_frames):
+            if v is not None and (not is_int(v) or v < 0 or v % chunk_frames):
                 raise ValueError(f"{name} must be a non-negative multiple of chunk_frames ({chunk_frames}), got {v!r}")
         for name, v in (("async_commit", async_commit), ("defer_commits", defer_commits)):
             if not isinstance(v, bool):
                 raise ValueError(f"{name} must be True or False, got {v!r}")
-        if isinstance(prefetch_bytes, bool) or not isinstance(prefetch_bytes, int) or prefetch_bytes < 0:
+        if not is_int(prefetch_bytes) or prefetch_bytes < 0:
             raise ValueError(f"prefetch_bytes must be a non-negative integer (0: no prefetch), got {prefetch_bytes!r}")
         if prefetch_at not in PREFETCH_AT:
             raise ValueError(f"prefetch_at must be one of {', '.join(PREFETCH_AT)}, got {prefetch_at!r}")
@@ -311,7 +312,7 @@ class KVCache:
         self._graphed = GraphedCompress(commit_sms is not None) if cuda_graphs and method != "bf16" else None
         self.async_commit, self.defer_commits = async_commit, defer_commits
         for name, v in (("commit_sms", commit_sms), ("prefetch_sms", prefetch_sms)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            if v is not None and (not is_int(v) or v < 1):
                 raise ValueError(f"{name} must be a positive integer or None, got {v!r}")
         self.commit_sms, self.prefetch_sms = commit_sms, prefetch_sms
         self._side: dict = {}  # device -> the CUDA side stream of the async commits
@@ -1057,7 +1058,7 @@ def check_options(method: str, options: dict, unit_tokens: int, head_dim: int | 
     checked at the first write."""
     if head_dim is None:
         bs = options.get("block_size", compression.methods(details=True)[method]["defaults"].get("block_size"))
-        head_dim = 8 * bs if isinstance(bs, int) and not isinstance(bs, bool) and bs > 0 else 128
+        head_dim = 8 * bs if is_int(bs) and bs > 0 else 128
     for role in (("key", "value") if method == "kivi" else ("key",)):
         resolved = compression.resolve_options(method, (1, 1, unit_tokens, head_dim),
                                                **unit_options(method, options, role))

@@ -19,3 +19,9 @@ def parse_int(text) -> int:
 def integer(text) -> int:
     """`parse_int` as an argparse type (argparse then says "invalid integer value: '...'")."""
     return parse_int(text)
+
+
+def is_int(v) -> bool:
+    """Whether v is a Python int and not a bool (True is an int to isinstance). Options and sizes that are stored and
+    written to JSON reports take these only (a numpy integer is not JSON)."""
+    return isinstance(v, int) and not isinstance(v, bool)

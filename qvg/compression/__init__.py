@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..kmeans import MAX_K, SEEDINGS
+from ..numbers import is_int
 from ..packed import Packed
 from . import rtn, kivi, quarot, prq  # noqa: F401,I001  (registers the methods, in this order)
 from .registry import REGISTRY, Method
@@ -48,7 +49,7 @@ def resolve_options(method: str, shape, **given) -> dict:
                          f"its options: {', '.join(m.defaults)}")
     o = {**m.defaults, **given}
     for name in ("bits", "block_size", "seed", "stages", "centroids", "iters", "residual"):
-        if name in o and o[name] is not None and (isinstance(o[name], bool) or not isinstance(o[name], int)):
+        if name in o and o[name] is not None and not is_int(o[name]):
             raise ValueError(f"{name} must be an integer, got {o[name]!r}")
     if "seed" in o and not 0 <= o["seed"] < 2 ** 63:  # (torch's generators take a 64-bit seed)
         raise ValueError(f"seed must be in [0, 2**63 - 1], got {o['seed']}")
