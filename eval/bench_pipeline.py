@@ -31,7 +31,7 @@ import time
 import torch
 
 from qvg.compression.graphed import pool_free_bytes
-from qvg.help_format import Parser
+from qvg.help_format import OneLineParser, Parser
 
 from .bench_kernels import gpu_tag, out_error, result_header, write_result
 
@@ -151,17 +151,10 @@ def parse_method(method: str) -> tuple[str, list[str], str | None]:
     return name, flags, (presets[0] if presets else None)
 
 
-class _OneLine(Parser):
-    """A usage error is one line ("PROG: error: ...") and exit 2, without argparse's usage block."""
-    def error(self, message):
-        print(f"{self.prog}: error: {message}", file=sys.stderr)
-        raise SystemExit(2)
-
-
 def pipeline_args(doc: str, methods: str, history: int = 21) -> argparse.ArgumentParser:
     """An argument parser with the options every one-history pipeline tool shares (--out, --history, --methods,
     --options; check them with `parse_methods`), described by the first paragraph of `doc`."""
-    ap = _OneLine(description=doc.split("\n\n")[0])
+    ap = OneLineParser(description=doc.split("\n\n")[0])
     ap.add_argument("--out", default="eval/results")
     ap.add_argument("--history", type=int, default=history)
     ap.add_argument("--methods", default=methods)

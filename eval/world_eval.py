@@ -13,7 +13,6 @@ seeds (the std over seeds of the per-seed mean), the smallest difference worth r
 """
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import statistics
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from qvg.help_format import OneLineParser
 from qvg.revision import code_commit
 
 from ..pipelines.world_data import REVERSE, Camera, _valid, cameras_for, load_photo, photo_names, random_trajectory, render
@@ -286,10 +286,12 @@ def quality_part(model, cfg, a) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m qvg.eval.world_eval", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="python -m qvg.eval.world_eval", description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="world model directory (default: the shipped assets/world)")
-    p.add_argument("--out", default="eval/results/world-eval", help="output path without extension")
-    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--out", default="eval/results/world-eval",
+                   help="output path without extension: .json, .md and .png are written "
+                        "(default eval/results/world-eval)")
+    p.add_argument("--seeds", type=int, default=3, help="sampling seeds per trajectory (default 3)")
     p.add_argument("--trajectories", type=int, default=4, help="per held-out photo and kind")
     p.add_argument("--chunks", type=int, default=8, help="generated chunks of the quality trajectories")
     p.add_argument("--m", type=int, default=4, help="revisit: chunks away before coming back")
@@ -304,7 +306,8 @@ def main(argv=None) -> int:
     p.add_argument("--trajectory-seed", type=int, default=TRAJECTORY_SEED,
                    help="draws the held-out trajectories (another value = fresh trajectories on the same photos)")
     p.add_argument("--seed-offset", type=int, default=0, help="sampling seeds are offset, offset+1, ...")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cpu or cuda[:N] (default cuda when available, else cpu)")
     p.add_argument("--report", default=None, help="only render .md / .png from this results JSON")
     p.add_argument("--merge", nargs="+", default=None, metavar="JSON",
                    help="merge results JSONs of one set (same photos, trajectories, seeds, m; e.g. configurations "

@@ -33,7 +33,6 @@ that run started from.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -42,6 +41,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from qvg.help_format import OneLineParser
+from qvg.numbers import integer
 
 from .self_forcing import flow_sigmas
 from .world_data import WorldData
@@ -325,6 +327,14 @@ def _same_init(directory, started: dict | None) -> bool:
 
 
 # flags that only steer a training run (how long, where, how): --export refuses them, as it trains nothing
+# the numbers' ranges ([low, high]; POSITIVE: also > 0), checked before anything runs (a NaN learning rate or an
+# empty batch was a traceback from deep in a step; --minutes -1 saved an untrained state)
+RANGES = {"chunks": (2, 1000), "batch": (1, 65536), "lr": (0, 1), "warmup": (0, math.inf),
+          "weight_decay": (0, math.inf), "grad_clip": (0, math.inf), "seed": (0, 2**63 - 1),
+          "total_steps": (1, math.inf), "step_sigma_fraction": (0, 1), "context_sigma_max": (0, 1),
+          "revisit_fraction": (0, 1), "rollout_fraction": (0, 1), "minutes": (0, math.inf), "max_steps": (1, math.inf),
+          "save_every": (0, math.inf)}
+POSITIVE = ("lr", "grad_clip", "minutes")
 RUN_FLAGS = ("minutes", "device", "attention", "compile", "max_steps", "save_every")
 RUN_DEFAULTS = {"minutes": 8.0, "device": lambda: "cuda" if torch.cuda.is_available() else "cpu",
                 "attention": "auto", "save_every": 200}
@@ -354,7 +364,7 @@ def _loaded(p, make, ck) -> "Trainer":
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m qvg.pipelines.world_train", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="python -m qvg.pipelines.world_train", description=__doc__.splitlines()[0])
     p.add_argument("--ckpt", required=True, help="state directory (created; resumed when it holds a state)")
     # (the run-only flags default to None so that --export can tell which were given: RUN_DEFAULTS fills them)
     p.add_argument("--minutes", type=float, default=None, help="stop (and save) after this much training (default 8)")
@@ -362,14 +372,21 @@ def main(argv=None) -> int:
     p.add_argument("--device", default=None, help="default cuda when available, else cpu")
     p.add_argument("--attention", default=None, choices=("auto", "flex", "dense"), help="default auto")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (CUDA)")
-    p.add_argument("--max-steps", type=int, default=None, help="stop after this many steps in this run")
-    p.add_argument("--save-every", type=int, default=None,
-                   help="also save the state every this many steps (default 200)")
+    p.add_argument("--max-steps", type=integer, default=None, help="stop after this many steps in this run")
+    p.add_argument("--save-every", type=integer, default=None,
+                   help="also save the state every this many steps (default 200; 0: only at the end)")
     p.add_argument("--init", default=None, help="a new run starts from this exported model's weights (fine-tune)")
     p.add_argument("--world-rope", action="store_true", help="a new run: world-coordinate spatial RoPE")
     for k, v in DEFAULTS.items():
-        p.add_argument(f"--{k.replace('_', '-')}", type=type(v), default=None, help=f"default {v}")
+        p.add_argument(f"--{k.replace('_', '-')}", type=integer if isinstance(v, int) else float, default=None,
+                       help=f"default {v}")
     a = p.parse_args(argv)
+    for k, (low, high) in RANGES.items():
+        v = getattr(a, k)
+        finite = v is not None and (isinstance(v, int) or math.isfinite(v))  # (an int: 10**400 overflows isfinite)
+        if v is not None and not (finite and low <= v <= high and (k not in POSITIVE or v > 0)):
+            p.error(f"--{k.replace('_', '-')} must be {'> 0' if k in POSITIVE else f'>= {low}'}"
+                    + (f" and <= {high}" if high < math.inf else "") + f", got {v}")
     given = {k: getattr(a, k) for k in DEFAULTS if getattr(a, k) is not None}
     if a.export:
         extra = list(given) + [k for k in ("init", "world_rope", *RUN_FLAGS)

@@ -1,9 +1,11 @@
-"""argparse for the command-line tools (qvg-generate, qvg-app, qvg-eval): a bad flag is one error line (the tool's
-usage-error type, no usage dump), and help lines never break inside a hyphenated word (argparse's default wraps
-`qvg-output.mp4`, `self-forcing` and `qvg-pro` across two lines)."""
+"""argparse for the command-line tools (qvg-generate, qvg-app, qvg-eval, the `python -m` tools): a bad flag is one
+error line (the tool's usage-error type, or "PROG: error: ..." and exit 2; no usage dump), and help lines never
+break inside a hyphenated word (argparse's default wraps `qvg-output.mp4`, `self-forcing` and `qvg-pro` across two
+lines)."""
 from __future__ import annotations
 
 import argparse
+import sys
 import textwrap
 
 
@@ -26,3 +28,12 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message):  # one line, no usage dump
         raise self.usage_error(message)
+
+
+class OneLineParser(Parser):
+    """A Parser for the `python -m` tools: an error (a bad flag, or the tool's own `error(...)` call) is one line on
+    stderr, "PROG: error: ...", and exit 2."""
+
+    def error(self, message):
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(2)

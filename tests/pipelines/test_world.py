@@ -356,6 +356,25 @@ def test_rollout_takes_action_names_and_says_what_does_not_fit():
             rollout(model, cfg, kw.get("start", start), kw.get("actions", ["left"]), kw.get("c") or cache())
 
 
+def test_train_numbers_out_of_range_are_one_line_and_write_nothing(tmp_path, capsys):
+    """A NaN or negative learning rate, an empty batch, no chunks, negative minutes: one error line and exit 2 before
+    anything runs (they were tracebacks from deep in a step, or a saved untrained state)."""
+    from qvg.pipelines import world_train as wt
+    ck = tmp_path / "ck"
+    for args, msg in ((["--lr", "nan"], "--lr must be > 0 and <= 1, got nan"),
+                      (["--batch", "0"], "--batch must be >= 1"),
+                      (["--chunks", "1"], "--chunks must be >= 2"), (["--minutes", "-1"], "--minutes must be > 0"),
+                      (["--max-steps", "0"], "--max-steps must be >= 1"), (["--save-every", "-1"], "--save-every"),
+                      (["--seed", str(2**64)], "--seed must be >= 0 and <= 9223372036854775807"),
+                      (["--revisit-fraction", "1.5"], "<= 1"), (["--warmup", "1_0"], "invalid integer value")):
+        with pytest.raises(SystemExit) as e:
+            wt.main(["--ckpt", str(ck), *args])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and msg in err and err.count("\n") == 1, err
+        assert err.startswith("python -m qvg.pipelines.world_train: error: ")
+    assert not ck.exists()
+
+
 def test_resuming_with_other_settings_says_so_and_records_them(tmp_path, capsys, monkeypatch):
     """A resumed run applies a changed setting, says so on stderr and keeps it in state.json and the exported card;
     --init on a directory that holds a state is refused (exit 2) instead of being ignored."""
@@ -387,8 +406,8 @@ def test_resuming_with_other_settings_says_so_and_records_them(tmp_path, capsys,
                  "--compile"])
     assert e.value.code == 2 and "drop --device, --compile, --max-steps" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:  # a run flag given as 0 is given too
-        wt.main(["--ckpt", ck, "--export", str(tmp_path / "model2"), "--minutes", "0"])
-    assert e.value.code == 2 and "drop --minutes" in capsys.readouterr().err
+        wt.main(["--ckpt", ck, "--export", str(tmp_path / "model2"), "--save-every", "0"])
+    assert e.value.code == 2 and "drop --save-every" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:  # a device that is not there (torch takes cpu:5 as the CPU)
         wt.main(base + ["--device", "cpu:5"])
     assert e.value.code == 2 and "--device must be cpu or cuda[:N], got 'cpu:5'" in capsys.readouterr().err
