@@ -12,10 +12,10 @@ MAX_SIDE = 384
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
+    from qvg.help_format import OneLineParser
     import importlib.util
     import sys
-    ap = argparse.ArgumentParser(prog="python -m qvg.assets.build_photos", description="Rebuild the bundled photos "
+    ap = OneLineParser(prog="python -m qvg.assets.build_photos", description="Rebuild the bundled photos "
                                  "from scikit-image's (pip install scikit-image).")
     ap.add_argument("--out", default=None, help="output folder (default: the package's assets/photos, which the "
                     "embedded model and qvg-generate read)")

@@ -10,12 +10,12 @@ the decode's own time that running it concurrently saves. Writes overlap-<gpu>.j
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 import torch
 
+from qvg.help_format import OneLineParser
 from .bench_kernels import bench, clustered
 from .bench_pipeline import on_stream
 from .provenance import command_line, emit_json, meta
@@ -93,7 +93,7 @@ def run(frames: int = 21, reps: int = 20, variants: bool = False) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = OneLineParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="eval/results")
     ap.add_argument("--frames", default="21,60")
     ap.add_argument("--variants", action="store_true", help="also the small-grid / priority decode variants")

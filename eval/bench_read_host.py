@@ -9,12 +9,12 @@ decoded ahead (the cache's prefetch), SDPA on an equal BF16 cache (the bf16 meth
 from a CUDA graph (no launch cost at all: its GPU time is the kernels' own)."""
 from __future__ import annotations
 
-import argparse
 import os
 import time
 
 import torch
 
+from qvg.help_format import OneLineParser
 from .provenance import command_line, emit_json, meta
 
 
@@ -74,7 +74,7 @@ def run() -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = OneLineParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="eval/results")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

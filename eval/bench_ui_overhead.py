@@ -15,7 +15,6 @@ label, to the file's "runs".
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
@@ -24,6 +23,8 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+
+from qvg.help_format import OneLineParser
 
 
 # `python -m qvg.app.ui` from a given tree: an editable install's import hook would find this one first
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     from gradio_client import Client
 
     from qvg.eval.provenance import command_line, meta
-    p = argparse.ArgumentParser(prog="python -m qvg.eval.bench_ui_overhead", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="python -m qvg.eval.bench_ui_overhead", description=__doc__.splitlines()[0])
     p.add_argument("--frames", type=int, default=91)
     p.add_argument("--method", default="qvg")
     p.add_argument("--repeats", type=int, default=2, help="timed videos after the warm-up (default 2)")

@@ -7,7 +7,6 @@ The encode runs between chunks on the generation's thread, so it adds to every c
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -16,6 +15,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from qvg.help_format import OneLineParser
 
 FRAMES, HEIGHT, WIDTH, FPS = 12, 480, 832, 16
 
@@ -64,7 +65,7 @@ def measure(encode, frames: np.ndarray, path: Path, repeats: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     from qvg.eval.provenance import command_line, meta
-    p = argparse.ArgumentParser(prog="python -m qvg.eval.bench_ui_preview", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="python -m qvg.eval.bench_ui_preview", description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", default=None, help="write the JSON here (default: print it only)")
     a = p.parse_args(argv)

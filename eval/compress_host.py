@@ -20,7 +20,6 @@ included. Writes compress-host-<gpu>.json.
 """
 from __future__ import annotations
 
-import argparse
 import cProfile
 import io
 import pstats
@@ -30,6 +29,7 @@ import time
 
 import torch
 
+from qvg.help_format import OneLineParser
 from .bench_kernels import (LONGCAT_SPAN, bench, capture_graph, clustered, host_probe_ms, result_header, warm_start,
                             write_result)
 
@@ -172,7 +172,7 @@ def run(profile: bool, traced: bool = False) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = OneLineParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="eval/results")
     ap.add_argument("--profile", action="store_true", help="add a cProfile of 200 fast-path qvg calls")
     ap.add_argument("--trace", action="store_true", help="add a torch.profiler trace of 10 fast-path calls")

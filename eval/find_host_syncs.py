@@ -11,7 +11,6 @@ synchronizing call by its innermost call site in this project or diffusers. Writ
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import os
 import sys
@@ -20,6 +19,7 @@ import warnings
 
 import torch
 
+from qvg.help_format import OneLineParser
 from qvg.revision import REPO
 
 from .provenance import command_line, emit_json, meta
@@ -67,7 +67,7 @@ def count_syncs(fn) -> dict[str, int]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = OneLineParser(description=__doc__.splitlines()[0])
     ap.add_argument("--history", type=int, default=6, help="past latent frames (a multiple of 3)")
     ap.add_argument("--methods", default="bf16,qvg")
     ap.add_argument("--options", default='{"centroids": 64}')

@@ -17,13 +17,13 @@ Writes green-probe-<gpu>.json.
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
 
 import torch
 
+from qvg.help_format import OneLineParser
 from .bench_kernels import gpu_tag, result_header, write_result
 
 SHAPE = (1, 12, 4680, 128)
@@ -50,7 +50,7 @@ def _equal(a: dict, b: dict) -> bool:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = OneLineParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="eval/results")
     ap.add_argument("--sms", default="8,16,32")
     ap.add_argument("--rounds", type=int, default=7)

@@ -2,11 +2,12 @@
 `python -m qvg.eval.kernels_report eval/results/kernels-h200.json [--notes FILE]` writes the .md beside it."""
 from __future__ import annotations
 
-import argparse
 import ast
 import json
 import sys
 from pathlib import Path
+
+from qvg.help_format import OneLineParser
 
 TARGETS = {"dequant_fraction": 0.70, "compress_s1_ms": 0.8, "compress_s4_ms": 3.0, "attention_vs_sdpa": 0.85}
 ANCHOR = ("Official QVG code on our H100 (torch 2.11, triton 3.6): copy 3.02 TB/s; dequant 0.189 ms per "
@@ -209,16 +210,25 @@ def _ablation(ab: dict, attention) -> list[str]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="render a bench_kernels JSON as markdown")
+    ap = OneLineParser(description="render a bench_kernels JSON as markdown")
     ap.add_argument("json")
     ap.add_argument("--notes", help="a markdown file appended as the Notes section")
     args = ap.parse_args(argv)
+    for path in filter(None, (args.json, args.notes)):
+        try:
+            Path(path).read_text()
+        except (OSError, ValueError) as e:  # (missing, a folder, not UTF-8)
+            print(f"kernels_report: cannot read {path!r} ({getattr(e, 'strerror', None) or type(e).__name__})",
+                  file=sys.stderr)
+            return 2
     try:
         d = json.loads(Path(args.json).read_text())
-        notes = Path(args.notes).read_text() if args.notes else ""
-    except (OSError, ValueError) as e:
-        print(f"kernels_report: cannot read input: {e}", file=sys.stderr)
+        if not isinstance(d, dict):
+            raise ValueError(f"a JSON {type(d).__name__}, not an object")
+    except ValueError as e:
+        print(f"kernels_report: {args.json!r} is not a bench_kernels JSON ({e})", file=sys.stderr)
         return 2
+    notes = Path(args.notes).read_text() if args.notes else ""
     md = Path(args.json).with_suffix(".md")
     md.write_text(render(d, notes))
     print(f"wrote {md}")

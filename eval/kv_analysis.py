@@ -35,7 +35,6 @@ centroids as `init`, which reproduces an uninterrupted run exactly.
 """
 from __future__ import annotations
 
-import argparse
 import datetime as _dt
 import json
 import math
@@ -48,6 +47,7 @@ from pathlib import Path
 import torch
 
 import qvg
+from qvg.help_format import OneLineParser
 from qvg.kmeans import kmeans
 from qvg.compression import resolve_options
 from qvg.compression.prq import COLD_ITERS, WARM_ITERS, _gather, residual_tscale
@@ -737,7 +737,7 @@ def save(res: dict, out: str | Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m qvg.eval.kv_analysis", description=__doc__.split("\n")[0])
+    ap = OneLineParser(prog="python -m qvg.eval.kv_analysis", description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=".", help="output folder (default: the current one; the committed copies are "
                     "in eval/results)")
     ap.add_argument("--quick", action="store_true", help="small sizes: a seconds-long smoke test")

@@ -21,7 +21,6 @@ lpips (found, never imported); sys.modules is left as it was (no torchvision in 
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import re
 import types
@@ -30,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from qvg.help_format import OneLineParser
 from .source_loading import exec_function, isolated_modules, load, source_folder, stand_in
 
 ENV = "QVG_LPIPS_SRC"
@@ -187,7 +187,7 @@ def run(ref, nets=NETS, seed: int = 0, **kw) -> dict:
 
 def main(argv=None) -> int:
     from .provenance import changed_files, command_line, emit_json, meta
-    p = argparse.ArgumentParser(prog="python -m qvg.eval.lpips_parity", description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="python -m qvg.eval.lpips_parity", description=__doc__.split("\n\n")[0])
     p.add_argument("--lpips", default=None, help=f"folder holding lpips/ (default ${ENV}, else an installed lpips)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)

@@ -6,14 +6,15 @@ The incremental update (kernels/kmeans_delta.py) reads only those tokens. Runs o
 heads) or on CUDA."""
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
 
+from qvg.help_format import OneLineParser
+
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = OneLineParser(description=__doc__.splitlines()[0])
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=29640)
     ap.add_argument("--out", default="eval/results")

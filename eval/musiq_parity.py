@@ -13,7 +13,6 @@ stand-ins. The pyiqa folder is --pyiqa, else $QVG_PYIQA_SRC, else an installed p
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import re
 import sys
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from qvg.help_format import OneLineParser
 from .source_loading import exec_function, isolated_modules, load, source_folder, stand_in
 
 ENV = "QVG_PYIQA_SRC"
@@ -117,7 +117,7 @@ def images(seed: int = 0):
 
 def main(argv=None) -> int:
     from .provenance import changed_files, command_line, emit_json, meta
-    p = argparse.ArgumentParser(prog="python -m qvg.eval.musiq_parity", description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="python -m qvg.eval.musiq_parity", description=__doc__.split("\n\n")[0])
     p.add_argument("--pyiqa", default=None, help=f"folder holding pyiqa/ (default ${ENV}, else an installed pyiqa)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)

@@ -25,6 +25,8 @@ import shutil
 import subprocess
 import sys
 
+from qvg.help_format import OneLineParser
+
 SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "ComputeWorkloadAnalysis", "Occupancy", "LaunchStats",
             "WarpStateStats", "SchedulerStats")
 # what each launch's summary keeps from ncu's details page (section, metric name)
@@ -173,7 +175,7 @@ def summarize(details_csv: str, raw_csv: str) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = OneLineParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="/tmp/qvg-ncu", help="where the report, its CSV pages and the JSON go")
     ap.add_argument("--workload", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--ncu", default=shutil.which("ncu") or "ncu")

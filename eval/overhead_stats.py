@@ -19,7 +19,6 @@ range and how many runs are over the target are printed beside it. Exit 0 either
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import itertools
 import json
@@ -29,6 +28,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from qvg.help_format import OneLineParser
 from qvg.revision import REPO
 
 BASELINE_RING = "ffe3555"  # since this commit bench_pipeline's `bf16` row is the BF16 cache as a ring (before: shift)
@@ -133,7 +133,7 @@ def summarize(overheads: list[float], target: float) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m qvg.eval.overhead_stats", description=__doc__.split("\n\n")[0])
+    ap = OneLineParser(prog="python -m qvg.eval.overhead_stats", description=__doc__.split("\n\n")[0])
     ap.add_argument("files", nargs="+", help="bench_pipeline JSON files, one per run")
     ap.add_argument("--method", default="qvg-pro")
     ap.add_argument("--history", type=int, default=21)

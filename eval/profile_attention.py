@@ -19,7 +19,6 @@ baseline. One from before d45552c (no whole waves, e.g. 147e7ab, the reference f
 gain) is launched without the FULL argument."""
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -27,6 +26,8 @@ import sys
 import time
 
 import torch
+
+from qvg.help_format import OneLineParser
 
 DEFAULT = "256,64,8,2;256,64,8,2,1;128,64,8,2;128,64,8,3;256,32,8,2"
 
@@ -92,7 +93,7 @@ def check_args(args) -> str | None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = OneLineParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="eval/results")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--keys", default="32760")

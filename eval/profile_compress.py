@@ -8,7 +8,6 @@ writes profile-compress-variants-<gpu>.json; with --quick and no GPU it runs und
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -16,6 +15,7 @@ import platform
 
 import torch
 
+from qvg.help_format import OneLineParser
 from qvg.revision import code_commit
 
 from .bench_kernels import bench, clustered, warm_start
@@ -124,7 +124,7 @@ def run(shape, sweep: bool) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = OneLineParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="eval/results")
     ap.add_argument("--sweep", action="store_true", help="also time the tile configurations of each kernel")
     ap.add_argument("--quick", action="store_true", help="a small shape (smoke test)")

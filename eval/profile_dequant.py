@@ -12,13 +12,14 @@ between runs at one copy bandwidth: compare options within one run). `--workload
 shape, in order, for Nsight Compute (no timing)."""
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
 import time
 
 import torch
+
+from qvg.help_format import OneLineParser
 
 VARIANTS = {
     "default": dict(),
@@ -97,7 +98,7 @@ def shapes():
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = OneLineParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="eval/results")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--only", default="", help="comma-separated option names (default: all)")

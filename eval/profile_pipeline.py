@@ -11,13 +11,13 @@ profile-pipeline-<gpu>.json.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 
 import torch
 
+from qvg.help_format import OneLineParser
 from .bench_kernels import gpu_tag, result_header
 from .bench_pipeline import _fill, cuda_ms, method_runner, new_cache, parse_methods, steady_ms, wan_model
 from .profile_compress import _host_profile, _profile
@@ -79,7 +79,7 @@ def run(histories, methods, options) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = OneLineParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="eval/results")
     ap.add_argument("--history", default="21,60")
     ap.add_argument("--methods", default="bf16,qvg")

@@ -9,7 +9,6 @@ Writes rope_storage.json and rope_storage.md.
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -21,6 +20,7 @@ from pathlib import Path
 import torch
 
 import qvg
+from qvg.help_format import OneLineParser
 from qvg.eval.synthetic_kv import DESCRIPTION, synthetic_kv
 from qvg.numbers import integer
 from qvg.outputs import atomic, folder_error
@@ -68,7 +68,7 @@ OUTPUTS = ("rope_storage.json", "rope_storage.md")
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m qvg.eval.rope_storage",
+    ap = OneLineParser(prog="python -m qvg.eval.rope_storage",
                                  description="pre- vs post-RoPE key storage on synthetic video-like KV")
     ap.add_argument("--out", default=".", help="output folder for rope_storage.json / .md (default: the current "
                     "one; the committed copies are in eval/results)")

@@ -12,13 +12,13 @@ rounds of 20 calls each, layouts interleaved. Writes sdpa-layouts-<gpu>.json.
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
 
 import torch
 
+from qvg.help_format import OneLineParser
 from .bench_kernels import gpu_tag, result_header, write_result
 
 
@@ -67,7 +67,7 @@ def run(keys: list[int], rounds: int = 7, calls: int = 20) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m qvg.eval.sdpa_layouts", description=__doc__.splitlines()[0])
+    ap = OneLineParser(prog="python -m qvg.eval.sdpa_layouts", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="eval/results")
     ap.add_argument("--keys", default="37440,98280", help="key counts (21 frames of history + a chunk: 37440)")
     ap.add_argument("--rounds", type=int, default=7)

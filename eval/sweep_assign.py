@@ -6,17 +6,18 @@ compared with those of `assign`'s own defaults there (64 tokens, 4 warps, 2 stag
 per SM; the compress presets prefetch 3 deep since 3d1d3ad)."""
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
 import torch
 
+from qvg.help_format import OneLineParser
+
 TILINGS = ((64, 4, 2), (64, 4, 3), (64, 4, 4), (64, 4, 5), (128, 8, 3), (128, 8, 4))
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = OneLineParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="eval/results")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

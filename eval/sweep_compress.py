@@ -14,12 +14,13 @@ Defaults: the Self-Forcing chunk with the cache's K for it (64), qvg and qvg-pro
 """
 from __future__ import annotations
 
-import argparse
 import itertools
 import sys
 import time
 
 import torch
+
+from qvg.help_format import OneLineParser
 
 ASSIGN = {
     "a64w4auto": dict(mode="min", block_n=64, block_k=256, num_warps=4, progs="auto"),  # "fast" before 3d1d3ad
@@ -144,7 +145,7 @@ def _checked(args) -> tuple[tuple, list[str], dict]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = OneLineParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="1,12,4680,128", help="B,H,N,D (default: a Self-Forcing chunk)")
     ap.add_argument("--centroids", type=int, default=64, help="K (default 64: the cache's K for 4,680 tokens)")
     ap.add_argument("--methods", default="qvg,qvg-pro")

@@ -7,11 +7,12 @@ warps, prefetch depth and token split. Each row holds its largest centroid diffe
 (the FP32 sums are added in another order) and whether the cluster sizes agree."""
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
 import torch
+
+from qvg.help_format import OneLineParser
 
 ONEHOT = [dict(block_k=64, block_n=32, num_warps=4, num_stages=3, chunk=4096)]  # the one-hot default
 ONEHOT += [dict(block_k=256, block_n=bn, num_warps=8, num_stages=ns, chunk=ch)
@@ -20,7 +21,7 @@ ONEHOT += [dict(block_k=128, block_n=32, num_warps=nw, num_stages=3, chunk=4096)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = OneLineParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="eval/results")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

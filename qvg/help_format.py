@@ -34,6 +34,12 @@ class OneLineParser(Parser):
     """A Parser for the `python -m` tools: an error (a bad flag, or the tool's own `error(...)` call) is one line on
     stderr, "PROG: error: ...", and exit 2."""
 
+    def __init__(self, *args, **kwargs):
+        spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+        if not args and "prog" not in kwargs and spec is not None and spec.name.startswith("qvg."):
+            kwargs["prog"] = f"python -m {spec.name}"  # (run as `python -m qvg.x.y`: argparse said "y.py")
+        super().__init__(*args, **kwargs)
+
     def error(self, message):
         print(f"{self.prog}: error: {message}", file=sys.stderr)
         raise SystemExit(2)

@@ -55,3 +55,19 @@ def test_attention_target_is_judged_on_the_on_chip_read():
     big = copy.deepcopy(d)
     big["attention"][0]["peak_transient_bytes"]["fused"] = big["attention"][0]["bf16_history_bytes_kv"]
     assert _attention_rows(render(big, ""))[0][-1] == "**missed** (allocates the BF16 history)"
+
+
+def test_bad_input_is_one_line_naming_the_file(tmp_path, capsys):
+    from qvg.eval.kernels_report import main
+    text, folder, lst = tmp_path / "t.json", tmp_path / "d", tmp_path / "l.json"
+    text.write_text("hi")
+    folder.mkdir()
+    lst.write_text("[1]")
+    for args, msg in (([str(text)], f"{str(text)!r} is not a bench_kernels JSON (Expecting value"),
+                      ([str(tmp_path / "nope.json")], "cannot read"), ([str(folder)], "cannot read"),
+                      ([str(lst)], "(a JSON list, not an object)"),
+                      ([str(lst), "--notes", str(tmp_path / "n.md")], f"cannot read {str(tmp_path / 'n.md')!r}")):
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert msg in err and err.count("\n") == 1, err
+    assert not (tmp_path / "t.md").exists()
