@@ -126,18 +126,22 @@ def build_parser():
     c = sub.add_parser("compare", help="compare a video with its reference")
     c.add_argument("ref", metavar="REF", help="the reference video (a BF16-cache run's mp4; its JSON report beside it "
                    "gives the chunk layout)")
-    c.add_argument("test", metavar="TEST", help="the video to score against REF (same frames, same size)")
+    c.add_argument("test", metavar="TEST", help="the video to score against REF (same frame size; if the lengths "
+                   "differ, the frames both hold are compared, with a note)")
     c.add_argument("--out", default=None, help="output path without extension (default: TEST's, + '.compare')")
     c.add_argument("--lead", type=integer, default=None, help="frames given, not generated (default: from REF's JSON "
                    "or 0)")
-    c.add_argument("--first", type=integer, default=None, help="frames of the first generated chunk")
-    c.add_argument("--chunk", type=integer, default=None, help="frames per later chunk")
+    c.add_argument("--first", type=integer, default=None, help="frames of the first generated chunk (default: from "
+                   "REF's JSON or 3)")
+    c.add_argument("--chunk", type=integer, default=None, help="frames per later chunk (default: from REF's JSON or 3)")
     c.add_argument("--onset-chunks", type=integer, default=1, help="chunks in the onset window (default 1)")
-    c.add_argument("--threshold", type=_finite, default=30.0, help="PSNR dB for 'first frame below' (default 30)")
+    c.add_argument("--threshold", type=_finite, default=30.0, help="PSNR dB (> 0) for 'first frame below' "
+                   "(default 30)")
     _common(c)
     r = sub.add_parser("report", help="run the evaluation and write a markdown report")
-    r.add_argument("outdir")
-    r.add_argument("--preset", default="cpu", help="cpu (default) or gpu (see qvg.eval.report)")
+    r.add_argument("outdir", metavar="OUTDIR", help="the report's folder: report.md, PNG plots, results.json")
+    r.add_argument("--preset", default="cpu", help="cpu (default; ~10-25 min on a CPU: 2 photos x 2 seeds, 4 "
+                   "chunks, a 12-chunk long video) or gpu (4 photos x 3 seeds, 8 chunks, a 60-chunk long video)")
     r.add_argument("--from-json", action="store_true", help="re-render OUTDIR/results.json, run nothing")
     r.add_argument("--model", default=None, help="world model folder (default: the embedded assets/world)")
     r.add_argument("--vbench", default="all", help="VBench dimensions (comma list), 'all' or 'none' (default all: "
@@ -146,7 +150,8 @@ def build_parser():
     _key_storage_arg(r)
     _common(r)
     s = sub.add_parser("sweep", help="inputs x seeds x methods x bits -> Table 1")
-    s.add_argument("outdir")
+    s.add_argument("outdir", metavar="OUTDIR", help="the sweep's folder: sweep.json, sweep.md (and the videos of a "
+                   "qvg-generate pipeline)")
     s.add_argument("--pipeline", default="embedded", help="embedded (default, in memory), or a qvg-generate "
                    "pipeline: tiny, self-forcing (runs qvg-generate's code; mp4s are read back)")
     s.add_argument("--checkpoint", default=None, help="self-forcing checkpoint directory")
@@ -167,11 +172,12 @@ def build_parser():
     _key_storage_arg(s)
     _common(s)
     v = sub.add_parser("vbench", help="VBench dimensions of video files")
-    v.add_argument("videos", nargs="+")
+    v.add_argument("videos", nargs="+", metavar="VIDEO", help="mp4 (or other) video files to score")
     v.add_argument("--dims", default="all", help="dimensions (comma list) or 'all' (default); those whose weights are "
                    "missing are reported as not computed, and none computable is an error")
     v.add_argument("--out", default=None, help="JSON output (default: print)")
     _common(v, lpips=False)
+    sub.metavar = "{" + ",".join(sub.choices) + "}"  # (a missing command was "required: cmd")
     return p
 
 
@@ -292,10 +298,13 @@ def _compare(a, argv) -> int:
         what = "no name" if Path(a.out).name in ("", ".", "..") else "a folder"
         raise UsageError(f"--out {a.out!r}: {what}; give the outputs' path without extension, e.g. "
                          f"{os.path.join(a.out or '.', 'name')}")
-    try:  # (first: a folder or a missing file given as a video is refused before its name is used)
-        ref, test = read_video(a.ref), read_video(a.test)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
+    videos = []
+    for name, path in (("REF", a.ref), ("TEST", a.test)):  # (first: a folder or a missing file given as a video
+        try:  # is refused before its name is used)
+            videos.append(read_video(path))
+        except ValueError as e:
+            raise UsageError(f"{name}: {e}") from None
+    ref, test = videos
     out = a.out or str(Path(a.test).with_suffix("")) + ".compare"
     js, png = compare.output_paths(out)
     for video in (a.ref, a.test):  # never over a video's own qvg-generate report (REF's is read for the layout)
@@ -324,6 +333,12 @@ def _compare(a, argv) -> int:
             lay[k] = getattr(a, k)
     if lay["lead"] < 0 or lay["first"] < 1 or lay["chunk"] < 1 or a.onset_chunks < 1:
         raise UsageError("--lead must be >= 0, --first, --chunk and --onset-chunks >= 1")
+    if a.threshold <= 0:  # (no frame is ever below a threshold <= 0 dB)
+        raise UsageError(f"--threshold must be > 0 dB, got {a.threshold:g}")
+    said = side.get("frames")
+    if pipeline in compare.LAYOUTS and isinstance(said, int) and not isinstance(said, bool) and said != ref.shape[1]:
+        notes.append(f"REF's report says {said} frames, REF holds {ref.shape[1]}: its chunk layout (lead "
+                     f"{lay['lead']}, first {lay['first']}, chunk {lay['chunk']}) may not be this video's")
     if lay["lead"] >= n:
         raise UsageError(f"the videos have {n} frames in common: none after the {lay['lead']} lead frame(s)")
     chunks = len(compare.chunk_bounds(n, lay["lead"], lay["first"], lay["chunk"]))

@@ -38,6 +38,9 @@ def read_video(path: str | Path) -> torch.Tensor:
             with imageio.get_reader(str(p)) as r:
                 a = torch.from_numpy(np.stack([np.asarray(f) for f in r]))
     except Exception as e:  # imageio / ffmpeg / numpy errors: one line
+        if "Could not find a backend" in str(e):  # (imageio's wording, with a stray backtick)
+            raise ValueError(f"cannot read {str(p)!r} as a video (no reader for {p.suffix or 'files without a suffix'}"
+                             f": give an {', '.join(FFMPEG_SUFFIXES)}, .gif, .npy or .pt file)") from None
         raise ValueError(f"cannot read {str(p)!r} as a video ({type(e).__name__}: "
                          f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})") from None
     if not isinstance(a, torch.Tensor):  # (a .pt file of a dict, a list, a number)

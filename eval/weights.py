@@ -67,8 +67,9 @@ def reading(path, what: str):
         yield
     except (ImportError, MemoryError, MissingWeights, BadWeights):
         raise
-    except Exception as e:
-        raise BadWeights(f"{path}: not {what} ({first_line(e)})") from None
+    except Exception as e:  # (the unpickler reading other bytes fails with a bare key or index: say what it means)
+        why = "corrupt, or not a file torch.save wrote" if isinstance(e, (KeyError, IndexError)) else first_line(e)
+        raise BadWeights(f"{path}: not {what} ({why})") from None
 
 
 def hf_files(folder: Path) -> list[Path]:

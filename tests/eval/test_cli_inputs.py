@@ -137,6 +137,31 @@ def test_compare_reads_a_sidecar_that_is_no_report_as_none(tmp_path, capsys):
         assert said in capsys.readouterr().err
 
 
+def test_compare_names_the_argument_and_says_when_a_report_does_not_fit(tmp_path, capsys):
+    """A missing REF or TEST says which; a threshold <= 0 dB (never triggers) is refused; a report beside REF whose
+    frame count is not the video's is used with a note (its layout may be another video's)."""
+    ref, test = _video(tmp_path / "ref.npy", frames=7), _video(tmp_path / "t.npy", frames=7, seed=1)
+    for args, needle in (([str(tmp_path / "no.npy"), test], "REF: no such file"),
+                         ([ref, str(tmp_path / "no.npy")], "TEST: no such file"),
+                         ([ref, test, "--threshold", "-5"], "--threshold must be > 0 dB, got -5"),
+                         ([ref, test, "--threshold", "0"], "--threshold must be > 0 dB")):
+        assert main(["compare", *args, "--lpips", "none"]) == 2
+        _one_error(capsys, needle)
+    (tmp_path / "ref.json").write_text(json.dumps({"pipeline": "self-forcing", "frames": 31}))
+    assert main(["compare", ref, test, "--lpips", "none"]) == 0
+    assert "REF's report says 31 frames, REF holds 7: its chunk layout" in capsys.readouterr().err
+    (tmp_path / "ref.json").write_text(json.dumps({"pipeline": "tiny", "frames": 7}))
+    assert main(["compare", ref, test, "--lpips", "none"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_a_file_no_reader_takes_is_one_line_naming_the_types(tmp_path, capsys):
+    (tmp_path / "a.m4a").write_bytes(b"\x00" * 64)
+    ref = _video(tmp_path / "ref.npy")
+    assert main(["compare", str(tmp_path / "a.m4a"), ref, "--lpips", "none"]) == 2
+    _one_error(capsys, "REF: cannot read", "(no reader for .m4a: give an .mp4,", ".gif, .npy or .pt file)")
+
+
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf", "x"])
 def test_compare_threshold_is_a_finite_number(tmp_path, capsys, value):
     ref = _video(tmp_path / "ref.npy")

@@ -116,7 +116,7 @@ def test_unreadable_report_beside_ref_is_named(tmp_path, capsys):
 def test_cli_errors(tmp_path, capsys):
     assert main(["compare", str(tmp_path / "nope.mp4"), str(tmp_path / "x.mp4")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("qvg-eval: error: no such file")
+    assert len(err) == 1 and err[0].startswith("qvg-eval: error: REF: no such file")
     assert main(["report", str(tmp_path), "--preset", "huge"]) == 2
     assert "--preset must be one of" in capsys.readouterr().err
 

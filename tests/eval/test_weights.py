@@ -45,6 +45,13 @@ def _one_error_line(capsys, *needles):
     return err[0]
 
 
+def test_a_text_file_as_weights_says_what_the_unpicklers_bare_key_means(tmp_path):
+    f = tmp_path / "w.pth"
+    f.write_bytes(b"junk\n")  # (torch.load's unpickler fails with KeyError: 174812789)
+    with pytest.raises(BadWeights, match=r"not a weights-only torch state dict \(corrupt, or not a file torch.save"):
+        read_state_dict(f)
+
+
 @pytest.mark.parametrize("content", [JUNK, b"<html>not found</html>", b""])
 def test_read_state_dict_junk_is_bad_weights(tmp_path, content):
     f = tmp_path / "w.pth"
