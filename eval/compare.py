@@ -151,3 +151,10 @@ def save(res: dict, out: str | Path) -> list[str]:
     except OSError as e:
         raise OSError(e.errno, f"cannot write {str(path)!r}: {e.strerror or e}") from None
     return [f"wrote {js}", line]
+
+
+if __name__ == "__main__":  # (python -m qvg.eval.compare runs `qvg-eval compare`, with its checks)
+    import sys
+
+    from .cli import main
+    raise SystemExit(main(["compare", *sys.argv[1:]]))

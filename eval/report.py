@@ -426,3 +426,10 @@ def _plot_kv(writes: list, kv: dict, path: Path) -> str:
     ax[2].legend(fontsize=6)
     writes.append((plt, fig, path))
     return ""
+
+
+if __name__ == "__main__":  # (python -m qvg.eval.report runs `qvg-eval report`, with its checks)
+    import sys
+
+    from .cli import main
+    raise SystemExit(main(["report", *sys.argv[1:]]))

@@ -204,3 +204,10 @@ def memory_rows(res: dict) -> list[dict]:
                                                 "bf16_sink", "bf16_pending", "bf16_current", "bf16_residual",
                                                 "total", "bf16_equivalent")}})
     return out
+
+
+if __name__ == "__main__":  # (python -m qvg.eval.sweep runs `qvg-eval sweep`, with its checks)
+    import sys
+
+    from .cli import main
+    raise SystemExit(main(["sweep", *sys.argv[1:]]))

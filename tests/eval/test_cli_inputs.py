@@ -494,3 +494,12 @@ def test_sweep_default_inputs_follow_the_pipeline(monkeypatch):
     monkeypatch.setattr(cli, "_check_sweep", stop)
     assert main(["sweep", "x"]) == 2 and main(["sweep", "x", "--pipeline", "self-forcing"]) == 2
     assert seen == [["coffee", "camera"], [DEFAULT_PROMPT]]
+
+
+@pytest.mark.parametrize("cmd", ["compare", "report", "sweep"])
+def test_python_m_of_a_subcommands_module_runs_the_subcommand(cmd):
+    """`python -m qvg.eval.report --help` printed nothing and exited 0; it is `qvg-eval report` now."""
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", f"qvg.eval.{cmd}", "--help"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.startswith(f"usage: qvg-eval {cmd} "), r.stdout + r.stderr
