@@ -20,7 +20,7 @@ from pathlib import Path
 
 from qvg.app.generate import MAX_FRAMES
 from qvg.help_format import Parser
-from qvg.numbers import integer, parse_int
+from qvg.numbers import integer, is_int, parse_int
 from qvg.outputs import Terminated, sigterm_raises, targets_error, writable_error, write_text
 
 from .weights import BadWeights
@@ -47,6 +47,14 @@ class UsageError(Exception):
 
 class _Parser(Parser):
     usage_error = UsageError
+
+
+def _threshold(text: str) -> float:
+    """A PSNR threshold: a finite number of dB > 0 (no frame is ever below one <= 0)."""
+    v = _finite(text)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 dB, got {text!r}")
+    return v
 
 
 def _ints(text: str, name: str) -> list[int]:
@@ -135,7 +143,7 @@ def build_parser():
                    "REF's JSON or 3)")
     c.add_argument("--chunk", type=integer, default=None, help="frames per later chunk (default: from REF's JSON or 3)")
     c.add_argument("--onset-chunks", type=integer, default=1, help="chunks in the onset window (default 1)")
-    c.add_argument("--threshold", type=_finite, default=30.0, help="PSNR dB (> 0) for 'first frame below' "
+    c.add_argument("--threshold", type=_threshold, default=30.0, help="PSNR dB (> 0) for 'first frame below' "
                    "(default 30)")
     _common(c)
     r = sub.add_parser("report", help="run the evaluation and write a markdown report")
@@ -328,17 +336,15 @@ def _compare(a, argv) -> int:
                else f"no qvg-generate report beside {a.ref!r} names its pipeline")
         notes.append(f"{why}: chunk layout lead {lay['lead']}, first {lay['first']}, chunk {lay['chunk']} where "
                      "--lead / --first / --chunk did not say")
+    said, taken = side.get("frames"), [k for k in ("lead", "first", "chunk") if getattr(a, k) is None]
+    if pipeline in compare.LAYOUTS and taken and is_int(said) and said != ref.shape[1]:
+        notes.append(f"REF's report says {said} frames, REF holds {ref.shape[1]}: the chunk layout taken from it ("
+                     + ", ".join(f"{k} {lay[k]}" for k in taken) + ") may not be this video's")
     for k in ("lead", "first", "chunk"):
         if getattr(a, k) is not None:
             lay[k] = getattr(a, k)
     if lay["lead"] < 0 or lay["first"] < 1 or lay["chunk"] < 1 or a.onset_chunks < 1:
         raise UsageError("--lead must be >= 0, --first, --chunk and --onset-chunks >= 1")
-    if a.threshold <= 0:  # (no frame is ever below a threshold <= 0 dB)
-        raise UsageError(f"--threshold must be > 0 dB, got {a.threshold:g}")
-    said = side.get("frames")
-    if pipeline in compare.LAYOUTS and isinstance(said, int) and not isinstance(said, bool) and said != ref.shape[1]:
-        notes.append(f"REF's report says {said} frames, REF holds {ref.shape[1]}: its chunk layout (lead "
-                     f"{lay['lead']}, first {lay['first']}, chunk {lay['chunk']}) may not be this video's")
     if lay["lead"] >= n:
         raise UsageError(f"the videos have {n} frames in common: none after the {lay['lead']} lead frame(s)")
     chunks = len(compare.chunk_bounds(n, lay["lead"], lay["first"], lay["chunk"]))

@@ -229,8 +229,14 @@ def main(argv=None) -> int:
         print(f"kernels_report: {args.json!r} is not a bench_kernels JSON ({e})", file=sys.stderr)
         return 2
     notes = Path(args.notes).read_text() if args.notes else ""
+    try:
+        text = render(d, notes)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:  # (JSON of another shape: {} lacks 'ceilings')
+        why = f"no {e.args[0]!r}" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
+        print(f"kernels_report: {args.json!r} is not a bench_kernels JSON ({why})", file=sys.stderr)
+        return 2
     md = Path(args.json).with_suffix(".md")
-    md.write_text(render(d, notes))
+    md.write_text(text)
     print(f"wrote {md}")
     return 0
 

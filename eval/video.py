@@ -39,6 +39,8 @@ def read_video(path: str | Path) -> torch.Tensor:
                 a = torch.from_numpy(np.stack([np.asarray(f) for f in r]))
     except Exception as e:  # imageio / ffmpeg / numpy errors: one line
         if "Could not find a backend" in str(e):  # (imageio's wording, with a stray backtick)
+            if p.suffix.lower() in (*FFMPEG_SUFFIXES, ".gif", ".npy", ".pt"):  # (a type it reads: a broken file)
+                raise ValueError(f"cannot read {str(p)!r} as a video (corrupt, or not a {p.suffix} file?)") from None
             raise ValueError(f"cannot read {str(p)!r} as a video (no reader for {p.suffix or 'files without a suffix'}"
                              f": give an {', '.join(FFMPEG_SUFFIXES)}, .gif, .npy or .pt file)") from None
         raise ValueError(f"cannot read {str(p)!r} as a video ({type(e).__name__}: "

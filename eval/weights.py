@@ -60,15 +60,18 @@ class BadWeights(ValueError):
 
 
 @contextmanager
-def reading(path, what: str):
+def reading(path, what: str, unpickling: bool = False):
     """Turn any failure to read `path` as `what` into BadWeights naming it (ImportError, MemoryError, MissingWeights
-    and BadWeights pass through: a missing package, memory or file is reported as such)."""
+    and BadWeights pass through: a missing package, memory or file is reported as such). unpickling: the block is
+    torch.load, whose unpickler fails on other bytes with a bare key or index (KeyError: 174812789), which the
+    message then says in words."""
     try:
         yield
     except (ImportError, MemoryError, MissingWeights, BadWeights):
         raise
-    except Exception as e:  # (the unpickler reading other bytes fails with a bare key or index: say what it means)
-        why = "corrupt, or not a file torch.save wrote" if isinstance(e, (KeyError, IndexError)) else first_line(e)
+    except Exception as e:
+        bare = unpickling and isinstance(e, (KeyError, IndexError))
+        why = "corrupt, or not a file torch.save wrote" if bare else first_line(e)
         raise BadWeights(f"{path}: not {what} ({why})") from None
 
 
@@ -138,7 +141,8 @@ def read_state_dict(path: str | os.PathLike) -> dict:
     wrappers are unwrapped. A file that is not one (text, a failed download, pickled objects) -> BadWeights."""
     import torch
     path = Path(path)
-    with reading(path, "a weights-only torch state dict" if path.suffix != ".safetensors" else "a safetensors file"):
+    with reading(path, "a weights-only torch state dict" if path.suffix != ".safetensors" else "a safetensors file",
+                 unpickling=path.suffix != ".safetensors"):
         if path.suffix == ".safetensors":
             from safetensors.torch import load_file
             return load_file(str(path))

@@ -120,16 +120,16 @@ class WorldModelError(ValueError):
     pass
 
 
-def _number(cfg: dict, key: str, low: float, high: float = math.inf, *, integer: bool = False,
+def _number(cfg: dict, key: str, low: float, high: float, *, integer: bool = False,
             low_open: bool = False):
     v = cfg[key]
     ok = (is_int(v) or not integer and isinstance(v, float) and math.isfinite(v)) and low <= v <= high
-    # (an int compares exactly: 10**400 overflowed isfinite)
+    # (an int compares exactly: 10**400 overflowed isfinite; every field has a finite upper bound, so no int that
+    # passes overflows a float later)
     if not ok or (low_open and v == low):
         what = "an integer" if integer else "a number"
         bound = f"> {low:g}" if low_open else f">= {low:g}"
-        raise ValueError(f"{key} must be {what} {bound}" + (f" and <= {high:g}" if high < math.inf else "")
-                         + f", got {v!r}")
+        raise ValueError(f"{key} must be {what} {bound} and <= {high:g}, got {v!r}")
     return v
 
 
@@ -159,10 +159,10 @@ def check_config(cfg: dict) -> None:
         raise ValueError(f"steps must be a non-empty list of timesteps in [0, 1000], got {steps!r}")
     for i in range(len(steps)):
         _number({f"steps[{i}]": steps[i]}, f"steps[{i}]", 0, 1000)
-    _number(cfg, "shift", 0, low_open=True)
+    _number(cfg, "shift", 0, 1000, low_open=True)
     _number(cfg, "context_sigma", 0, 1)
-    _number(cfg, "pan_pixels", 0)
-    _number(cfg, "zoom_factor", 0, low_open=True)
+    _number(cfg, "pan_pixels", 0, size)
+    _number(cfg, "zoom_factor", 0, 10, low_open=True)
     if not isinstance(cfg.get("world_rope", False), bool):
         raise ValueError(f"world_rope must be true or false, got {cfg['world_rope']!r}")
     if cfg.get("world_rope", False):

@@ -326,15 +326,17 @@ def _same_init(directory, started: dict | None) -> bool:
         return False
 
 
-# flags that only steer a training run (how long, where, how): --export refuses them, as it trains nothing
-# the numbers' ranges ([low, high]; POSITIVE: also > 0), checked before anything runs (a NaN learning rate or an
-# empty batch was a traceback from deep in a step; --minutes -1 saved an untrained state)
+# the numbers' ranges ([low, high]; POSITIVE: also > 0; UNBOUNDED: inf allowed, "no limit"), checked before anything
+# runs (a NaN learning rate or an empty batch was a traceback from deep in a step; --minutes -1 saved an untrained
+# state). The seed is 32-bit: the data's seed is seed * 1000003 + step, which must stay a 64-bit integer.
 RANGES = {"chunks": (2, 1000), "batch": (1, 65536), "lr": (0, 1), "warmup": (0, math.inf),
-          "weight_decay": (0, math.inf), "grad_clip": (0, math.inf), "seed": (0, 2**63 - 1),
+          "weight_decay": (0, math.inf), "grad_clip": (0, math.inf), "seed": (0, 2**32 - 1),
           "total_steps": (1, math.inf), "step_sigma_fraction": (0, 1), "context_sigma_max": (0, 1),
           "revisit_fraction": (0, 1), "rollout_fraction": (0, 1), "minutes": (0, math.inf), "max_steps": (1, math.inf),
           "save_every": (0, math.inf)}
 POSITIVE = ("lr", "grad_clip", "minutes")
+UNBOUNDED = ("grad_clip", "minutes")  # (inf: no clipping; train until --max-steps)
+# flags that only steer a training run (how long, where, how): --export refuses them, as it trains nothing
 RUN_FLAGS = ("minutes", "device", "attention", "compile", "max_steps", "save_every")
 RUN_DEFAULTS = {"minutes": 8.0, "device": lambda: "cuda" if torch.cuda.is_available() else "cpu",
                 "attention": "auto", "save_every": 200}
@@ -383,7 +385,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     for k, (low, high) in RANGES.items():
         v = getattr(a, k)
-        finite = v is not None and (isinstance(v, int) or math.isfinite(v))  # (an int: 10**400 overflows isfinite)
+        finite = v is not None and (isinstance(v, int) or math.isfinite(v) or k in UNBOUNDED and v == math.inf)
         if v is not None and not (finite and low <= v <= high and (k not in POSITIVE or v > 0)):
             p.error(f"--{k.replace('_', '-')} must be {'> 0' if k in POSITIVE else f'>= {low}'}"
                     + (f" and <= {high}" if high < math.inf else "") + f", got {v}")
@@ -425,6 +427,10 @@ def main(argv=None) -> int:
     if meta and a.init and not _same_init(a.init, meta.get("init")):
         p.error(f"--init: {ck} already holds a training state (step {meta.get('step', '?')}) that did not start from "
                 f"{a.init}; start a fine-tune in a new --ckpt directory")
+    args = {**DEFAULTS, **meta.get("args", {}), **given}  # (a resumed run: its saved settings, then the flags)
+    if args["rollout_fraction"] > 0 and args["chunks"] < 3:
+        p.error(f"--rollout-fraction {args['rollout_fraction']:g} needs --chunks >= 3 (chunks 1 .. chunks - 2 are the "
+                f"rolled-out context), got {args['chunks']}")
     tr = Trainer(dict(meta.get("args", {}), **given), dict(DEFAULT_CONFIG, world_rope=world_rope), a.device,
                  attention=a.attention)
     resumed = bool(meta)

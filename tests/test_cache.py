@@ -561,20 +561,25 @@ def test_library_mistakes_are_one_clear_error():
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="the kernels' read: needs a CUDA GPU"))])
 def test_one_row_and_per_sample_positions_mix_across_chunks(device):
-    """A pre-RoPE cache given one shared row for some chunks and per-sample rows for others reads as if every chunk
-    had per-sample rows (the units' positions did not concatenate: a size error deep in torch at the next read)."""
-    def run(rows):
-        c = KVCache(1, "rtn", chunk_frames=1, tokens_per_frame=16, key_storage="pre-rope", bits=8)
+    """A pre-RoPE cache given one shared row for some chunks and per-sample rows (that differ) for others reads as if
+    every chunk had per-sample rows (the units' positions did not concatenate: a size error deep in torch at the next
+    read), within a unit of several chunks too."""
+    def run(rows, every):
+        c = KVCache(1, "rtn", chunk_frames=1, tokens_per_frame=16, key_storage="pre-rope", bits=8, commit_every=every)
         g = torch.Generator().manual_seed(0)
-        for i, r in enumerate(rows):
+        for pos in rows:
             k, v = (torch.randn(2, 2, 16, 64, generator=g).to(device, torch.bfloat16) for _ in range(2))
-            c.set_positions(torch.tensor([[[i, 0, 0]]]).expand(r, 1, 3), 4, 4)
+            c.set_positions(pos, 4, 4)
             c.write(0, k, v)
             out = c.attend(0, torch.randn(2, 2, 16, 64, generator=g).to(device, torch.bfloat16))
             c.commit()
         return out
-    assert torch.equal(run([1, 2, 1, 2]), run([2, 2, 2, 2]))
-    assert torch.equal(run([2, 1, 1]), run([2, 2, 2]))
+    shared = lambda i: torch.tensor([[[i, 0, 0]]])  # noqa: E731
+    apart = lambda i: torch.tensor([[[i, 0, 0]], [[i + 7, 1, 2]]])  # noqa: E731  (each sample its own position)
+    for every in (1, 2):
+        for kinds in ("sasa", "ass", "saa"):
+            mixed = [shared(i) if k == "s" else apart(i) for i, k in enumerate(kinds)]
+            assert torch.equal(run(mixed, every), run([p.expand(2, 1, 3) for p in mixed], every)), (every, kinds)
 
 
 def test_the_head_dim_is_checked_at_the_first_write():

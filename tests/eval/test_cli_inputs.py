@@ -143,13 +143,18 @@ def test_compare_names_the_argument_and_says_when_a_report_does_not_fit(tmp_path
     ref, test = _video(tmp_path / "ref.npy", frames=7), _video(tmp_path / "t.npy", frames=7, seed=1)
     for args, needle in (([str(tmp_path / "no.npy"), test], "REF: no such file"),
                          ([ref, str(tmp_path / "no.npy")], "TEST: no such file"),
-                         ([ref, test, "--threshold", "-5"], "--threshold must be > 0 dB, got -5"),
-                         ([ref, test, "--threshold", "0"], "--threshold must be > 0 dB")):
+                         ([ref, test, "--threshold", "-5"], "--threshold: must be > 0 dB, got '-5'"),
+                         ([ref, test, "--threshold", "0"], "--threshold: must be > 0 dB")):
         assert main(["compare", *args, "--lpips", "none"]) == 2
         _one_error(capsys, needle)
     (tmp_path / "ref.json").write_text(json.dumps({"pipeline": "self-forcing", "frames": 31}))
     assert main(["compare", ref, test, "--lpips", "none"]) == 0
-    assert "REF's report says 31 frames, REF holds 7: its chunk layout" in capsys.readouterr().err
+    assert ("REF's report says 31 frames, REF holds 7: the chunk layout taken from it (lead 0, first 9, chunk 12) may "
+            "not be this video's") in capsys.readouterr().err
+    assert main(["compare", ref, test, "--lpips", "none", "--first", "3"]) == 0  # (only what the report gave)
+    assert "taken from it (lead 0, chunk 12)" in capsys.readouterr().err
+    assert main(["compare", ref, test, "--lpips", "none", "--lead", "0", "--first", "3", "--chunk", "3"]) == 0
+    assert capsys.readouterr().err == ""  # (the layout given whole: nothing taken from the report)
     (tmp_path / "ref.json").write_text(json.dumps({"pipeline": "tiny", "frames": 7}))
     assert main(["compare", ref, test, "--lpips", "none"]) == 0
     assert capsys.readouterr().err == ""

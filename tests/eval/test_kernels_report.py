@@ -63,11 +63,14 @@ def test_bad_input_is_one_line_naming_the_file(tmp_path, capsys):
     text.write_text("hi")
     folder.mkdir()
     lst.write_text("[1]")
+    empty = tmp_path / "e.json"
+    empty.write_text("{}")
     for args, msg in (([str(text)], f"{str(text)!r} is not a bench_kernels JSON (Expecting value"),
                       ([str(tmp_path / "nope.json")], "cannot read"), ([str(folder)], "cannot read"),
                       ([str(lst)], "(a JSON list, not an object)"),
-                      ([str(lst), "--notes", str(tmp_path / "n.md")], f"cannot read {str(tmp_path / 'n.md')!r}")):
+                      ([str(lst), "--notes", str(tmp_path / "n.md")], f"cannot read {str(tmp_path / 'n.md')!r}"),
+                      ([str(empty)], "is not a bench_kernels JSON (no 'ceilings')")):
         assert main(args) == 2
         err = capsys.readouterr().err
         assert msg in err and err.count("\n") == 1, err
-    assert not (tmp_path / "t.md").exists()
+    assert not (tmp_path / "t.md").exists() and not (tmp_path / "e.md").exists()

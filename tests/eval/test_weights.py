@@ -50,6 +50,10 @@ def test_a_text_file_as_weights_says_what_the_unpicklers_bare_key_means(tmp_path
     f.write_bytes(b"junk\n")  # (torch.load's unpickler fails with KeyError: 174812789)
     with pytest.raises(BadWeights, match=r"not a weights-only torch state dict \(corrupt, or not a file torch.save"):
         read_state_dict(f)
+    from qvg.eval.weights import reading
+    with pytest.raises(BadWeights, match=r"w.pth: not a DINO ViT checkpoint \(KeyError: 'cls_token'\)"):
+        with reading(f, "a DINO ViT checkpoint"):  # (a key the checkpoint lacks is named, not called corrupt)
+            raise KeyError("cls_token")
 
 
 @pytest.mark.parametrize("content", [JUNK, b"<html>not found</html>", b""])

@@ -116,7 +116,9 @@ def test_a_config_value_the_runners_cannot_use_is_named(tmp_path):
              ("fps", 10**400, "fps must be a number > 0 and <= 1000"), ("steps", [], "steps must be a non-empty list"),
              ("steps", [1000, "500"], r"steps\[1\] must be a number"), ("steps", [1001], r"<= 1000"),
              ("shift", 0, "shift must be a number > 0"), ("fps", float("nan"), "fps"),
-             ("context_sigma", 2, "context_sigma"), ("pan_pixels", -4, "pan_pixels"), ("zoom_factor", 0, "zoom"),
+             ("context_sigma", 2, "context_sigma"), ("pan_pixels", -4, "pan_pixels"),
+             ("shift", 10**400, "shift must be a number > 0 and <= 1000"),
+             ("pan_pixels", 10**400, "pan_pixels must be a number >= 0 and <= 32"), ("zoom_factor", 0, "zoom"),
              ("world_rope", "false", "world_rope must be true or false"),
              ("actions", ["left", "stay"], "must start with 'stay'"), ("actions", ["stay", "stay"], "distinct"),
              ("actions", "stay,left", "non-empty list"), ("transformer", [], "transformer must be an object")]
@@ -365,7 +367,8 @@ def test_train_numbers_out_of_range_are_one_line_and_write_nothing(tmp_path, cap
                       (["--batch", "0"], "--batch must be >= 1"),
                       (["--chunks", "1"], "--chunks must be >= 2"), (["--minutes", "-1"], "--minutes must be > 0"),
                       (["--max-steps", "0"], "--max-steps must be >= 1"), (["--save-every", "-1"], "--save-every"),
-                      (["--seed", str(2**64)], "--seed must be >= 0 and <= 9223372036854775807"),
+                      (["--seed", str(2**32)], "--seed must be >= 0 and <= 4294967295"),
+                      (["--chunks", "2", "--rollout-fraction", "0.5"], "--rollout-fraction 0.5 needs --chunks >= 3"),
                       (["--revisit-fraction", "1.5"], "<= 1"), (["--warmup", "1_0"], "invalid integer value")):
         with pytest.raises(SystemExit) as e:
             wt.main(["--ckpt", str(ck), *args])
