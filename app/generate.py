@@ -121,19 +121,14 @@ def device_arg(text: str | None):
     """A --device value -> torch.device (none: cuda if available, else cpu); UsageError if it is not cpu or an
     existing CUDA device. Shared by qvg-generate, qvg-app and qvg-eval."""
     import torch
+
+    from qvg.devices import check_device
     if text is not None and not text.strip():  # (an empty --device '' picked the default silently)
         raise UsageError("--device is empty: give cpu, cuda or cuda:N")
     try:
-        dev = torch.device(text or ("cuda" if torch.cuda.is_available() else "cpu"))
-    except (RuntimeError, ValueError):
-        raise UsageError(f"--device: not a device: {text!r}") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: no CUDA GPU is available")
-    if dev.type not in ("cpu", "cuda") or (dev.type == "cpu" and dev.index not in (None, 0)):
-        raise UsageError(f"--device must be cpu or cuda[:N], got {text!r}")  # (torch takes cpu:5 as cpu)
-    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise UsageError(f"--device {text}: there are {torch.cuda.device_count()} CUDA devices")
-    return dev
+        return check_device(text or ("cuda" if torch.cuda.is_available() else "cpu"), "--device")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def parser_device(parser, text: str | None) -> str:

@@ -280,8 +280,11 @@ def load_self_forcing(checkpoint_dir, device="cpu", dtype=torch.bfloat16, *, ema
                       vae_dtype=torch.float32, text_dtype=torch.bfloat16, generator=None) -> SelfForcingModel:
     """Everything `SelfForcingPipeline` and a prompt need, from the layout in the module docstring (`generator`: a
     generator checkpoint file to run instead of the one the layout names)."""
+    from qvg.devices import check_device
+
     from . import umt5
     from .causal_wan import CausalWanTransformer
+    device = check_device(device)  # (before reading gigabytes, as the packages below)
     for package in ("transformers", "ftfy"):  # the `wan` extra: fail before reading gigabytes
         umt5.require(package)
     files = find_files(checkpoint_dir, generator)

@@ -194,6 +194,9 @@ def load_world(directory=None, device="cpu", dtype=torch.float32) -> tuple[World
     one). Strict: missing / unexpected / misshapen keys raise WorldModelError naming them."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
+
+    from qvg.devices import check_device
+    device = check_device(device)
     d = Path(directory) if directory is not None else WORLD_DIR
     try:
         cfg = json.loads((d / "config.json").read_text())

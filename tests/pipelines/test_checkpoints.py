@@ -551,3 +551,8 @@ def test_umt5_key_names_round_trip():
     for key in model.state_dict():
         wan = umt5.umt5_key_to_wan(key)
         assert wan != key and umt5.wan_key_to_umt5(wan) in (key, umt5.EMBED), key
+
+
+def test_a_device_that_is_not_here_is_refused_before_any_file_is_read(tmp_path):
+    with pytest.raises(ValueError, match="device: not a device: 'gpu'"):
+        load_self_forcing(tmp_path / "nothing-here", "gpu")  # (the device first: no 'no checkpoint' error)
