@@ -7,7 +7,7 @@ image, are excluded from every window but kept in the per-frame lists):
     before, so a small error in the cache grows into a different, equally valid continuation; far from the start
     PSNR measures that divergence, not the cache's error (a third-party reproduction found whole-video PSNR of
     12-19 dB). The onset window is where the cache's error shows before the drift amplifies it.
-  - chunk c: the frames of generated chunk c (per-chunk curve);
+  - chunk c: the frames of generated chunk c (per-chunk curve; `partial`: cut short by the end of the video);
   - video: all generated frames.
 Per window: `psnr` = PSNR of the window's pooled MSE (the window as one signal, as `metrics.psnr` on a slab),
 `psnr_frame_mean` = the mean of the per-frame PSNRs, `ssim` and `lpips` = means over the window's frames.
@@ -83,7 +83,9 @@ def compare(ref: torch.Tensor, test: torch.Tensor, *, lead: int = 0, first: int 
             "onset_chunks": onset_chunks, "threshold_db": threshold, "first_below": below,
             "windows": {"onset": _window(ref, test, frames, lead, onset_end),
                         "video": _window(ref, test, frames, lead, ref.shape[1]),
-                        "chunks": [_window(ref, test, frames, a, b) for a, b in chunks]}}
+                        "chunks": [dict(_window(ref, test, frames, a, b),
+                                        partial=b - a < (first if i == 0 else chunk))
+                                   for i, (a, b) in enumerate(chunks)]}}
 
 
 def plot(res: dict, path: str | Path, title: str = "") -> str:

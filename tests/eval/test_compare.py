@@ -31,6 +31,9 @@ def test_windows_and_first_below():
     assert r["first_below"] == 7 and r["windows"]["chunks"][2]["psnr"] < 30
     assert r["windows"]["video"]["ssim"] < 1 and r["frames"]["lpips"] is None
     assert compare(ref, test, lead=1, onset_chunks=3)["windows"]["onset"]["frames"] == [1, 10]
+    assert not any(c["partial"] for c in r["windows"]["chunks"])
+    cut = compare(ref[:, :9], test[:, :9], lead=1)["windows"]["chunks"]  # (the last chunk cut by the video's end)
+    assert [c["partial"] for c in cut] == [False, False, True] and cut[2]["frames"] == [7, 9]
     with pytest.raises(ValueError, match="differ in shape"):
         compare(ref, test[:, :5])
 
