@@ -79,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--commit-every", default="1", help="compress every k chunks (default 1)")
     p.add_argument("--key-storage", default="auto", help="pack keys before RoPE (pre-rope: rotated again on read) or "
                    "after it (post-rope). auto: pre-rope for rtn / qvg / qvg-pro on the embedded model (1.8 dB better "
-                   "on its revisits), post-rope otherwise (on Self-Forcing pre-rope costs 2.3-4.9%% more time per chunk)")
+                   "on its revisits), post-rope otherwise (on Self-Forcing pre-rope costs 2.3-4.9%% more time per "
+                   "chunk)")
     p.add_argument("--read", default="window", help="how the GPU reads a packed rtn / qvg / qvg-pro history for "
                    "attention: window (decode + cuDNN SDPA, the fastest), staged (<= 32 MiB decoded at a time, Triton "
                    "flash kernel) or fused (dequantized on chip, nothing decoded to memory; pre-rope keys are read "

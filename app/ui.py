@@ -146,9 +146,9 @@ def build(server: Server):
                         clear = gr.Button("clear", size="sm", variant="secondary", elem_id="qvg-act-clear")
                     actions = gr.Textbox(DEFAULT_ACTIONS, label="camera actions, one per chunk (repeated)",
                                          elem_id="qvg-actions",
-                                         info="buttons or keys ← ↑ ↓ → + − . add to it (clear empties it; left empty, the "
-                                              "default list runs); "
-                                              "while generating they steer the next chunks")
+                                         info="buttons or keys ← ↑ ↓ → + − . add to it (clear empties it; "
+                                              "left empty, the default list runs); while generating they "
+                                              "steer the next chunks")
                     steer_note = gr.Markdown("")
                 with gr.Group():
                     method = gr.Dropdown(list(CACHE_METHODS), value="qvg", label="KV cache method")

@@ -214,21 +214,22 @@ def main(argv=None) -> int:
     ap.add_argument("json")
     ap.add_argument("--notes", help="a markdown file appended as the Notes section")
     args = ap.parse_args(argv)
+    texts = {}
     for path in filter(None, (args.json, args.notes)):
         try:
-            Path(path).read_text()
+            texts[path] = Path(path).read_text()
         except (OSError, ValueError) as e:  # (missing, a folder, not UTF-8)
             print(f"kernels_report: cannot read {path!r} ({getattr(e, 'strerror', None) or type(e).__name__})",
                   file=sys.stderr)
             return 2
     try:
-        d = json.loads(Path(args.json).read_text())
+        d = json.loads(texts[args.json])
         if not isinstance(d, dict):
             raise ValueError(f"a JSON {type(d).__name__}, not an object")
     except ValueError as e:
         print(f"kernels_report: {args.json!r} is not a bench_kernels JSON ({e})", file=sys.stderr)
         return 2
-    notes = Path(args.notes).read_text() if args.notes else ""
+    notes = texts[args.notes] if args.notes else ""
     try:
         text = render(d, notes)
     except (KeyError, TypeError, ValueError, AttributeError) as e:  # (JSON of another shape: {} lacks 'ceilings')

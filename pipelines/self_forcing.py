@@ -8,12 +8,12 @@ which writes the clean K/V into the cache, and the cache commits the chunk. Step
 """
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 
+from qvg.numbers import is_whole
 from qvg.streams import generation_stream
 
 
@@ -69,14 +69,6 @@ class StreamingVAEDecoder:
         return out.clamp(-1.0, 1.0)
 
 
-def _whole(v, low: int) -> bool:
-    """Whether v is an integer (not a bool) >= low."""
-    try:
-        return not isinstance(v, bool) and operator.index(v) >= low
-    except TypeError:
-        return False
-
-
 class SelfForcingPipeline:
     """transformer: a CausalWanTransformer; vae: a diffusers AutoencoderKLWan or None (latents only); decoder: any
     object with reset() and decode(latents) -> frames in [-1, 1], used instead of the VAE (the world model's
@@ -86,7 +78,7 @@ class SelfForcingPipeline:
                  shift: float = 5.0, decoder=None, context_sigma: float = 0.0):
         self.transformer, self.vae, self.decoder = transformer, vae, decoder
         self.context_sigma = context_sigma  # Self-Forcing's context noise: the clean re-run at this noise level
-        if not _whole(chunk_frames, 1):
+        if not is_whole(chunk_frames, 1):
             raise ValueError(f"chunk_frames must be a positive integer, got {chunk_frames!r}")
         if not len(steps):
             raise ValueError("steps: give at least one denoising step")
@@ -105,11 +97,11 @@ class SelfForcingPipeline:
         model's action. The arguments are checked here, before anything runs."""
         model = self.transformer
         for name, v, low in (("latent_frames", latent_frames, 1), ("batch", batch, 1), ("seed", seed, 0)):
-            if not _whole(v, low):
+            if not is_whole(v, low):
                 raise ValueError(f"{name} must be an integer >= {low}, got {v!r}")
         _, ph, pw = model.config.patch_size
         if (not isinstance(latent_hw, (tuple, list)) or len(latent_hw) != 2
-                or not all(_whole(v, 1) for v in latent_hw) or latent_hw[0] % ph or latent_hw[1] % pw):
+                or not all(is_whole(v, 1) for v in latent_hw) or latent_hw[0] % ph or latent_hw[1] % pw):
             raise ValueError(f"latent_hw must be (height, width), positive multiples of the patch size ({ph}, {pw}), "
                              f"got {latent_hw!r}")
         tpf = model.tokens_per_latent_frame(*latent_hw)

@@ -431,7 +431,7 @@ def main(argv=None) -> int:
     if args["rollout_fraction"] > 0 and args["chunks"] < 3:
         p.error(f"--rollout-fraction {args['rollout_fraction']:g} needs --chunks >= 3 (chunks 1 .. chunks - 2 are the "
                 f"rolled-out context), got {args['chunks']}")
-    tr = Trainer(dict(meta.get("args", {}), **given), dict(DEFAULT_CONFIG, world_rope=world_rope), a.device,
+    tr = Trainer(args, dict(DEFAULT_CONFIG, world_rope=world_rope), a.device,
                  attention=a.attention)
     resumed = bool(meta)
     if resumed:

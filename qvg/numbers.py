@@ -3,6 +3,7 @@ only. Python's int() also takes other scripts' digits ('٣' is 3) and underscore
 should not silently become."""
 from __future__ import annotations
 
+import operator
 import re
 
 _DECIMAL = re.compile(r"[+-]?[0-9]+")
@@ -25,3 +26,12 @@ def is_int(v) -> bool:
     """Whether v is a Python int and not a bool (True is an int to isinstance). Options and sizes that are stored and
     written to JSON reports take these only (a numpy integer is not JSON)."""
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def is_whole(v, low: int = 0) -> bool:
+    """Whether v is an integer of any integer type (Python, numpy, a 0-d integer tensor: operator.index), not a
+    bool, and >= low. For arguments only computed with, never stored in a JSON report (is_int for those)."""
+    try:
+        return not isinstance(v, bool) and operator.index(v) >= low
+    except TypeError:
+        return False

@@ -124,10 +124,10 @@ def compress(x: torch.Tensor, method: str = "qvg", *, bits: int | None = None, b
     """Compress x [B, H, N, D] with `method` -> a `Packed` (real packed storage; `.nbytes` is what it holds).
 
     None means the method's preset (qvg: bits=2, block_size=64, stages=1, centroids=256; qvg-pro: block_size=16,
-    stages=4; stages=0 clusters nothing: RTN in qvg's format, an ablation). `init` warm-starts k-means (qvg, qvg-pro) with a previous chunk's centroids: pass its Packed or a
-    [S, B, H, K, D] tensor. Further options: grid ("auto", the default but kivi's | "midrise" | "sym" | "asym"),
-    scale_dtype ("fp8" | "bf16"), iters, seeding (qvg*), signs (quarot), role ("key" | "value") and residual
-    (kivi). Raises ValueError naming
+    stages=4; stages=0 clusters nothing: RTN in qvg's format, an ablation). `init` warm-starts k-means (qvg,
+    qvg-pro) with a previous chunk's centroids: pass its Packed or a [S, B, H, K, D] tensor. Further options: grid
+    ("auto", the default but kivi's | "midrise" | "sym" | "asym"), scale_dtype ("fp8" | "bf16"), iters, seeding
+    (qvg*), signs (quarot), role ("key" | "value") and residual (kivi). Raises ValueError naming
     the problem for bad input. check_finite=False skips the NaN/inf scan (a full pass over x and a wait for it):
     for callers whose inputs are model activations on the hot path, such as the KV cache's commit. On CUDA the scan
     is queued before the compression and its verdict is waited for after the compression is queued, so the wait
