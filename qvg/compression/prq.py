@@ -42,13 +42,26 @@ def init_centroids(init, o: dict, shape) -> torch.Tensor | None:
 
 
 def compress(x: torch.Tensor, o: dict, init=None) -> dict[str, torch.Tensor]:
-    b, h, n, d = x.shape
-    s_count, k = o["stages"], o["centroids"]
     warm = init_centroids(init, o, x.shape)
     iters = o["iters"] if o["iters"] is not None else (WARM_ITERS if warm is not None else COLD_ITERS)
     if use_kernels(x):
         from ..kernels.compress import compress_prq
         return compress_prq(x, o, warm, iters)
+    return compress_torch(x, o, warm, iters)
+
+
+def bf16_centroids(c: torch.Tensor, stage: int) -> torch.Tensor:
+    """What the format stores of stage `stage`'s k-means centroids c [G, K, D] (FP32): their BF16 rounding."""
+    return c.to(torch.bfloat16)
+
+
+def compress_torch(x: torch.Tensor, o: dict, warm: torch.Tensor | None, iters: int,
+                   store=bf16_centroids) -> dict[str, torch.Tensor]:
+    """The torch path of `compress` (warm: `init_centroids`' [S, B*H, K, D] or None). store(c, stage) -> the BF16
+    centroids kept (default `bf16_centroids`; eval/centroid_precision.py passes coarser roundings to measure them):
+    each stage subtracts exactly what is kept, so decompression replays it."""
+    b, h, n, d = x.shape
+    s_count, k = o["stages"], o["centroids"]
     r = x.float().reshape(b * h, n, d)
     ids, cents = [], []
     tscale = None
@@ -58,7 +71,7 @@ def compress(x: torch.Tensor, o: dict, init=None) -> dict[str, torch.Tensor]:
         r16 = r.to(torch.bfloat16)
         res = kmeans(r16, k, iters=iters, init=None if warm is None else warm[s], seed=o["seed"] + s,
                      seeding=o["seeding"])
-        c16 = res.centroids.to(torch.bfloat16)
+        c16 = store(res.centroids, s)
         r = r - _gather(c16, res.ids)  # subtract what is stored, so decompression replays exactly
         ids.append(res.ids)
         cents.append(c16)

@@ -1,4 +1,4 @@
-"""The standalone analysis tools (kv_analysis, rope_storage) check --out before their work (one line, status 2,
+"""The standalone analysis tools (kv_analysis, rope_storage, centroid_precision) check --out before their work (one line, status 2,
 nothing run) and write their files all or none (a failure after the work: one line, status 1, nothing written)."""
 from __future__ import annotations
 
@@ -6,17 +6,18 @@ import errno
 
 import pytest
 
-from qvg.eval import kv_analysis, rope_storage
+from qvg.eval import centroid_precision, kv_analysis, rope_storage
 
 
-OUT_NAME = {kv_analysis: "kv_analysis.json", rope_storage: "rope_storage.md"}
+OUT_NAME = {kv_analysis: "kv_analysis.json", rope_storage: "rope_storage.md",
+            centroid_precision: "centroid_precision.md"}
 
 
 def _never(*a, **k):
     raise AssertionError("the work ran before --out was checked")
 
 
-@pytest.mark.parametrize("tool", [kv_analysis, rope_storage])
+@pytest.mark.parametrize("tool", [kv_analysis, rope_storage, centroid_precision])
 def test_bad_out_is_one_line_before_any_work(tool, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(tool, "run", _never)
     (tmp_path / "f").write_text("")
