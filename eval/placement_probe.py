@@ -1,0 +1,84 @@
+"""Does the fused dequant's time depend on where its buffers sit? `python -m qvg.eval.placement_probe [--out DIR]
+[--buffers N] [--rounds R]` -> DIR/placement-probe-<gpu>.json.
+
+profile_dequant's smaller shapes gave one kernel 0.038-0.039 or 0.049-0.060 ms from one process to the next
+(eval/results/profile-dequant-h100.md, 2026-12-01), while within a run its rounds agreed. Here, in one process, for
+profile_dequant's shapes other than the LongCat span: the decode into N output buffers allocated one after another,
+and from N copies of the packed input into the first of them, each timed with do_bench (L2 flushed before each
+call), interleaved over R rounds (median of the rounds' medians). Each row records its buffer's device address. A
+spread between buffers well above one buffer's spread over rounds means placement matters."""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import sys
+import time
+
+import torch
+
+from qvg.help_format import OneLineParser
+from qvg.numbers import integer
+
+
+def _copy(p):
+    """The packed data p (Packed or PackedSequence) with every tensor cloned: the same bits at new addresses."""
+    return dataclasses.replace(p, tensors={k: v.clone() for k, v in p.tensors.items()})
+
+
+def _summary(times: list[list[float]]) -> dict:
+    med = [statistics.median(t) for t in times]
+    spread = [(max(t) - min(t)) / statistics.median(t) for t in times]
+    return {"median_ms": med, "min_over_buffers": min(med), "max_over_buffers": max(med),
+            "max_over_min": max(med) / min(med), "largest_spread_over_rounds": max(spread)}
+
+
+def probe(p, buffers: int, rounds: int) -> dict:
+    """Times of decoding p into `buffers` outputs, and of `buffers` copies of p into the first output."""
+    from qvg.kernels.dequant import dequantize
+
+    from .bench_kernels import bench
+    ref = dequantize(p)
+    outs = [torch.empty_like(ref) for _ in range(buffers)]
+    copies = [_copy(p) for _ in range(buffers)]
+    t_out = [[] for _ in outs]
+    t_in = [[] for _ in copies]
+    for _ in range(rounds):
+        for i, o in enumerate(outs):
+            t_out[i].append(bench(lambda o=o: dequantize(p, out=o), warmup=10, rep=40))
+        for i, q in enumerate(copies):
+            t_in[i].append(bench(lambda q=q: dequantize(q, out=outs[0]), warmup=10, rep=40))
+    exact = all(torch.equal(o, ref) for o in outs)
+    return {"outputs": {"address": [hex(o.data_ptr()) for o in outs], "rounds_ms": t_out, **_summary(t_out)},
+            "inputs": {"codes_address": [hex(q.tensors["codes"].data_ptr()) for q in copies], "rounds_ms": t_in,
+                       **_summary(t_in)}, "bitwise_equal": exact}
+
+
+def main(argv=None) -> int:
+    ap = OneLineParser(prog="python -m qvg.eval.placement_probe", description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="eval/results", help="folder for placement-probe-<gpu>.json")
+    ap.add_argument("--buffers", type=integer, default=8, help="output buffers and input copies per shape (default 8)")
+    ap.add_argument("--rounds", type=integer, default=5, help="interleaved rounds (default 5)")
+    a = ap.parse_args(argv)
+    if a.buffers < 1 or a.rounds < 1:
+        ap.error("--buffers and --rounds must be >= 1")
+    if not torch.cuda.is_available():
+        print(f"{ap.prog}: error: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from .bench_kernels import gpu_tag, result_header, write_result
+    from .profile_dequant import shapes
+    t0 = time.time()
+    rows = []
+    for label, p, _ in shapes():
+        if "29640" in label:  # (the LongCat span's times were stable)
+            continue
+        rows.append({"shape": label, **probe(p, a.buffers, a.rounds)})
+        o, i = rows[-1]["outputs"], rows[-1]["inputs"]
+        print(f"  {label:44s} outputs {o['min_over_buffers']:.4f}-{o['max_over_buffers']:.4f} ms, inputs "
+              f"{i['min_over_buffers']:.4f}-{i['max_over_buffers']:.4f} ms", flush=True)
+    res = {**result_header("placement_probe", argv), "rows": rows}
+    write_result(res, a.out, f"placement-probe-{gpu_tag(res['device'])}.json", t0)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

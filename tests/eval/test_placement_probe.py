@@ -1,0 +1,35 @@
+"""qvg.eval.placement_probe (CPU parts): its command line, the copies it times and its summary."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import qvg
+from qvg.eval import placement_probe as pp
+from qvg.sequence import PackedSequence
+
+
+@pytest.mark.parametrize("argv,msg", [(["--buffers", "0"], "--buffers and --rounds must be >= 1"),
+                                      (["--rounds", "x"], "--rounds"), ([], "needs a CUDA GPU")])
+def test_bad_input_and_no_gpu_are_one_line(argv, msg, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as e:
+        raise SystemExit(pp.main(argv))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and msg in err[0] and "placement_probe: error:" in err[0], err
+
+
+def test_copies_hold_the_same_bits_elsewhere():
+    x = torch.randn(1, 2, 64, 64)
+    p = qvg.compress(x, "qvg", centroids=4)
+    for obj in (p, PackedSequence.from_chunks([p, p])):
+        q = pp._copy(obj)
+        assert type(q) is type(obj) and q.tensors.keys() == obj.tensors.keys()
+        for k, v in obj.tensors.items():
+            assert torch.equal(q.tensors[k], v) and q.tensors[k].data_ptr() != v.data_ptr()
+
+
+def test_summary():
+    s = pp._summary([[1.0, 1.1, 0.9], [2.0, 2.0, 2.0]])
+    assert s["median_ms"] == [1.0, 2.0] and s["max_over_min"] == 2.0
+    assert s["largest_spread_over_rounds"] == pytest.approx(0.2)
