@@ -5,8 +5,10 @@ profile_dequant's smaller shapes gave one kernel 0.038-0.039 or 0.049-0.060 ms f
 (eval/results/profile-dequant-h100.md, 2026-12-01), while within a run its rounds agreed. Here, in one process, for
 profile_dequant's shapes other than the LongCat span: the decode into N output buffers allocated one after another,
 and from N copies of the packed input into the first of them, each timed with do_bench (L2 flushed before each
-call), interleaved over R rounds (median of the rounds' medians). Each row records its buffer's device address. A
-spread between buffers well above one buffer's spread over rounds means placement matters."""
+call), interleaved over R rounds (median of the rounds' medians). Each row records its buffer's device address and
+each round's start time (to line slow rounds up with a clock log, e.g. `nvidia-smi ... -lms 100`). A spread between
+buffers well above one buffer's spread over rounds means placement matters; rounds slow for every buffer at once
+mean the machine's state over time does."""
 from __future__ import annotations
 
 import dataclasses
@@ -42,7 +44,9 @@ def probe(p, buffers: int, rounds: int) -> dict:
     copies = [_copy(p) for _ in range(buffers)]
     t_out = [[] for _ in outs]
     t_in = [[] for _ in copies]
+    starts = []  # (unix time at each round's start: to line slow rounds up with a clock log)
     for _ in range(rounds):
+        starts.append(time.time())
         for i, o in enumerate(outs):
             t_out[i].append(bench(lambda o=o: dequantize(p, out=o), warmup=10, rep=40))
         for i, q in enumerate(copies):
@@ -50,7 +54,8 @@ def probe(p, buffers: int, rounds: int) -> dict:
     exact = all(torch.equal(o, ref) for o in outs)
     return {"outputs": {"address": [hex(o.data_ptr()) for o in outs], "rounds_ms": t_out, **_summary(t_out)},
             "inputs": {"codes_address": [hex(q.tensors["codes"].data_ptr()) for q in copies], "rounds_ms": t_in,
-                       **_summary(t_in)}, "bitwise_equal": exact}
+                       **_summary(t_in)}, "round_start_unix": starts, "round_end_unix": time.time(),
+            "bitwise_equal": exact}
 
 
 def main(argv=None) -> int:
