@@ -1,9 +1,9 @@
 """Is a short decode's slow round the benchmark's L2 flush? `python -m qvg.eval.flush_probe [--out DIR] [--rounds R]
 [--reps N]` -> DIR/flush-probe-<gpu>.json.
 
-In placement_probe runs (eval/results/placement-probe-h200.49338d2-r*.json) whole rounds of the one-stage decode at
-the smaller shapes (~0.04 ms, DRAM-bound) ran 25-60% slow for every buffer at once, while the four-stage decode (L2-
-and issue-bound) timed in the same process never did. triton's do_bench flushes L2 before each call by zeroing a
+In placement_probe runs (eval/results/placement-probe-h200.49338d2-r*.json) the one-stage decode at the smaller
+shapes (~0.04 ms, DRAM-bound) ran up to 1.9x slow in stretches of consecutive timings, whatever the buffer, while the
+four-stage decode (L2- and issue-bound) timed in the same process never did. triton's do_bench flushes L2 before each call by zeroing a
 256 MB buffer, which leaves L2 full of dirty lines; if their write-back overlaps the timed call it competes for
 DRAM bandwidth. Here each of profile_dequant's shapes is timed with CUDA events around each call, the flush before
 every call either `zero` (do_bench's memset alone) or `zero-read` (the same memset, then a 256 MB read of another
