@@ -1,8 +1,9 @@
 """Does the fused dequant's time depend on where its buffers sit? `python -m qvg.eval.placement_probe [--out DIR]
 [--buffers N] [--rounds R]` -> DIR/placement-probe-<gpu>.json.
 
-profile_dequant's smaller shapes gave one kernel 0.038-0.039 or 0.049-0.060 ms from one process to the next
-(eval/results/profile-dequant-h100.md, 2026-12-01), while within a run its rounds agreed. Here, in one process, for
+profile_dequant's smaller shapes gave one kernel medians of 0.038-0.040 or 0.049-0.067 ms from one process to the
+next, and rounds that switched between such levels within a run (eval/results/profile-dequant-h100.md, 2026-12-01).
+Here, in one process, for
 profile_dequant's shapes other than the LongCat span: the decode into N output buffers allocated one after another,
 and from N copies of the packed input into the first of them, each timed with do_bench (L2 flushed before each
 call), interleaved over R rounds (median of the rounds' medians). Each row records its buffer's device address and
