@@ -21,7 +21,7 @@ import traceback
 
 import torch
 
-from qvg.outputs import writable_error
+from qvg.outputs import writable_error, write_text
 from qvg.revision import code_commit
 
 
@@ -117,12 +117,11 @@ def out_error(out_dir: str) -> str | None:
 
 
 def write_result(res: dict, out_dir: str, name: str, t0: float) -> str:
-    """res (with its wall time since t0) as JSON at out_dir/name; the path."""
+    """res (with its wall time since t0) as JSON at out_dir/name, the whole file or none; the path."""
     res["wall_s"] = time.time() - t0
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, name)
-    with open(path, "w") as f:
-        json.dump(res, f, indent=1)
+    write_text(path, json.dumps(res, indent=1))  # (the whole file or none)
     print(f"wrote {path} ({res['wall_s']:.0f} s)")
     return path
 

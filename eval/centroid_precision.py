@@ -33,10 +33,12 @@ from qvg.compression.prq import COLD_ITERS, bf16_centroids, compress_torch
 from qvg.compression import resolve_options
 from qvg.help_format import OneLineParser
 from qvg.numbers import parse_int
-from qvg.outputs import atomic, folder_error
+from qvg.outputs import folder_error, write_texts
 from qvg.packed import Packed
 from qvg.quant import FP8_MAX, tensor_scale
 from qvg.revision import code_commit
+
+from .provenance import command_line
 
 VARIANTS = {"bf16": None, "fp8 from stage 1": 1, "fp8 every stage": 0}
 METHODS = (("qvg", 1, 64), ("qvg-pro", 4, 16))  # (name, stages, block size)
@@ -171,7 +173,7 @@ def main(argv=None) -> int:
         return 2
     t0 = time.time()
     res = run(a.seeds)
-    res.update(command=" ".join(["python -m qvg.eval.centroid_precision", *(sys.argv[1:] if argv is None else argv)]),
+    res.update(command=command_line("python -m qvg.eval.centroid_precision", argv),
                commit=code_commit(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                platform=f"torch {torch.__version__}; python {platform.python_version()}; cpu "
                         f"({platform.machine()}, {torch.get_num_threads()} threads)",
@@ -182,9 +184,7 @@ def main(argv=None) -> int:
     js, md = (Path(a.out) / name for name in OUTPUTS)
     try:  # (both or neither: the JSON is put in place once the markdown is written)
         os.makedirs(a.out, exist_ok=True)
-        with atomic(js) as tmp_js, atomic(md) as tmp_md:
-            tmp_js.write_text(json.dumps(res, indent=1))
-            tmp_md.write_text(text)
+        write_texts({js: json.dumps(res, indent=1), md: text})
     except OSError as e:  # (a full disk, a folder removed meanwhile)
         print(f"{ap.prog}: error: cannot write to {a.out!r} ({e.strerror or e}); nothing written", file=sys.stderr)
         return 1
@@ -193,11 +193,17 @@ def main(argv=None) -> int:
 
 
 def seed_list(text: str) -> list[int]:
-    """--seeds: comma-separated integers (at least one)."""
+    """--seeds: distinct comma-separated integers in [0, 2**63 - 4] (stage s of qvg-pro's chain uses seed + s)."""
     try:
-        return [parse_int(s) for s in text.split(",")]
+        seeds = [parse_int(s) for s in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"comma-separated integers, got {text!r}") from None
+    bad = next((s for s in seeds if not 0 <= s <= 2 ** 63 - 4), None)
+    if bad is not None:
+        raise argparse.ArgumentTypeError(f"each seed must be in [0, 2**63 - 4], got {bad}")
+    if len(set(seeds)) < len(seeds):  # (a repeated seed would shrink the seed floor)
+        raise argparse.ArgumentTypeError(f"each seed once, got {text!r}")
+    return seeds
 
 
 if __name__ == "__main__":

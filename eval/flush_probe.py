@@ -1,5 +1,5 @@
-"""Is a short decode's slow round the benchmark's L2 flush? `python -m qvg.eval.flush_probe [--out DIR] [--rounds R]
-[--reps N]` -> DIR/flush-probe-<gpu>.json.
+"""Is a short decode's slow round the benchmark's L2 flush?
+`python -m qvg.eval.flush_probe [--out DIR] [--rounds R] [--reps N]` -> DIR/flush-probe-<gpu>.json.
 
 In placement_probe runs (eval/results/placement-probe-h200.49338d2-r*.json) the one-stage decode at the smaller
 shapes (~0.04 ms, DRAM-bound) ran up to 1.9x slow in stretches of consecutive timings, whatever the buffer, while the
@@ -47,12 +47,13 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.rounds < 1 or a.reps < 1:
         ap.error("--rounds and --reps must be >= 1")
-    if not torch.cuda.is_available():
-        print(f"{ap.prog}: error: needs a CUDA GPU", file=sys.stderr)
+    from .bench_kernels import gpu_tag, out_error, result_header, write_result
+    why = out_error(a.out)  # (before the work)
+    if why or not torch.cuda.is_available():
+        print(f"{ap.prog}: error: {why or 'needs a CUDA GPU'}", file=sys.stderr)
         return 2
     from qvg.kernels.dequant import dequantize
 
-    from .bench_kernels import gpu_tag, result_header, write_result
     from .profile_dequant import shapes
     t0 = time.time()
     flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")

@@ -3,8 +3,7 @@
 
 profile_dequant's smaller shapes gave one kernel medians of 0.038-0.040 or 0.049-0.067 ms from one process to the
 next, and rounds that switched between such levels within a run (eval/results/profile-dequant-h100.md, 2026-12-01).
-Here, in one process, for
-profile_dequant's shapes other than the LongCat span: the decode into N output buffers allocated one after another,
+Here, in one process, for profile_dequant's shapes other than the LongCat span: the decode into N output buffers allocated one after another,
 and from N copies of the packed input into the first of them, each timed with do_bench (L2 flushed before each
 call), interleaved over R rounds (median of the rounds' medians). Each row records its buffer's device address and
 each round's start time (to line slow rounds up with a clock log, e.g. `nvidia-smi ... -lms 100`). A spread between
@@ -21,6 +20,8 @@ import torch
 
 from qvg.help_format import OneLineParser
 from qvg.numbers import integer
+
+MAX_BUFFERS = 64  # (each output buffer of the largest shape is 115 MB)
 
 
 def _copy(p):
@@ -62,21 +63,21 @@ def probe(p, buffers: int, rounds: int) -> dict:
 def main(argv=None) -> int:
     ap = OneLineParser(prog="python -m qvg.eval.placement_probe", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="eval/results", help="folder for placement-probe-<gpu>.json")
-    ap.add_argument("--buffers", type=integer, default=8, help="output buffers and input copies per shape (default 8)")
+    ap.add_argument("--buffers", type=integer, default=8,
+                    help=f"output buffers and input copies per shape, 1-{MAX_BUFFERS} (default 8)")
     ap.add_argument("--rounds", type=integer, default=5, help="interleaved rounds (default 5)")
     a = ap.parse_args(argv)
-    if a.buffers < 1 or a.rounds < 1:
-        ap.error("--buffers and --rounds must be >= 1")
-    if not torch.cuda.is_available():
-        print(f"{ap.prog}: error: needs a CUDA GPU", file=sys.stderr)
+    if not 1 <= a.buffers <= MAX_BUFFERS or a.rounds < 1:
+        ap.error(f"--buffers must be in [1, {MAX_BUFFERS}] and --rounds >= 1")
+    from .bench_kernels import gpu_tag, out_error, result_header, write_result
+    why = out_error(a.out)  # (before the work)
+    if why or not torch.cuda.is_available():
+        print(f"{ap.prog}: error: {why or 'needs a CUDA GPU'}", file=sys.stderr)
         return 2
-    from .bench_kernels import gpu_tag, result_header, write_result
     from .profile_dequant import shapes
     t0 = time.time()
     rows = []
-    for label, p, _ in shapes():
-        if "29640" in label:  # (the LongCat span's times were stable)
-            continue
+    for label, p, _ in shapes(longcat=False):  # (the LongCat span's times were stable)
         rows.append({"shape": label, **probe(p, a.buffers, a.rounds)})
         o, i = rows[-1]["outputs"], rows[-1]["inputs"]
         print(f"  {label:44s} outputs {o['min_over_buffers']:.4f}-{o['max_over_buffers']:.4f} ms, inputs "

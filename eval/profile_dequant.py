@@ -77,13 +77,13 @@ def _load_baseline(path: str, name: str = "dequantize"):
     return getattr(mod, name)
 
 
-def shapes():
-    """(name, packed, bytes moved) per shape: packed read + BF16 written."""
+def shapes(longcat: bool = True):
+    """(name, packed, bytes moved) per shape: packed read + BF16 written (longcat=False: without the LongCat span)."""
     import qvg
     from qvg.sequence import PackedSequence
-    from .bench_kernels import clustered
+    from .bench_kernels import LONGCAT_SPAN, clustered
     out = []
-    for shape in ((1, 32, 29640, 128), (1, 12, 37440, 128)):
+    for shape in (LONGCAT_SPAN, (1, 12, 37440, 128))[0 if longcat else 1:]:
         x = clustered(shape)
         for method in ("qvg", "qvg-pro"):
             p = qvg.compress(x, method)

@@ -23,7 +23,7 @@ import qvg
 from qvg.help_format import OneLineParser
 from qvg.eval.synthetic_kv import DESCRIPTION, synthetic_kv
 from qvg.numbers import integer
-from qvg.outputs import atomic, folder_error
+from qvg.outputs import folder_error, write_texts
 from qvg.rope import apply_rope, grid_angles
 from qvg.revision import code_commit
 
@@ -101,9 +101,7 @@ def main(argv=None) -> int:
     js, md = (Path(args.out) / name for name in OUTPUTS)
     try:  # (both or neither: the JSON is put in place once the markdown is written)
         os.makedirs(args.out, exist_ok=True)
-        with atomic(js) as tmp_js, atomic(md) as tmp_md:
-            tmp_js.write_text(json.dumps(res, indent=1))
-            tmp_md.write_text("\n".join(lines) + "\n")
+        write_texts({js: json.dumps(res, indent=1), md: "\n".join(lines) + "\n"})
     except OSError as e:  # (a full disk, a folder removed meanwhile)
         print(f"{ap.prog}: error: cannot write to {args.out!r} ({e.strerror or e}); nothing written", file=sys.stderr)
         return 1

@@ -145,6 +145,15 @@ def write_text(path: str | os.PathLike, text: str) -> Path:
     return Path(path)
 
 
+def write_texts(texts: dict) -> None:
+    """Each {path: text} written all or none: every text goes to a temporary file beside its path, and they are put
+    in place only once all are written (an OSError before that leaves every path as it was)."""
+    with contextlib.ExitStack() as stack:
+        tmps = {p: stack.enter_context(atomic(p)) for p in texts}
+        for p, text in texts.items():
+            tmps[p].write_text(text)
+
+
 class Terminated(BaseException):
     """SIGTERM, raised in the main thread inside `sigterm_raises`."""
 

@@ -65,8 +65,18 @@ def test_measure_rows_and_bits():
     assert pro["bf16"] - pro["fp8 from stage 1"] == pytest.approx(3 * (8 * 8 * 64 - 32) / (256 * 64))
 
 
+def test_table_bits_is_the_formulas_centroid_term():
+    """With BF16 tables, table_bits is the 16 S K / N of prq's formula (what the FP8 rows subtract)."""
+    from qvg.compression.prq import bits
+    shape = (1, 2, 256, 64)
+    o = resolve_options("qvg-pro", shape, bits=2, centroids=8)
+    assert bits(shape, o) - bits(shape, {**o, "centroids": 1}) == pytest.approx(
+        cp.table_bits(4, 8, 256, 64, None) - cp.table_bits(4, 1, 256, 64, None))
+    assert cp.table_bits(4, 8, 256, 64, None) == pytest.approx(16 * 4 * 8 / 256)
+
+
 def test_main_writes_json_and_markdown(tmp_path, monkeypatch, capsys):
-    x = torch.randn(1, 1, 128, 64)
+    x = torch.randn(1, 1, 128, 64, generator=torch.Generator().manual_seed(0))
     monkeypatch.setattr(cp, "run", lambda seeds: {"sets": [{"data": "synthetic", "tensor": "K", "K": 4,
                                                             "rows": cp.measure(x, 4, seeds)}]})
     assert cp.main(["--out", str(tmp_path), "--seeds", "0,1"]) == 0
@@ -77,7 +87,7 @@ def test_main_writes_json_and_markdown(tmp_path, monkeypatch, capsys):
     assert "| synthetic | K | 4 | qvg-pro | fp8 every stage |" in md
 
 
-@pytest.mark.parametrize("seeds", ["", "0,x", "1.5"])
+@pytest.mark.parametrize("seeds", ["", "0,x", "1.5", "-1", str(2 ** 63), "0,1,0"])
 def test_bad_seeds_are_one_line(seeds, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         cp.main(["--out", str(tmp_path), "--seeds", seeds])

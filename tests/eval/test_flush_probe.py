@@ -9,7 +9,8 @@ from qvg.eval import flush_probe as fp
 
 @pytest.mark.parametrize("argv,msg", [(["--reps", "0"], "--rounds and --reps must be >= 1"),
                                       (["--rounds", "-1"], "--rounds and --reps must be >= 1"),
-                                      (["--reps", "2.5"], "--reps"), ([], "needs a CUDA GPU")])
+                                      (["--reps", "2.5"], "--reps"), ([], "needs a CUDA GPU"),
+                                      (["--out", "/proc/x"], "cannot write to '/proc'")])
 def test_bad_input_and_no_gpu_are_one_line(argv, msg, capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit) as e:

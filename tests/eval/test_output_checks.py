@@ -1,11 +1,14 @@
-"""The standalone analysis tools (kv_analysis, rope_storage, centroid_precision) check --out before their work (one line, status 2,
-nothing run) and write their files all or none (a failure after the work: one line, status 1, nothing written)."""
+"""The standalone analysis tools (kv_analysis, rope_storage, centroid_precision) check --out before their work (one
+line, status 2, nothing run) and write their files all or none (a failure after the work: one line, status 1,
+nothing written)."""
 from __future__ import annotations
 
 import errno
 
 import pytest
+import torch
 
+from qvg import outputs
 from qvg.eval import centroid_precision, kv_analysis, rope_storage
 
 
@@ -53,9 +56,18 @@ def test_kv_analysis_writes_all_or_none(tmp_path, capsys, monkeypatch):
     assert list((tmp_path / "out").iterdir()) == []
 
 
-def test_rope_storage_writes_both_or_none(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(rope_storage, "run", lambda **k: {"rows": []})
-    real = rope_storage.atomic
+def _tiny_precision_run(seeds):
+    x = torch.randn(1, 1, 128, 64, generator=torch.Generator().manual_seed(0))
+    return {"sets": [{"data": "synthetic", "tensor": "K", "K": 4, "rows": centroid_precision.measure(x, 4, seeds)}]}
+
+
+@pytest.mark.parametrize("tool,run,names", [
+    (rope_storage, lambda **k: {"rows": []}, ["rope_storage.json", "rope_storage.md"]),
+    (centroid_precision, _tiny_precision_run, ["centroid_precision.json", "centroid_precision.md"])])
+def test_json_and_markdown_written_both_or_none(tool, run, names, tmp_path, capsys, monkeypatch):
+    """A full disk while the second file is written: neither is put in place (one line, status 1); then both."""
+    monkeypatch.setattr(tool, "run", run)
+    real = outputs.atomic
     calls = []
 
     def failing_second(path):
@@ -63,9 +75,10 @@ def test_rope_storage_writes_both_or_none(tmp_path, capsys, monkeypatch):
         if len(calls) == 2:
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(path)
-    monkeypatch.setattr(rope_storage, "atomic", failing_second)
-    assert rope_storage.main(["--out", str(tmp_path)]) == 1
-    assert "nothing written" in capsys.readouterr().err and list(tmp_path.iterdir()) == []
-    monkeypatch.setattr(rope_storage, "atomic", real)
-    assert rope_storage.main(["--out", str(tmp_path)]) == 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["rope_storage.json", "rope_storage.md"]
+    monkeypatch.setattr(outputs, "atomic", failing_second)
+    assert tool.main(["--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "nothing written" in err[0] and list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(outputs, "atomic", real)
+    assert tool.main(["--out", str(tmp_path)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == names

@@ -9,8 +9,10 @@ from qvg.eval import placement_probe as pp
 from qvg.sequence import PackedSequence
 
 
-@pytest.mark.parametrize("argv,msg", [(["--buffers", "0"], "--buffers and --rounds must be >= 1"),
-                                      (["--rounds", "x"], "--rounds"), ([], "needs a CUDA GPU")])
+@pytest.mark.parametrize("argv,msg", [(["--buffers", "0"], "--buffers must be in [1, 64] and --rounds >= 1"),
+                                      (["--buffers", "65"], "--buffers must be in [1, 64]"),
+                                      (["--rounds", "x"], "--rounds"), ([], "needs a CUDA GPU"),
+                                      (["--out", "/proc/x"], "cannot write to '/proc'")])
 def test_bad_input_and_no_gpu_are_one_line(argv, msg, capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit) as e:
@@ -20,7 +22,7 @@ def test_bad_input_and_no_gpu_are_one_line(argv, msg, capsys, monkeypatch):
 
 
 def test_copies_hold_the_same_bits_elsewhere():
-    x = torch.randn(1, 2, 64, 64)
+    x = torch.randn(1, 2, 64, 64, generator=torch.Generator().manual_seed(0))
     p = qvg.compress(x, "qvg", centroids=4)
     for obj in (p, PackedSequence.from_chunks([p, p])):
         q = pp._copy(obj)
