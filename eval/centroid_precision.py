@@ -161,7 +161,7 @@ OUTPUTS = ("centroid_precision.json", "centroid_precision.md")
 
 
 def main(argv=None) -> int:
-    ap = OneLineParser(prog="python -m qvg.eval.centroid_precision", description=__doc__.splitlines()[0])
+    ap = OneLineParser(prog="python -m qvg.eval.centroid_precision", description=__doc__.split(" `")[0])
     ap.add_argument("--out", default=".", help="output folder for centroid_precision.json / .md (default: the current "
                     "one; the committed copies are in eval/results)")
     ap.add_argument("--seeds", type=seed_list, default=[0, 1, 2],
