@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from qvg.help_format import OneLineParser
+from qvg.outputs import write_text
 
 TARGETS = {"dequant_fraction": 0.70, "compress_s1_ms": 0.8, "compress_s4_ms": 3.0, "attention_vs_sdpa": 0.85}
 ANCHOR = ("Official QVG code on our H100 (torch 2.11, triton 3.6): copy 3.02 TB/s; dequant 0.189 ms per "
@@ -237,7 +238,7 @@ def main(argv=None) -> int:
         print(f"kernels_report: {args.json!r} is not a bench_kernels JSON ({why})", file=sys.stderr)
         return 2
     md = Path(args.json).with_suffix(".md")
-    md.write_text(text)
+    write_text(md, text)  # (the whole file or none)
     print(f"wrote {md}")
     return 0
 
