@@ -172,6 +172,40 @@ def wan_name(key: str) -> str:
     return key
 
 
+# the Wan2.1 VAE's keys in diffusers' names (AutoencoderKLWan's) -> Wan's, the inverse of diffusers'
+# convert_wan_vae_to_diffusers (tests check the round trip on every key of the VAE at two widths): for naming the
+# keys a Wan2.1_VAE.pth lacks in the file's own terms. A residual block's layers, then the rules for the rest of a key
+# after `encoder.` / `decoder.` (each decoder stage is 3 residual blocks and an upsampler, flat in Wan's list).
+_VAE_RESIDUAL = {"norm1.gamma": "residual.0.gamma", "conv1.weight": "residual.2.weight", "conv1.bias": "residual.2.bias",
+                 "norm2.gamma": "residual.3.gamma", "conv2.weight": "residual.6.weight", "conv2.bias": "residual.6.bias",
+                 "conv_shortcut.weight": "shortcut.weight", "conv_shortcut.bias": "shortcut.bias"}
+_VAE_TO_WAN = ((r"conv_in\.(.+)", lambda m: f"conv1.{m[1]}"), (r"norm_out\.gamma", lambda m: "head.0.gamma"),
+               (r"conv_out\.(.+)", lambda m: f"head.2.{m[1]}"),
+               (r"mid_block\.resnets\.(\d+)\.(.+)", lambda m: f"middle.{2 * int(m[1])}.{_VAE_RESIDUAL[m[2]]}"),
+               (r"mid_block\.attentions\.0\.(.+)", lambda m: f"middle.1.{m[1]}"),
+               (r"down_blocks\.(\d+)\.(.+)", lambda m: f"downsamples.{m[1]}.{_VAE_RESIDUAL.get(m[2], m[2])}"),
+               (r"up_blocks\.(\d+)\.resnets\.(\d+)\.(.+)",
+                lambda m: f"upsamples.{4 * int(m[1]) + int(m[2])}.{_VAE_RESIDUAL[m[3]]}"),
+               (r"up_blocks\.(\d+)\.upsamplers\.0\.(.+)", lambda m: f"upsamples.{4 * int(m[1]) + 3}.{m[2]}"))
+
+
+def wan_vae_name(key: str) -> str:
+    """A Wan2.1 VAE key in diffusers' names -> the same key in Wan's (Wan2.1_VAE.pth's); unchanged if no rule knows
+    it."""
+    side, _, rest = key.partition(".")
+    if side in ("quant_conv", "post_quant_conv"):
+        return ("conv1." if side == "quant_conv" else "conv2.") + rest
+    if side in ("encoder", "decoder"):
+        for pattern, name in _VAE_TO_WAN:
+            m = re.fullmatch(pattern, rest)
+            if m:
+                try:
+                    return f"{side}.{name(m)}"
+                except KeyError:  # (a residual layer no rule names)
+                    break
+    return key
+
+
 def _missing_names(names: dict[str, str], own: Callable[[str], str], naming: str) -> tuple[Callable[[str], str], str]:
     """(model key -> the name a file with these `names` (model key -> file key) would give it, a note for the
     message). The name is `own`'s (wan_name, or no renaming) under the one prefix the file's keys carry before
@@ -256,8 +290,8 @@ def load_vae(files: WanFiles, device="cpu", dtype=torch.float32):
     base_dim = conv1.shape[0] if conv1 is not None and conv1.dim() == 5 else 96
     converted = convert_wan_vae_to_diffusers(sd)
     vae = _build(path, "VAE", AutoencoderKLWan, base_dim=base_dim)
-    return load_strict(vae, converted, path, what="Wan2.1 VAE", file_names=_renamed(sd, converted), device=device,
-                       dtype=dtype)
+    return load_strict(vae, converted, path, what="Wan2.1 VAE", file_names=_renamed(sd, converted),
+                       missing_names=wan_vae_name, device=device, dtype=dtype)
 
 
 def load_text_encoder(files: WanFiles, text_dim: int, device="cpu", dtype=torch.bfloat16, out_dtype=None):

@@ -16,7 +16,7 @@ need("ftfy", "pip install -e '.[wan]'")  # (the `wan` extra: CI has it; the bare
 from transformers import UMT5Config, UMT5EncoderModel  # noqa: E402
 
 from qvg.pipelines.causal_wan import CausalWanTransformer  # noqa: E402
-from qvg.pipelines.checkpoints import load_self_forcing, wan_name  # noqa: E402
+from qvg.pipelines.checkpoints import load_self_forcing, wan_name, wan_vae_name  # noqa: E402
 from qvg.pipelines.state_dicts import CheckpointError  # noqa: E402
 
 WAN_CONFIG = {"_class_name": "WanModel", "model_type": "t2v", "dim": 128, "num_heads": 2, "ffn_dim": 256,
@@ -33,32 +33,8 @@ F32 = dict(dtype=torch.float32, text_dtype=torch.float32)
 
 
 # --- inverse key tables: diffusers / transformers names -> the original (Wan) names ---------------------------------
-# (the transformer's: qvg.pipelines.checkpoints.wan_name, checked against diffusers' converter below)
-
-RESNET = {"norm1.gamma": "residual.0.gamma", "conv1.weight": "residual.2.weight", "conv1.bias": "residual.2.bias",
-          "norm2.gamma": "residual.3.gamma", "conv2.weight": "residual.6.weight", "conv2.bias": "residual.6.bias",
-          "conv_shortcut.weight": "shortcut.weight", "conv_shortcut.bias": "shortcut.bias"}
-
-
-def wan_vae_key(k: str) -> str:
-    top = {"quant_conv": "conv1", "post_quant_conv": "conv2"}
-    if k.split(".")[0] in top:
-        return top[k.split(".")[0]] + k[k.index("."):]
-    side, rest = k.split(".", 1)
-    rules = [(r"conv_in\.(.+)", lambda m: f"conv1.{m[1]}"), (r"norm_out\.gamma", lambda m: "head.0.gamma"),
-             (r"conv_out\.(.+)", lambda m: f"head.2.{m[1]}"),
-             (r"mid_block\.resnets\.(\d)\.(.+)", lambda m: f"middle.{2 * int(m[1])}.{RESNET[m[2]]}"),
-             (r"mid_block\.attentions\.0\.(.+)", lambda m: f"middle.1.{m[1]}"),
-             (r"down_blocks\.(\d+)\.(.+)", lambda m: f"downsamples.{m[1]}.{RESNET.get(m[2], m[2])}"),
-             # 3 residual blocks and 1 upsampler per decoder stage
-             (r"up_blocks\.(\d)\.resnets\.(\d)\.(.+)", lambda m: f"upsamples.{4 * int(m[1]) + int(m[2])}.{RESNET[m[3]]}"),
-             (r"up_blocks\.(\d)\.upsamplers\.0\.(.+)", lambda m: f"upsamples.{4 * int(m[1]) + 3}.{m[2]}")]
-    for pattern, fn in rules:
-        m = re.fullmatch(pattern, rest)
-        if m:
-            return f"{side}.{fn(m)}"
-    raise AssertionError(f"no Wan name for {k}")
-
+# (the transformer's and the VAE's are the product's: qvg.pipelines.checkpoints.wan_name / wan_vae_name, checked
+# against diffusers' converters below)
 
 T5_BLOCK = {"layer.0.layer_norm.weight": "norm1.weight", "layer.0.SelfAttention.q.weight": "attn.q.weight",
             "layer.0.SelfAttention.k.weight": "attn.k.weight", "layer.0.SelfAttention.v.weight": "attn.v.weight",
@@ -126,7 +102,7 @@ def write_checkpoint(root, src):
     wan = root / WAN
     wan.mkdir(parents=True)
     (wan / "config.json").write_text(json.dumps(WAN_CONFIG))
-    torch.save({wan_vae_key(k): v.clone() for k, v in src["vae"].state_dict().items()}, wan / "Wan2.1_VAE.pth")
+    torch.save({wan_vae_name(k): v.clone() for k, v in src["vae"].state_dict().items()}, wan / "Wan2.1_VAE.pth")
     torch.save(wan_t5_dict(src["t5"]), wan / "models_t5_umt5-xxl-enc-bf16.pth")
     write_tokenizer(wan / "google" / "umt5-xxl")
     return root
@@ -284,7 +260,7 @@ BAD = [
      ["incomplete Wan2.1-T2V-1.3B folder", "missing models_t5_umt5-xxl-enc-bf16.pth"]),
     ("vae-missing-key", _rewrite(f"{WAN}/Wan2.1_VAE.pth", lambda o: {k: v for k, v in o.items()
                                                                      if k != "decoder.head.2.bias"}),
-     ["Wan2.1_VAE.pth: not a Wan2.1 VAE checkpoint", "decoder.conv_out.bias"]),
+     ["Wan2.1_VAE.pth: not a Wan2.1 VAE checkpoint", "1 missing key (decoder.head.2.bias)"]),
     # Wan's T5 file's missing keys in its own names (the embedding, tied to a second name in the model, is one key)
     ("t5-missing-keys", _rewrite(f"{WAN}/models_t5_umt5-xxl-enc-bf16.pth", lambda o: {
         k: v for k, v in o.items() if k not in ("blocks.1.ffn.gate.0.weight", "norm.weight")}),
@@ -351,6 +327,24 @@ def test_wan_names_invert_diffusers_converter(config):
     assert back == {k: k for k in keys}
     assert {"head.modulation", "head.head.weight", "time_projection.1.weight", "blocks.0.norm3.weight",
             "blocks.0.self_attn.o.weight", "blocks.0.cross_attn.norm_k.weight", "blocks.0.modulation"} <= set(wan)
+
+
+@pytest.mark.parametrize("base_dim", [8, 96])
+def test_wan_vae_names_invert_diffusers_converter(base_dim):
+    """wan_vae_name is the inverse of diffusers' Wan VAE converter on every key of the VAE (the tests' width and
+    Wan2.1's, built on the meta device), so a Wan2.1_VAE.pth's missing keys are named as the file names its keys."""
+    from diffusers import AutoencoderKLWan
+    from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
+
+    from qvg.pipelines.state_dicts import empty_init
+    with empty_init():
+        keys = list(AutoencoderKLWan(base_dim=base_dim).state_dict())
+    wan = {wan_vae_name(k): k for k in keys}
+    assert len(wan) == len(keys) and not any(w == k for w, k in wan.items())  # (every key renamed, none twice)
+    assert convert_wan_vae_to_diffusers(dict(wan)) == {k: k for k in keys}
+    assert {"conv1.weight", "conv2.bias", "decoder.head.2.bias", "encoder.middle.1.to_qkv.weight",
+            "decoder.upsamples.3.resample.1.weight", "encoder.downsamples.0.residual.2.weight"} <= set(wan)
+    assert wan_vae_name("decoder.something_else.weight") == "decoder.something_else.weight"  # (no rule: as given)
 
 
 @pytest.mark.parametrize("case,edit,needles", BAD, ids=[b[0] for b in BAD])
