@@ -196,15 +196,18 @@ def _key_storage_arg(p):
                    "post-rope (every method's keys after RoPE, as the reports before 2026-11-30)")
 
 
-def _out_dir(path: str | Path, *files: str) -> Path:
+def _out_dir(path: str | Path, *files: str, make: bool = True) -> Path:
     """An output folder, made (with its parents) and checked writable, and that `files` in it can be written, before
-    any work: UsageError otherwise. (Call it after every other input check: it makes the folder.)"""
+    any work: UsageError otherwise. (Call it after every other input check: it makes the folder.) make=False (the
+    folder of an --out file, as qvg-generate's --out): a missing folder is refused, not made (a typo made folders)."""
     out = Path(path)
     for name in files:
         if (out / name).is_dir():
             raise UsageError(f"cannot write {str(out / name)!r}: a folder is there")
     if out.exists() and not out.is_dir():
         raise UsageError(f"cannot write to {str(out)!r}: a file is there, not a folder")
+    if not make and not out.is_dir():
+        raise UsageError(f"--out: cannot write to {str(out)!r} (no such directory)")
     # the folders mkdir will make, each where it really is (through "..", a/../b makes a/ and b/, not a/..) and
     # recorded before it runs (it may make only some)
     _MADE.extend(f for f in (Path(os.path.abspath(g)) for g in (out, *out.parents)) if not f.exists())
@@ -351,7 +354,7 @@ def _compare(a, argv) -> int:
     if a.onset_chunks > chunks:
         raise UsageError(f"--onset-chunks must be in [1, {chunks}] (the chunks of the {n} frames compared), got "
                          f"{a.onset_chunks}")
-    _out_dir(js.parent, js.name, png.name)
+    _out_dir(js.parent, js.name, png.name, make=False)
     model, status = _lpips(a.lpips, a.weights, dev, notes)
     try:
         res = compare.compare(ref[:, :n], test[:, :n], onset_chunks=a.onset_chunks, threshold=a.threshold,
@@ -546,7 +549,7 @@ def _vbench_cmd(a, argv) -> int:
                              f"{path}: 1 frame; {pairs[0]} compares frames: give videos of at least 2")
     if a.out is not None:
         _check_out_file(a.out, a.videos)
-        _out_dir(Path(a.out).resolve().parent, Path(a.out).name)
+        _out_dir(Path(a.out).resolve().parent, Path(a.out).name, make=False)
     notes = []
     dims = _vbench(names, a.weights, dev, notes)
     missing = {k: f for k, f in dims.items() if isinstance(f, str)}

@@ -140,9 +140,8 @@ def output_paths(out: str | Path) -> tuple[Path, Path]:
 
 def save(res: dict, out: str | Path) -> list[str]:
     """The JSON and the PNG, both or neither (the JSON is put in place only once the PNG is: a full disk leaves
-    neither); an OSError names the file it was writing."""
+    neither); an OSError names the file it was writing (a missing folder is not made)."""
     js, png = output_paths(out)
-    js.parent.mkdir(parents=True, exist_ok=True)
     path = js
     try:
         with atomic(js) as tmp:

@@ -392,22 +392,29 @@ def test_the_folder_clean_up_keeps_the_users_folders_and_runs_for_any_failure(tm
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"] and list((tmp_path / "mine").iterdir()) == []
 
 
-@pytest.mark.parametrize("cmd", ["report", "compare"])
-def test_a_failure_after_the_output_folder_is_made_removes_it(tmp_path, capsys, monkeypatch, cmd):
-    """The output folder is made (and checked) before the weights load: a failure there leaves no empty folder."""
+def test_a_failure_after_the_output_folder_is_made_removes_it(tmp_path, capsys, monkeypatch):
+    """The report's folder is made (and checked) before the weights load: a failure there leaves no empty folder."""
     from qvg.eval import cli
 
     def bad_weights(*a, **k):
         raise cli.UsageError("--weights: a broken LPIPS file")
     monkeypatch.setattr(cli, "_lpips", bad_weights)
     out = tmp_path / "new" / "out"
-    if cmd == "report":
-        args = ["report", str(out), "--skip", "sweep,long,kv,warm,rope", "--no-progress", "--vbench", "none"]
-    else:
-        ref = _video(tmp_path / "ref.npy")
-        args = ["compare", ref, ref, "--out", str(out / "c")]
-    assert main(args) == 2
+    assert main(["report", str(out), "--skip", "sweep,long,kv,warm,rope", "--no-progress", "--vbench", "none"]) == 2
     _one_error(capsys, "a broken LPIPS file")
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("cmd", ["compare", "vbench"])
+def test_an_out_file_in_a_missing_folder_is_refused_not_made(tmp_path, capsys, cmd):
+    """--out names a file: its folder must be there, as with qvg-generate's --out (a mistyped path made folders,
+    up to one at the file system's root); OUTDIR (report, sweep) is a folder, made."""
+    ref = _video(tmp_path / "ref.npy")
+    out = tmp_path / "new" / "sub" / "c"
+    args = ["compare", ref, ref, "--lpips", "none"] if cmd == "compare" else ["vbench", ref, "--dims",
+                                                                              "subject_consistency"]
+    assert main([*args, "--out", str(out)]) == 2
+    _one_error(capsys, f"--out: cannot write to {str(out.parent)!r} (no such directory)")
     assert not (tmp_path / "new").exists()
 
 
