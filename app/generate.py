@@ -16,6 +16,7 @@ import signal
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -237,8 +238,9 @@ def parse(argv) -> dict:
         raise UsageError(f"--frames must be in [{MIN_TINY_FRAMES if tiny else 1}, {MAX_FRAMES}], got {s['frames']}")
     s["options"] = {k: v for k, v in opts.items() if v is not None}
     if a.method == "bf16" and s["options"]:
-        raise UsageError(f"--method bf16 stores BF16: {', '.join('--' + k.replace('_', '-') for k in s['options'])}"
-                         " do not apply")
+        given = [OPTION_FLAGS.get(k, "--kmeans-seed") for k in s["options"]]
+        raise UsageError(f"--method bf16 stores BF16: {', '.join(given)} {'does' if len(given) == 1 else 'do'} not "
+                         "apply")
     s["key_storage"] = _key_storage(a.key_storage, a.method, a.pipeline)
     from qvg.cache import read_error
     bad_read = read_error(a.method, a.read, s["options"])  # (KVCache's own check and message)
@@ -339,7 +341,9 @@ def start_frame(image: str, flag: str = "--image", size: int | None = None):
             a = image_array(path)
         except Exception as e:
             from qvg.pipelines.state_dicts import first_line
-            raise UsageError(f"{flag}: cannot read {image!r} as an image ({first_line(e)})") from None
+            why = first_line(e)  # (imageio's "Could not find a backend to open ... with iomode `ri`": no format)
+            why = "not an image format imageio reads" if "could not find a backend" in why.lower() else why
+            raise UsageError(f"{flag}: cannot read {image!r} as an image ({why})") from None
         if min(a.shape[:2]) < MIN_IMAGE_SIDE:
             raise UsageError(f"{flag}: {image!r} is {a.shape[1]} x {a.shape[0]} pixels; give one at least "
                              f"{MIN_IMAGE_SIDE} pixels on each side (it is scaled to the model's view)")
@@ -531,7 +535,7 @@ def report(s, gen: Generation, frames: int, seconds: float, mem: dict, chunks: l
 
 
 def _cache(s, transformer, latent_hw):
-    from qvg.cache import KVCache, cache_options, check_options
+    from qvg.cache import KVCache, cache_options, check_options, unit_bits
     cf = 3
     tpf = transformer.tokens_per_latent_frame(*latent_hw)
     unit = cf * tpf * s["commit_every"]
@@ -548,9 +552,24 @@ def _cache(s, transformer, latent_hw):
         if frames is not None and frames % cf:
             raise UsageError(f"--{name} must be a multiple of the chunk size ({cf} latent frames), got {frames}")
     s["options"] = opts
+    if s["method"] != "bf16":  # (said before the run where no history length repays the unit: unit_cost_note)
+        s["unit_bits"] = (unit_bits(s["method"], opts, unit, transformer.config.attention_head_dim), unit,
+                          transformer.config.attention_head_dim)
     return KVCache(len(transformer.blocks), s["method"], chunk_frames=cf, tokens_per_frame=tpf,
                    sink_frames=s["sink"], window_frames=s["window"], commit_every=s["commit_every"],
                    key_storage=s["key_storage"], read=s["read"], **opts)
+
+
+def unit_cost_note(s) -> str | None:
+    """Where every packed unit of the run's cache takes more bits per value than BF16 (a k-means method with many
+    centroids for its unit): what to say, as the cache then never gets smaller than BF16; else None."""
+    bits, unit, d = s.get("unit_bits") or (0, 0, 0)
+    if bits <= 16:
+        return None
+    return (f"{s['method']} packs each committed unit ({unit} tokens x {d} channels) into {bits:.1f} bits per value, "
+            "more than BF16's 16 (its centroid tables and scales outweigh a unit this small), so its cache stays "
+            "larger than BF16 however long the history; fewer --centroids or --stages, or a larger --commit-every, "
+            "lower it")
 
 
 def run(s) -> dict:
@@ -560,6 +579,9 @@ def run(s) -> dict:
     dev = s["device"]
     t_load = time.perf_counter()
     gen = Generation(s)
+    note = unit_cost_note(s)
+    if note:  # (before the run: it can be stopped; KVCache's own warning of it is filtered in main)
+        print(f"qvg-generate: note: {note}", file=sys.stderr)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)  # (the loading's queued copies count in load_seconds, not in the first chunk)
         torch.cuda.reset_peak_memory_stats(dev)
@@ -667,6 +689,8 @@ def ratio_words(ratio: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     s = None
+    from qvg.cache import UnitCostWarning
+    warnings.filterwarnings("ignore", category=UnitCostWarning)  # (said as a note of our own: unit_cost_note)
     try:
         with sigterm_raises():
             s = parse(argv)
@@ -689,14 +713,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {s['out']} ({report['frames']} frames, {report['seconds']:.1f} s; KV cache "
           f"{report['kv_bytes']['total'] / 2**20:.2f} MiB, {ratio_words(report['compression_ratio'])}) "
           f"and {s['out'].with_suffix('.json')}")
-    if s["method"] != "bf16" and report["kv_bytes"].get("codes") and report["compression_ratio"] < 1:
+    if s["method"] != "bf16" and report["kv_bytes"].get("codes") and report["compression_ratio"] < 1 and \
+            not unit_cost_note(s):  # (that case was said before the run: a longer history does not repay it)
         print(f"qvg-generate: note: {s['method']} holds more than BF16 here: beside its packed history it keeps "
               "BF16 room for the chunk being generated (and any sink), which a history this short does not repay; "
               "the ratio grows with the history (README, 'What ratio to expect')", file=sys.stderr)
     if s["method"] != "bf16" and not report["kv_bytes"].get("codes"):  # (said: the line reads like a bug otherwise)
-        print(f"qvg-generate: note: {s['method']} compressed nothing: every frame stayed in the BF16 zones (a sink "
-              f"of --sink {s['sink']} frames covering the video, or chunks waiting for --commit-every "
-              f"{s['commit_every']} that the video or its --history window never filled)", file=sys.stderr)
+        latent = report["latent_frames"]
+        why = (f"a sink of --sink {s['sink']} latent frames covering the video's {latent}" if s["sink"] >= latent else
+               f"chunks waiting for --commit-every {s['commit_every']}, which the video"
+               f"{' or its --history window' if s['window'] is not None else ''} never filled")
+        print(f"qvg-generate: note: {s['method']} compressed nothing: every frame stayed in the BF16 zones ({why})",
+              file=sys.stderr)
     return 0
 
 

@@ -17,12 +17,13 @@ import math
 import os
 import re
 import sys
+import warnings
 from pathlib import Path
 
 from .generate import DEFAULT_ACTIONS, DEFAULT_IMAGE, DEFAULT_PROMPT, UsageError
 from .ui_jobs import Jobs, cancel_message
-from .ui_run import (KMEANS, PIPELINES, Form, Models, Server, Update, Workdirs, append_action, prepare, run, settings,
-                     ui_message)
+from .ui_run import (FRAMES_RANGE, KMEANS, PIPELINES, Form, Models, Server, Update, Workdirs, append_action, prepare,
+                     run, settings, ui_message)
 
 log = logging.getLogger("qvg.app")
 ACTION_KEYS = {"left": ("←", "ArrowLeft"), "up": ("↑", "ArrowUp"), "down": ("↓", "ArrowDown"),
@@ -167,7 +168,9 @@ def build(server: Server):
                         sink = gr.Number(0, label="sink (latent frames)", precision=0)
                     with gr.Row():
                         # (4 frames: the start frame and one chunk; a longer video than 301: qvg-generate --frames)
-                        frames = gr.Slider(4, 301, value=31, step=3, label="length (frames)", elem_id="qvg-frames")
+                        frames = gr.Slider(*FRAMES_RANGE, value=31, step=3, label="length (frames)",
+                                           elem_id="qvg-frames")
+                        frames.preprocess = _as_given
                         # a Textbox: a browser's number field holds a double, so seeds past 2**53 would be rounded
                         seed = gr.Textbox("0", label="seed", elem_id="qvg-seed")
                     compare = gr.Checkbox(False, label="compare with BF16 (same seed, side by side, PSNR per chunk)",
@@ -249,7 +252,8 @@ def build(server: Server):
             values = locals()
             try:
                 with tempfile.TemporaryDirectory(prefix="qvg-check-") as tmp:
-                    settings(Form(**{k: values[k] for k in FORM_FIELDS}), server, Path(tmp))
+                    unused = settings(Form(**{k: values[k] for k in FORM_FIELDS}), server, Path(tmp))[-1][
+                        "unused_fields"]
             except UsageError as e:
                 return REFUSED, error_status(ui_message(e))
             except Exception as e:  # (an unreadable folder, ...: one line here too; the traceback to the log)
@@ -257,6 +261,8 @@ def build(server: Server):
                 from qvg.pipelines.state_dicts import first_line
                 return REFUSED, error_status(first_line(e))
             wait = "Queued: another video is being generated; this one starts when it ends." if jobs.busy() else ""
+            if unused:  # (hidden fields keep their values for when their method is chosen again; an API call sends all)
+                wait = f"Not used by {method}, which has no such option: {', '.join(unused)}. {wait}".strip()
             return jobs.submit(request.session_hash).id, wait  # (gradio's queue line: its time per update, not a wait)
 
         def gate(job):  # a refused click queues no run (its notice says why)
@@ -364,6 +370,22 @@ def build(server: Server):
     return app
 
 
+def _as_given(payload):
+    """The length slider's preprocess: its value reaches the form's check as it is, so a length outside the range
+    (an API call) is refused in the page's words (ui_run.settings), where gradio's range check answered with its own
+    error and a server traceback. (Set on the instance: a subclass of a gradio component makes gradio write a .pyi
+    stub beside this file.)"""
+    return payload
+
+
+def serve(app, host: str, port: int | None) -> None:
+    """qvg-app's server until Ctrl-C: gradio quiet (its lines advise its Python API, e.g. `share=True`, which
+    qvg-app has no flag for), one line of ours with the address."""
+    launch(app, host, port, quiet=True, prevent_thread_lock=True)
+    print(f"qvg-app: serving on {app.local_url} (Ctrl-C to stop)", flush=True)
+    app.block_thread()
+
+
 def launch(app, host: str = "127.0.0.1", port: int | None = None, **kw):
     """Start the server (kw: gradio's launch options, e.g. prevent_thread_lock=True in tests)."""
     return app.launch(server_name=host, server_port=port, js=KEYS_JS, css=CSS, show_error=False,
@@ -424,10 +446,12 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"qvg-app: error: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=logging.INFO)
+    logging.basicConfig(level=logging.WARNING)  # (INFO printed a line per HTTP request the server made)
+    from qvg.cache import UnitCostWarning
+    warnings.filterwarnings("ignore", category=UnitCostWarning)  # (the run's notice says it: unit_cost_note)
     app = build(Server(root, None, a.device))
     try:
-        launch(app, a.host, a.port)
+        serve(app, a.host, a.port)
     except OSError as e:  # the port taken (or not ours to bind): before anything was served
         text = str(e).splitlines()[0] if str(e) else type(e).__name__
         if "Cannot find empty port" in text:  # (gradio's words, whose advice is for its Python API)

@@ -32,6 +32,8 @@ LABELS = {"--frames": "length (frames)", "--bits": "bits", "--stages": "stages",
           "--seed": "seed", "--actions": "camera actions", "--image": "start image", "--checkpoint": "checkpoint",
           "--method": "method", "--prompt": "prompt", "--device": "device"}
 
+FRAMES_RANGE = (4, 301)  # the page's length slider: the start frame and one chunk, up to 100 chunks (longer: the CLI)
+
 
 @dataclass
 class Form:
@@ -146,6 +148,10 @@ def settings(form: Form, server: Server, out: Path) -> list[dict]:
         v = _num(value, LABELS[flag])
         if v is None:
             raise UsageError(f"{LABELS[flag]}: give a number")
+        if flag == "--frames" and not FRAMES_RANGE[0] <= int(v) <= FRAMES_RANGE[1]:  # (the slider's; an API call's
+            # value outside it was gradio's own error and a traceback on the server)
+            raise UsageError(f"{LABELS[flag]} must be in [{FRAMES_RANGE[0]}, {FRAMES_RANGE[1]}] here (longer "
+                             f"videos: the qvg-generate command), got {v}")
         argv += [flag, v]
     if form.history == "window":
         w = _num(form.window, "window")
@@ -186,7 +192,20 @@ def settings(form: Form, server: Server, out: Path) -> list[dict]:
             out_list.append(s)
     except UsageError as e:
         raise UsageError(ui_message(e)) from None
+    out_list[-1]["unused_fields"] = unused_fields(form)
     return out_list
+
+
+def unused_fields(form: Form) -> list[str]:
+    """The option fields given a value that the chosen method has not ("stages 2" for rtn): the page hides them and
+    keeps their values for when the method is chosen again, so they are not used, and the click's notice says so
+    (an API call sends every field)."""
+    given = {"bits": None if form.bits in (None, "", "default") else form.bits, "block size": form.block_size,
+             "stages": form.stages, "centroids": form.centroids}
+    has = () if form.method == "bf16" else ("bits", "block size", *(("stages", "centroids") if form.method in KMEANS
+                                                                   else ()))
+    return [f"{name} {str(v).strip()}" for name, v in given.items()
+            if name not in has and v is not None and str(v).strip() != ""]
 
 
 def file_stem(s: dict) -> str:
@@ -371,6 +390,8 @@ def run(runs: list[dict], gens: list[Generation], controls: Job, workdir: Path):
             # qvg-generate's note says; a video cancelled early may just not have reached its first commit)
             up.status += (f" · note: {lb} compressed nothing: every frame stayed in BF16 (a sink of {s['sink']} "
                           "latent frames covering the video)")
+        if lb != "bf16" and generate.unit_cost_note(s):  # (qvg-generate says it before its run)
+            up.status += f" · note: {generate.unit_cost_note(s)}"
         up.done = True
         yield up
     finally:

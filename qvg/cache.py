@@ -392,13 +392,12 @@ class KVCache:
                 check_options(self.method, self.options, unit, d)
             except ValueError as e:
                 raise ValueError(f"write: K/V of head dim {d}: {e}") from None
-            roles = ("key", "value") if self.method == "kivi" else ("key",)
-            bits = max(compression.bits_per_element(self.method, (1, 1, unit, d),
-                                                    **unit_options(self.method, self.options, r)) for r in roles)
+            bits = unit_bits(self.method, self.options, unit, d)
             if bits > 16:
                 warnings.warn(f"KVCache: {self.method} packs a unit of {unit} tokens x {d} channels into {bits:.1f} "
                               "bits per element, more than BF16's 16: its fixed costs (centroids, scales) need "
-                              "larger units (chunk_frames x tokens_per_frame x commit_every)", stacklevel=3)
+                              "larger units (chunk_frames x tokens_per_frame x commit_every)", UnitCostWarning,
+                              stacklevel=3)
         self._head_dims.add(d)
 
     def _layer(self, layer: int, what: str) -> _Layer:
@@ -1049,6 +1048,19 @@ def unit_options(method: str, options: dict, role: str) -> dict:
     """What a commit passes `compress` for a unit of keys (role "key") or values: kivi also gets its role, and no
     full-precision window of its own (the cache's pending / current zones are KIVI's recent window)."""
     return {**options, "role": role, "residual": 0} if method == "kivi" else dict(options)
+
+
+class UnitCostWarning(UserWarning):
+    """A cache whose every packed unit takes more bits per element than BF16 (KVCache's first write): no history
+    length repays it (qvg-generate says so in its own words and filters this)."""
+
+
+def unit_bits(method: str, options: dict, unit_tokens: int, head_dim: int) -> float:
+    """Bits per element of one packed unit (a commit of unit_tokens tokens x head_dim channels) with the cache's
+    options: the most of keys' and values' where they differ (kivi). Above 16 the unit is larger than BF16."""
+    roles = ("key", "value") if method == "kivi" else ("key",)
+    return max(compression.bits_per_element(method, (1, 1, unit_tokens, head_dim),
+                                            **unit_options(method, options, r)) for r in roles)
 
 
 def check_options(method: str, options: dict, unit_tokens: int, head_dim: int | None = None) -> dict:

@@ -149,7 +149,8 @@ BAD = [
     (["--sink", "1" + "0" * 300], "--sink must be in [0, 100000]"),  # (was taken, and written into the report)
     (["--pipeline", "self-forcing"], "needs --checkpoint"),
     (["--pipeline", "self-forcing", "--checkpoint", "/no/such/dir"], "no such directory"),
-    (["--method", "bf16", "--bits", "2"], "do not apply"),
+    (["--method", "bf16", "--bits", "2"], "--method bf16 stores BF16: --bits does not apply"),
+    (["--method", "bf16", "--bits", "2", "--block-size", "16"], "--bits, --block-size do not apply"),
     (["--device", "tpu"], "--device"),
     (["--device", "cpu:5"], "--device must be cpu or cuda[:N], got 'cpu:5'"),
     (["--device", ""], "--device is empty"),  # (it took the default silently)
@@ -611,10 +612,29 @@ def test_a_cache_that_compressed_nothing_says_why(tmp_path, capsys):
     cap = capsys.readouterr()
     assert "the size of BF16" in cap.out
     assert cap.err.strip() == ("qvg-generate: note: qvg compressed nothing: every frame stayed in the BF16 zones (a "
-                               "sink of --sink 6 frames covering the video, or chunks waiting for --commit-every 1 "
-                               "that the video or its --history window never filled)")
+                               "sink of --sink 6 latent frames covering the video's 3)")
+    # the other cause, alone (the note named both, the one that did not apply with its value)
+    assert main(["--frames", "7", "--commit-every", "100", "--out", str(tmp_path / "c.mp4"), "--quiet"]) == 0
+    assert capsys.readouterr().err.strip() == ("qvg-generate: note: qvg compressed nothing: every frame stayed in the "
+                                               "BF16 zones (chunks waiting for --commit-every 100, which the video "
+                                               "never filled)")
     assert main(["--frames", "7", "--out", str(tmp_path / "w.mp4"), "--quiet"]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_a_cache_whose_units_outweigh_bf16_says_so_before_the_run(tmp_path, capsys):
+    """Centroid tables too large for the unit (every packed unit above BF16's 16 bits per value): one note before
+    the run, in qvg-generate's words and not as KVCache's Python warning, and no claim that a longer history repays
+    it (the note said "the ratio grows with the history", and it levels off below 1)."""
+    assert main(["--frames", "7", "--method", "qvg-pro", "--centroids", "256", "--out", str(tmp_path / "v.mp4"),
+                 "--quiet"]) == 0
+    cap = capsys.readouterr()
+    assert "larger than BF16" in cap.out
+    err = cap.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("qvg-generate: note: qvg-pro packs each committed unit (") and \
+        "bits per value, more than BF16's 16" in err[0] and "however long the history" in err[0], err
+    from qvg.app.generate import unit_cost_note
+    assert unit_cost_note({"method": "qvg", "unit_bits": (4.2, 768, 64)}) is None
 
 
 def test_a_cache_larger_than_bf16_says_why(tmp_path, capsys):
@@ -674,3 +694,13 @@ def test_runs_on_the_second_gpu(tmp_path, method):
     assert reps[1]["peak_gpu_bytes"] > 0 and stored[0] == stored[1] and reps[1]["device"] == reps[0]["device"]
     assert all(r["kv_bytes"]["workspace"] > 0 for r in reps)
     assert (videos[0] == videos[1]).all()
+
+
+def test_a_start_image_no_reader_knows_is_one_plain_line(tmp_path, capsys):
+    """A file imageio has no format for (text named .jpg): the line says so, not imageio's "Could not find a backend
+    to open ... with iomode `ri`"."""
+    (tmp_path / "notimg.jpg").write_text("not an image")
+    assert main(["--image", str(tmp_path / "notimg.jpg"), "--out", str(tmp_path / "v.mp4"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"qvg-generate: error: --image: cannot read {str(tmp_path / 'notimg.jpg')!r} as an image (not an "
+                   "image format imageio reads)"], err

@@ -6,6 +6,7 @@ import os
 import re
 import socket
 import time
+from pathlib import Path
 
 import pytest
 
@@ -50,7 +51,6 @@ def ckpt_root(tmp_path_factory):
 def sf_checkpoint(ckpt_root):
     """A tiny Self-Forcing checkpoint in the original layout at ROOT/sf (tests/pipelines/test_checkpoints.py's)."""
     import importlib.util
-    from pathlib import Path
     path = Path(__file__).resolve().parent.parent / "pipelines" / "test_checkpoints.py"
     spec = importlib.util.spec_from_file_location("_sf_checkpoint_files", path)
     mod = importlib.util.module_from_spec(spec)
@@ -214,6 +214,9 @@ BAD = [
     (dict(method="qvg", block_size=48), "not divisible by block_size"),
     (dict(actions="fly*2"), "unknown action"),
     (dict(stages=17), "stages must be in [0, 16]"),
+    # the length slider's range, from an API call (gradio's own error and a server traceback before)
+    (dict(frames=2), "length (frames) must be in [4, 301] here (longer videos: the qvg-generate command), got 2"),
+    (dict(frames=400), "length (frames) must be in [4, 301] here"),
     (dict(method="bf16", compare=True), "choose a compressed method"),
     (dict(history="window", window=4), "window must be a multiple of the chunk size"),
     (dict(sink=None), "sink: give a number"),
@@ -251,6 +254,20 @@ def test_bad_input_is_one_message_not_a_traceback(client, kw, msg):
         assert job == "refused" and status == text, status
         outs = _wait(client.submit(*form(**kw), job, api_name="/generate"))
         assert len(outs) == 1 and all(v == {"__type__": "update"} for v in outs[0]), outs
+
+
+def test_fields_the_method_has_not_are_said_unused(client):
+    """An API call sends every field: values in those the page hides for the chosen method (stages for rtn, bits
+    for bf16) are not used, and the click's notice says so (the run went on without a word); an empty or default
+    field says nothing."""
+    for kw, said in ((dict(method="rtn", stages="2", centroids=" 8 "), "Not used by rtn, which has no such option: "
+                      "stages 2, centroids 8."),
+                     (dict(method="bf16", bits="2", block_size="16"), "Not used by bf16, which has no such option: "
+                      "bits 2, block size 16."),
+                     (dict(method="rtn", stages="", bits="default"), "")):
+        job, status = client.predict(*form(frames=4, **kw), api_name="/job")
+        assert job != "refused" and status == said, (kw, status)
+        client.predict(api_name="/cancel")
 
 
 def test_queue_positions_one_job_at_a_time_and_cancel(url):
@@ -527,7 +544,7 @@ def test_the_pages_seed_is_text_so_big_seeds_stay_exact(client):
 def test_cli_binds_localhost_by_default(monkeypatch, tmp_path, capsys):
     import qvg.app.ui as ui
     seen = {}
-    monkeypatch.setattr(ui, "launch", lambda app, host, port, **kw: seen.update(host=host, port=port))
+    monkeypatch.setattr(ui, "serve", lambda app, host, port: seen.update(host=host, port=port))
     assert ui.main([]) == 0 and seen == {"host": "127.0.0.1", "port": None}
     assert ui.main(["--host", "0.0.0.0", "--port", "9999"]) == 0 and seen == {"host": "0.0.0.0", "port": 9999}
     assert ui.main(["--checkpoint-root", str(tmp_path / "nope")]) == 2
@@ -715,3 +732,10 @@ def test_an_unexpected_error_is_one_short_line(client, monkeypatch):
     assert re.sub(r"\\(.)", r"\1", status) == want, status
     outs = _wait(client.submit(*form(), "any-job", api_name="/generate"))
     assert re.sub(r"\\(.)", r"\1", outs[-1][STATUS]) == want, outs[-1][STATUS]
+
+
+def test_building_the_page_writes_nothing_beside_the_package(url):
+    """The page (built by the `url` fixture) leaves no file in the package: a subclass of a gradio component makes
+    gradio write a .pyi stub beside its module (the length slider's range check is set on its instance instead)."""
+    import qvg.app.ui as ui
+    assert not Path(ui.__file__).with_suffix(".pyi").exists()
