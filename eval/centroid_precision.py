@@ -17,14 +17,9 @@ ratio fp8 / bf16. Bits per element: analytic, with 8-bit entries and one 32-bit 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
-import os
-import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -33,12 +28,11 @@ from qvg.compression.prq import COLD_ITERS, bf16_centroids, compress_torch
 from qvg.compression import resolve_options
 from qvg.help_format import OneLineParser
 from qvg.numbers import parse_int
-from qvg.outputs import folder_error, write_texts
+from qvg.outputs import folder_error
 from qvg.packed import Packed
 from qvg.quant import FP8_MAX, tensor_scale
-from qvg.revision import code_commit
 
-from .provenance import command_line
+from .study_outputs import save, stamp
 
 VARIANTS = {"bf16": None, "fp8 from stage 1": 1, "fp8 every stage": 0}
 METHODS = (("qvg", 1, 64), ("qvg-pro", 4, 16))  # (name, stages, block size)
@@ -180,25 +174,9 @@ def main(argv=None) -> int:
         print(f"{ap.prog}: error: --out: {why}", file=sys.stderr)
         return 2
     t0 = time.time()
-    res = run(a.seeds)
-    res.update(command=command_line("python -m qvg.eval.centroid_precision", argv),
-               commit=code_commit(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               platform=f"torch {torch.__version__}; python {platform.python_version()}; cpu "
-                        f"({platform.machine()}, {torch.get_num_threads()} threads)",
-               wall_s=time.time() - t0)
+    res = stamp(run(a.seeds), "python -m qvg.eval.centroid_precision", argv, t0)
     res["summary"] = summary(res)
-    text = markdown(res)
-    print(text)
-    js, md = (Path(a.out) / name for name in OUTPUTS)
-    try:  # (both or neither: the JSON is put in place once the markdown is written)
-        os.makedirs(a.out, exist_ok=True)
-        write_texts({js: json.dumps(res, indent=1), md: text})
-    except OSError as e:  # (a full disk, a folder removed meanwhile)
-        print(f"{ap.prog}: error: cannot write to {a.out!r} ({e.strerror or e}); nothing written", file=sys.stderr)
-        return 1
-    print(f"wrote {js}\nwrote {md}")
-    return 0
-
+    return save(ap.prog, a.out, OUTPUTS, res, markdown(res))
 
 def seed_list(text: str) -> list[int]:
     """--seeds: distinct comma-separated integers in [0, 2**63 - 4] (stage s of qvg-pro's chain uses seed + s)."""

@@ -10,12 +10,9 @@ Writes rope_storage.json and rope_storage.md.
 from __future__ import annotations
 
 import datetime
-import json
-import os
 import platform
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -23,7 +20,8 @@ import qvg
 from qvg.help_format import OneLineParser
 from qvg.eval.synthetic_kv import DESCRIPTION, synthetic_kv
 from qvg.numbers import integer
-from qvg.outputs import folder_error, write_texts
+from qvg.eval.study_outputs import save
+from qvg.outputs import folder_error
 from qvg.rope import apply_rope, grid_angles
 from qvg.revision import code_commit
 
@@ -97,16 +95,7 @@ def main(argv=None) -> int:
     for r in res["rows"]:
         lines.append(f"| {r['bits']} | {r['method']} | {r['chunk']} | {r['mse_pre']:.4g} | {r['mse_post']:.4g} | "
                      f"{r['ratio_post_over_pre']:.2f}x |")
-    print("\n".join(lines))
-    js, md = (Path(args.out) / name for name in OUTPUTS)
-    try:  # (both or neither: the JSON is put in place once the markdown is written)
-        os.makedirs(args.out, exist_ok=True)
-        write_texts({js: json.dumps(res, indent=1), md: "\n".join(lines) + "\n"})
-    except OSError as e:  # (a full disk, a folder removed meanwhile)
-        print(f"{ap.prog}: error: cannot write to {args.out!r} ({e.strerror or e}); nothing written", file=sys.stderr)
-        return 1
-    print(f"wrote {js}\nwrote {md}")
-    return 0
+    return save(ap.prog, args.out, OUTPUTS, res, "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

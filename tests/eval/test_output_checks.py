@@ -1,4 +1,4 @@
-"""The standalone analysis tools (kv_analysis, rope_storage, centroid_precision) check --out before their work (one
+"""The standalone analysis tools (kv_analysis, rope_storage, centroid_precision, warm_iters) check --out before their work (one
 line, status 2, nothing run) and write their files all or none (a failure after the work: one line, status 1,
 nothing written)."""
 from __future__ import annotations
@@ -9,18 +9,18 @@ import pytest
 import torch
 
 from qvg import outputs
-from qvg.eval import centroid_precision, kv_analysis, rope_storage
+from qvg.eval import centroid_precision, kv_analysis, rope_storage, warm_iters
 
 
 OUT_NAME = {kv_analysis: "kv_analysis.json", rope_storage: "rope_storage.md",
-            centroid_precision: "centroid_precision.md"}
+            centroid_precision: "centroid_precision.md", warm_iters: "warm_iters.md"}
 
 
 def _never(*a, **k):
     raise AssertionError("the work ran before --out was checked")
 
 
-@pytest.mark.parametrize("tool", [kv_analysis, rope_storage, centroid_precision])
+@pytest.mark.parametrize("tool", [kv_analysis, rope_storage, centroid_precision, warm_iters])
 def test_bad_out_is_one_line_before_any_work(tool, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(tool, "run", _never)
     (tmp_path / "f").write_text("")
@@ -61,9 +61,17 @@ def _tiny_precision_run(seeds):
     return {"sets": [{"data": "synthetic", "tensor": "K", "K": 4, "rows": centroid_precision.measure(x, 4, seeds)}]}
 
 
+def _tiny_warm_run(seeds):
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(1, 1, 128, 64, generator=g) for _ in range(3)]
+    return {"sets": [{"data": "synthetic", "tensor": "K", "K": 4, "rows": warm_iters.measure(xs, 4, seeds)}],
+            "chunks": 3, "seeds": seeds}
+
+
 @pytest.mark.parametrize("tool,run,names", [
     (rope_storage, lambda **k: {"rows": []}, ["rope_storage.json", "rope_storage.md"]),
-    (centroid_precision, _tiny_precision_run, ["centroid_precision.json", "centroid_precision.md"])])
+    (centroid_precision, _tiny_precision_run, ["centroid_precision.json", "centroid_precision.md"]),
+    (warm_iters, lambda seeds, chunks: _tiny_warm_run(seeds), ["warm_iters.json", "warm_iters.md"])])
 def test_json_and_markdown_written_both_or_none(tool, run, names, tmp_path, capsys, monkeypatch):
     """A full disk while the second file is written: neither is put in place (one line, status 1); then both."""
     monkeypatch.setattr(tool, "run", run)
@@ -82,3 +90,26 @@ def test_json_and_markdown_written_both_or_none(tool, run, names, tmp_path, caps
     monkeypatch.setattr(outputs, "atomic", real)
     assert tool.main(["--out", str(tmp_path)]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == names
+
+
+def test_warm_iters_chains_warm_start_as_the_cache_does(capsys):
+    """A chain's chunk i > 0 is compressed warm from the centroids stored for chunk i - 1 (what the cache's commits
+    do), and the summary's ratio at 2 iterations is 1; --chunks out of range is one line, status 2."""
+    from qvg.compression import resolve_options
+    from qvg.compression.prq import COLD_ITERS, compress_torch
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(1, 2, 96, 64, generator=g) for _ in range(3)]
+    rel = warm_iters.chain(xs, "qvg-pro", 4, 0, 1)
+    o = {**resolve_options("qvg-pro", tuple(xs[0].shape), bits=2, centroids=4), "seed": 0}
+    t0 = compress_torch(xs[0], o, None, COLD_ITERS)
+    t1 = compress_torch(xs[1], o, t0["centroids"].reshape(o["stages"], 2, 4, 64), 1)
+    import qvg
+    from qvg.packed import Packed
+    y = qvg.decompress(Packed("qvg-pro", tuple(xs[1].shape), xs[1].dtype, t1, o))
+    assert len(rel) == 2 and rel[0] == pytest.approx(float((y - xs[1]).pow(2).mean() / xs[1].pow(2).mean()))
+    res = {"sets": [{"data": "synthetic", "tensor": "K", "K": 4, "rows": warm_iters.measure(xs, 4, [0, 1])}]}
+    rows = {(r["method"], r["iters"]): r for r in warm_iters.summary(res)}
+    assert rows[("qvg-pro", 2)]["ratio_mean"] == 1 and rows[("qvg-pro", 1)]["seed_floor"] is not None
+    assert warm_iters.main(["--chunks", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--chunks must be in [2, 8], got 1" in err[0]
