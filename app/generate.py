@@ -560,16 +560,24 @@ def _cache(s, transformer, latent_hw):
                    key_storage=s["key_storage"], read=s["read"], **opts)
 
 
-def unit_cost_note(s) -> str | None:
+def unit_cost_note(s, page: bool = False) -> str | None:
     """Where every packed unit of the run's cache takes more bits per value than BF16 (a k-means method with many
-    centroids for its unit): what to say, as the cache then never gets smaller than BF16; else None."""
+    centroids for its unit; rtn / kivi / quarot with tiny blocks at 8 bits): what to say, as the cache then never
+    gets smaller than BF16; else None. page: the UI's words (no flag it has not: --commit-every)."""
     bits, unit, d = s.get("unit_bits") or (0, 0, 0)
     if bits <= 16:
         return None
-    return (f"{s['method']} packs each committed unit ({unit} tokens x {d} channels) into {bits:.1f} bits per value, "
-            "more than BF16's 16 (its centroid tables and scales outweigh a unit this small), so its cache stays "
-            "larger than BF16 however long the history; fewer --centroids or --stages, or a larger --commit-every, "
-            "lower it")
+    from qvg.compression import kmeans_methods
+    if s["method"] in kmeans_methods():  # (its centroid tables: a fixed cost per unit, so a larger unit helps)
+        why, fix = ("its centroid tables and scales outweigh a unit this small",
+                    "fewer centroids or stages lower it" if page else
+                    "fewer --centroids or --stages, or a larger --commit-every, lower it")
+    else:  # (codes and per-block scales: the same at any unit size)
+        why, fix = "its codes and scales", "a larger block size or fewer bits lower it" if page else \
+            "a larger --block-size or fewer --bits lower it"
+    return (f"{s['method']} packs each committed unit ({unit} tokens x {d} channels) into {bits:.2f} bits per "
+            f"value, more than BF16's 16 ({why}), so its cache stays larger than BF16 however long the history; "
+            f"{fix}")
 
 
 def run(s) -> dict:

@@ -204,8 +204,16 @@ def unused_fields(form: Form) -> list[str]:
              "stages": form.stages, "centroids": form.centroids}
     has = () if form.method == "bf16" else ("bits", "block size", *(("stages", "centroids") if form.method in KMEANS
                                                                    else ()))
-    return [f"{name} {str(v).strip()}" for name, v in given.items()
+    return [f"{name} {_shown(v)}" for name, v in given.items()
             if name not in has and v is not None and str(v).strip() != ""]
+
+
+def _shown(value) -> str:
+    """A field's value as the notice shows it: a whole number as one (an API's 2.0 is "2"), anything else as typed."""
+    try:
+        return _num(value, "") or ""
+    except UsageError:
+        return str(value).strip()
 
 
 def file_stem(s: dict) -> str:
@@ -390,8 +398,9 @@ def run(runs: list[dict], gens: list[Generation], controls: Job, workdir: Path):
             # qvg-generate's note says; a video cancelled early may just not have reached its first commit)
             up.status += (f" · note: {lb} compressed nothing: every frame stayed in BF16 (a sink of {s['sink']} "
                           "latent frames covering the video)")
-        if lb != "bf16" and generate.unit_cost_note(s):  # (qvg-generate says it before its run)
-            up.status += f" · note: {generate.unit_cost_note(s)}"
+        note = generate.unit_cost_note(s, page=True) if lb != "bf16" else None  # (qvg-generate: before its run)
+        if note:
+            up.status += f" · note: {note}"
         up.done = True
         yield up
     finally:

@@ -178,6 +178,7 @@ def main(argv=None) -> int:
     res["summary"] = summary(res)
     return save(ap.prog, a.out, OUTPUTS, res, markdown(res))
 
+
 def seed_list(text: str) -> list[int]:
     """--seeds: distinct comma-separated integers in [0, 2**63 - 4] (stage s of qvg-pro's chain uses seed + s)."""
     try:

@@ -1,5 +1,5 @@
-"""The standalone CPU studies' results (centroid_precision, warm_iters, rope_storage): their provenance fields, and
-their JSON + markdown written both or none after the markdown is printed."""
+"""The standalone CPU studies' results: their provenance fields (`stamp`: centroid_precision, warm_iters), and their
+JSON + markdown written both or none after the markdown is printed (`save`: those two and rope_storage)."""
 from __future__ import annotations
 
 import datetime
@@ -31,7 +31,7 @@ def stamp(res: dict, prog: str, argv: list[str] | None, t0: float) -> dict:
 def save(prog: str, out: str, names: tuple[str, str], res: dict, text: str) -> int:
     """Print the markdown `text`, then write out/names[0] (res as JSON) and out/names[1] (text), both or neither:
     0, or 1 after one error line (a full disk, a folder removed meanwhile)."""
-    print(text)
+    print(text.rstrip("\n"))
     js, md = (Path(out) / name for name in names)
     try:
         os.makedirs(out, exist_ok=True)

@@ -26,6 +26,7 @@ import qvg
 from qvg.compression import resolve_options
 from qvg.compression.prq import COLD_ITERS, WARM_ITERS, compress_torch
 from qvg.help_format import OneLineParser
+from qvg.numbers import integer
 from qvg.outputs import folder_error
 from qvg.packed import Packed
 
@@ -123,7 +124,7 @@ def main(argv=None) -> int:
                     "the committed copies are in eval/results)")
     ap.add_argument("--seeds", type=seed_list, default=[0, 1, 2],
                     help="k-means seeds, comma-separated (default 0,1,2: the seed floor)")
-    ap.add_argument("--chunks", type=int, default=5, help="chunks per chain, the first cold (default 5; 2 to 8)")
+    ap.add_argument("--chunks", type=integer, default=5, help="chunks per chain, the first cold (default 5; 2 to 8)")
     a = ap.parse_args(argv)
     if not 2 <= a.chunks <= 8:
         print(f"{ap.prog}: error: --chunks must be in [2, 8], got {a.chunks}", file=sys.stderr)
@@ -136,6 +137,7 @@ def main(argv=None) -> int:
     res = stamp(run(a.seeds, a.chunks), "python -m qvg.eval.warm_iters", argv, t0)
     res["summary"] = summary(res)
     return save(ap.prog, a.out, OUTPUTS, res, markdown(res))
+
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -1,6 +1,7 @@
 """qvg-generate: the mp4 + JSON it writes, and bad input (one error line, exit 2, nothing left behind)."""
 import json
 import os
+import warnings
 
 import pytest
 
@@ -588,8 +589,6 @@ def test_keep_old_leaves_nothing_when_the_copy_fails(tmp_path, monkeypatch):
 def test_a_large_start_image_reads_without_a_warning_and_a_huge_one_is_one_error(tmp_path, capsys, monkeypatch):
     """Past PIL's pixel limit PIL warns (two lines on stderr): a big photo is fine, it is scaled down; past twice
     the limit PIL refuses it, which is one error line."""
-    import warnings
-
     import numpy as np
     from PIL import Image
     from qvg.app.start_image import image_array
@@ -626,15 +625,32 @@ def test_a_cache_whose_units_outweigh_bf16_says_so_before_the_run(tmp_path, caps
     """Centroid tables too large for the unit (every packed unit above BF16's 16 bits per value): one note before
     the run, in qvg-generate's words and not as KVCache's Python warning, and no claim that a longer history repays
     it (the note said "the ratio grows with the history", and it levels off below 1)."""
-    assert main(["--frames", "7", "--method", "qvg-pro", "--centroids", "256", "--out", str(tmp_path / "v.mp4"),
-                 "--quiet"]) == 0
+    from qvg.cache import UnitCostWarning
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")  # (main's filter goes before this one: the warning must not be seen)
+        assert main(["--frames", "7", "--method", "qvg-pro", "--centroids", "256", "--out", str(tmp_path / "v.mp4"),
+                     "--quiet"]) == 0
+    assert not [w for w in seen if issubclass(w.category, UnitCostWarning)], [str(w.message) for w in seen]
     cap = capsys.readouterr()
     assert "larger than BF16" in cap.out
     err = cap.err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("qvg-generate: note: qvg-pro packs each committed unit (") and \
-        "bits per value, more than BF16's 16" in err[0] and "however long the history" in err[0], err
+    assert err == ["qvg-generate: note: qvg-pro packs each committed unit (768 tokens x 64 channels) into 24.33 bits "
+                   "per value, more than BF16's 16 (its centroid tables and scales outweigh a unit this small), so "
+                   "its cache stays larger than BF16 however long the history; fewer --centroids or --stages, or a "
+                   "larger --commit-every, lower it"], err
+
+
+def test_the_unit_cost_note_advises_what_the_method_has():
+    """k-means methods: centroids, stages, the unit's size; the others (whose bits per value do not depend on the
+    unit): block size and bits. The page's words name no flag (it has no commit-every control)."""
     from qvg.app.generate import unit_cost_note
     assert unit_cost_note({"method": "qvg", "unit_bits": (4.2, 768, 64)}) is None
+    kivi = unit_cost_note({"method": "kivi", "unit_bits": (18.0, 768, 64)})
+    assert kivi.endswith("(its codes and scales), so its cache stays larger than BF16 however long the history; a "
+                         "larger --block-size or fewer --bits lower it"), kivi
+    page = unit_cost_note({"method": "qvg-pro", "unit_bits": (24.3, 768, 64)}, page=True)
+    assert page.endswith("fewer centroids or stages lower it") and "--" not in page, page
+    assert "--" not in unit_cost_note({"method": "rtn", "unit_bits": (16.0007, 768, 64)}, page=True)
 
 
 def test_a_cache_larger_than_bf16_says_why(tmp_path, capsys):

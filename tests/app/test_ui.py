@@ -260,7 +260,7 @@ def test_fields_the_method_has_not_are_said_unused(client):
     """An API call sends every field: values in those the page hides for the chosen method (stages for rtn, bits
     for bf16) are not used, and the click's notice says so (the run went on without a word); an empty or default
     field says nothing."""
-    for kw, said in ((dict(method="rtn", stages="2", centroids=" 8 "), "Not used by rtn, which has no such option: "
+    for kw, said in ((dict(method="rtn", stages=2.0, centroids=" 8 "), "Not used by rtn, which has no such option: "
                       "stages 2, centroids 8."),
                      (dict(method="bf16", bits="2", block_size="16"), "Not used by bf16, which has no such option: "
                       "bits 2, block size 16."),
