@@ -42,7 +42,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from .state_dicts import CheckpointError, check_tensors, empty_init, first_line, load_strict, read_json, \
+from .state_dicts import CheckpointError, few_keys, check_tensors, empty_init, first_line, load_strict, read_json, \
     read_safetensors, read_torch
 
 GENERATOR_FILE = "self_forcing_dmd.pt"
@@ -145,10 +145,20 @@ def _from_wan_config(cfg: dict, path: Path) -> dict:
     return out
 
 
-def _renamed(sd: dict, converted: dict) -> dict[str, str]:
-    """new key -> the file's key, for a converter that renames without copying tensors."""
+def _renamed(sd: dict, converted: dict, source=None, what: str = "") -> dict[str, str]:
+    """new key -> the file's key, for a converter that renames without copying tensors. With `source`: a file key
+    the renaming dropped (two of the file's keys, e.g. one in Wan's names and one in diffusers', becoming one key,
+    so one tensor would silently replace the other) is a CheckpointError naming it as unexpected."""
     by_id = {id(t): k for k, t in sd.items()}
-    return {k: by_id.get(id(t), k) for k, t in converted.items()}
+    names = {k: by_id.get(id(t), k) for k, t in converted.items()}
+    if source is not None:
+        kept = {id(t) for t in converted.values()}
+        dropped = [k for k, t in sd.items() if id(t) not in kept]
+        if dropped:
+            raise CheckpointError(f"{source}: not a {what} checkpoint: {len(dropped)} unexpected "
+                                  f"key{'s' * (len(dropped) > 1)} ({few_keys(dropped)}): once converted, another key of "
+                                  "the file has the same name")
+    return names
 
 
 # a text-to-video transformer's keys in diffusers' names -> Wan's, the inverse of diffusers'
@@ -245,10 +255,10 @@ def read_generator(path: Path, ema: bool | None = None) -> tuple[dict, dict, str
         k = k[len(DDP_PREFIX):] if k.startswith(DDP_PREFIX) else k
         stripped[k[len(WRAPPER_PREFIX):] if k.startswith(WRAPPER_PREFIX) else k] = t
     if diffusers_names(stripped):  # saved from a diffusers-named model (ours included): nothing to rename
-        names = _renamed(sd, stripped)
+        names = _renamed(sd, stripped, f"{path} [{which}]", "Self-Forcing generator")
         return stripped, names, which, _missing_names(names, lambda k: k, "diffusers' names")
     converted = convert_wan_transformer_to_diffusers(dict(stripped))
-    names = _renamed(sd, converted)
+    names = _renamed(sd, converted, f"{path} [{which}]", "Self-Forcing generator")
     return converted, names, which, _missing_names(names, wan_name, "Wan's names")
 
 
@@ -290,8 +300,8 @@ def load_vae(files: WanFiles, device="cpu", dtype=torch.float32):
     base_dim = conv1.shape[0] if conv1 is not None and conv1.dim() == 5 else 96
     converted = convert_wan_vae_to_diffusers(sd)
     vae = _build(path, "VAE", AutoencoderKLWan, base_dim=base_dim)
-    return load_strict(vae, converted, path, what="Wan2.1 VAE", file_names=_renamed(sd, converted),
-                       missing_names=wan_vae_name, device=device, dtype=dtype)
+    return load_strict(vae, converted, path, what="Wan2.1 VAE", missing_names=wan_vae_name, device=device, dtype=dtype,
+                       file_names=_renamed(sd, converted, path, "Wan2.1 VAE"))
 
 
 def load_text_encoder(files: WanFiles, text_dim: int, device="cpu", dtype=torch.bfloat16, out_dtype=None):

@@ -94,12 +94,13 @@ def check_tensors(sd: dict, source) -> dict[str, torch.Tensor]:
     """`sd` if it is a flat state dict (str -> tensor), else a CheckpointError."""
     bad = [str(k) for k, v in sd.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
     if bad:
-        raise CheckpointError(f"{source}: not a state dict: {_few(bad)} {'is' if len(bad) == 1 else 'are'} not "
+        raise CheckpointError(f"{source}: not a state dict: {few_keys(bad)} {'is' if len(bad) == 1 else 'are'} not "
                               f"tensor{'' if len(bad) == 1 else 's'}")
     return sd
 
 
-def _few(keys) -> str:
+def few_keys(keys) -> str:
+    """The first few keys, comma-separated, and how many more (for one-line messages)."""
     keys = list(keys)
     shown = ", ".join(keys[:SHOWN])
     return shown + (f", ... ({len(keys) - SHOWN} more)" if len(keys) > SHOWN else "")
@@ -140,22 +141,22 @@ def load_strict(model: torch.nn.Module, sd: dict[str, torch.Tensor], source, *, 
         parts = []
         if missing:  # (named as the file would name them: keys the model ties to one tensor are one file key)
             shown = list(dict.fromkeys(map(missing_names, missing))) if missing_names else missing
-            named = _few(shown) + missing_note if missing_names else \
-                f"{_few(missing)}; as the model names {'them' if len(missing) > 1 else 'it'}"
+            named = few_keys(shown) + missing_note if missing_names else \
+                f"{few_keys(missing)}; as the model names {'them' if len(missing) > 1 else 'it'}"
             parts.append(f"{len(shown)} missing key{'s' * (len(shown) > 1)} ({named})")
         if unexpected:
-            parts.append(f"{len(unexpected)} unexpected key{'s' * (len(unexpected) > 1)} ({_few(unexpected)})")
+            parts.append(f"{len(unexpected)} unexpected key{'s' * (len(unexpected) > 1)} ({few_keys(unexpected)})")
         raise CheckpointError(f"{source}: not a {what} checkpoint: {' and '.join(parts)}")
     wrong = [f"{file_names.get(k, k)} {list(sd[k].shape)} (expected {list(v.shape)})"
              for k, v in expected.items() if sd[k].shape != v.shape]
     if wrong:
         raise CheckpointError(f"{source}: {len(wrong)} tensor{'s' * (len(wrong) > 1)} of the wrong shape for a "
-                              f"{what}: {_few(wrong)}")
+                              f"{what}: {few_keys(wrong)}")
     kinds = [f"{file_names.get(k, k)} ({sd[k].dtype}, expected {v.dtype})" for k, v in expected.items()
              if sd[k].is_floating_point() != v.is_floating_point() or sd[k].is_complex() != v.is_complex()]
     if kinds:  # (an integer weight: load_state_dict's error was two lines naming neither file nor key)
         raise CheckpointError(f"{source}: {len(kinds)} tensor{'s' * (len(kinds) > 1)} of the wrong kind for a "
-                              f"{what}: {_few(kinds)}")
+                              f"{what}: {few_keys(kinds)}")
     moved: dict[tuple, torch.Tensor] = {}
     out = {}
     for k in expected:
@@ -167,5 +168,5 @@ def load_strict(model: torch.nn.Module, sd: dict[str, torch.Tensor], source, *, 
     model.load_state_dict(out, strict=True, assign=True)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"]
     if left:  # a parameter outside the state dict: a bug here, not in the file
-        raise RuntimeError(f"{what}: parameters left unloaded: {_few(left)}")
+        raise RuntimeError(f"{what}: parameters left unloaded: {few_keys(left)}")
     return model.to(device).eval()

@@ -261,6 +261,20 @@ BAD = [
     ("vae-missing-key", _rewrite(f"{WAN}/Wan2.1_VAE.pth", lambda o: {k: v for k, v in o.items()
                                                                      if k != "decoder.head.2.bias"}),
      ["Wan2.1_VAE.pth: not a Wan2.1 VAE checkpoint", "1 missing key (decoder.head.2.bias)"]),
+    # a Wan VAE file's unexpected keys in its own names too; and a key in diffusers' names beside its Wan name, which
+    # the conversion made one key (one tensor silently replaced the other: strict checking bypassed)
+    ("vae-unexpected-key", _rewrite(f"{WAN}/Wan2.1_VAE.pth",
+                                    lambda o: {**o, "decoder.upsamples.5.residual.9.weight": torch.ones(3)}),
+     ["not a Wan2.1 VAE checkpoint", "1 unexpected key (decoder.upsamples.5.residual.9.weight)"]),
+    ("vae-two-names", _rewrite(f"{WAN}/Wan2.1_VAE.pth",
+                               lambda o: {**o, "decoder.conv_in.bias": torch.full_like(o["decoder.conv1.bias"], 7.0)}),
+     ["not a Wan2.1 VAE checkpoint", "1 unexpected key (", "once converted, another key of the file has the same "
+      "name"]),
+    # two of the generator's keys that become one once the training wrappers' names are stripped
+    ("generator-two-names", _rewrite(GEN, lambda o: {**o, "generator_ema": {
+        **o["generator_ema"], "model._orig_mod.head.modulation": o["generator_ema"]["model.head.modulation"] + 1}}),
+     ["not a Self-Forcing generator checkpoint", "1 unexpected key (", "once converted, another key of the file has "
+      "the same name"]),
     # Wan's T5 file's missing keys in its own names (the embedding, tied to a second name in the model, is one key)
     ("t5-missing-keys", _rewrite(f"{WAN}/models_t5_umt5-xxl-enc-bf16.pth", lambda o: {
         k: v for k, v in o.items() if k not in ("blocks.1.ffn.gate.0.weight", "norm.weight")}),
