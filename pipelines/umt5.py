@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .state_dicts import CheckpointError, check_tensors, empty_init, first_line, load_strict, read_json, \
+from .state_dicts import CheckpointError, check_tensors, empty_init, few_keys, first_line, load_strict, read_json, \
     read_safetensors, read_torch
 
 TEXT_LEN = 512  # Wan's text length (tokens)
@@ -95,10 +95,16 @@ def read_wan_t5(path: Path):
     """(UMT5 config kwargs, state dict in UMT5 names, UMT5 name -> Wan name) from Wan's T5 encoder file."""
     sd = check_tensors(read_torch(path), path)
     config = _config_from_wan(sd, path)
-    out, names = {}, {}
+    out, names, merged = {}, {}, []
     for key, t in sd.items():
         new = wan_key_to_umt5(key) or key  # not Wan's: kept, and reported as unexpected
+        if new in out:  # (a Wan name beside its transformers name: one would silently replace the other)
+            merged.append(key)
         out[new], names[new] = t, key
+    if merged:
+        raise CheckpointError(f"{path}: not a umT5 encoder checkpoint: {len(merged)} unexpected "
+                              f"key{'s' * (len(merged) > 1)} ({few_keys(merged)}): once converted, another key of "
+                              "the file has the same name")
     if EMBED in out:
         out[EMBED_ALIAS] = out[EMBED]
     return config, out, names

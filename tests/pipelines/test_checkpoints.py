@@ -282,6 +282,10 @@ BAD = [
     ("t5-unexpected-key", _rewrite(f"{WAN}/models_t5_umt5-xxl-enc-bf16.pth",
                                    lambda o: {**o, "blocks.24.norm1.weight": torch.ones(32)}),
      ["not a umT5 encoder checkpoint", "1 unexpected key", "blocks.24.norm1.weight"]),
+    ("t5-two-names", _rewrite(f"{WAN}/models_t5_umt5-xxl-enc-bf16.pth",
+                              lambda o: {**o, "shared.weight": o["token_embedding.weight"] + 1}),
+     ["not a umT5 encoder checkpoint", "1 unexpected key (shared.weight): once converted, another key of the file has "
+      "the same name"]),
     ("t5-width", _rewrite(f"{WAN}/models_t5_umt5-xxl-enc-bf16.pth",
                           lambda o: {k: v[..., :16] if k == "token_embedding.weight" else v for k, v in o.items()}),
      ["text encoder width 16 does not match the transformer's text_dim 32"]),
