@@ -16,9 +16,7 @@ cache's K = 64 and the paper's K = 256; and the K/V the embedded world model wri
 ratio fp8 / bf16. Bits per element: analytic, with 8-bit entries and one 32-bit scale per FP8 table."""
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
 import time
 
 import torch
@@ -26,13 +24,10 @@ import torch
 import qvg
 from qvg.compression.prq import COLD_ITERS, bf16_centroids, compress_torch
 from qvg.compression import resolve_options
-from qvg.help_format import OneLineParser
-from qvg.numbers import parse_int
-from qvg.outputs import folder_error
 from qvg.packed import Packed
 from qvg.quant import FP8_MAX, tensor_scale
 
-from .study_outputs import save, stamp
+from .study_outputs import out_error, parser, save, stamp
 
 VARIANTS = {"bf16": None, "fp8 from stage 1": 1, "fp8 every stage": 0}
 METHODS = (("qvg", 1, 64), ("qvg-pro", 4, 16))  # (name, stages, block size)
@@ -163,34 +158,14 @@ OUTPUTS = ("centroid_precision.json", "centroid_precision.md")
 
 
 def main(argv=None) -> int:
-    ap = OneLineParser(prog="python -m qvg.eval.centroid_precision", description=__doc__.split(" `")[0])
-    ap.add_argument("--out", default=".", help="output folder for centroid_precision.json / .md (default: the current "
-                    "one; the committed copies are in eval/results)")
-    ap.add_argument("--seeds", type=seed_list, default=[0, 1, 2],
-                    help="k-means seeds, comma-separated (default 0,1,2: the seed floor)")
+    ap = parser("centroid_precision", __doc__, OUTPUTS)
     a = ap.parse_args(argv)
-    why = folder_error(a.out, OUTPUTS)  # (before the work)
-    if why:
-        print(f"{ap.prog}: error: --out: {why}", file=sys.stderr)
+    if out_error(ap.prog, a.out, OUTPUTS):
         return 2
     t0 = time.time()
-    res = stamp(run(a.seeds), "python -m qvg.eval.centroid_precision", argv, t0)
+    res = stamp(run(a.seeds), ap.prog, argv, t0)
     res["summary"] = summary(res)
     return save(ap.prog, a.out, OUTPUTS, res, markdown(res))
-
-
-def seed_list(text: str) -> list[int]:
-    """--seeds: distinct comma-separated integers in [0, 2**63 - 4] (stage s of qvg-pro's chain uses seed + s)."""
-    try:
-        seeds = [parse_int(s) for s in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"comma-separated integers, got {text!r}") from None
-    bad = next((s for s in seeds if not 0 <= s <= 2 ** 63 - 4), None)
-    if bad is not None:
-        raise argparse.ArgumentTypeError(f"each seed must be in [0, 2**63 - 4], got {bad}")
-    if len(set(seeds)) < len(seeds):  # (a repeated seed would shrink the seed floor)
-        raise argparse.ArgumentTypeError(f"each seed once, got {text!r}")
-    return seeds
 
 
 if __name__ == "__main__":

@@ -25,13 +25,11 @@ import torch
 import qvg
 from qvg.compression import resolve_options
 from qvg.compression.prq import COLD_ITERS, WARM_ITERS, compress_torch
-from qvg.help_format import OneLineParser
 from qvg.numbers import integer
-from qvg.outputs import folder_error
 from qvg.packed import Packed
 
-from .centroid_precision import embedded_kv, seed_list
-from .study_outputs import save, stamp
+from .centroid_precision import embedded_kv
+from .study_outputs import out_error, parser, save, stamp
 
 METHODS = ("qvg", "qvg-pro")
 ITERS = (1, WARM_ITERS)
@@ -119,22 +117,16 @@ OUTPUTS = ("warm_iters.json", "warm_iters.md")
 
 
 def main(argv=None) -> int:
-    ap = OneLineParser(prog="python -m qvg.eval.warm_iters", description=__doc__.split(" `")[0])
-    ap.add_argument("--out", default=".", help="output folder for warm_iters.json / .md (default: the current one; "
-                    "the committed copies are in eval/results)")
-    ap.add_argument("--seeds", type=seed_list, default=[0, 1, 2],
-                    help="k-means seeds, comma-separated (default 0,1,2: the seed floor)")
+    ap = parser("warm_iters", __doc__, OUTPUTS)
     ap.add_argument("--chunks", type=integer, default=5, help="chunks per chain, the first cold (default 5; 2 to 8)")
     a = ap.parse_args(argv)
     if not 2 <= a.chunks <= 8:
         print(f"{ap.prog}: error: --chunks must be in [2, 8], got {a.chunks}", file=sys.stderr)
         return 2
-    why = folder_error(a.out, OUTPUTS)  # (before the work)
-    if why:
-        print(f"{ap.prog}: error: --out: {why}", file=sys.stderr)
+    if out_error(ap.prog, a.out, OUTPUTS):
         return 2
     t0 = time.time()
-    res = stamp(run(a.seeds, a.chunks), "python -m qvg.eval.warm_iters", argv, t0)
+    res = stamp(run(a.seeds, a.chunks), ap.prog, argv, t0)
     res["summary"] = summary(res)
     return save(ap.prog, a.out, OUTPUTS, res, markdown(res))
 

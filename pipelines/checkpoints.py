@@ -42,8 +42,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from .state_dicts import CheckpointError, few_keys, check_tensors, empty_init, first_line, load_strict, read_json, \
-    read_safetensors, read_torch
+from .state_dicts import CheckpointError, check_tensors, empty_init, first_line, load_strict, merged_keys_error, \
+    read_json, read_safetensors, read_torch
 
 GENERATOR_FILE = "self_forcing_dmd.pt"
 WAN_FOLDERS = ("Wan2.1-T2V-1.3B", "Wan2.1-T2V-1.3B-Diffusers")
@@ -155,9 +155,7 @@ def _renamed(sd: dict, converted: dict, source=None, what: str = "") -> dict[str
         kept = {id(t) for t in converted.values()}
         dropped = [k for k, t in sd.items() if id(t) not in kept]
         if dropped:
-            raise CheckpointError(f"{source}: not a {what} checkpoint: {len(dropped)} unexpected "
-                                  f"key{'s' * (len(dropped) > 1)} ({few_keys(dropped)}): once converted, another key of "
-                                  "the file has the same name")
+            raise merged_keys_error(source, what, dropped)
     return names
 
 

@@ -99,6 +99,14 @@ def check_tensors(sd: dict, source) -> dict[str, torch.Tensor]:
     return sd
 
 
+def merged_keys_error(source, what: str, keys: list[str]) -> CheckpointError:
+    """The error for a file's keys that its renaming merged into a key another of its keys also became (a Wan name
+    beside its diffusers / transformers name): named as unexpected, since one tensor would silently replace the
+    other."""
+    return CheckpointError(f"{source}: not a {what} checkpoint: {len(keys)} unexpected key{'s' * (len(keys) > 1)} "
+                           f"({few_keys(keys)}): once converted, another key of the file has the same name")
+
+
 def few_keys(keys) -> str:
     """The first few keys, comma-separated, and how many more (for one-line messages)."""
     keys = list(keys)

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from .state_dicts import CheckpointError, check_tensors, empty_init, few_keys, first_line, load_strict, read_json, \
-    read_safetensors, read_torch
+from .state_dicts import CheckpointError, check_tensors, empty_init, first_line, load_strict, merged_keys_error, \
+    read_json, read_safetensors, read_torch
 
 TEXT_LEN = 512  # Wan's text length (tokens)
 UMT5_XXL = dict(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_heads=64, num_layers=24,
@@ -102,9 +102,7 @@ def read_wan_t5(path: Path):
             merged.append(key)
         out[new], names[new] = t, key
     if merged:
-        raise CheckpointError(f"{path}: not a umT5 encoder checkpoint: {len(merged)} unexpected "
-                              f"key{'s' * (len(merged) > 1)} ({few_keys(merged)}): once converted, another key of "
-                              "the file has the same name")
+        raise merged_keys_error(path, "umT5 encoder", merged)
     if EMBED in out:
         out[EMBED_ALIAS] = out[EMBED]
     return config, out, names
