@@ -695,10 +695,14 @@ def ratio_words(ratio: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    s = None
     from qvg.cache import UnitCostWarning
-    warnings.filterwarnings("ignore", category=UnitCostWarning)  # (said as a note of our own: unit_cost_note)
+    with warnings.catch_warnings():  # (a caller's own filters are back when main returns)
+        warnings.filterwarnings("ignore", category=UnitCostWarning)  # (said as a note of our own: unit_cost_note)
+        return _main(sys.argv[1:] if argv is None else argv)
+
+
+def _main(argv: list[str]) -> int:
+    s = None
     try:
         with sigterm_raises():
             s = parse(argv)

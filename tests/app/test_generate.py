@@ -628,8 +628,10 @@ def test_a_cache_whose_units_outweigh_bf16_says_so_before_the_run(tmp_path, caps
     from qvg.cache import UnitCostWarning
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")  # (main's filter goes before this one: the warning must not be seen)
+        before = list(warnings.filters)
         assert main(["--frames", "7", "--method", "qvg-pro", "--centroids", "256", "--out", str(tmp_path / "v.mp4"),
                      "--quiet"]) == 0
+        assert list(warnings.filters) == before  # (main's filter ends with it: a caller's own are not changed)
     assert not [w for w in seen if issubclass(w.category, UnitCostWarning)], [str(w.message) for w in seen]
     cap = capsys.readouterr()
     assert "larger than BF16" in cap.out
