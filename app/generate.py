@@ -150,17 +150,17 @@ def _commit() -> str:
     return found
 
 
-def read_ran(read: str, method: str, key_storage: str, dev) -> str:
-    """The packed read that ran: where the kernels do not run (CPU, no triton, QVG_BACKEND=torch), and for methods
-    without a packed read (bf16, kivi, quarot) on any device, the torch path ("reference": decode, if any, then
-    SDPA); "fused" with pre-RoPE keys on a GPU reads the history staged (qvg.kernels.attention.rope_on_chip: the
-    on-chip rotation is 7-10x slower there)."""
-    from qvg.backend import kernels_on
+def read_ran(read: str, method: str, key_storage: str, dev, head_dim: int) -> str:
+    """The packed read that ran: where the kernels do not run (CPU, no triton, QVG_BACKEND=torch, a head dim they do
+    not take), and for methods without a packed read (bf16, kivi, quarot) on any device, the torch path
+    ("reference": decode, if any, then SDPA); "fused" with pre-RoPE keys (the on-chip rotation is 7-10x slower) or
+    at head dim 256 reads the history staged on a GPU (`qvg.cache.gpu_read`)."""
+    from qvg.backend import kernel_head_dim, kernels_on
     from qvg.cache import gpu_read
     from qvg.sequence import PER_TOKEN_METHODS
-    if not kernels_on(dev) or method not in PER_TOKEN_METHODS:
+    if not kernels_on(dev) or not kernel_head_dim(head_dim) or method not in PER_TOKEN_METHODS:
         return "reference"
-    return gpu_read(read, key_storage == "pre-rope", dev)
+    return gpu_read(read, key_storage == "pre-rope", dev, head_dim)
 
 
 def _reads_label(reads: dict) -> str:
@@ -514,7 +514,8 @@ def report(s, gen: Generation, frames: int, seconds: float, mem: dict, chunks: l
         "seed": s["seed"], "frames": frames, "fps": gen.fps, "latent_frames": gen.latent_frames,
         "history": "full" if s["window"] is None else f"window:{s['window']}", "sink": s["sink"],
         "commit_every": s["commit_every"], "key_storage": s["key_storage"],
-        "read": _reads_label(gen.cache.reads) or read_ran(s["read"], s["method"], s["key_storage"], dev),
+        "read": _reads_label(gen.cache.reads) or read_ran(s["read"], s["method"], s["key_storage"], dev,
+                                                          s["head_dim"]),
         "reads": dict(gen.cache.reads),
         "seconds": round(seconds, 3),
         **({} if load_seconds is None else {"load_seconds": round(load_seconds, 3)}),
@@ -539,6 +540,7 @@ def _cache(s, transformer, latent_hw):
     cf = 3
     tpf = transformer.tokens_per_latent_frame(*latent_hw)
     unit = cf * tpf * s["commit_every"]
+    s["head_dim"] = transformer.config.attention_head_dim
     opts = cache_options(s["method"], s["options"], unit)
     if s["method"] != "bf16":
         try:  # with the model's head dim, before anything runs (kivi: keys' and values' roles both)

@@ -22,7 +22,7 @@ from qvg.rope import RopeTables
 from qvg.sequence import PackedSequence
 
 from .attention_planes import _attn_planes_kernel, _attn_stream_kernel, _merge_splits, _merge_stream
-from .common import INTERPRET, cdiv, dot_bf16, grid_constants, raw_view, sm_count
+from .common import INTERPRET, cdiv, check_head_dim, dot_bf16, grid_constants, raw_view, sm_count
 from .launch import launch
 from .dequant import _rope_args, dequantize
 
@@ -107,6 +107,7 @@ def staged_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
     query block, as on-chip decoding must), and the BF16 history never exists: the transient is one window plus
     the (m, l, acc) state. `rope`: the history keys were stored before RoPE; they are rotated as they are decoded
     (factorized tables, qvg.rope.RopeTables). The tail is taken as it is."""
+    check_head_dim(q.shape[-1])
     if k_hist is None and k_tail is None:
         raise ValueError("attention needs a history or a tail")
     bsz, hq, m, d = q.shape
@@ -188,6 +189,15 @@ def _slots(q: torch.Tensor, num_warps: int) -> int:
     return sm_count(q.device) * max(1, 8 // num_warps) if q.is_cuda else 1
 
 
+FUSED_HEAD_DIM_MAX = 128  # (at 256 its query block and pipeline stages overflow an H200's shared memory: 232 KB)
+
+
+def fused_head_dim(d: int, device: torch.device) -> bool:
+    """Whether `packed_attention` (the on-chip read) takes head dim d on `device`: up to FUSED_HEAD_DIM_MAX on a
+    GPU (the cache reads larger ones staged, `qvg.cache.gpu_read`); any the kernels take under the interpreter."""
+    return device.type != "cuda" or d <= FUSED_HEAD_DIM_MAX
+
+
 def rope_on_chip(device: torch.device) -> bool:
     """Whether the cache's fused read rotates pre-RoPE keys in packed_attention (on chip, again for every query block)
     rather than reading them staged (each key rotated once, as its window is decoded): only off a GPU (under the
@@ -243,6 +253,10 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
     each share attended by its own program and merged by log-sum-exp (a transient of splits BF16 copies of the output
     plus an fp32 log-sum-exp per query row; each share is rounded to BF16 before the merge); 0: the count whose
     programs fill the GPU's waves best (`wave_splits`), with the partials under SPLIT_BYTES."""
+    check_head_dim(q.shape[-1])
+    if not fused_head_dim(q.shape[-1], q.device):
+        raise ValueError(f"packed_attention takes head dims up to {FUSED_HEAD_DIM_MAX} on a GPU, got {q.shape[-1]}: "
+                         "use staged_attention")
     bsz, hq, m, d = q.shape
     if k_hist is None and k_tail is None:
         raise ValueError("attention needs a history or a tail")

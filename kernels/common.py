@@ -10,6 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
+from qvg.backend import kernel_head_dim
 from qvg.quant import QuantSpec
 
 GRID_IDS = {"sym": 0, "midrise": 1, "asym": 2, "auto": 3}
@@ -27,6 +28,14 @@ def cdiv(a: int, b: int) -> int:
 def next_pow2(n: int) -> int:
     """The smallest power of two >= n (1 for n <= 1), as `triton.next_power_of_2` on the host, without its wrapper."""
     return 1 << max(n - 1, 0).bit_length()
+
+
+def check_head_dim(d: int) -> None:
+    """ValueError unless the kernels take head dim d (`qvg.backend.kernel_head_dim`: a power of two from 16 to 256;
+    qvg.compress and the cache run the torch reference for the others)."""
+    if not kernel_head_dim(d):
+        raise ValueError(f"the Triton kernels take a head dim that is a power of two from 16 to 256, got {d} "
+                         "(qvg.compress, qvg.decompress and KVCache run the torch reference for it)")
 
 
 def check_out(t: torch.Tensor, shape, dtype: torch.dtype, device: torch.device, what: str) -> torch.Tensor:
@@ -115,9 +124,13 @@ def to_bf16(v, EMULATE_RNE: tl.constexpr):
 
 @triton.jit
 def to_out(v, ptr, EMULATE_RNE: tl.constexpr):
-    """Cast fp32 to the element type of `ptr` (bf16 with round-to-nearest-even, or as is)."""
+    """Cast fp32 to the element type of `ptr` (bf16 with round-to-nearest-even; fp16 saturated at its largest finite
+    value, as `qvg.quant.to_dtype`; else as is)."""
     if ptr.dtype.element_ty == tl.bfloat16:
         return to_bf16(v, EMULATE_RNE)
+    elif ptr.dtype.element_ty == tl.float16:
+        return tl.clamp(v, -65504.0, 65504.0, propagate_nan=tl.PropagateNan.ALL).to(tl.float16)  # (NaN kept, as
+        # torch.clamp keeps it: a NaN K / V from a cache's unchecked commit still shows)
     else:
         return v.to(ptr.dtype.element_ty)
 

@@ -16,7 +16,7 @@ import triton.language as tl
 from qvg.compression.registry import token_spec
 from qvg.kmeans import id_dtype
 
-from .common import INTERPRET, cdiv, to_bf16
+from .common import INTERPRET, cdiv, check_head_dim, to_bf16
 from .launch import launch
 from .kmeans import kmeans
 from .quantize import _residual, quantize_packed, quantize_packed_outputs
@@ -205,6 +205,7 @@ def compress_prq(x: torch.Tensor, o: dict, warm: torch.Tensor | None, iters: int
     stages and pack of B*H / n heads each) on n side streams, so that one chain's compute-bound kernels (the
     assignment, the pack) can run beside another's memory-bound ones (the update); the same bits (every step is per
     group; only the cold start's seeding draws depend on the group count, hence warm starts only)."""
+    check_head_dim(x.shape[-1])
     b, h, n, d = x.shape
     s_count, k = o.get("stages", 0), o.get("centroids", 1)
     v = resolve_variant(variant, b * h, n, k)

@@ -11,8 +11,8 @@ from qvg.packed import Packed
 from qvg.rope import RopeTables
 from qvg.sequence import PER_TOKEN_METHODS, PackedSequence
 
-from .common import (INTERPRET, bf16_bits_to_f32, cdiv, decode_scale, dequant_codes, grid_constants, raw_view,
-                     to_out)
+from .common import (INTERPRET, bf16_bits_to_f32, cdiv, check_head_dim, decode_scale, dequant_codes, grid_constants,
+                     raw_view, to_out)
 from .launch import launch
 
 
@@ -177,6 +177,7 @@ def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None,
     else:
         raise ValueError(f"the fused dequant kernel reads {PER_TOKEN_METHODS}, not {packed.method!r}")
     b, h, n, d = packed.shape
+    check_head_dim(d)
     t = packed.tensors
     r0, r1 = (0, n) if rows is None else rows  # optional token range [r0, r1) -> out [B, H, r1 - r0, D]
     if out is None:

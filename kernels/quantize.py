@@ -10,7 +10,7 @@ import triton.language as tl
 
 from qvg.quant import FP8_MAX, TSCALE_MIN, QuantSpec, _div, bound_tscale, scale_bound, scale_divisor, tensor_scale
 
-from .common import INTERPRET, bf16_bits_to_f32, cdiv, grid_constants, raw_view, to_bf16
+from .common import INTERPRET, bf16_bits_to_f32, cdiv, check_head_dim, grid_constants, raw_view, to_bf16
 from .launch import launch
 from .encode import _encode, _rne, auto_scales, head_tscale
 from .pack_span import _pack_span_kernel, span_width
@@ -172,6 +172,7 @@ def quantize_packed(x: torch.Tensor, spec: QuantSpec, ids: torch.Tensor | None =
     formed again after its choice; "narrow" / "narrow-recode": a group wider than a code plane on several threads)
     on span_warps warps; block_n / num_warps then apply to pass
     1 alone. out (fused): `quantize_packed_outputs`-shaped tensors (or views) to write into."""
+    check_head_dim(x.shape[-1])
     b, h, n, d = x.shape
     spec.check(tuple(x.shape))
     c = grid_constants(spec)

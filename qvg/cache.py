@@ -107,7 +107,7 @@ from .numbers import is_int
 from .compression.graphed import GraphedCompress
 from .packed import COMPONENTS
 from .rope import RopeTables, apply_rope, frame_angles
-from .sequence import PER_TOKEN_METHODS, PackedSequence
+from .sequence import PER_TOKEN_METHODS, PackedSequence, carved_bytes
 from .streams import green_stream, reserved
 
 CACHE_METHODS = ("bf16", *compression.methods())
@@ -150,12 +150,16 @@ def read_error(method: str, read: str, options: dict | None = None) -> str | Non
     return None
 
 
-def gpu_read(read: str, pre_rope: bool, device) -> str:
+def gpu_read(read: str, pre_rope: bool, device, head_dim: int) -> str:
     """The read a packed history takes on the GPU path for `read`: as asked, except "fused" with pre-RoPE keys where
-    the attention kernel does not rotate on chip (`rope_on_chip`: a GPU), which reads them "staged". The one rule of
-    `KVCache` and of qvg-generate's report."""
-    from .kernels.attention import rope_on_chip
-    return "staged" if read == "fused" and pre_rope and not rope_on_chip(torch.device(device)) else read
+    the attention kernel does not rotate on chip (`rope_on_chip`: a GPU), and "fused" at a head dim the on-chip
+    kernel does not take there (`fused_head_dim`: 256 on a GPU), which read "staged". The one rule of `KVCache` and
+    of qvg-generate's report."""
+    if read != "fused":
+        return read
+    from .kernels.attention import fused_head_dim, rope_on_chip
+    dev = torch.device(device)
+    return "staged" if (pre_rope and not rope_on_chip(dev)) or not fused_head_dim(head_dim, dev) else read
 
 
 class _Layer:
@@ -765,7 +769,7 @@ class KVCache:
         its window is decoded, not again for every query block on chip)."""
         from .kernels.attention import packed_attention, staged_attention
         kh, vh = L.hist
-        path = gpu_read(self.read_mode, rope is not None, q.device)
+        path = gpu_read(self.read_mode, rope is not None, q.device, q.shape[-1])
         self.reads[path] += 1
         return (staged_attention if path == "staged" else packed_attention)(q, kh, vh, kt, vt, scale=scale, rope=rope)
 
@@ -907,11 +911,11 @@ class KVCache:
                 continue
             equiv += 2 * b * h * d * 2 * (L.n_sink + self._hist_tokens(L) + L.n_pending + L.n_cur + room)
             for i in range(2):
-                for name, t in _stored(L.hist[i]):
+                for name, nbytes in _stored(L.hist[i]):
                     c = COMPONENTS.get(name, name)
-                    comp[c] = comp.get(c, 0) + t.numel() * t.element_size()
+                    comp[c] = comp.get(c, 0) + nbytes
                     if c == "bf16":
-                        zones["bf16_residual"] += t.numel() * t.element_size()
+                        zones["bf16_residual"] += nbytes
                 if L.warm[i] is not None:
                     comp["centroids"] += L.warm[i].numel() * L.warm[i].element_size()
             comp["positions"] += sum(p.numel() * p.element_size() for p in L.pos_hist + L.pos_pending)
@@ -994,12 +998,13 @@ def _stream(streams: dict, dev, sms: int | None = None) -> torch.cuda.Stream:
 
 
 def _stored(hist) -> list:
-    """(name, tensor) pairs a history holds: a PackedSequence's, or each Packed unit's."""
+    """(name, bytes held) of each array a history holds: a PackedSequence's, with the alignment its allocation
+    gives each (`carved_bytes`: the components then sum to the bytes allocated), or each Packed unit's."""
     if hist is None:
         return []
     if isinstance(hist, PackedSequence):
-        return list(hist.tensors.items())
-    return [kv for p in hist for kv in p.tensors.items()]
+        return [(name, carved_bytes(t.nbytes)) for name, t in hist.tensors.items()]
+    return [(name, t.nbytes) for p in hist for name, t in p.tensors.items()]
 
 
 def _grown(old: torch.Tensor | None, used: int, need: int, like: torch.Tensor) -> torch.Tensor:

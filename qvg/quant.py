@@ -12,7 +12,8 @@ Grids (`QuantSpec.grid`), for b bits; s is the group's stored scale, c the unsig
              INT2 = {-1.5, -0.5, 0.5, 1.5} * s (a 1.5x finer step), 1-bit = +-max|x|. Best for flat groups.
   "auto"     the default: per group, whichever of "sym" and "midrise" reconstructs it with the smaller squared
              error, flagged by the sign bit of the stored scale (a scale is never negative, so the bit is free):
-             no extra bytes, never worse than either grid for any group. 1-bit: "midrise".
+             no extra bytes, never worse than either grid for any group whose squared errors FP32 holds
+             (|x| ~1e-19 to ~1e19; beyond, they overflow or vanish and it keeps "sym"). 1-bit: "midrise".
   "asym"     min/max affine (KIVI): zero + c * s with s = (max - zero) / (2^b - 1); the zero point is the group
              minimum rounded down to BF16 (so the range stays covered), stored per group.
 Every grid reconstructs within |s|/2 of x, elementwise: |x - dequantize(quantize(x))| <= |s| / 2 (codes are
@@ -51,6 +52,12 @@ BF16_MIN = 2.0 ** -126
 TSCALE_MIN = 2.0 ** -117  # FP8_MIN * TSCALE_MIN = 2^-126: decoded scales stay normal floats
 
 
+def check_block_size(group) -> None:
+    """ValueError unless `group` (a block size: values per scale) is a positive integer."""
+    if not isinstance(group, int) or isinstance(group, bool) or group < 1:
+        raise ValueError(f"block size must be a positive integer, got {group!r}")
+
+
 @dataclass(frozen=True)
 class QuantSpec:
     bits: int = 2
@@ -71,8 +78,7 @@ class QuantSpec:
             raise ValueError(f"unknown group axis {self.axis!r}; choose one of {AXES}")
         if self.scale_dtype not in SCALE_DTYPES:
             raise ValueError(f"unknown scale dtype {self.scale_dtype!r}; choose one of {tuple(SCALE_DTYPES)}")
-        if not isinstance(self.group, int) or self.group < 1:
-            raise ValueError(f"block size must be a positive integer, got {self.group!r}")
+        check_block_size(self.group)
         n, d = shape[-2], shape[-1]
         if self.axis == "token" and d % self.group:
             raise ValueError(f"head dim D={d} is not divisible by block_size={self.group}")
@@ -259,6 +265,14 @@ def dequantize(codes: torch.Tensor, stored: dict[str, torch.Tensor], spec: Quant
     if spec.grid == "auto":  # negative scale: a midrise group
         return (c - torch.where(s < 0, 2 ** (spec.bits - 1) - 0.5, 2 ** (spec.bits - 1) - 1)) * s.abs()
     return (c - (2 ** (spec.bits - 1) - 0.5)) * s
+
+
+def to_dtype(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A decode y (FP32) as `dtype`, float16 saturated at its largest finite value: a finite input's decode can round
+    past it (midrise's top level, and power-of-two scales, lie above the group's max), which a cast makes inf."""
+    if dtype == torch.float16:
+        y = y.clamp(-65504.0, 65504.0)
+    return y.to(dtype)
 
 
 def quantize_packed(x: torch.Tensor, spec: QuantSpec, tscale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:

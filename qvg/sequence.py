@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .packed import Packed
-from .quant import QuantSpec, dequantize_packed
+from .quant import QuantSpec, dequantize_packed, to_dtype
 
 PER_TOKEN_METHODS = ("rtn", "qvg", "qvg-pro")
 _TOKEN_DIM = {"codes": 2, "scale": 2, "zero": 2, "tscale": 2, "ids": 3, "centroids": 3}  # the dim chunks extend
@@ -40,6 +40,11 @@ def _centroid_count(tensors: dict) -> int:
 _ALIGN = 256  # bytes: every array of a sequence starts aligned in the shared allocation
 
 
+def carved_bytes(nbytes: int) -> int:
+    """Bytes an array of `nbytes` takes in a sequence's allocation (`_carve`): rounded up to the alignment."""
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
 def _carve(like: dict[str, torch.Tensor], sizes: dict[str, int], device, copies: int = 1) -> list[dict]:
     """`copies` sets of empty arrays shaped like `like` except along their token dim (`sizes`), all views of ONE
     allocation: the CUDA caching allocator may round each large block up by as much as 1 MiB, so a sequence (or a
@@ -54,7 +59,7 @@ def _carve(like: dict[str, torch.Tensor], sizes: dict[str, int], device, copies:
         offs.append({})
         for name, t in like.items():
             offs[-1][name] = total
-            total += -(-math.prod(shapes[name]) * t.element_size() // _ALIGN) * _ALIGN
+            total += carved_bytes(math.prod(shapes[name]) * t.element_size())
     buf = torch.empty(total, dtype=torch.uint8, device=device)
     return [{name: buf[off[name]:off[name] + math.prod(shapes[name]) * like[name].element_size()]
              .view(like[name].dtype).view(shapes[name]) for name in like} for off in offs]
@@ -224,4 +229,4 @@ class PackedSequence:
             y = apply_rope(y, rope.angles(self.chunk_len).to(y.device))
         if self.head:  # a wrapped ring: the oldest chunk first
             y = torch.cat([y[:, :, self.head * self.chunk_len:], y[:, :, :self.head * self.chunk_len]], 2)
-        return y.to(self.dtype if dtype is None else dtype)
+        return to_dtype(y, self.dtype if dtype is None else dtype)

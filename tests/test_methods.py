@@ -395,6 +395,14 @@ BAD = [
     ("seeding", lambda: qvg.compress(randn(1, 1, 300, 64, seed=0), "qvg", seeding="kmeans||"), "seeding"),
     ("kivi-role", lambda: qvg.compress(randn(1, 1, 64, 64, seed=0), "kivi", role="query"), "role"),
     ("kivi-residual", lambda: qvg.compress(randn(1, 1, 64, 64, seed=0), "kivi", residual=-1), "residual"),
+    # (float64 beyond float32's range passed the check and every method returned NaN)
+    ("f64-range", lambda: qvg.compress(torch.full((1, 1, 64, 64), 1e39, dtype=torch.float64), "rtn"),
+     r"non-finite values \(NaN or inf\) or, in float64, values beyond float32's range"),
+    # (a ZeroDivisionError from KIVI's token groups before)
+    ("kivi-block0", lambda: qvg.compress(randn(1, 1, 64, 64, seed=0), "kivi", block_size=0), "block size must be"),
+    ("kivi-block0-bits", lambda: qvg.bits_per_element("kivi", (1, 1, 64, 64), block_size=0), "block size must be"),
+    ("kivi-block0-value", lambda: qvg.compress(randn(1, 1, 64, 64, seed=0), "kivi", role="value", block_size=0),
+     "block size must be"),
 ]
 
 
@@ -402,6 +410,16 @@ BAD = [
 def test_bad_input_raises_value_error(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_float16_near_its_max_decodes_finite(method):
+    """Finite float16 input up to 65,000 decodes to finite values, saturated at 65,504 (a decode past it, from
+    midrise's top level or a power-of-two scale above the group's max, was cast to inf before)."""
+    x = randn(1, 2, 64, 64, seed=21)
+    x = (x / x.abs().amax() * 65000).half()
+    y = qvg.decompress(qvg.compress(x, method, **opts(method)))
+    assert y.dtype == torch.float16 and bool(torch.isfinite(y).all())
 
 
 @pytest.mark.parametrize("kw", [dict(bits=3), dict(grid="nf4")], ids=["bits3", "grid"])
@@ -526,6 +544,11 @@ def test_packed_storage_holds_no_autograd_graph():
     x = torch.randn(1, 2, 300, 64, requires_grad=True)
     for method in qvg.methods():
         p = qvg.compress(x, method, **({"centroids": 32} if method.startswith("qvg") else {}))
+        assert all(t.grad_fn is None and not t.requires_grad for t in p.tensors.values()), method
+    for method in ("qvg", "qvg-pro"):  # a warm start from centroids that require grad (were stored with its graph)
+        s = 4 if method == "qvg-pro" else 1
+        init = torch.randn(s, 1, 2, 32, 64, requires_grad=True)
+        p = qvg.compress(x, method, centroids=32, init=init * 2)
         assert all(t.grad_fn is None and not t.requires_grad for t in p.tensors.values()), method
 
 

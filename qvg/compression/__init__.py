@@ -97,15 +97,26 @@ def _check_input(x, finite: bool = True) -> None:
         raise ValueError(f"x must be a floating-point tensor (float32, bfloat16, float16 or float64), got {x.dtype}")
     if x.numel() == 0:
         raise ValueError(f"x is empty (shape {tuple(x.shape)})")
-    if finite and not bool(torch.isfinite(x).all()):
-        raise ValueError(NON_FINITE)
+    if finite and not bool(_finite(x)):
+        raise ValueError(_non_finite(x))
+
+
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    """Whether every value of x is finite where the methods compute, in float32 (a float64 value beyond its range
+    is inf there, and NaN after the first subtraction): a 0-dim bool tensor, on x's device."""
+    return torch.isfinite(x.float() if x.dtype == torch.float64 else x).all()
+
+
+def _non_finite(x: torch.Tensor) -> str:
+    return NON_FINITE + (" or, in float64, values beyond float32's range (+-3.4e38), in which every method computes"
+                         if x.dtype == torch.float64 else "")
 
 
 def _finite_later(x: torch.Tensor):
     """On CUDA: queue the NaN/inf scan of x and a copy of its verdict to pinned host memory, and return the check
     that raises on it (called after the compression is queued: the scan's wait for the GPU then overlaps the
     compression's launches instead of stalling them)."""
-    bad = torch.isfinite(x).all().logical_not()
+    bad, why = _finite(x).logical_not(), _non_finite(x)
     host = torch.empty((), dtype=torch.bool, pin_memory=True)
     host.copy_(bad, non_blocking=True)
     done = torch.cuda.Event()
@@ -114,7 +125,7 @@ def _finite_later(x: torch.Tensor):
     def check() -> None:
         done.synchronize()
         if bool(host):
-            raise ValueError(NON_FINITE)
+            raise ValueError(why)
     return check
 
 

@@ -41,8 +41,10 @@ class GraphedCompress:
 
     @staticmethod
     def supports(x: torch.Tensor, method: str, init, options: dict) -> bool:
-        from ..backend import kernels_on  # (graphs replay the kernels: CUDA only, none where the reference runs)
-        if not kernels_on(x.device) or method not in GRAPHED_METHODS or "init" in options:
+        from ..backend import kernel_head_dim, kernels_on
+        # (graphs replay the kernels: CUDA only, none where the reference runs)
+        if (not kernels_on(x.device) or not kernel_head_dim(x.shape[-1]) or method not in GRAPHED_METHODS
+                or "init" in options):
             return False
         return method == "rtn" or options.get("stages") == 0 or init is not None
 

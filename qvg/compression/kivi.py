@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..packed import Packed
-from ..quant import QuantSpec, dequantize_packed, quantize_packed
+from ..quant import QuantSpec, check_block_size, dequantize_packed, quantize_packed, to_dtype
 from .registry import QUANT_DEFAULTS, Method, register, scale_overhead_bits
 
 ROLES = ("key", "value")
@@ -24,6 +24,7 @@ def quantized_tokens(n: int, o: dict) -> int:
         raise ValueError(f"KIVI role must be one of {ROLES}, got {o['role']!r}")
     if not isinstance(o["residual"], int) or o["residual"] < 0:
         raise ValueError(f"residual must be a non-negative integer, got {o['residual']!r}")
+    check_block_size(o["block_size"])  # (before its modulo below)
     nq = max(0, n - o["residual"])
     return nq - nq % o["block_size"] if o["role"] == "key" else nq
 
@@ -40,9 +41,9 @@ def compress(x: torch.Tensor, o: dict) -> dict[str, torch.Tensor]:
 def decompress(p: Packed) -> torch.Tensor:
     res = p.tensors["residual"].float()
     if "codes" not in p.tensors:
-        return res.to(p.dtype)
+        return to_dtype(res, p.dtype)
     q = dequantize_packed(p.tensors, spec(p.meta), p.shape[-1])
-    return torch.cat([q, res], 2).to(p.dtype)
+    return to_dtype(torch.cat([q, res], 2), p.dtype)
 
 
 def bits(shape, o) -> float:

@@ -14,7 +14,7 @@ import torch
 from ..backend import use_kernels
 from ..kmeans import id_dtype, kmeans
 from ..packed import Packed
-from ..quant import bound_tscale, dequantize_packed, quantize_packed, scale_bound
+from ..quant import bound_tscale, dequantize_packed, quantize_packed, scale_bound, to_dtype
 from .registry import QUANT_DEFAULTS, Method, register, scale_overhead_bits, token_spec
 
 COLD_ITERS = 8  # Lloyd iterations when no warm start is given (the first chunk)
@@ -38,7 +38,7 @@ def init_centroids(init, o: dict, shape) -> torch.Tensor | None:
             f"a Packed of {init.method!r}, which has no centroids" if isinstance(init, Packed) else type(init).__name__
         raise ValueError(f"init: a qvg / qvg-pro Packed or centroids of shape [S, B, H, K, D] = {list(want)}, got "
                          f"{got}")
-    return c.reshape(want[0], b * h, want[3], d)
+    return c.detach().reshape(want[0], b * h, want[3], d)  # (as x: nothing stored keeps an autograd graph)
 
 
 def compress(x: torch.Tensor, o: dict, init=None) -> dict[str, torch.Tensor]:
@@ -98,7 +98,7 @@ def residual_tscale(r16: torch.Tensor, c16: torch.Tensor, spec, bh: tuple[int, i
 
 
 def decompress(p: Packed) -> torch.Tensor:
-    if use_kernels(p.tensors["codes"]):
+    if use_kernels(p.tensors["codes"], p.shape[-1]):
         from ..kernels.dequant import dequantize
         return dequantize(p)
     b, h, n, d = p.shape
@@ -106,7 +106,7 @@ def decompress(p: Packed) -> torch.Tensor:
     for s in range(p.meta["stages"]):
         c = p.tensors["centroids"][s].reshape(b * h, -1, d)
         y = y + _gather(c, p.tensors["ids"][s].reshape(b * h, n))
-    return y.view(b, h, n, d).to(p.dtype)
+    return to_dtype(y.view(b, h, n, d), p.dtype)
 
 
 def bits(shape, o) -> float:

@@ -7,7 +7,7 @@ from functools import lru_cache
 import torch
 
 from ..packed import Packed
-from ..quant import dequantize_packed, quantize_packed
+from ..quant import dequantize_packed, quantize_packed, to_dtype
 from ..rotation import rotate, rotation, unrotate
 from .registry import QUANT_DEFAULTS, Method, register, scale_overhead_bits, token_spec
 
@@ -27,7 +27,7 @@ def compress(x: torch.Tensor, o: dict) -> dict[str, torch.Tensor]:
 
 def decompress(p: Packed) -> torch.Tensor:
     y = dequantize_packed(p.tensors, token_spec(p.meta), p.shape[-1])
-    return unrotate(y, _r(p.meta, p.shape[-1], y.device)).to(p.dtype)
+    return to_dtype(unrotate(y, _r(p.meta, p.shape[-1], y.device)), p.dtype)
 
 
 def bits(shape, o) -> float:

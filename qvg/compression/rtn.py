@@ -5,7 +5,7 @@ import torch
 
 from ..backend import use_kernels
 from ..packed import Packed
-from ..quant import dequantize_packed, quantize_packed
+from ..quant import dequantize_packed, quantize_packed, to_dtype
 from .registry import QUANT_DEFAULTS, Method, register, scale_overhead_bits, token_spec
 
 
@@ -17,10 +17,10 @@ def compress(x: torch.Tensor, o: dict) -> dict[str, torch.Tensor]:
 
 
 def decompress(p: Packed) -> torch.Tensor:
-    if use_kernels(p.tensors["codes"]):
+    if use_kernels(p.tensors["codes"], p.shape[-1]):
         from ..kernels.dequant import dequantize
         return dequantize(p)
-    return dequantize_packed(p.tensors, token_spec(p.meta), p.shape[-1]).to(p.dtype)
+    return to_dtype(dequantize_packed(p.tensors, token_spec(p.meta), p.shape[-1]), p.dtype)
 
 
 def bits(shape, o) -> float:

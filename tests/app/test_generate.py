@@ -538,20 +538,22 @@ def test_reads_label_names_the_paths_by_use():
 
 def test_report_names_the_read_that_ran(monkeypatch):
     """The report's `read` when no compressed history was read (`read_ran`, what would run): the torch reference on
-    CPU and for methods without a packed read; on a GPU the read asked for, except fused with pre-RoPE keys, which the
-    cache reads staged there (`rope_on_chip`). Otherwise the report names the paths the cache counted."""
+    CPU, for methods without a packed read and at head dims no kernel takes; on a GPU the read asked for, except fused
+    with pre-RoPE keys or at head dim 256, which the cache reads staged there (`gpu_read`). Otherwise the report names the paths the cache counted."""
     import torch
     from qvg.app.generate import read_ran
     monkeypatch.delenv("QVG_BACKEND", raising=False)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert read_ran("fused", "qvg", "pre-rope", cpu) == "reference"
-    assert read_ran("window", "kivi", "post-rope", cuda) == "reference"
-    assert read_ran("fused", "qvg-pro", "pre-rope", cuda) == "staged"
-    assert read_ran("fused", "qvg", "post-rope", cuda) == "fused"
-    assert read_ran("staged", "rtn", "pre-rope", cuda) == "staged"
-    assert read_ran("window", "qvg", "pre-rope", cuda) == "window"
+    assert read_ran("fused", "qvg", "pre-rope", cpu, 128) == "reference"
+    assert read_ran("window", "kivi", "post-rope", cuda, 128) == "reference"
+    assert read_ran("fused", "qvg-pro", "pre-rope", cuda, 128) == "staged"
+    assert read_ran("fused", "qvg", "post-rope", cuda, 128) == "fused"
+    assert read_ran("staged", "rtn", "pre-rope", cuda, 128) == "staged"
+    assert read_ran("window", "qvg", "pre-rope", cuda, 128) == "window"
+    assert read_ran("fused", "qvg", "post-rope", cuda, 256) == "staged"  # (the on-chip kernel: up to 128 on a GPU)
+    assert read_ran("window", "qvg", "post-rope", cuda, 96) == "reference"  # (no kernel takes it: `kernel_head_dim`)
     monkeypatch.setenv("QVG_BACKEND", "torch")  # the kernels do not run: the reference reads (nothing imports triton)
-    assert read_ran("window", "qvg", "post-rope", cuda) == "reference"
+    assert read_ran("window", "qvg", "post-rope", cuda, 128) == "reference"
 
 
 def test_kmeans_seed_is_the_compressions(tmp_path):

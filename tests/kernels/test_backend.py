@@ -55,7 +55,7 @@ def test_cpu_tensors_use_torch():
 
 
 def test_backend_env_forces_torch(monkeypatch):
-    fake_cuda = types.SimpleNamespace(is_cuda=True)  # stands in for a CUDA tensor
+    fake_cuda = types.SimpleNamespace(is_cuda=True, shape=(1, 2, 3, 128))  # stands in for a CUDA tensor
     monkeypatch.delenv("QVG_BACKEND", raising=False)
     assert qvg.backend.use_kernels(fake_cuda) is True  # triton imports here
     monkeypatch.setenv("QVG_BACKEND", "torch")
@@ -63,6 +63,44 @@ def test_backend_env_forces_torch(monkeypatch):
     assert qvg.backend.use_kernels(torch.zeros(2)) is False
     monkeypatch.setenv("QVG_BACKEND", "auto")
     assert qvg.backend.use_kernels(fake_cuda) is True
+
+
+def test_head_dims_the_kernels_take(monkeypatch):
+    """Powers of two from 16 to 256 run the kernels; others (80, 96: one `tl.arange` per token's D values, which
+    Triton sizes in powers of two) the torch reference on CUDA too, and the kernels refuse them in one ValueError
+    (a Triton CompilationError reached qvg.compress at D=96 before)."""
+    from qvg.backend import kernel_head_dim
+    from qvg.kernels.common import check_head_dim
+    assert [d for d in range(1, 600) if kernel_head_dim(d)] == [16, 32, 64, 128, 256]
+    monkeypatch.delenv("QVG_BACKEND", raising=False)
+    cuda96 = types.SimpleNamespace(is_cuda=True, shape=(1, 2, 3, 96))
+    assert qvg.backend.use_kernels(cuda96) is False
+    assert qvg.backend.use_kernels(cuda96, head_dim=128) is True  # (packed codes: their last dim is not D)
+    with pytest.raises(ValueError, match="power of two from 16 to 256, got 96"):
+        check_head_dim(96)
+    from qvg.kernels.attention import fused_head_dim  # the on-chip read: up to 128 on a GPU (shared memory at 256)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert [fused_head_dim(d, cuda) for d in (16, 128, 256)] == [True, True, False] and fused_head_dim(256, cpu)
+
+
+@pytest.mark.parametrize("d", [80, 96])
+def test_kernel_entry_points_refuse_other_head_dims(device, d):
+    from qvg.compression.registry import token_spec
+    from qvg.kernels.attention import packed_attention, staged_attention
+    from qvg.kernels.compress import compress_prq
+    from qvg.kernels.dequant import dequantize
+    from qvg.kernels.quantize import quantize_packed
+    from qvg.sequence import PackedSequence
+    x = torch.randn(1, 1, 32, d, dtype=torch.bfloat16)
+    p = qvg.compress(x, "qvg", block_size=16, centroids=4).to(device)  # (compressed by the torch path: D = 96)
+    seq = PackedSequence.from_chunks([p])
+    x = q = x.to(device)
+    o = dict(p.meta, iters=2)
+    for call in (lambda: quantize_packed(x, token_spec(o)), lambda: dequantize(p), lambda: dequantize(seq),
+                 lambda: compress_prq(x, o, None, 2), lambda: staged_attention(q, seq, seq),
+                 lambda: packed_attention(q, seq, seq)):
+        with pytest.raises(ValueError, match=f"power of two from 16 to 256, got {d}"):
+            call()
 
 
 def test_kernels_on_a_device(monkeypatch):

@@ -56,6 +56,25 @@ def test_dequantize_matches_decompress(method, opts, dtype, block_n, device):
     assert_bitwise_equal(got2, ref, f"{method} {opts} allocated")
 
 
+@pytest.mark.parametrize("method,opts", [("rtn", {"grid": "midrise"}), ("rtn", {"grid": "auto", "bits": 4}),
+                                         ("qvg-pro", {"centroids": 8, "grid": "midrise"})])
+def test_dequantize_float16_near_its_max_saturates_as_the_reference(method, opts, device):
+    """A float16 input up to 65,000 decodes past 65,504 where a level lies above the group's max (midrise's top
+    level, power-of-two scales): the kernel saturates as the torch path does (`qvg.quant.to_dtype`), not to inf."""
+    x = clustered(1, 2, 72, 64, seed=5)
+    p = qvg.compress((x / x.abs().amax() * 65000).half(), method, **seeded(method, 5), **opts)
+    ref = qvg.decompress(p)
+    assert ref.dtype == torch.float16 and bool(torch.isfinite(ref).all())
+    assert (ref.abs().amax().item() == 65504) is (method == "rtn")  # (saturated there; qvg-pro's residual fits)
+    assert_bitwise_equal(dequantize(p.to(device), out=_nan_like(ref, device)), ref, f"{method} {opts}")
+    x[0, 0, 3, 5] = float("nan")  # unchecked (as the cache commits): NaN stays NaN in both, not -65504
+    p = qvg.compress((x / 65000).half(), method, check_finite=False, **seeded(method, 5), **opts)
+    ref = qvg.decompress(p)
+    assert bool(ref.isnan().any())
+    got = dequantize(p.to(device), out=torch.zeros_like(ref, device=device))
+    assert torch.equal(got.isnan().cpu(), ref.isnan()) and torch.equal(got.nan_to_num().cpu(), ref.nan_to_num())
+
+
 @pytest.mark.parametrize("method", ["rtn", "qvg", "qvg-pro"])
 def test_dequantize_method_presets(method, device):
     """The methods' current preset options (whatever they are) go through the kernel."""
