@@ -189,7 +189,7 @@ def _slots(q: torch.Tensor, num_warps: int) -> int:
     return sm_count(q.device) * max(1, 8 // num_warps) if q.is_cuda else 1
 
 
-FUSED_HEAD_DIM_MAX = 128  # (at 256 its query block and pipeline stages overflow an H200's shared memory: 232 KB)
+FUSED_HEAD_DIM_MAX = 128  # (at 256 its default tiles overflow an H200's shared memory: eval/results/head-dims-h200.md)
 
 
 def fused_head_dim(d: int, device: torch.device) -> bool:

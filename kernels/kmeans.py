@@ -24,7 +24,7 @@ import triton.language as tl
 from qvg.kmeans import KMeansResult, id_dtype
 from qvg.kmeans import kmeans as ref_kmeans
 
-from .common import INTERPRET, cdiv, check_out, dot_bf16, dot_exact, next_pow2, sm_count, to_bf16
+from .common import INTERPRET, cdiv, check_head_dim, check_out, dot_bf16, dot_exact, next_pow2, sm_count, to_bf16
 from .launch import launch
 from .kmeans_delta import update_delta
 from .kmeans_reseed import RESEED_MAX_K, reseed_empty_fused
@@ -173,6 +173,7 @@ def assign(x: torch.Tensor, c: torch.Tensor, want_dist: bool = False, block_n: i
     centroids in one tile; progs > 0: that many programs per group loop over the token blocks (persistent);
     progs="auto": about per_sm programs per SM over all groups (at least one per group). out: a contiguous [G, N]
     tensor of the ids' dtype that receives the ids (returned as them)."""
+    check_head_dim(x.shape[-1])
     if mode not in ASSIGN_MODES:
         raise ValueError(f"unknown assign mode {mode!r}; choose one of {ASSIGN_MODES}")
     g, n, d = x.shape
@@ -273,6 +274,7 @@ def update_with_counts(x: torch.Tensor, ids: torch.Tensor, c: torch.Tensor, meth
     segsum kernels take it while they read x, "sort" with a torch reduction. bf16_out (keyword, every method): a
     contiguous BF16 [G, K, D] tensor that receives the new centroids' BF16 rounding too (the finishing kernel writes
     it; "sort" copies)."""
+    check_head_dim(x.shape[-1])
     method = method or ("onehot" if c.shape[1] <= ONEHOT_MAX_K else "sort")
     if method == "segsum":
         return update_segsum(x, ids, c, amax=amax, **kw)
@@ -346,6 +348,7 @@ def kmeans(x: torch.Tensor, k: int, *, iters: int = 2, init: torch.Tensor | None
     fused reseeding the last update and reseeding write the BF16 table (else it is copied at the end); the result's
     ids are ids_out. With iters > 0 a warm start is read in its own dtype (the steps take any float dtype: no FP32
     copy of it); the returned centroids are FP32."""
+    check_head_dim(x.shape[-1])
     akw, ukw = dict(assign_kw or {}), dict(update_kw or {})
     incremental = ukw.pop("incremental", False)
     if incremental and ukw.get("method") != "segsum":

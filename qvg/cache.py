@@ -102,7 +102,7 @@ import torch
 
 from . import compression
 from .attention import attend_reference, sdpa_gqa
-from .backend import triton_available, use_kernels
+from .backend import kernel_head_dim, kernels_on, triton_available, use_kernels
 from .numbers import is_int
 from .compression.graphed import GraphedCompress
 from .packed import COMPONENTS
@@ -386,10 +386,16 @@ class KVCache:
         self._positions = positions.detach().to("cpu", torch.int32).clone()
         self._grid = (height, width, float(theta))
 
-    def _check_head_dim(self, d: int) -> None:
+    def _check_head_dim(self, d: int, device: torch.device) -> None:
         """The options checked against the model's head dim d at its first write (a block size d does not divide
         is said then, not at the first commit, after a whole forward); a warning if a unit packs into more bits
-        per element than BF16 (units too small for the method's fixed costs: centroids, scales)."""
+        per element than BF16 (units too small for the method's fixed costs: centroids, scales), and one if the
+        kernels would run on `device` but do not take d (`ReferenceReadWarning`)."""
+        if self.method in PER_TOKEN_METHODS and kernels_on(device) and not kernel_head_dim(d):
+            warnings.warn(f"KVCache: head dim {d} is not one the Triton kernels take (a power of two from 16 to 256): "
+                          f"on {device} this {self.method} cache compresses and reads through the torch reference, "
+                          "which decodes each layer's whole history into BF16 for its attention",
+                          ReferenceReadWarning, stacklevel=3)
         if self.method != "bf16":
             unit = self.commit_every * self.chunk_tokens
             try:
@@ -429,7 +435,7 @@ class KVCache:
         if k.requires_grad or v.requires_grad:  # (the cache holds values, never an autograd graph: each chunk's
             k, v = k.detach(), v.detach()  # would stay alive through the buffer's in-place copies)
         if k.shape[3] not in self._head_dims:
-            self._check_head_dim(k.shape[3])
+            self._check_head_dim(k.shape[3], k.device)
         L = self._layer(layer, "write")
         if L.committed:
             raise RuntimeError(f"write: layer {layer} was committed by commit_layer; call commit() before the next "
@@ -870,7 +876,8 @@ class KVCache:
     def memory(self) -> dict:
         """Bytes held, by component and in total, and the BF16 bytes of the same tokens. Components (they sum to
         `total`): codes, scales, ids, centroids, positions (pre-rope: each packed or pending chunk's RoPE positions),
-        bf16, workspace. `bf16` counts the whole allocated BF16 buffers
+        bf16, workspace; a packed sequence's arrays count with the 256-byte alignment each takes in its one
+        allocation (so `total` is the bytes allocated, not the `Packed.components()` of its chunks summed). `bf16` counts the whole allocated BF16 buffers
         (sink, pending and current zones, with their reserved room) and any full-precision tokens a method keeps
         inside its packed history. The BF16 equivalent is what a BF16 cache of the same tokens holds: the sink,
         history, pending and current tokens, plus, for method "bf16" itself, its buffers' rounding room (so it is
@@ -1053,6 +1060,11 @@ def unit_options(method: str, options: dict, role: str) -> dict:
     """What a commit passes `compress` for a unit of keys (role "key") or values: kivi also gets its role, and no
     full-precision window of its own (the cache's pending / current zones are KIVI's recent window)."""
     return {**options, "role": role, "residual": 0} if method == "kivi" else dict(options)
+
+
+class ReferenceReadWarning(UserWarning):
+    """A GPU cache of a packed-read method (rtn, qvg, qvg-pro) at a head dim the Triton kernels do not take (80, 96):
+    it runs the torch reference, whose read materializes each layer's BF16 history (KVCache's first write)."""
 
 
 class UnitCostWarning(UserWarning):

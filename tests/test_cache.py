@@ -598,3 +598,25 @@ def test_the_head_dim_is_checked_at_the_first_write():
         tiny.write(0, torch.randn(1, 2, 1, 64), torch.randn(1, 2, 1, 64))
         KVCache(1, "qvg", chunk_frames=1, tokens_per_frame=256).write(0, torch.randn(1, 2, 256, 64),
                                                                       torch.randn(1, 2, 256, 64))
+
+
+def test_a_gpu_cache_at_a_head_dim_no_kernel_takes_warns_once(monkeypatch):
+    """At head dim 96 on a GPU a packed-read cache runs the torch reference, whose read materializes each layer's
+    BF16 history: its first write says so once (ReferenceReadWarning); head dim 128, CPU caches and methods without
+    a packed read do not warn. (kernels_on stands in for a CUDA device where triton imports.)"""
+    import warnings
+
+    import qvg.cache
+    from qvg.cache import ReferenceReadWarning
+    monkeypatch.setattr(qvg.cache, "kernels_on", lambda device: True)
+    for method, d, warns in (("qvg", 96, True), ("rtn", 80, True), ("qvg", 128, False), ("kivi", 96, False)):
+        cache = KVCache(2, method, chunk_frames=1, tokens_per_frame=32, block_size=16,
+                        **({"centroids": 4} if method == "qvg" else {}))
+        x = torch.randn(1, 1, 32, d, dtype=torch.bfloat16)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            cache.write(0, x, x)
+            cache.write(1, x, x)
+        got = [str(w.message) for w in seen if issubclass(w.category, ReferenceReadWarning)]
+        assert len(got) == warns, (method, d, got)
+        assert not got or f"head dim {d} is not one the Triton kernels take" in got[0]

@@ -49,6 +49,7 @@ def test_every_head_dim_on_cuda(method, d, read):
     p = qvg.compress(x, method, **kw)
     y = qvg.decompress(p)
     assert y.shape == x.shape and y.is_cuda
+    assert torch.equal(y.cpu(), qvg.decompress(p.to("cpu")))  # (either path on the GPU decodes as the CPU does)
     bound = step_size(p.tensors, token_spec(p.meta)) / 2
     assert bool(((y.float() - x.float()).abs() <= bound * (1 + 2.0 ** -8) + 2.0 ** -8 * x.float().abs() + 1e-6).all())
     c = KVCache(1, method, chunk_frames=1, tokens_per_frame=256, sink_frames=0, read=read, **kw)
@@ -101,6 +102,10 @@ def test_non_finite_input_is_refused_on_cuda_after_the_queued_compression(method
     torch.cuda.synchronize()
     assert all(torch.equal(good.tensors[n], again.tensors[n]) for n in good.tensors)
     assert qvg.compress(bad, method, check_finite=False, **kw).device.type == "cuda"  # (no scan, no error)
+    big = x.double()
+    big[0, 0, 3, 5] = 1e39  # float64 beyond float32's range: inf where the methods compute (the CUDA scan too)
+    with pytest.raises(ValueError, match="in float64, values beyond float32's range"):
+        qvg.compress(big, method, **kw)
 
 
 @cuda

@@ -89,6 +89,7 @@ def test_kernel_entry_points_refuse_other_head_dims(device, d):
     from qvg.kernels.attention import packed_attention, staged_attention
     from qvg.kernels.compress import compress_prq
     from qvg.kernels.dequant import dequantize
+    from qvg.kernels.kmeans import assign, kmeans, update_with_counts
     from qvg.kernels.quantize import quantize_packed
     from qvg.sequence import PackedSequence
     x = torch.randn(1, 1, 32, d, dtype=torch.bfloat16)
@@ -98,7 +99,10 @@ def test_kernel_entry_points_refuse_other_head_dims(device, d):
     o = dict(p.meta, iters=2)
     for call in (lambda: quantize_packed(x, token_spec(o)), lambda: dequantize(p), lambda: dequantize(seq),
                  lambda: compress_prq(x, o, None, 2), lambda: staged_attention(q, seq, seq),
-                 lambda: packed_attention(q, seq, seq)):
+                 lambda: packed_attention(q, seq, seq), lambda: kmeans(x[0].float(), 4),
+                 lambda: assign(x[0], torch.zeros(1, 4, d, device=device)),
+                 lambda: update_with_counts(x[0], torch.zeros(1, 32, dtype=torch.uint8, device=device),
+                                            torch.zeros(1, 4, d, device=device))):
         with pytest.raises(ValueError, match=f"power of two from 16 to 256, got {d}"):
             call()
 

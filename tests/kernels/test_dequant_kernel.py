@@ -71,7 +71,7 @@ def test_dequantize_float16_near_its_max_saturates_as_the_reference(method, opts
     p = qvg.compress((x / 65000).half(), method, check_finite=False, **seeded(method, 5), **opts)
     ref = qvg.decompress(p)
     assert bool(ref.isnan().any())
-    got = dequantize(p.to(device), out=torch.zeros_like(ref, device=device))
+    got = dequantize(p.to(device), out=torch.full_like(ref, 12345.0, device=device))  # (poison: not a decoded value)
     assert torch.equal(got.isnan().cpu(), ref.isnan()) and torch.equal(got.nan_to_num().cpu(), ref.nan_to_num())
 
 
