@@ -145,18 +145,17 @@ def _from_wan_config(cfg: dict, path: Path) -> dict:
     return out
 
 
-def _renamed(sd: dict, converted: dict, source=None, what: str = "") -> dict[str, str]:
-    """new key -> the file's key, for a converter that renames without copying tensors. With `source`: a file key
-    the renaming dropped (two of the file's keys, e.g. one in Wan's names and one in diffusers', becoming one key,
-    so one tensor would silently replace the other) is a CheckpointError naming it as unexpected."""
+def _renamed(sd: dict, converted: dict, source, what: str) -> dict[str, str]:
+    """new key -> the file's key, for a converter that renames without copying tensors. A file key the renaming
+    dropped (two of the file's keys, e.g. one in Wan's names and one in diffusers', becoming one key, so one tensor
+    would silently replace the other) is a CheckpointError naming it as unexpected (`source`: the file, `what`: its
+    kind)."""
+    kept = {id(t) for t in converted.values()}
+    dropped = [k for k, t in sd.items() if id(t) not in kept]
+    if dropped:
+        raise merged_keys_error(source, what, dropped)
     by_id = {id(t): k for k, t in sd.items()}
-    names = {k: by_id.get(id(t), k) for k, t in converted.items()}
-    if source is not None:
-        kept = {id(t) for t in converted.values()}
-        dropped = [k for k, t in sd.items() if id(t) not in kept]
-        if dropped:
-            raise merged_keys_error(source, what, dropped)
-    return names
+    return {k: by_id.get(id(t), k) for k, t in converted.items()}
 
 
 # a text-to-video transformer's keys in diffusers' names -> Wan's, the inverse of diffusers'

@@ -271,7 +271,8 @@ def to_dtype(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A decode y (FP32) as `dtype`, float16 saturated at its largest finite value: a finite input's decode can round
     past it (midrise's top level, and power-of-two scales, lie above the group's max), which a cast makes inf."""
     if dtype == torch.float16:
-        y = y.clamp(-65504.0, 65504.0)
+        top = torch.finfo(torch.float16).max
+        y = y.clamp(-top, top)
     return y.to(dtype)
 
 

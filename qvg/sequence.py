@@ -205,8 +205,9 @@ class PackedSequence:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
     def decompress(self, rope=None, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Reference decode of the whole sequence, oldest chunk first (materializes it: tests and the torch fallback, on the CPU and at head dims the kernels do not take,
-        only). `rope` (qvg.rope.RopeTables): the keys were stored before RoPE; rotate them as they are read.
+        """Reference decode of the whole sequence, oldest chunk first (materializes it: tests and the torch fallback
+        only, on the CPU and at head dims the kernels do not take). `rope` (qvg.rope.RopeTables): the keys were
+        stored before RoPE; rotate them as they are read.
         dtype: of the result (default the stored dtype; torch.float32 gives the exact decode, unrounded)."""
         b, h, n, d = self.shape
         c = n // self.chunk_len
