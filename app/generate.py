@@ -253,6 +253,8 @@ def parse(argv) -> dict:
         s["window"] = _int("history window", a.history.split(":", 1)[1], 1)
     else:
         raise UsageError(f"--history must be 'full' or 'window:N', got {a.history!r}")
+    if a.pipeline == "self-forcing":  # (its chunk size is fixed: said before gigabytes of weights are read)
+        check_chunk_multiples(s, chunk_frames(s))
     s["device"] = device_arg(a.device)
     out = Path(a.out)
     if a.out.endswith(("/", os.sep)):  # (Path drops the slash: "v.mp4/" named a folder and wrote the file v.mp4)
@@ -433,7 +435,7 @@ class Generation:
         else:
             from qvg.pipelines import tiny
             latent = tiny.latent_frames_for(s["frames"])
-        cf = s.get("world_config", {}).get("chunk_frames", 3)
+        cf = chunk_frames(s)
         s["latent_frames"] = -(-latent // cf) * cf  # whole chunks are generated
         self.latent_frames, self.fps = latent, m.fps
         self.total_chunks = -(-latent // cf)
@@ -537,7 +539,7 @@ def report(s, gen: Generation, frames: int, seconds: float, mem: dict, chunks: l
 
 def _cache(s, transformer, latent_hw):
     from qvg.cache import KVCache, cache_options, check_options, unit_bits
-    cf = 3
+    cf = chunk_frames(s)
     tpf = transformer.tokens_per_latent_frame(*latent_hw)
     unit = cf * tpf * s["commit_every"]
     s["head_dim"] = transformer.config.attention_head_dim
@@ -550,9 +552,7 @@ def _cache(s, transformer, latent_hw):
                     s["resolved_options"].pop(k, None)
         except ValueError as e:
             raise UsageError(f"--method {s['method']}: {e}") from None
-    for name, frames in (("sink", s["sink"]), ("history window", s["window"])):
-        if frames is not None and frames % cf:
-            raise UsageError(f"--{name} must be a multiple of the chunk size ({cf} latent frames), got {frames}")
+    check_chunk_multiples(s, cf)
     s["options"] = opts
     if s["method"] != "bf16":  # (said before the run where no history length repays the unit: unit_cost_note)
         s["unit_bits"] = (unit_bits(s["method"], opts, unit, transformer.config.attention_head_dim), unit,
@@ -560,6 +560,18 @@ def _cache(s, transformer, latent_hw):
     return KVCache(len(transformer.blocks), s["method"], chunk_frames=cf, tokens_per_frame=tpf,
                    sink_frames=s["sink"], window_frames=s["window"], commit_every=s["commit_every"],
                    key_storage=s["key_storage"], read=s["read"], **opts)
+
+
+def chunk_frames(s) -> int:
+    """Latent frames per chunk: the embedded world model's from its config (once loaded), Self-Forcing's 3."""
+    return s.get("world_config", {}).get("chunk_frames", 3)
+
+
+def check_chunk_multiples(s, cf: int) -> None:
+    """UsageError unless --sink and a --history window are multiples of the chunk size."""
+    for name, frames in (("sink", s["sink"]), ("history window", s.get("window"))):
+        if frames is not None and frames % cf:
+            raise UsageError(f"--{name} must be a multiple of the chunk size ({cf} latent frames), got {frames}")
 
 
 def unit_cost_note(s, page: bool = False) -> str | None:

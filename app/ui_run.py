@@ -388,7 +388,7 @@ def run(runs: list[dict], gens: list[Generation], controls: Job, workdir: Path):
                 path = workdir / f"{stems[lb]}.json"
                 rep = report(s, g, g.written, chunk_seconds[lb], peaks[lb], chunk_rows[lb])
                 if cancelled is not None:  # what was generated, not what was planned
-                    cf = s.get("world_config", {}).get("chunk_frames", 3)
+                    cf = generate.chunk_frames(s)
                     rep.update(latent_frames=min(g.latent_frames, cancelled * cf),
                                cancelled={"after_chunks": cancelled, "of_chunks": up.total_chunks})
                 path.write_text(json.dumps(rep, indent=1))

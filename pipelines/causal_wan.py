@@ -240,14 +240,16 @@ class CausalWanTransformer(WanTransformer3DModel):
         return pos, height // ph, width // pw
 
     def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor,
-                *, frame_offset: int = 0, cache=None, cross: CrossKV | None = None, chunk_frames: int | None = None,
-                commit: bool = False, transient: bool = False, frame_ids: torch.Tensor | None = None,
-                attn_mask: torch.Tensor | None = None, spatial_offsets: torch.Tensor | None = None,
-                **kwargs) -> torch.Tensor:
+                *, frame_offset: int | None = None, cache=None, cross: CrossKV | None = None,
+                chunk_frames: int | None = None, commit: bool = False, transient: bool = False,
+                frame_ids: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
+                spatial_offsets: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
         """hidden_states [B, C, F, H, W] (one chunk with a cache; any number of frames without), timestep [B]
-        -> the model output [B, C, F, H, W]. frame_offset: the first frame's time index. cache: a KVCache to write into
-        and attend over. commit: each layer commits the chunk right after its attention (`cache.commit_layer`; the clean
-        re-run; the cache decides when the compression is queued); the caller still calls `cache.commit()` after it.
+        -> the model output [B, C, F, H, W]. frame_offset: the first frame's time index (default: with a cache, the
+        frames it has committed, `cache.frames`, so the chunk follows its history; else 0). cache: a KVCache to write
+        into and attend over. commit: each layer commits the chunk right after its attention (`cache.commit_layer`; the
+        clean re-run; the cache decides when the compression is queued); the caller still calls `cache.commit()` after
+        it.
         transient: this forward's K/V serve only its own attention and a later forward overwrites them before any commit
         (a denoising step): the cache may skip storing them (`KVCache.write(..., transient=True)`). chunk_frames
         (without a cache): attend block-causally in chunks of that many frames. attn_mask (without a cache): an explicit
@@ -267,6 +269,8 @@ class CausalWanTransformer(WanTransformer3DModel):
         if commit and transient:
             raise ValueError("a transient forward's K/V are not kept: it can't commit")
         _, _, frames, height, width = hidden_states.shape
+        if frame_offset is None:  # (forgetting it gave every chunk time 0 without a word)
+            frame_offset = getattr(cache, "frames", 0) if cache is not None else 0
         self.rope.frame_offset, self.rope.frame_ids = frame_offset, frame_ids
         self.rope.spatial_offsets = spatial_offsets
         if cache is not None and getattr(cache, "key_storage", "post-rope") == "pre-rope":

@@ -42,8 +42,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from .state_dicts import CheckpointError, check_tensors, empty_init, first_line, load_strict, merged_keys_error, \
-    read_json, read_safetensors, read_torch
+from .state_dicts import CheckpointError, check_tensors, describe_missing, empty_init, first_line, load_strict, \
+    merged_keys_error, read_json, read_safetensors, read_torch
 
 GENERATOR_FILE = "self_forcing_dmd.pt"
 WAN_FOLDERS = ("Wan2.1-T2V-1.3B", "Wan2.1-T2V-1.3B-Diffusers")
@@ -81,11 +81,11 @@ def find_files(root, generator=None) -> WanFiles:
     if not root.is_dir():
         raise CheckpointError(f"{root}: no such directory")
     if generator is not None and not Path(generator).is_file():
-        raise CheckpointError(f"{generator}: {'a directory, not' if Path(generator).is_dir() else 'no such'} generator "
-                              "checkpoint file")
-    gen = Path(generator) if generator is not None else \
-        next((p for p in (root / GENERATOR_FILE, root / "checkpoints" / GENERATOR_FILE) if p.is_file()), None)
+        raise CheckpointError(f"{generator}: {describe_missing(generator, 'generator checkpoint file')}")
+    named = (root / GENERATOR_FILE, root / "checkpoints" / GENERATOR_FILE)
+    gen = Path(generator) if generator is not None else next((p for p in named if p.is_file()), None)
     if gen is None:
+        broken_link(*named, *(p for d in (root, root / "checkpoints") if d.is_dir() for p in d.glob("*.pt")))
         found = sorted(p for d in (root, root / "checkpoints") if d.is_dir() for p in d.glob("*.pt") if p.is_file())
         if not found:
             raise CheckpointError(f"{root}: no Self-Forcing generator checkpoint (looked for {GENERATOR_FILE} or "
@@ -97,16 +97,26 @@ def find_files(root, generator=None) -> WanFiles:
         gen = found[0]
     folders = [root / "wan_models" / n for n in WAN_FOLDERS] + [root / n for n in WAN_FOLDERS] + [root]
     for wan in folders:
+        broken_link(wan / VAE_FILE)
         if (wan / VAE_FILE).is_file() or (wan / "vae" / "config.json").is_file():
             diffusers = not (wan / VAE_FILE).is_file()
             need = ["vae/config.json", "text_encoder/config.json", "tokenizer"] if diffusers else \
                 [T5_FILE, TOKENIZER_FOLDER]
+            broken_link(*(wan / n for n in need))
             missing = [n for n in need if not (wan / n).exists()]
             if missing:
                 raise CheckpointError(f"{wan}: incomplete Wan2.1-T2V-1.3B folder: missing {', '.join(missing)}")
             return WanFiles(gen, wan, diffusers)
     raise CheckpointError(f"{root}: no Wan2.1-T2V-1.3B files (looked for {VAE_FILE}, or vae/config.json in the "
                           f"diffusers layout, in: {', '.join(str(f) for f in folders)})")
+
+
+def broken_link(*paths: Path) -> None:
+    """A CheckpointError for the first of `paths` that is a dangling or looping symbolic link (reported as absent
+    before, though `ls` shows the very name)."""
+    for p in paths:
+        if p.is_symlink() and not p.exists():
+            raise CheckpointError(f"{p}: a broken symbolic link (its target does not exist or loops)")
 
 
 def transformer_config(files: WanFiles) -> tuple[dict, str]:
@@ -120,9 +130,9 @@ def transformer_config(files: WanFiles) -> tuple[dict, str]:
     cfg = read_json(path)
     if files.diffusers:  # diffusers' names already
         params = inspect.signature(WanTransformer3DModel.__init__).parameters
-        return dict(WAN_T2V_1_3B, **{k: v for k, v in cfg.items() if k in params}), str(path)
+        return dict(WAN_T2V_1_3B, **{k: v for k, v in cfg.items() if k in params}), os.path.abspath(path)
     try:
-        return _from_wan_config(cfg, path), str(path)
+        return _from_wan_config(cfg, path), os.path.abspath(path)
     except CheckpointError:
         raise
     except (TypeError, ValueError) as e:
@@ -135,7 +145,9 @@ def _from_wan_config(cfg: dict, path: Path) -> dict:
                               f"(model_type {cfg.get('model_type')!r}, window_size {cfg.get('window_size')})")
     out = dict(WAN_T2V_1_3B, **{WAN_CONFIG_NAMES[k]: v for k, v in cfg.items() if k in WAN_CONFIG_NAMES})
     dim, heads = cfg.get("dim", 1536), cfg.get("num_heads", 12)
-    if not isinstance(dim, int) or not isinstance(heads, int) or heads < 1 or dim % heads:
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (dim, heads)):
+        raise CheckpointError(f"{path}: dim and num_heads must be positive integers, got {dim!r} and {heads!r}")
+    if dim % heads:
         raise CheckpointError(f"{path}: dim {dim!r} is not a multiple of num_heads {heads!r}")
     out.update(num_attention_heads=heads, attention_head_dim=dim // heads)
     if "patch_size" in cfg:

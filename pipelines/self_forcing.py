@@ -8,6 +8,7 @@ which writes the clean K/V into the cache, and the cache commits the chunk. Step
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -18,7 +19,13 @@ from qvg.streams import generation_stream
 
 
 def flow_sigmas(steps=(1000, 750, 500, 250), shift: float = 5.0, train_steps: int = 1000) -> list[float]:
-    """The denoising steps' noise levels (sigma in (0, 1]) after the shift warp."""
+    """The denoising steps' noise levels (sigma in (0, 1]) after the shift warp. steps: timesteps in
+    (0, train_steps]; shift > 0 (ValueError otherwise)."""
+    if not (isinstance(shift, (int, float)) and not isinstance(shift, bool) and math.isfinite(shift) and shift > 0):
+        raise ValueError(f"shift must be a positive number, got {shift!r}")
+    if isinstance(steps, (str, bytes)) or not all(isinstance(t, (int, float)) and not isinstance(t, bool)
+                                                  and 0 < t <= train_steps for t in steps):
+        raise ValueError(f"steps must be timesteps in (0, {train_steps}], got {steps!r}")
     out = []
     for t in steps:
         s = t / train_steps
@@ -77,11 +84,14 @@ class SelfForcingPipeline:
     def __init__(self, transformer, vae=None, *, chunk_frames: int = 3, steps=(1000, 750, 500, 250),
                  shift: float = 5.0, decoder=None, context_sigma: float = 0.0):
         self.transformer, self.vae, self.decoder = transformer, vae, decoder
+        if not (isinstance(context_sigma, (int, float)) and not isinstance(context_sigma, bool)
+                and 0 <= context_sigma < 1):
+            raise ValueError(f"context_sigma must be a noise level in [0, 1), got {context_sigma!r}")
         self.context_sigma = context_sigma  # Self-Forcing's context noise: the clean re-run at this noise level
         if not is_whole(chunk_frames, 1):
             raise ValueError(f"chunk_frames must be a positive integer, got {chunk_frames!r}")
-        if not len(steps):
-            raise ValueError("steps: give at least one denoising step")
+        if isinstance(steps, (str, bytes)) or not len(steps):
+            raise ValueError(f"steps: give at least one denoising step, got {steps!r}")
         self.chunk_frames = chunk_frames
         self.sigmas = flow_sigmas(steps, shift)
 
@@ -104,6 +114,16 @@ class SelfForcingPipeline:
                 or not all(is_whole(v, 1) for v in latent_hw) or latent_hw[0] % ph or latent_hw[1] % pw):
             raise ValueError(f"latent_hw must be (height, width), positive multiples of the patch size ({ph}, {pw}), "
                              f"got {latent_hw!r}")
+        text_dim = model.config.text_dim
+        if (not isinstance(text, torch.Tensor) or text.dim() != 3 or text.shape[0] not in (1, batch)
+                or text.shape[2] != text_dim or not text.is_floating_point()):
+            got = list(text.shape) if isinstance(text, torch.Tensor) else type(text).__name__
+            raise ValueError(f"text must be encoder hidden states [{batch if batch == 1 else f'1 or {batch}'}, tokens, "
+                             f"{text_dim}] (floating point), got {got}")
+        shape = (batch, model.config.in_channels, self.chunk_frames, *latent_hw)
+        if context is not None and (not isinstance(context, torch.Tensor) or tuple(context.shape) != shape):
+            got = list(context.shape) if isinstance(context, torch.Tensor) else type(context).__name__
+            raise ValueError(f"context must be {list(shape)}, got {got}")
         tpf = model.tokens_per_latent_frame(*latent_hw)
         if (getattr(cache, "num_layers", None), getattr(cache, "chunk_frames", None),
                 getattr(cache, "tokens_per_frame", None)) != (len(model.blocks), self.chunk_frames, tpf):
@@ -131,8 +151,6 @@ class SelfForcingPipeline:
         extra = chunk_inputs or (lambda c: {})
         first = 0
         if context is not None:
-            if tuple(context.shape) != shape:
-                raise ValueError(f"context must be {list(shape)}, got {list(context.shape)}")
             with generation_stream(dev):
                 model(context.to(dev, dtype), torch.zeros(batch, device=dev), text, frame_offset=0, cache=cache,
                       cross=cross, commit=True, **extra(0))

@@ -90,12 +90,30 @@ def read_json(path: Path) -> dict:
     return obj
 
 
+def describe_missing(path, what: str) -> str:
+    """Why `path` is not the `what` looked for, for a message after its name: a broken symbolic link, a directory,
+    another kind of file, or absent."""
+    path = Path(path)
+    if path.is_symlink() and not path.exists():  # (a dangling or looping link: `ls` shows the very name)
+        return f"a broken symbolic link, not a {what}"
+    if path.is_dir():
+        return f"a directory, not a {what}"
+    return f"not a {what}" if path.exists() else f"no such {what}"
+
+
 def check_tensors(sd: dict, source) -> dict[str, torch.Tensor]:
     """`sd` if it is a flat state dict (str -> tensor), else a CheckpointError."""
     bad = [str(k) for k, v in sd.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
     if bad:
         raise CheckpointError(f"{source}: not a state dict: {few_keys(bad)} {'is' if len(bad) == 1 else 'are'} not "
                               f"tensor{'' if len(bad) == 1 else 's'}")
+    # tensors without plain data (saved from the meta device, sparse, quantized) failed later in a copy, naming
+    # neither the file nor the key
+    odd = [f"{k} ({'meta' if v.is_meta else v.layout if v.layout != torch.strided else 'quantized'})"
+           for k, v in sd.items() if v.is_meta or v.layout != torch.strided or v.is_quantized]
+    if odd:
+        raise CheckpointError(f"{source}: {len(odd)} tensor{'s' * (len(odd) > 1)} without dense data: "
+                              f"{few_keys(odd)}")
     return sd
 
 

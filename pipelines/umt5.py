@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from .state_dicts import CheckpointError, check_tensors, empty_init, first_line, load_strict, merged_keys_error, \
-    read_json, read_safetensors, read_torch
+from .state_dicts import CheckpointError, check_tensors, describe_missing, empty_init, first_line, load_strict, \
+    merged_keys_error, read_json, read_safetensors, read_torch
 
 TEXT_LEN = 512  # Wan's text length (tokens)
 UMT5_XXL = dict(vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_heads=64, num_layers=24,
@@ -176,7 +176,7 @@ def load_tokenizer(folder: Path):
     """transformers' AutoTokenizer from a local folder (no download)."""
     auto = require("transformers").AutoTokenizer
     if not Path(folder).is_dir():
-        raise CheckpointError(f"{folder}: no such tokenizer folder")
+        raise CheckpointError(f"{folder}: {describe_missing(folder, 'tokenizer folder')}")
     try:
         return auto.from_pretrained(str(folder), local_files_only=True)
     except (MemoryError, KeyboardInterrupt):

@@ -147,6 +147,11 @@ BAD = [
     (["--centroids", "5000"], "centroids (5000) > tokens"),
     (["--history", "last"], "--history must be"),
     (["--sink", "2"], "multiple of the chunk size"),
+    # Self-Forcing's chunk size is fixed: said before its gigabytes load (and before a broken checkpoint's error)
+    (["--pipeline", "self-forcing", "--checkpoint", "/no/such/dir", "--sink", "2"],
+     "--sink must be a multiple of the chunk size (3 latent frames), got 2"),
+    (["--pipeline", "self-forcing", "--checkpoint", "/no/such/dir", "--history", "window:4"],
+     "--history window must be a multiple of the chunk size (3 latent frames), got 4"),
     (["--sink", "1" + "0" * 300], "--sink must be in [0, 100000]"),  # (was taken, and written into the report)
     (["--pipeline", "self-forcing"], "needs --checkpoint"),
     (["--pipeline", "self-forcing", "--checkpoint", "/no/such/dir"], "no such directory"),

@@ -27,11 +27,12 @@ def _inputs(frames=6):
     return torch.randn(1, 4, frames, 8, 8, generator=g), torch.tensor([500.0]), torch.randn(1, 7, 32, generator=g)
 
 
-def _chunkwise(model, x, t, txt, cache, cf=CF):
+def _chunkwise(model, x, t, txt, cache, cf=CF, offsets=True):
     outs = []
     with torch.no_grad():
         for c in range(x.shape[2] // cf):
-            outs.append(model(x[:, :, c * cf:(c + 1) * cf], t, txt, frame_offset=c * cf, cache=cache))
+            kw = {"frame_offset": c * cf} if offsets else {}  # (default: the cache's committed frames)
+            outs.append(model(x[:, :, c * cf:(c + 1) * cf], t, txt, cache=cache, **kw))
             cache.commit()
     return torch.cat(outs, 2)
 
@@ -46,6 +47,9 @@ def test_chunkwise_bf16_cache_equals_full_block_causal_forward(model):
     with torch.no_grad():
         causal_first = model(x[:, :, :CF], t, txt)
     assert torch.allclose(full[:, :, :CF], causal_first, atol=1e-5)  # block-causal: chunk 0 sees only itself
+    # with a cache, frame_offset defaults to the frames it has committed (forgetting it gave every chunk time 0)
+    same = _chunkwise(model, x, t, txt, KVCache(2, "bf16", chunk_frames=CF, tokens_per_frame=TPF), offsets=False)
+    assert torch.equal(same, got)
 
 
 def test_qvg_int8_cache_is_close_to_bf16(model):
@@ -308,8 +312,28 @@ def test_generate_checks_its_arguments_before_anything_runs(tiny):
                 KVCache(len(tr.blocks) + 1, "bf16", chunk_frames=3, tokens_per_frame=16)):
         with pytest.raises(ValueError, match=f"the cache must have num_layers={len(tr.blocks)}, chunk_frames=3 and tokens_per_frame=16"):
             pipe.generate(emb, 9, (8, 8), bad)
+    # text and context too, before the cache is reset (they failed at the first chunk, in torch's words)
+    cache.write(0, torch.ones(1, 2, 48, 64), torch.ones(1, 2, 48, 64))
+    for text_, kw, msg in ((emb[0], {}, r"text must be encoder hidden states \[1, tokens, 64\].*got \[\d+, 64\]"),
+                           (torch.randn(1, 5, 4096), {}, r"text must be .*got \[1, 5, 4096\]"),
+                           (torch.cat([emb, emb]), {}, r"text must be .*got \[2, \d+, 64\]"),
+                           (emb.long(), {}, "floating point"),
+                           ("a prompt", {}, "got str"),
+                           (emb, {"context": torch.zeros(1, 16, 2, 8, 8)},
+                            r"context must be \[1, 16, 3, 8, 8\], got \[1, 16, 2, 8, 8\]")):
+        with pytest.raises(ValueError, match=msg):
+            pipe.generate(text_, 9, (8, 8), cache, **kw)
+    assert cache.frames == 0 and cache.read(0)[0].shape[2] == 48  # (not reset)
+    next(pipe.generate(torch.cat([emb, emb]), 3, (8, 8), cache, batch=2))  # (one text per video, or one for all)
     for kw, msg in ((dict(chunk_frames=0), "chunk_frames must be a positive integer"),
-                    (dict(steps=()), "at least one denoising step")):
+                    (dict(steps=()), "at least one denoising step"),
+                    (dict(steps="1000"), "at least one denoising step"),
+                    (dict(steps=(1500, 500)), r"steps must be timesteps in \(0, 1000\]"),
+                    (dict(steps=(0,)), r"steps must be timesteps in \(0, 1000\]"),
+                    (dict(shift=0), "shift must be a positive number"),
+                    (dict(shift=-1.0), "shift must be a positive number"),
+                    (dict(context_sigma=2.0), r"context_sigma must be a noise level in \[0, 1\)"),
+                    (dict(context_sigma=-0.1), "context_sigma must be")):
         with pytest.raises(ValueError, match=msg):
             SelfForcingPipeline(tr, vae, **kw)
 

@@ -3,6 +3,7 @@ original formats: the generator .pt ({'generator', 'generator_ema'} with Wan's k
 VAE .pth, Wan's umT5 .pth and a tokenizer folder. The original-format dicts are made from seeded diffusers /
 transformers models through inverse key tables written out below, so loading them back proves the converters."""
 import json
+import os
 import re
 import shutil
 
@@ -145,6 +146,8 @@ def test_original_layout_round_trip(src, loaded):
     transformer, vae, text, sources = loaded
     assert isinstance(transformer, CausalWanTransformer) and sources["weights"] == "generator_ema"
     assert sources["layout"] == "original" and sources["transformer_config"].endswith("config.json")
+    assert all(os.path.isabs(sources[k]) for k in ("generator", "wan", "transformer_config"))
+
     assert sources["generator_bytes"] == __import__("os").path.getsize(sources["generator"])  # (which file it was)
     _same_weights(transformer, src["ema"])
     _same_weights(vae, src["vae"])
@@ -160,6 +163,14 @@ def test_original_layout_round_trip(src, loaded):
     assert emb[0, len(ids) - 1].abs().sum() > 0 and emb[0, len(ids):].abs().sum() == 0
     t5 = text.cpu_model  # the tied embedding is one tensor, loaded once
     assert t5.shared.weight.data_ptr() == t5.encoder.embed_tokens.weight.data_ptr()
+
+
+def test_reported_config_path_is_absolute_for_a_relative_checkpoint_dir(ckpt, monkeypatch):
+    """(the report's transformer_config was the path as typed, useless from another directory)"""
+    from qvg.pipelines.checkpoints import find_files, transformer_config
+    monkeypatch.chdir(ckpt.parent)
+    _, source = transformer_config(find_files(ckpt.name))
+    assert os.path.isabs(source) and source.endswith("config.json"), source
 
 
 @pytest.mark.parametrize("ema,weights", [(False, "generator"), (True, "generator_ema"), (None, "generator_ema")])
@@ -206,6 +217,13 @@ def _add(key, value):
         obj["generator_ema"][key] = value
         return obj
     return change
+
+
+def _replace(key, change):
+    def edit(obj):
+        obj["generator_ema"][key] = change(obj["generator_ema"][key])
+        return obj
+    return edit
 
 
 def _two_generators(root):
@@ -299,6 +317,23 @@ BAD = [
         json.dumps({**WAN_CONFIG, "patch_size": 2})), ["config.json: unusable transformer config"]),
     ("config-i2v", lambda r: (r / WAN / "config.json").unlink() or (r / WAN / "config.json").write_text(
         json.dumps({**WAN_CONFIG, "model_type": "i2v"})), ["only text-to-video Wan models"]),
+    ("config-float-dim", lambda r: (r / WAN / "config.json").unlink() or (r / WAN / "config.json").write_text(
+        json.dumps({**WAN_CONFIG, "dim": 128.0})), ["config.json: dim and num_heads must be positive integers, got "
+                                                    "128.0 and"]),
+    # tensors without dense data (saved from the meta device, sparse): NotImplementedError in a copy, unnamed, before
+    ("meta-tensor", _rewrite(GEN, _replace("model.blocks.0.ffn.0.bias", lambda v: torch.empty(v.shape, device="meta"))),
+     ["self_forcing_dmd.pt [generator_ema]: 1 tensor without dense data: model.blocks.0.ffn.0.bias (meta)"]),
+    ("sparse-tensor", _rewrite(GEN, _replace("model.blocks.0.ffn.0.bias", lambda v: v.to_sparse())),
+     ["1 tensor without dense data: model.blocks.0.ffn.0.bias (torch.sparse_coo)"]),
+    ("vae-meta-tensor", _rewrite(f"{WAN}/Wan2.1_VAE.pth", lambda o: {
+        **o, "decoder.head.2.bias": torch.empty(o["decoder.head.2.bias"].shape, device="meta")}),
+     ["Wan2.1_VAE.pth: 1 tensor without dense data: decoder.head.2.bias (meta)"]),
+    # a dangling or looping link was "absent", though `ls` shows the very name
+    ("generator-link-loop", lambda r: (r / GEN).unlink() or (r / GEN).symlink_to(r / GEN),
+     ["self_forcing_dmd.pt: a broken symbolic link"]),
+    ("t5-dangling-link", lambda r: (r / WAN / "models_t5_umt5-xxl-enc-bf16.pth").unlink() or (
+        r / WAN / "models_t5_umt5-xxl-enc-bf16.pth").symlink_to(r / "gone"),
+     ["models_t5_umt5-xxl-enc-bf16.pth: a broken symbolic link"]),
 ]
 
 
@@ -500,7 +535,8 @@ def test_cli_weights_absent_is_one_line(ckpt, tmp_path, capsys):
     assert not (tmp_path / "v.mp4").exists()
 
 
-CLI_BAD = [b for b in BAD if b[0] in ("missing-key", "garbage", "no-generator", "no-vae")]
+CLI_BAD = [b for b in BAD if b[0] in ("missing-key", "garbage", "no-generator", "no-vae", "meta-tensor",
+                                      "generator-link-loop")]
 
 
 @pytest.mark.parametrize("case,edit,needles", CLI_BAD, ids=[b[0] for b in CLI_BAD])
