@@ -24,7 +24,7 @@ from qvg.help_format import Parser
 from qvg.numbers import parse_int
 from qvg.outputs import Terminated, new_file_mode, sigterm_held, sigterm_raises, target, targets_error
 
-from .start_image import MIN_IMAGE_SIDE, image_array
+from .start_image import image_array, size_problem, unreadable_reason
 
 PIPELINES = ("tiny", "self-forcing")
 DEFAULT_PROMPT = "a red fox running through fresh snow, cinematic"
@@ -342,13 +342,10 @@ def start_frame(image: str, flag: str = "--image", size: int | None = None):
         try:
             a = image_array(path)
         except Exception as e:
-            from qvg.pipelines.state_dicts import first_line
-            why = first_line(e)  # (imageio's "Could not find a backend to open ... with iomode `ri`": no format)
-            why = "not an image format imageio reads" if "could not find a backend" in why.lower() else why
-            raise UsageError(f"{flag}: cannot read {image!r} as an image ({why})") from None
-        if min(a.shape[:2]) < MIN_IMAGE_SIDE:
-            raise UsageError(f"{flag}: {image!r} is {a.shape[1]} x {a.shape[0]} pixels; give one at least "
-                             f"{MIN_IMAGE_SIDE} pixels on each side (it is scaled to the model's view)")
+            raise UsageError(f"{flag}: cannot read {image!r} as an image ({unreadable_reason(e)})") from None
+        small = size_problem(a)
+        if small:
+            raise UsageError(f"{flag}: {image!r} {small}")
         import torch
 
         from qvg.pipelines.world_data import photo_view  # the scale the model was trained at
@@ -709,16 +706,17 @@ def ratio_words(ratio: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from qvg.cache import UnitCostWarning
     with warnings.catch_warnings():  # (a caller's own filters are back when main returns)
-        warnings.filterwarnings("ignore", category=UnitCostWarning)  # (said as a note of our own: unit_cost_note)
         return _main(sys.argv[1:] if argv is None else argv)
 
 
 def _main(argv: list[str]) -> int:
     s = None
+    seen: list[int] = []  # (SIGINT / SIGTERM, even where a library swallowed the exception they raised)
     try:
-        with sigterm_raises():
+        with sigterm_raises(seen):
+            from qvg.cache import UnitCostWarning  # (torch loads here, inside the try: a Ctrl-C is one line too)
+            warnings.filterwarnings("ignore", category=UnitCostWarning)  # (said as a note of ours: unit_cost_note)
             s = parse(argv)
             report = run(s)
     except UsageError as e:
@@ -733,6 +731,10 @@ def _main(argv: list[str]) -> int:
               file=sys.stderr)
         return 128 + signal.SIGTERM
     except Exception as e:  # anything else (ffmpeg, disk full, out of memory): one line, nothing left behind
+        if seen:  # (stopped by the user, the exception a library's rewording of it)
+            stopped = "interrupted" if seen[-1] == signal.SIGINT else "terminated"
+            print(f"qvg-generate: {stopped}; nothing written", file=sys.stderr)
+            return 128 + seen[-1]
         from qvg.pipelines.state_dicts import first_line
         print(f"qvg-generate: error: {first_line(e)}; nothing written", file=sys.stderr)
         return 1

@@ -41,3 +41,19 @@ def image_array(path: Path):
     else:  # 16-bit samples (PIL's "I" mode holds 16-bit PNGs too)
         a = a / 65535 * 255
     return np.clip(a, 0, 255).round().astype(np.uint8)
+
+
+def unreadable_reason(e: Exception) -> str:
+    """Why image_array failed, in one line (imageio's "Could not find a backend to open ... with iomode `ri`": the
+    file is in no format it knows)."""
+    from qvg.pipelines.state_dicts import first_line
+    why = first_line(e)
+    return "not an image format imageio reads" if "could not find a backend" in why.lower() else why
+
+
+def size_problem(a) -> str | None:
+    """What is wrong with an image array's size as a start image (after its name in a message), or None."""
+    if min(a.shape[:2]) < MIN_IMAGE_SIDE:
+        return (f"is {a.shape[1]} x {a.shape[0]} pixels; give one at least {MIN_IMAGE_SIDE} pixels on each side "
+                "(it is scaled to the model's view)")
+    return None

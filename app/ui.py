@@ -16,9 +16,12 @@ import logging
 import math
 import os
 import re
+import signal
 import sys
 import warnings
 from pathlib import Path
+
+from qvg.outputs import Terminated, sigterm_raises
 
 from .generate import DEFAULT_ACTIONS, DEFAULT_IMAGE, DEFAULT_PROMPT, UsageError
 from .ui_jobs import Jobs, cancel_message
@@ -451,7 +454,12 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", category=UnitCostWarning)  # (the run's notice says it: unit_cost_note)
     app = build(Server(root, None, a.device))
     try:
-        serve(app, a.host, a.port)
+        with sigterm_raises():  # (kill, docker stop, systemd: the last job's folder was left in the temp dir)
+            serve(app, a.host, a.port)
+    except Terminated:
+        app.close()
+        print("qvg-app: terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except OSError as e:  # the port taken (or not ours to bind): before anything was served
         text = str(e).splitlines()[0] if str(e) else type(e).__name__
         if "Cannot find empty port" in text:  # (gradio's words, whose advice is for its Python API)

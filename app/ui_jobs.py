@@ -64,13 +64,15 @@ class Jobs:
         job.running, job.steer = False, None
 
     def cancel(self, session: str) -> tuple[int, int]:
-        """Cancel this session's jobs: (running, queued) how many."""
+        """Cancel this session's jobs: (running, queued) how many; queued ones an earlier Cancel reached are not
+        counted again (they stay registered, cancelled, so that their run still ends at once if it comes)."""
         with self._lock:
             mine = [j for j in self._by_id.values() if j.session == session]
+        fresh = [j for j in mine if not j.cancel.is_set()]
         for j in mine:
             j.cancel.set()
         running = sum(j.running for j in mine)
-        return running, sum(not j.running and not j.stale for j in mine)
+        return running, sum(not j.running and not j.stale for j in fresh)
 
     def busy(self) -> bool:
         """Whether any session's job is running (a new one then waits in the queue)."""

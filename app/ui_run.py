@@ -96,13 +96,14 @@ def _start_image(form: Form, server: Server) -> str:
         up = Path(os.path.realpath(form.upload))
         if server.upload_dir is None or not up.is_relative_to(os.path.realpath(server.upload_dir)):
             raise UsageError("start image: only uploaded files are read")
-        from .start_image import image_array
+        from .start_image import image_array, size_problem, unreadable_reason
         try:  # (here, in the page's words: qvg-generate's would name the server's copy of the upload)
-            image_array(up)
+            small = size_problem(image_array(up))
         except Exception as e:
-            from qvg.pipelines.state_dicts import first_line
-            why = first_line(e).replace(str(up), up.name).replace(str(form.upload), up.name)
+            why = unreadable_reason(e).replace(str(up), up.name).replace(str(form.upload), up.name)
             raise UsageError(f"start image: the upload {up.name!r} is not a readable image ({why})") from None
+        if small:
+            raise UsageError(f"start image: the upload {up.name!r} {small}")
         return str(up)
     if form.photo not in photo_names("all"):
         raise UsageError(f"start image: no bundled photo {form.photo!r}")

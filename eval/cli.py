@@ -25,9 +25,9 @@ from qvg.outputs import Terminated, sigterm_raises, targets_error, writable_erro
 
 from .weights import BadWeights
 
-# (torch's OpenMP threads spin at barriers by default, which slows runs on a CPU shared with other processes; setting
-# OMP_WAIT_POLICY here would come too late: `import qvg` has loaded torch and its OpenMP runtime before this line.
-# Set OMP_WAIT_POLICY=PASSIVE in the environment where that matters, as tests/conftest.py does.)
+# (torch's OpenMP threads spin at barriers by default, which slows runs on a CPU shared with other processes: set
+# OMP_WAIT_POLICY=PASSIVE in the environment where that matters, as tests/conftest.py does; qvg-eval leaves the
+# default as it is.)
 
 
 def _finite(text: str) -> float:

@@ -16,7 +16,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..pipelines.state_dicts import first_line
 
 ENV = "QVG_WEIGHTS"
 
@@ -70,6 +69,7 @@ def reading(path, what: str, unpickling: bool = False):
     except (ImportError, MemoryError, MissingWeights, BadWeights):
         raise
     except Exception as e:
+        from ..pipelines.state_dicts import first_line  # (imports torch: not at qvg-eval's start)
         bare = unpickling and isinstance(e, (KeyError, IndexError))
         why = "corrupt, or not a file torch.save wrote" if bare else first_line(e)
         raise BadWeights(f"{path}: not {what} ({why})") from None

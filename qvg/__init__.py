@@ -9,12 +9,27 @@ Public API:
     qvg.Packed (the packed container; .nbytes, .components(), .to(device))
 Subpackages: qvg.app, qvg.pipelines, qvg.kernels, qvg.eval.
 """
-from .compression import bits_per_element, compress, decompress, methods
-from .packed import Packed
-from .quant import QuantSpec
 from ._lazy import submodule_getattr
 
 __all__ = ["compress", "decompress", "methods", "bits_per_element", "Packed", "QuantSpec"]
 __version__ = "0.1.0"
 
-__getattr__ = submodule_getattr(__name__)  # qvg.cache, qvg.pipelines, ... after a bare `import qvg`
+# The public names are imported when first used, as the submodules are, so that `import qvg` (which every entry
+# point runs before its own code: qvg-generate's Ctrl-C in its first seconds was a torch-import traceback) loads
+# no torch. `from qvg import compress` works as before.
+_EXPORTS = {"compress": "compression", "decompress": "compression", "methods": "compression",
+            "bits_per_element": "compression", "Packed": "packed", "QuantSpec": "quant"}
+_submodule = submodule_getattr(__name__)  # qvg.cache, qvg.pipelines, ... after a bare `import qvg`
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        import importlib
+        value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+        globals()[name] = value
+        return value
+    return _submodule(name)
+
+
+def __dir__():
+    return sorted({*globals(), *__all__})

@@ -163,16 +163,32 @@ def _on_sigterm(signum, frame):
 
 
 @contextlib.contextmanager
-def sigterm_raises():
-    """Within: SIGTERM raises Terminated (in the main thread only: elsewhere signals can't be caught)."""
+def sigterm_raises(seen: list | None = None):
+    """Within: SIGTERM raises Terminated (in the main thread only: elsewhere signals can't be caught). seen: a list
+    that SIGTERM and SIGINT (which still raises KeyboardInterrupt) are also appended to, so that a library that
+    swallows the exception can't hide that the user stopped the run (diffusers' lazy import turns a Ctrl-C raised
+    inside it into a RuntimeError: "maximum recursion depth exceeded")."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    old = signal.signal(signal.SIGTERM, _on_sigterm)
+    if seen is None:
+        old = signal.signal(signal.SIGTERM, _on_sigterm)
+    else:
+        def on_term(signum, frame):
+            seen.append(signum)
+            raise Terminated
+
+        def on_int(signum, frame):
+            seen.append(signum)
+            raise KeyboardInterrupt
+        old = signal.signal(signal.SIGTERM, on_term)
+        old_int = signal.signal(signal.SIGINT, on_int)
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, old)
+        if seen is not None:
+            signal.signal(signal.SIGINT, old_int)
 
 
 @contextlib.contextmanager

@@ -4,6 +4,18 @@ import subprocess
 import sys
 
 
+def test_entry_points_import_no_torch_before_their_main():
+    """qvg-generate's console script imports qvg and qvg.app.generate before main(): with torch among them, a
+    Ctrl-C in the first seconds was a traceback (main's one-line handling was not yet running)."""
+    code = ("import sys, qvg, qvg.app.generate, qvg.app.ui, qvg.eval.cli\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\n"
+            "from qvg import compress, Packed\n"
+            "assert qvg.methods()[0] == 'rtn' and qvg.QuantSpec.__name__ == 'QuantSpec' and 'torch' in sys.modules\n"
+            "assert {'compress', 'decompress', 'bits_per_element', 'Packed'} <= set(dir(qvg))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
 def test_submodules_are_attributes_after_import_qvg():
     code = ("import sys, qvg\n"
             "light = not any(m in sys.modules for m in ('qvg.cache', 'qvg.pipelines', 'qvg.app', 'gradio'))\n"

@@ -258,6 +258,30 @@ def test_sigterm_leaves_nothing(tmp_path, capsys, monkeypatch):
     assert signal.getsignal(signal.SIGTERM) is before  # restored
 
 
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_signal_a_library_swallowed_is_still_one_line_and_its_status(tmp_path, capsys, monkeypatch, sig):
+    """A Ctrl-C raised inside diffusers' lazy import came out as "error: RuntimeError: Failed to import ...
+    maximum recursion depth exceeded", exit 1: the signal is recorded, and the run says it was stopped."""
+    import signal
+
+    import qvg.app.generate as g
+    num = getattr(signal, sig)
+
+    def swallowing_library(video):
+        try:
+            signal.raise_signal(num)
+        except BaseException:  # (as the library did: the KeyboardInterrupt / Terminated is gone)
+            pass
+        raise RuntimeError("Failed to import diffusers.loaders.peft: maximum recursion depth exceeded")
+    monkeypatch.setattr(g, "to_uint8", swallowing_library)
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    assert main(["--out", str(tmp_path / "v.mp4"), "--quiet", "--frames", "4", "--method", "bf16"]) == 128 + num
+    word = "interrupted" if sig == "SIGINT" else "terminated"
+    assert capsys.readouterr().err.strip().splitlines() == [f"qvg-generate: {word}; nothing written"]
+    assert list(tmp_path.iterdir()) == []
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before  # restored
+
+
 def test_checkpoint_that_is_a_file(tmp_path, capsys):
     (tmp_path / "self_forcing_dmd.pt").write_bytes(b"x")
     assert main(["--pipeline", "self-forcing", "--checkpoint", str(tmp_path / "self_forcing_dmd.pt"),

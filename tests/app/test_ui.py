@@ -356,6 +356,11 @@ def test_jobs_unit():
     jobs.start(nxt.id, "v")
     assert jobs.cancel("v") == (1, 0) and jobs.cancel("w") == (0, 1)
     assert jobs.start(lost.id, "v") is lost and lost.cancel.is_set()
+    # a second Cancel does not count the queued jobs the first one reached again (API clients whose /job calls
+    # were never followed by /generate heard "your 3 queued jobs will not run" at every Cancel)
+    q = [jobs.submit("x") for _ in range(3)]
+    assert jobs.cancel("x") == (0, 3) and jobs.cancel("x") == (0, 0)
+    assert all(jobs.start(j.id, "x") is j and j.cancel.is_set() for j in q)  # (their runs still end at once)
 
 
 def test_keys_build_the_action_list_and_steer_a_running_video(client):
@@ -505,6 +510,18 @@ def test_path_rules_unit(tmp_path):
         settings(Form(upload=str(tmp_path / "secret.png")), Server(None, tmp_path / "up"), tmp_path)
     with pytest.raises(UsageError, match="no bundled photo"):
         settings(Form(photo="../../etc/passwd"), Server(None, tmp_path / "up"), tmp_path)
+    # an upload too small, or no image, in the page's words (the small one named the server's copy by its path;
+    # the other gave imageio's raw "Could not find a backend")
+    import numpy as np
+    from PIL import Image
+    Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(tmp_path / "up" / "small.png")
+    (tmp_path / "up" / "fake.png").write_text("not an image")
+    for name, msg in (("small.png", "start image: the upload 'small.png' is 8 x 8 pixels; give one at least 16"),
+                      ("fake.png", "start image: the upload 'fake.png' is not a readable image (not an image format "
+                                   "imageio reads)")):
+        with pytest.raises(UsageError) as e:
+            settings(Form(upload=str(tmp_path / "up" / name)), Server(None, tmp_path / "up"), tmp_path)
+        assert str(e.value).startswith(msg) and str(tmp_path) not in str(e.value), str(e.value)
     assert append_action("", "left") == "left" and append_action("left", "left") == "left*2"
     assert append_action("right*\u0663", "right") == "right*\u0663,right"  # (not read as right*3: left as typed)
 

@@ -36,14 +36,16 @@ def _chromium() -> str:
 
 
 @pytest.fixture(scope="module")
-def app_url():
+def app_url(tmp_path_factory):
     for module in ("gradio", "playwright"):  # (the test extra: CI has them; the bare GPU image does not)
         need(module, "pip install -e '.[test]'")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    tmp = tmp_path_factory.mktemp("app-tmp")  # (its temp folders: what the server leaves when stopped is seen)
     proc = subprocess.Popen([sys.executable, "-m", "qvg.app.ui", "--port", str(port), "--device", "cpu"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "TMPDIR": str(tmp)})
     url = f"http://127.0.0.1:{port}/"
     t0 = time.time()
     while True:
@@ -56,11 +58,15 @@ def app_url():
                 pytest.fail(f"qvg-app did not start: {proc.stdout.read()[-2000:]}")
             time.sleep(0.3)
     yield url
-    proc.terminate()
+    proc.terminate()  # SIGTERM (kill, docker stop, systemd): the last job's folder went with it only on Ctrl-C
     try:
-        proc.wait(10)
+        proc.wait(30)
     except subprocess.TimeoutExpired:
         proc.kill()
+        pytest.fail("qvg-app did not stop on SIGTERM within 30 s")
+    out = proc.stdout.read()
+    assert proc.returncode == 143 and "qvg-app: terminated" in out, out[-2000:]
+    assert not list(tmp.glob("qvg-app-*")), "qvg-app left its job folder behind on SIGTERM"
 
 
 def test_page_generates_live_and_screenshot(app_url, tmp_path):
