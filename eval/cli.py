@@ -301,7 +301,7 @@ def _clean_up() -> None:
 def _compare(a, argv) -> int:
     from . import compare
     from .metrics import SSIM_WINDOW
-    from .provenance import command_line, meta, weight_files
+    from .provenance import command_line, file_record, meta, weight_files
     from .video import read_video, sidecar
     dev = _device(a.device)
     # (X with a folder X there writes X.json, X.png beside it; "X/" names the folder: its outputs were put beside it)
@@ -362,6 +362,7 @@ def _compare(a, argv) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     res["meta"] = meta(command_line("qvg-eval", argv), dev, ref=a.ref, test=a.test, lpips=status,
+                       inputs={"ref": file_record(a.ref), "test": file_record(a.test)},  # (where, and which bytes)
                        weight_files=weight_files(model), frames_compared=n, frames=[ref.shape[1], test.shape[1]],
                        title=f"{Path(a.test).name} vs {Path(a.ref).name}")
     written = compare.save(res, out)

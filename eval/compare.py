@@ -10,7 +10,8 @@ image, are excluded from every window but kept in the per-frame lists):
   - chunk c: the frames of generated chunk c (per-chunk curve; `partial`: cut short by the end of the video);
   - video: all generated frames.
 Per window: `psnr` = PSNR of the window's pooled MSE (the window as one signal, as `metrics.psnr` on a slab),
-`psnr_frame_mean` = the mean of the per-frame PSNRs, `ssim` and `lpips` = means over the window's frames.
+`psnr_frame_mean` = the mean of the per-frame PSNRs (an identical frame counts at the metric's 100 dB cap: 3 identical
+frames and 3 at 46 dB give 73 dB, where `psnr` gives 49), `ssim` and `lpips` = means over the window's frames.
 `first_below` = the first generated frame whose PSNR falls below `threshold` dB (None: never): where divergence
 starts.
 

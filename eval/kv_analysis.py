@@ -35,6 +35,7 @@ centroids as `init`, which reproduces an uninterrupted run exactly.
 """
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import math
@@ -736,12 +737,27 @@ def save(res: dict, out: str | Path) -> list[str]:
     return [f"wrote {js}", f"wrote {md}", note]
 
 
+MAX_SEED = 2**63 - 8  # (the k-means seeds go up to seed + 2, and a chain's stage s uses its seed + s)
+
+
+def _seed(text: str) -> int:
+    """--seed: an integer in [0, MAX_SEED] (a negative one was a traceback from the k-means after the parse)."""
+    try:
+        v = integer(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if not 0 <= v <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"must be in [0, {MAX_SEED}], got {v}")
+    return v
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = OneLineParser(prog="python -m qvg.eval.kv_analysis", description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=".", help="output folder (default: the current one; the committed copies are "
                     "in eval/results)")
     ap.add_argument("--quick", action="store_true", help="small sizes: a seconds-long smoke test")
-    ap.add_argument("--seed", type=integer, default=0, help="data seed and first k-means seed (default 0)")
+    ap.add_argument("--seed", type=_seed, default=0, help=f"data seed and first k-means seed, in [0, {MAX_SEED}] "
+                    "(default 0)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = ap.parse_args(argv)
     bad = folder_error(args.out, OUTPUTS)  # (before the work: not a traceback after it)

@@ -19,6 +19,7 @@ range and how many runs are over the target are printed beside it. Exit 0 either
 """
 from __future__ import annotations
 
+import argparse
 import datetime
 import itertools
 import json
@@ -29,6 +30,7 @@ import sys
 from pathlib import Path
 
 from qvg.help_format import OneLineParser
+from qvg.outputs import target_error
 from qvg.revision import REPO
 
 BASELINE_RING = "ffe3555"  # since this commit bench_pipeline's `bf16` row is the BF16 cache as a ring (before: shift)
@@ -132,15 +134,29 @@ def summarize(overheads: list[float], target: float) -> dict:
             "upper95_of_mean": upper, "target": target, "met": upper <= target}
 
 
+def _positive(text: str) -> float:
+    """--target: a finite fraction > 0 (nan gave "not met" on data the default target met, and status 0)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not (math.isfinite(v) and v > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite fraction > 0 (0.015: 1.5%), got {text!r}")
+    return v
+
+
 def main(argv=None) -> int:
     ap = OneLineParser(prog="python -m qvg.eval.overhead_stats", description=__doc__.split("\n\n")[0])
     ap.add_argument("files", nargs="+", help="bench_pipeline JSON files, one per run")
     ap.add_argument("--method", default="qvg-pro")
     ap.add_argument("--history", type=int, default=21)
-    ap.add_argument("--target", type=float, default=0.015, help="as a fraction (default 0.015: 1.5%%)")
+    ap.add_argument("--target", type=_positive, default=0.015, help="as a fraction (default 0.015: 1.5%%)")
     ap.add_argument("--machine-sizes", default=None, help="runs per machine, in file order (e.g. 3,1,2)")
     ap.add_argument("--out", default=None, help="write the summary and the runs as JSON here")
     a = ap.parse_args(argv)
+    bad = a.out is not None and target_error(a.out)  # (before the work: a missing folder was a traceback after it)
+    if bad:
+        ap.error(f"--out: {bad}")
     try:
         runs = run_overheads(a.files, a.method, a.history)
         s = summarize([r["overhead"] for r in runs], a.target)

@@ -82,9 +82,12 @@ def run(outdir, preset: dict, runner, *, command: str, device="cpu", preset_name
     lg = preset["long"]
     if "long" not in skip or need_capture:
         cap = KVCapture(runner.model)
-        res["long_video"] = analyses.long_video(
-            runner, lg["image"], lg["seed"], lg["chunks"], [tuple(m) for m in lg["methods"]], lg["every"],
-            capture=cap, progress=progress)
+        if "long" not in skip:
+            res["long_video"] = analyses.long_video(
+                runner, lg["image"], lg["seed"], lg["chunks"], [tuple(m) for m in lg["methods"]], lg["every"],
+                capture=cap, progress=progress)
+        else:  # (only the K/V analyses' input: the long video's BF16 run, not its other five runs and figure)
+            runner.run(lg["image"], lg["seed"], "bf16", {}, lg["chunks"], capture=cap)
         res["capture"] = {"image": lg["image"], "seed": lg["seed"], "chunks": len(cap.chunks),
                           "note": "K/V of the BF16 run of the long video; chunk 0 is the start image's context chunk"}
         n = len(cap.chunks)
@@ -348,11 +351,12 @@ def _plot_sweep(writes: list, sw: dict, path: Path) -> str:
 
 
 def _frame_stats(curves: list[list[float]], lead: int) -> tuple[list[int], list[float], list[float]]:
-    """(frames from `lead` on, mean, std over the curves) of per-frame PSNR, each value capped at 60 dB."""
+    """(frames from `lead` on, mean, sample std over the curves, as the tables' "mean ± std") of per-frame PSNR,
+    each value capped at 60 dB."""
     import statistics
     xs = list(range(lead, len(curves[0])))
     cols = [[min(c[f], 60) for c in curves] for f in xs]
-    return xs, [statistics.fmean(v) for v in cols], [statistics.pstdev(v) if len(v) > 1 else 0.0 for v in cols]
+    return xs, [statistics.fmean(v) for v in cols], [statistics.stdev(v) if len(v) > 1 else 0.0 for v in cols]
 
 
 def _plot_memory(writes: list, sw: dict, path: Path) -> str:

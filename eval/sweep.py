@@ -143,7 +143,8 @@ def rows(res: dict) -> list[dict]:
 def _pm(d: dict | None, digits: int) -> str:
     if d is None:
         return "-"
-    m = "inf" if d["mean"] >= 100 else f"{d['mean']:.{digits}f}"
+    m = f"{d['mean']:.{digits}f}"  # (a PSNR of identical videos is the metric's 100 dB cap, as the JSON and report
+    # have it: it was printed "inf" here)
     return m if d["std"] is None else f"{m} ± {d['std']:.{digits}f}"
 
 

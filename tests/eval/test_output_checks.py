@@ -56,6 +56,17 @@ def test_kv_analysis_writes_all_or_none(tmp_path, capsys, monkeypatch):
     assert list((tmp_path / "out").iterdir()) == []
 
 
+@pytest.mark.parametrize("seed,msg", [("-1", "must be in [0, 9223372036854775800], got -1"),
+                                      ("9223372036854775807", "must be in [0, 9223372036854775800]"),
+                                      ("x", "must be an integer, got 'x'")])
+def test_kv_analysis_seed_out_of_range_is_one_line(tmp_path, capsys, seed, msg):
+    """(--seed -1 was a traceback from the k-means, after the parse)"""
+    with pytest.raises(SystemExit) as e:
+        kv_analysis.main(["--out", str(tmp_path / "out"), "--quick", "--no-progress", "--seed", seed])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and f"argument --seed: {msg}" in err[0], err
+
+
 def _tiny_precision_run(seeds):
     x = torch.randn(1, 1, 128, 64, generator=torch.Generator().manual_seed(0))
     return {"sets": [{"data": "synthetic", "tensor": "K", "K": 4, "rows": centroid_precision.measure(x, 4, seeds)}]}

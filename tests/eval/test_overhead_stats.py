@@ -58,6 +58,19 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     assert "given twice" in err[3] and "numeric overhead" in err[4]
 
 
+def test_bad_target_or_out_is_one_line_before_the_work(tmp_path, capsys):
+    """--target nan gave "not met" and status 0 on data the default target met; an --out in a missing folder was a
+    traceback after the summary."""
+    runs = [_run(tmp_path / "a.json", 0.01), _run(tmp_path / "b.json", 0.012)]
+    for args, msg in ((["--target", "nan"], "--target: must be a finite fraction > 0"),
+                      (["--target", "-0.01"], "--target: must be a finite fraction > 0"),
+                      (["--out", str(tmp_path / "no" / "s.json")], f"--out: cannot write to {str(tmp_path / 'no')!r}")):
+        with pytest.raises(SystemExit) as e:
+            st.main(runs + args)
+        out, err = capsys.readouterr()
+        assert e.value.code == 2 and out == "" and len(err.strip().splitlines()) == 1 and msg in err, err
+
+
 def _run_on(path, overhead, uuid):
     _run(path, overhead)
     d = json.loads(path.read_text())

@@ -93,6 +93,23 @@ def test_report_and_rerender(tiny_runner, tiny_preset, tmp_path, capsys):
     assert {f.name: f.read_bytes() for f in out.iterdir() if f.name != "results.json"} == before
 
 
+def test_skipping_the_long_video_runs_only_its_bf16_capture(tiny_runner, tiny_preset, tmp_path, monkeypatch):
+    """--skip long with a K/V analysis kept ran the long video's six runs and put its figure in the report; the
+    analyses need only the BF16 run's K/V."""
+    runs = []
+    real = tiny_runner.run
+
+    def counted(image, seed, method, *args, **kw):
+        runs.append((method, seed, kw.get("capture") is not None))
+        return real(image, seed, method, *args, **kw)
+    monkeypatch.setattr(tiny_runner, "run", counted)
+    res = report.run(tmp_path / "rep", tiny_preset, tiny_runner, command="test", progress=False,
+                     skip=("sweep", "long", "block", "kv", "warm"))
+    assert runs == [("bf16", tiny_preset["long"]["seed"], True)]
+    assert "long_video" not in res and res["capture"]["chunks"] == tiny_preset["long"]["chunks"] + 1
+    assert "rope" in res and "Fig. 5a" not in (tmp_path / "rep" / "report.md").read_text()
+
+
 def test_memory_breakdown_adds_up_to_the_total(tmp_path, monkeypatch):
     """On CUDA the cache holds a `workspace` (compression graphs) too: the table and the bars show it, so that the
     components add up to the total (the committed H100 report's rtn INT2: 10,360,512 + 2,491,392 = 12,851,904)."""

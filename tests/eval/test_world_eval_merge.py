@@ -15,12 +15,14 @@ def test_parallel_runs_merge_into_one_result(tmp_path):
     assert world_eval.main(SET + ["--configs", "bf16 window:3,bf16 full", "--out", str(b)]) == 0
     ra, rb = (json.loads(p.with_suffix(".json").read_text()) for p in (a, b))
     assert ra["revisit"]["bf16 full"]["per_seed"] == rb["revisit"]["bf16 full"]["per_seed"]  # deterministic
+    # (a dotted stem keeps its dot: "m-v1.5" wrote m-v1.json, .md, .png, another run's names)
     assert world_eval.main(["--merge", str(a.with_suffix(".json")), str(b.with_suffix(".json")),
-                            "--out", str(tmp_path / "m")]) == 0
-    m = json.loads((tmp_path / "m.json").read_text())
+                            "--out", str(tmp_path / "m-v1.5")]) == 0
+    assert not list(tmp_path.glob("m-v1.[jm]*"))
+    m = json.loads((tmp_path / "m-v1.5.json").read_text())
     assert list(m["revisit"]) == ["bf16 full", "bf16 window:3"] and len(m["argv_runs"]) == 2
     assert m["differences"] == world_eval.differences(rb["revisit"])
-    md = (tmp_path / "m.md").read_text()
+    md = (tmp_path / "m-v1.5.md").read_text()
     assert "2 processes at once" in md and "bf16 full - bf16 window:3: region_psnr" in md
     other = dict(ra, settings=dict(ra["settings"], seed_offset=5))
     with pytest.raises(ValueError, match="setting seed_offset differs"):
@@ -38,11 +40,17 @@ def test_counts_below_one_are_one_error_line(flag, capsys):
 
 def test_a_missing_report_or_model_is_one_error_line(tmp_path, capsys):
     for args, msg in ((["--report", str(tmp_path / "none.json")], "--report: cannot read"),
-                      (["--model", str(tmp_path), "--skip-quality"], "--model: no world model in")):
+                      (["--model", str(tmp_path), "--skip-quality"], "--model: no world model in"),
+                      # --out's folder is checked before the work and not made (a typo made folders, at the root too)
+                      (["--skip-quality", "--out", str(tmp_path / "typo" / "x")],
+                       f"--out: cannot write to {str(tmp_path / 'typo')!r} (no such directory)"),
+                      (["--merge", str(tmp_path / "none.json"), "--out", "/proc/x/y"],
+                       "--out: cannot write to '/proc/x' (no such directory)")):
         with pytest.raises(SystemExit) as e:
-            world_eval.main(args + ["--out", str(tmp_path / "out")])
+            world_eval.main(args + ([] if "--out" in args else ["--out", str(tmp_path / "out")]))
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 2 and msg in err[-1] and "Traceback" not in "".join(err), err
+    assert not (tmp_path / "typo").exists()
 
 
 def test_a_device_that_is_not_there_is_one_error_line(tmp_path, capsys):
