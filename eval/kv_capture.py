@@ -48,7 +48,10 @@ class KVCapture:
         self._active = bool(kwargs.get("commit"))
         if self._active:
             n = len(self.model.blocks)
-            self._cur = {"k": [None] * n, "v": [None] * n, "rope": None, "frame_offset": kwargs.get("frame_offset")}
+            fo = kwargs.get("frame_offset")
+            if fo is None:  # (the forward's default: the frames its cache has committed)
+                fo = getattr(kwargs.get("cache"), "frames", 0)
+            self._cur = {"k": [None] * n, "v": [None] * n, "rope": None, "frame_offset": fo}
 
     def _end(self, module, args, out):
         if self._active:

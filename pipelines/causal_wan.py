@@ -269,6 +269,12 @@ class CausalWanTransformer(WanTransformer3DModel):
         if commit and transient:
             raise ValueError("a transient forward's K/V are not kept: it can't commit")
         _, _, frames, height, width = hidden_states.shape
+        if cache is not None and hasattr(cache, "chunk_frames"):  # (else the cache's write named its K/V's shapes)
+            got = (frames // self.config.patch_size[0], self.tokens_per_latent_frame(height, width))
+            if got != (cache.chunk_frames, cache.tokens_per_frame):
+                raise ValueError(f"with this cache, hidden_states must be one chunk: {cache.chunk_frames} latent "
+                                 f"frames of {cache.tokens_per_frame} tokens each; got {got[0]} of {got[1]} (shape "
+                                 f"{list(hidden_states.shape)})")
         if frame_offset is None:  # (forgetting it gave every chunk time 0 without a word)
             frame_offset = getattr(cache, "frames", 0) if cache is not None else 0
         self.rope.frame_offset, self.rope.frame_ids = frame_offset, frame_ids

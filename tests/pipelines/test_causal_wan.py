@@ -50,6 +50,9 @@ def test_chunkwise_bf16_cache_equals_full_block_causal_forward(model):
     # with a cache, frame_offset defaults to the frames it has committed (forgetting it gave every chunk time 0)
     same = _chunkwise(model, x, t, txt, KVCache(2, "bf16", chunk_frames=CF, tokens_per_frame=TPF), offsets=False)
     assert torch.equal(same, got)
+    # a chunk of another size is named in frames and tokens (was the cache's "write expects k and v of shape ...")
+    with pytest.raises(ValueError, match=rf"one chunk: {CF} latent frames of {TPF} tokens each; got {CF + 1} of"):
+        model(x[:, :, :CF + 1], t, txt, cache=KVCache(2, "bf16", chunk_frames=CF, tokens_per_frame=TPF))
 
 
 def test_qvg_int8_cache_is_close_to_bf16(model):
