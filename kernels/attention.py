@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
+from qvg.attention import check_attention_shapes
 from qvg.rope import RopeTables
 from qvg.sequence import PackedSequence
 
@@ -107,9 +108,8 @@ def staged_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
     query block, as on-chip decoding must), and the BF16 history never exists: the transient is one window plus
     the (m, l, acc) state. `rope`: the history keys were stored before RoPE; they are rotated as they are decoded
     (factorized tables, qvg.rope.RopeTables). The tail is taken as it is."""
+    check_attention_shapes(q, k_hist, v_hist, k_tail, v_tail)
     check_head_dim(q.shape[-1])
-    if k_hist is None and k_tail is None:
-        raise ValueError("attention needs a history or a tail")
     bsz, hq, m, d = q.shape
     segs = []
     if k_hist is not None:
@@ -123,8 +123,6 @@ def staged_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
         segs.append(None)
     if not segs:
         raise ValueError("attention needs a history or a tail")
-    if hq % hkv:
-        raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv})")
     q = q.contiguous()
     out = torch.empty_like(q)
     if len(segs) > 1:
@@ -253,18 +251,17 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
     each share attended by its own program and merged by log-sum-exp (a transient of splits BF16 copies of the output
     plus an fp32 log-sum-exp per query row; each share is rounded to BF16 before the merge); 0: the count whose
     programs fill the GPU's waves best (`wave_splits`), with the partials under SPLIT_BYTES."""
+    check_attention_shapes(q, k_hist, v_hist, k_tail, v_tail)
     check_head_dim(q.shape[-1])
     if not fused_head_dim(q.shape[-1], q.device):
         raise ValueError(f"packed_attention takes head dims up to {FUSED_HEAD_DIM_MAX} on a GPU, got {q.shape[-1]}: "
                          "use staged_attention")
     bsz, hq, m, d = q.shape
-    if k_hist is None and k_tail is None:
-        raise ValueError("attention needs a history or a tail")
     if scale is not None and not scale > 0:
         raise ValueError(f"packed attention needs a positive scale, got {scale}")
     if k_hist is not None:
-        if k_hist.spec != v_hist.spec or k_hist.stages != v_hist.stages or k_hist.shape != v_hist.shape:
-            raise ValueError("packed K and V must share options and shape")
+        if k_hist.spec != v_hist.spec or k_hist.stages != v_hist.stages:
+            raise ValueError("packed K and V must share options")
         if k_hist.spec.grid == "asym":
             raise ValueError("packed attention reads the sym / midrise grids")
         if k_hist.spec.bits not in (2, 4, 8):
@@ -272,8 +269,6 @@ def packed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: Pac
         _, hkv, n, _ = k_hist.shape
     else:
         hkv, n = k_tail.shape[1], 0
-    if hq % hkv:
-        raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv})")
     if rope is not None and k_hist is None:
         raise ValueError("rope: the tables must match a packed history (there is none: rope rotates its keys)")
     t = 0 if k_tail is None else k_tail.shape[2]

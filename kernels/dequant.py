@@ -168,8 +168,10 @@ def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None,
     The defaults
     (32-token blocks, 4 warps, one program per block) were the fastest of eval/bench_kernels.py's sweep on the
     H100 for S4/B16 at both spans and for S1/B64 at the LongCat span, within 2% of the fastest (64 x 4) for S1/B64
-    at the Self-Forcing span (eval/results/kernels-h100.dequant-1439d16.json, each dequant row's `configs`). `out`: a contiguous
-    [B, H, >= r1 - r0, D] tensor on the packed data's device (row i <- token r0 + i)."""
+    at the Self-Forcing span (eval/results/kernels-h100.dequant-1439d16.json, each dequant row's `configs`). `out`: a
+    contiguous [B, H, >= r1 - r0, D] tensor on the packed data's device (row i <- token r0 + i). A PackedSequence is
+    decoded in slot order: after `replace_oldest` has wrapped its ring (`head` > 0), `PackedSequence.decompress`
+    returns the oldest chunk first and this its slots as stored (attention does not depend on the keys' order)."""
     if isinstance(packed, PackedSequence):
         spec, stages, chunk_len = packed.spec, packed.stages, packed.chunk_len
     elif packed.method in PER_TOKEN_METHODS:
@@ -180,6 +182,8 @@ def dequantize(packed: Packed | PackedSequence, out: torch.Tensor | None = None,
     check_head_dim(d)
     t = packed.tensors
     r0, r1 = (0, n) if rows is None else rows  # optional token range [r0, r1) -> out [B, H, r1 - r0, D]
+    if not 0 <= r0 <= r1 <= n:  # (a range past n read the next head's tokens, a negative one before the buffer)
+        raise ValueError(f"dequantize: rows must be a token range 0 <= r0 <= r1 <= {n}, got {rows!r}")
     if out is None:
         out = torch.empty(b, h, r1 - r0, d, dtype=packed.dtype, device=t["codes"].device)
     _check_out(out, (b, h, r1 - r0, d), t["codes"].device)

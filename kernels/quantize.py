@@ -10,7 +10,7 @@ import triton.language as tl
 
 from qvg.quant import FP8_MAX, TSCALE_MIN, QuantSpec, _div, bound_tscale, scale_bound, scale_divisor, tensor_scale
 
-from .common import INTERPRET, bf16_bits_to_f32, cdiv, check_head_dim, grid_constants, raw_view, to_bf16
+from .common import INTERPRET, bf16_bits_to_f32, cdiv, check_head_dim, check_out, grid_constants, raw_view, to_bf16
 from .launch import launch
 from .encode import _encode, _rne, auto_scales, head_tscale
 from .pack_span import _pack_span_kernel, span_width
@@ -189,8 +189,10 @@ def quantize_packed(x: torch.Tensor, spec: QuantSpec, ids: torch.Tensor | None =
     if fused:
         sw = span_width(d, spec.bits, spec.group, narrow="narrow" in str(span)) if span and spec.grid != "asym" else 0
         span_kw = dict(SPAN=sw, RECODE="recode" in str(span), num_warps=span_warps) if sw else None
+        out = quantize_packed_outputs(b, h, n, d, spec, dev) if out is None else \
+            _check_outputs(out, b, h, n, d, spec, dev)
         return _quantize_fused(x, spec, c, ids_, cent_, stages, k, grid, block_n, num_warps, words, bound,
-                               span_kw, out or quantize_packed_outputs(b, h, n, d, spec, dev))
+                               span_kw, out)
     if out is not None:
         raise ValueError("out= needs the fused pack")
     out = quantize_packed_outputs(b, h, n, d, spec, dev)
@@ -209,16 +211,32 @@ def quantize_packed(x: torch.Tensor, spec: QuantSpec, ids: torch.Tensor | None =
     return out
 
 
+def quantize_packed_layout(b: int, h: int, n: int, d: int, spec: QuantSpec) -> dict[str, tuple]:
+    """name -> (shape, dtype) of `quantize_packed`'s stored tensors for x [B, H, N, D] (per-token spec)."""
+    fp8 = spec.scale_dtype == "fp8"
+    out = {"codes": ((b, h, n, d * spec.bits // 8), torch.uint8),
+           "scale": ((b, h, n, d // spec.group), torch.float8_e4m3fn if fp8 else torch.bfloat16)}
+    if fp8:
+        out["tscale"] = ((b, h), torch.float32)
+    if spec.grid == "asym":
+        out["zero"] = ((b, h, n, d // spec.group), torch.bfloat16)
+    return out
+
+
 def quantize_packed_outputs(b: int, h: int, n: int, d: int, spec: QuantSpec, device) -> dict[str, torch.Tensor]:
     """Empty stored tensors of `quantize_packed` for x [B, H, N, D] (per-token spec)."""
-    fp8 = spec.scale_dtype == "fp8"
-    out = {"codes": torch.empty(b, h, n, d * spec.bits // 8, device=device, dtype=torch.uint8),
-           "scale": torch.empty(b, h, n, d // spec.group, device=device,
-                                dtype=torch.float8_e4m3fn if fp8 else torch.bfloat16)}
-    if fp8:
-        out["tscale"] = torch.empty(b, h, device=device, dtype=torch.float32)
-    if spec.grid == "asym":
-        out["zero"] = torch.empty(b, h, n, d // spec.group, device=device, dtype=torch.bfloat16)
+    return {k: torch.empty(shape, device=device, dtype=dt)
+            for k, (shape, dt) in quantize_packed_layout(b, h, n, d, spec).items()}
+
+
+def _check_outputs(out: dict, b: int, h: int, n: int, d: int, spec: QuantSpec, device) -> dict[str, torch.Tensor]:
+    """`out` if it holds exactly the stored tensors' names, each contiguous with its shape and dtype on `device`
+    (a missing tscale was written to scratch and lost; a strided view was written past its own elements)."""
+    layout = quantize_packed_layout(b, h, n, d, spec)
+    if set(out) != set(layout):
+        raise ValueError(f"quantize_packed: out must hold {sorted(layout)}, got {sorted(out)}")
+    for k, (shape, dt) in layout.items():
+        check_out(out[k], shape, dt, device, f"quantize_packed: out[{k!r}]")
     return out
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from qvg.attention import repeat_kv, sdpa_gqa
+from qvg.attention import check_attention_shapes, repeat_kv, sdpa_gqa
 from qvg.rope import RopeTables
 from qvg.sequence import PackedSequence
 
@@ -94,12 +94,8 @@ def windowed_attention(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: P
     rest, and before_sdpa is called between them (`query_split`: the second call is the last partial wave, whose
     idle SMs then run what before_sdpa queued on a side stream). Each query row is attended as unsplit (on a GPU
     each half may run another SDPA kernel: equal to BF16 rounding)."""
-    if k_hist is None and k_tail is None:
-        raise ValueError("attention needs a history or a tail")
+    check_attention_shapes(q, k_hist, v_hist, k_tail, v_tail)
     bsz, hq, m, d = q.shape
-    hkv = (k_hist if k_hist is not None else k_tail).shape[1]
-    if hq % hkv:
-        raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv})")
     scale = d ** -0.5 if scale is None else scale
     n = 0 if k_hist is None else k_hist.shape[2]
     t = 0 if k_tail is None else k_tail.shape[2]

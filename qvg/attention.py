@@ -12,6 +12,35 @@ import torch
 from .sequence import PackedSequence
 
 
+def check_attention_shapes(q: torch.Tensor, k_hist, v_hist, k_tail: torch.Tensor | None,
+                           v_tail: torch.Tensor | None) -> None:
+    """ValueError unless q is [B, Hq, M, D], the history's K and V (packed) and the tail's K and V are each given
+    together with one shape [B, Hkv, N or T, D], and Hq is a multiple of Hkv: the kernels index one with the
+    other's sizes, so a mismatch read out of bounds (NaN, or another head's tokens) instead of failing."""
+    if q.dim() != 4:
+        raise ValueError(f"q must be [B, Hq, M, D], got {list(q.shape)}")
+    b, hq, _, d = q.shape
+    parts = {}
+    for name, k, v in (("history", k_hist, v_hist), ("tail", k_tail, v_tail)):
+        if (k is None) != (v is None):
+            raise ValueError(f"give the {name}'s K and V together (one of them is None)")
+        if k is not None:
+            if len(k.shape) != 4 or tuple(k.shape) != tuple(v.shape):
+                raise ValueError(f"the {name}'s K and V must be [B, Hkv, tokens, D] of one shape, got "
+                                 f"{list(k.shape)} and {list(v.shape)}")
+            parts[name] = tuple(k.shape)
+    if not parts:
+        raise ValueError("attention needs a history or a tail")
+    for name, (kb, hkv, _, kd) in parts.items():
+        if (kb, kd) != (b, d):
+            raise ValueError(f"the {name}'s batch and head dim ({kb}, {kd}) must be the queries' ({b}, {d})")
+        if hq % hkv:
+            raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv})")
+    if len({p[1] for p in parts.values()}) > 1:
+        raise ValueError(f"the history and the tail must have the same kv heads, got {parts['history'][1]} and "
+                         f"{parts['tail'][1]}")
+
+
 def attend_reference(q: torch.Tensor, k_hist: PackedSequence | None, v_hist: PackedSequence | None,
                      k_tail: torch.Tensor | None = None, v_tail: torch.Tensor | None = None,
                      scale: float | None = None, rope=None, exact: bool = False) -> torch.Tensor:

@@ -258,6 +258,27 @@ def test_input_errors(device):
         packed_attention(q.to(device), None, None)
 
 
+def test_mismatched_shapes_are_refused(device):
+    """The kernels index one input with another's sizes: a query batch or head dim other than the history's, a tail
+    of other heads or batch, K and V tails of different lengths read out of bounds (NaN, another head's tokens)."""
+    from qvg.kernels.windowed_sdpa import windowed_attention
+    kh, vh = (_to(h, device) for h in _history("rtn-int4", chunks=1))
+    vh2 = _to(_history("rtn-int4", chunks=2)[1], device)
+    q, kt, vt = (t.to(device) for t in _qkv(m=8, t=4))
+    q2, kt2, vt2 = (t.to(device) for t in _qkv(b=2, m=8, t=4))
+    cases = [((q2, kh, vh, kt, vt), r"history's batch and head dim \(1, 64\) must be the queries' \(2, 64\)"),
+             ((torch.cat([q, q], -1), kh, vh, None, None), "must be the queries' \\(1, 128\\)"),
+             ((q, kh, vh, kt[:, :1], vt[:, :1]), "the history and the tail must have the same kv heads"),
+             ((q, kh, vh, kt2, vt2), r"tail's batch and head dim \(2, 64\)"),
+             ((q, kh, vh, kt, vt[:, :, :2]), "the tail's K and V must be \\[B, Hkv, tokens, D\\] of one shape"),
+             ((q, kh, vh2, kt, vt), "the history's K and V must be"),
+             ((q, kh, None, kt, vt), "give the history's K and V together")]
+    for fn in (packed_attention, staged_attention, windowed_attention):
+        for args, msg in cases:
+            with pytest.raises(ValueError, match=msg):
+                fn(*args)
+
+
 def test_staged_attention_without_inputs(device):
     q, _, _ = _qkv(m=8, t=0)
     with pytest.raises(ValueError, match="history or a tail"):

@@ -91,6 +91,16 @@ def test_dequantize_uint16_ids(device):
     assert_bitwise_equal(dequantize(p.to(device), out=_nan_like(ref, device)), ref, "K=300")
 
 
+def test_dequantize_refuses_rows_outside_the_tokens(device):
+    """(a range past N read the next head's tokens, a negative one before the buffer)"""
+    p = qvg.compress(torch.randn(1, 2, 24, 32, generator=gen(0)), "qvg", stages=1, centroids=4, block_size=16)
+    p = p.to(device)
+    for rows in ((20, 30), (-4, 4), (10, 5)):
+        with pytest.raises(ValueError, match=r"rows must be a token range 0 <= r0 <= r1 <= 24"):
+            dequantize(p, rows=rows)
+    assert torch.equal(dequantize(p, rows=(20, 24)).cpu(), qvg.decompress(p.to("cpu"))[:, :, 20:24])
+
+
 def test_dequantize_rejects_other_methods():
     p = qvg.compress(torch.randn(1, 1, 32, 64, generator=gen(0)), "kivi")
     with pytest.raises(ValueError, match="fused dequant kernel"):

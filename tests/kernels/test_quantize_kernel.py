@@ -175,6 +175,23 @@ def test_quantize_with_bound_matches_reference(grid, bits, fused, device):
         assert torch.isfinite(s).all() and (s.abs() > 0).all()
 
 
+def test_quantize_out_is_checked(device):
+    """out= (fused) without the tscale an FP8 spec stores wrote it to scratch and lost it; a strided view was written
+    past its own elements into the tensor it views."""
+    from qvg.kernels.quantize import quantize_packed_outputs
+    x = torch.randn(1, 2, 8, 32, generator=gen(0)).to(device)
+    spec = QuantSpec(bits=2, group=16, grid="sym", scale_dtype="fp8")
+    good = quantize_packed_outputs(1, 2, 8, 32, spec, device)
+    with pytest.raises(ValueError, match=r"out must hold \['codes', 'scale', 'tscale'\], got \['codes', 'scale'\]"):
+        quantize_packed(x, spec, fused=True, out={k: v for k, v in good.items() if k != "tscale"})
+    big = torch.zeros(1, 2, 8, 16, dtype=torch.uint8, device=device)
+    with pytest.raises(ValueError, match=r"out\['codes'\] must be a contiguous torch.uint8 tensor"):
+        quantize_packed(x, spec, fused=True, out={**good, "codes": big[..., :8]})
+    assert big.eq(0).all()
+    got = quantize_packed(x, spec, fused=True, out=good)
+    assert got is good and all(torch.equal(got[k], v) for k, v in quantize_packed(x, spec, fused=True).items())
+
+
 def test_quantize_bound_needs_fp8_and_no_asym():
     x = torch.randn(1, 1, 8, 16)
     bound = (torch.zeros(1, dtype=torch.int32), torch.zeros(1))
