@@ -710,6 +710,14 @@ def main(argv: list[str] | None = None) -> int:
         return _main(sys.argv[1:] if argv is None else argv)
 
 
+def _stopped(s, sig: int) -> int:
+    """Say that a signal stopped the run (and whether the outputs were already in place); its exit status."""
+    done = s is not None and s.get("written")
+    word = "interrupted" if sig == signal.SIGINT else "terminated"
+    print(f"qvg-generate: {word}; {'after writing ' + str(s['out']) if done else 'nothing written'}", file=sys.stderr)
+    return 128 + sig
+
+
 def _main(argv: list[str]) -> int:
     s = None
     seen: list[int] = []  # (SIGINT / SIGTERM, even where a library swallowed the exception they raised)
@@ -723,18 +731,12 @@ def _main(argv: list[str]) -> int:
         print(f"qvg-generate: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("qvg-generate: interrupted; nothing written", file=sys.stderr)
-        return 130
+        return _stopped(s, signal.SIGINT)
     except Terminated:
-        done = s is not None and s.get("written")
-        print(f"qvg-generate: terminated; {'after writing ' + str(s['out']) if done else 'nothing written'}",
-              file=sys.stderr)
-        return 128 + signal.SIGTERM
+        return _stopped(s, signal.SIGTERM)
     except Exception as e:  # anything else (ffmpeg, disk full, out of memory): one line, nothing left behind
         if seen:  # (stopped by the user, the exception a library's rewording of it)
-            stopped = "interrupted" if seen[-1] == signal.SIGINT else "terminated"
-            print(f"qvg-generate: {stopped}; nothing written", file=sys.stderr)
-            return 128 + seen[-1]
+            return _stopped(s, seen[-1])
         from qvg.pipelines.state_dicts import first_line
         print(f"qvg-generate: error: {first_line(e)}; nothing written", file=sys.stderr)
         return 1

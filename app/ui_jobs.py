@@ -66,11 +66,11 @@ class Jobs:
     def cancel(self, session: str) -> tuple[int, int]:
         """Cancel this session's jobs: (running, queued) how many; queued ones an earlier Cancel reached are not
         counted again (they stay registered, cancelled, so that their run still ends at once if it comes)."""
-        with self._lock:
+        with self._lock:  # (two Cancels at once count each queued job once)
             mine = [j for j in self._by_id.values() if j.session == session]
-        fresh = [j for j in mine if not j.cancel.is_set()]
-        for j in mine:
-            j.cancel.set()
+            fresh = [j for j in mine if not j.cancel.is_set()]
+            for j in mine:
+                j.cancel.set()
         running = sum(j.running for j in mine)
         return running, sum(not j.running and not j.stale for j in fresh)
 

@@ -118,7 +118,7 @@ def out_file(out: Path, ext: str) -> Path:
     """Output stem `out` with `ext` appended, not swapped for a suffix the stem has ("run-v1.5" -> run-v1.5.json, not
     run-v1.json, another run's); a stem given as its results JSON (--report x.json) loses ".json" first."""
     out = Path(out)
-    if out.suffix == ".json":
+    if out.suffix.lower() == ".json":
         out = out.with_suffix("")
     return out.with_name(out.name + ext)
 
@@ -299,8 +299,8 @@ def main(argv=None) -> int:
     p = OneLineParser(prog="python -m qvg.eval.world_eval", description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="world model directory (default: the shipped assets/world)")
     p.add_argument("--out", default="eval/results/world-eval",
-                   help="output path without extension: .json, .md and .png are written "
-                        "(default eval/results/world-eval)")
+                   help="output path without extension: .json, .md and .png are written; its folder must exist "
+                        "(default eval/results/world-eval, from the repository's root)")
     p.add_argument("--seeds", type=int, default=3, help="sampling seeds per trajectory (default 3)")
     p.add_argument("--trajectories", type=int, default=4, help="per held-out photo and kind")
     p.add_argument("--chunks", type=int, default=8, help="generated chunks of the quality trajectories")

@@ -85,9 +85,9 @@ def find_files(root, generator=None) -> WanFiles:
     named = (root / GENERATOR_FILE, root / "checkpoints" / GENERATOR_FILE)
     gen = Path(generator) if generator is not None else next((p for p in named if p.is_file()), None)
     if gen is None:
-        broken_link(*named, *(p for d in (root, root / "checkpoints") if d.is_dir() for p in d.glob("*.pt")))
         found = sorted(p for d in (root, root / "checkpoints") if d.is_dir() for p in d.glob("*.pt") if p.is_file())
-        if not found:
+        if not found:  # (a broken link is said only where it is why nothing was found)
+            broken_link(*named, *(p for d in (root, root / "checkpoints") if d.is_dir() for p in d.glob("*.pt")))
             raise CheckpointError(f"{root}: no Self-Forcing generator checkpoint (looked for {GENERATOR_FILE} or "
                                   f"one *.pt file in {root} and {root / 'checkpoints'})")
         if len(found) > 1:
@@ -97,7 +97,6 @@ def find_files(root, generator=None) -> WanFiles:
         gen = found[0]
     folders = [root / "wan_models" / n for n in WAN_FOLDERS] + [root / n for n in WAN_FOLDERS] + [root]
     for wan in folders:
-        broken_link(wan / VAE_FILE)
         if (wan / VAE_FILE).is_file() or (wan / "vae" / "config.json").is_file():
             diffusers = not (wan / VAE_FILE).is_file()
             need = ["vae/config.json", "text_encoder/config.json", "tokenizer"] if diffusers else \
@@ -107,6 +106,7 @@ def find_files(root, generator=None) -> WanFiles:
             if missing:
                 raise CheckpointError(f"{wan}: incomplete Wan2.1-T2V-1.3B folder: missing {', '.join(missing)}")
             return WanFiles(gen, wan, diffusers)
+    broken_link(*(wan / VAE_FILE for wan in folders))
     raise CheckpointError(f"{root}: no Wan2.1-T2V-1.3B files (looked for {VAE_FILE}, or vae/config.json in the "
                           f"diffusers layout, in: {', '.join(str(f) for f in folders)})")
 

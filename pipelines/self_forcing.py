@@ -21,16 +21,29 @@ from qvg.streams import generation_stream
 def flow_sigmas(steps=(1000, 750, 500, 250), shift: float = 5.0, train_steps: int = 1000) -> list[float]:
     """The denoising steps' noise levels (sigma in (0, 1]) after the shift warp. steps: timesteps in
     (0, train_steps]; shift > 0 (ValueError otherwise)."""
-    if not (isinstance(shift, (int, float)) and not isinstance(shift, bool) and math.isfinite(shift) and shift > 0):
+    shift = _real(shift, "shift")
+    if not (math.isfinite(shift) and shift > 0):
         raise ValueError(f"shift must be a positive number, got {shift!r}")
-    if isinstance(steps, (str, bytes)) or not all(isinstance(t, (int, float)) and not isinstance(t, bool)
-                                                  and 0 < t <= train_steps for t in steps):
+    if isinstance(steps, (str, bytes)):
+        raise ValueError(f"steps must be timesteps in (0, {train_steps}], got {steps!r}")
+    steps = [_real(t, "steps") for t in steps]  # (numpy / torch numbers and arrays too, as before the checks)
+    if not all(0 < t <= train_steps for t in steps):
         raise ValueError(f"steps must be timesteps in (0, {train_steps}], got {steps!r}")
     out = []
     for t in steps:
         s = t / train_steps
         out.append(shift * s / (1 + (shift - 1) * s))
     return out
+
+
+def _real(v, name: str) -> float:
+    """v as a float: a Python, numpy or 0-d torch number (not a bool); ValueError naming `name` otherwise."""
+    if isinstance(v, bool) or getattr(v, "dtype", None) == getattr(torch, "bool"):
+        raise ValueError(f"{name} must be numbers, got {v!r}")
+    try:
+        return float(v)
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(f"{name} must be numbers, got {v!r}") from None
 
 
 @dataclass
@@ -84,10 +97,10 @@ class SelfForcingPipeline:
     def __init__(self, transformer, vae=None, *, chunk_frames: int = 3, steps=(1000, 750, 500, 250),
                  shift: float = 5.0, decoder=None, context_sigma: float = 0.0):
         self.transformer, self.vae, self.decoder = transformer, vae, decoder
-        if not (isinstance(context_sigma, (int, float)) and not isinstance(context_sigma, bool)
-                and 0 <= context_sigma < 1):
+        cs = _real(context_sigma, "context_sigma")
+        if not 0 <= cs < 1:
             raise ValueError(f"context_sigma must be a noise level in [0, 1), got {context_sigma!r}")
-        self.context_sigma = context_sigma  # Self-Forcing's context noise: the clean re-run at this noise level
+        self.context_sigma = cs  # Self-Forcing's context noise: the clean re-run at this noise level
         if not is_whole(chunk_frames, 1):
             raise ValueError(f"chunk_frames must be a positive integer, got {chunk_frames!r}")
         if isinstance(steps, (str, bytes)) or not len(steps):

@@ -121,15 +121,15 @@ class WorldModelError(ValueError):
 
 
 def _number(cfg: dict, key: str, low: float, high: float, *, integer: bool = False,
-            low_open: bool = False):
+            low_open: bool = False, high_open: bool = False):
     v = cfg[key]
     ok = (is_int(v) or not integer and isinstance(v, float) and math.isfinite(v)) and low <= v <= high
     # (an int compares exactly: 10**400 overflowed isfinite; every field has a finite upper bound, so no int that
     # passes overflows a float later)
-    if not ok or (low_open and v == low):
+    if not ok or (low_open and v == low) or (high_open and v == high):
         what = "an integer" if integer else "a number"
         bound = f"> {low:g}" if low_open else f">= {low:g}"
-        raise ValueError(f"{key} must be {what} {bound} and <= {high:g}, got {v!r}")
+        raise ValueError(f"{key} must be {what} {bound} and {'<' if high_open else '<='} {high:g}, got {v!r}")
     return v
 
 
@@ -156,11 +156,11 @@ def check_config(cfg: dict) -> None:
     _number(cfg, "chunk_frames", 1, 1024, integer=True)
     steps = cfg["steps"]
     if not isinstance(steps, list) or not steps:
-        raise ValueError(f"steps must be a non-empty list of timesteps in [0, 1000], got {steps!r}")
-    for i in range(len(steps)):
-        _number({f"steps[{i}]": steps[i]}, f"steps[{i}]", 0, 1000)
+        raise ValueError(f"steps must be a non-empty list of timesteps in (0, 1000], got {steps!r}")
+    for i in range(len(steps)):  # (the bounds SelfForcingPipeline / flow_sigmas take: a config passing here runs)
+        _number({f"steps[{i}]": steps[i]}, f"steps[{i}]", 0, 1000, low_open=True)
     _number(cfg, "shift", 0, 1000, low_open=True)
-    _number(cfg, "context_sigma", 0, 1)
+    _number(cfg, "context_sigma", 0, 1, high_open=True)
     _number(cfg, "pan_pixels", 0, size)
     _number(cfg, "zoom_factor", 0, 10, low_open=True)
     if not isinstance(cfg.get("world_rope", False), bool):

@@ -171,6 +171,7 @@ def sigterm_raises(seen: list | None = None):
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    old_int = None
     if seen is None:
         old = signal.signal(signal.SIGTERM, _on_sigterm)
     else:
@@ -182,12 +183,15 @@ def sigterm_raises(seen: list | None = None):
             seen.append(signum)
             raise KeyboardInterrupt
         old = signal.signal(signal.SIGTERM, on_term)
-        old_int = signal.signal(signal.SIGINT, on_int)
+        # (only over Python's own Ctrl-C handler: a SIGINT the parent set to be ignored, as `cmd &` in a script
+        # does, stays ignored)
+        old_int = signal.signal(signal.SIGINT, on_int) if signal.getsignal(signal.SIGINT) is \
+            signal.default_int_handler else None
     try:
         yield
     finally:
         signal.signal(signal.SIGTERM, old)
-        if seen is not None:
+        if old_int is not None:
             signal.signal(signal.SIGINT, old_int)
 
 

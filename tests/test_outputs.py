@@ -111,3 +111,25 @@ def test_sigterm_held_until_both_steps_are_done():
         t.join()
     assert done == [1, 2]
     assert signal.getsignal(signal.SIGTERM) is not outputs._on_sigterm
+
+
+def test_seen_records_signals_and_keeps_an_ignored_sigint_ignored():
+    """sigterm_raises(seen): SIGINT raises KeyboardInterrupt and SIGTERM Terminated, each also recorded; a SIGINT
+    the parent set to be ignored (`cmd &` in a script) stays ignored; the handlers are restored."""
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    for sig, exc in ((signal.SIGINT, KeyboardInterrupt), (signal.SIGTERM, outputs.Terminated)):
+        seen = []
+        with pytest.raises(exc):
+            with outputs.sigterm_raises(seen):
+                os.kill(os.getpid(), sig)
+        assert seen == [sig]
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        seen = []
+        with outputs.sigterm_raises(seen):
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            os.kill(os.getpid(), signal.SIGINT)  # (ignored: nothing raised, nothing recorded)
+        assert seen == [] and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, old)

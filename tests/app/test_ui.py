@@ -608,6 +608,38 @@ def test_cli_port_in_use_is_one_line(capsys):
     assert [e for e in err[:-1] if not e.startswith("INFO:")] == [], err  # (no traceback, no other message)
 
 
+def test_sigterm_stops_the_server_in_one_line_and_removes_the_job_folder(tmp_path):
+    """kill / docker stop / systemd send SIGTERM: the server closes, its last job's temp folder goes (it was left
+    behind: only Ctrl-C cleaned up), one line, status 143. A job's folder is made by hand here (Workdirs' prefix in
+    the server's TMPDIR): no job needs to run."""
+    import signal
+    import subprocess
+    import sys
+    code = ("import sys, tempfile\nfrom qvg.app import ui, ui_run\n"
+            "real = ui_run.Workdirs.__init__\n"
+            "def made(self):\n    real(self)\n    self.new()\n    print('workdir', self.current, flush=True)\n"
+            "ui_run.Workdirs.__init__ = made\n"
+            "sys.exit(ui.main(sys.argv[1:]))\n")
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = subprocess.Popen([sys.executable, "-c", code, "--port", str(_free_port()), "--device", "cpu"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "TMPDIR": str(tmp)})
+    try:
+        lines = []
+        while not any("serving on" in x for x in lines):
+            line = proc.stdout.readline()
+            assert line, f"qvg-app stopped: {proc.stderr.read()[-2000:]}"
+            lines.append(line)
+        assert list(tmp.glob("qvg-app-*")), lines
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143 and err.strip().splitlines()[-1] == "qvg-app: terminated", err[-2000:]
+    assert not list(tmp.glob("qvg-app-*"))
+
+
 def test_gradio_stays_out_of_the_library_and_the_cli():
     import subprocess
     import sys

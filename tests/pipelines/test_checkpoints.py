@@ -165,6 +165,24 @@ def test_original_layout_round_trip(src, loaded):
     assert t5.shared.weight.data_ptr() == t5.encoder.embed_tokens.weight.data_ptr()
 
 
+def test_a_broken_link_beside_the_one_generator_is_not_in_the_way(ckpt, tmp_path):
+    """A dangling *.pt beside the only real generator file, or a dangling VAE link in a folder looked in before the
+    complete one: the real files are used (a broken link is said only where nothing else is found)."""
+    from qvg.pipelines.checkpoints import find_files
+    def edit(r):
+        (r / GEN).rename(r / "checkpoints" / "my_gen.pt")
+        (r / "checkpoints" / "old.pt").symlink_to(r / "gone.pt")
+        (r / WAN).rename(r / "Wan2.1-T2V-1.3B")  # (the complete folder, looked in after wan_models/...)
+        (r / WAN).mkdir()
+        (r / WAN / "Wan2.1_VAE.pth").symlink_to(r / "gone")
+    root = _variant(ckpt, tmp_path, edit)
+    files = find_files(root)
+    assert files.generator.name == "my_gen.pt" and files.wan == root / "Wan2.1-T2V-1.3B"
+    (root / "Wan2.1-T2V-1.3B" / "Wan2.1_VAE.pth").unlink()  # (nothing else found: then the link is named)
+    with pytest.raises(CheckpointError, match=r"Wan2.1-T2V-1.3B/Wan2.1_VAE.pth: a broken symbolic link"):
+        find_files(root)
+
+
 def test_reported_config_path_is_absolute_for_a_relative_checkpoint_dir(ckpt, monkeypatch):
     """(the report's transformer_config was the path as typed, useless from another directory)"""
     from qvg.pipelines.checkpoints import find_files, transformer_config

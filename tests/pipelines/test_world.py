@@ -117,6 +117,9 @@ def test_a_config_value_the_runners_cannot_use_is_named(tmp_path):
              ("steps", [1000, "500"], r"steps\[1\] must be a number"), ("steps", [1001], r"<= 1000"),
              ("shift", 0, "shift must be a number > 0"), ("fps", float("nan"), "fps"),
              ("context_sigma", 2, "context_sigma"), ("pan_pixels", -4, "pan_pixels"),
+             # (the pipeline's bounds: a config passing here was refused when the rollout built its pipeline)
+             ("steps", [1000, 0], r"steps\[1\] must be a number > 0 and <= 1000"),
+             ("context_sigma", 1, "context_sigma must be a number >= 0 and < 1, got 1"),
              ("shift", 10**400, "shift must be a number > 0 and <= 1000"),
              ("pan_pixels", 10**400, "pan_pixels must be a number >= 0 and <= 32"), ("zoom_factor", 0, "zoom"),
              ("world_rope", "false", "world_rope must be true or false"),
