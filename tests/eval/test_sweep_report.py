@@ -140,3 +140,15 @@ def test_memory_breakdown_adds_up_to_the_total(tmp_path, monkeypatch):
         tops[x] = tops.get(x, 0.0) + bar.get_height()
     assert len(tops) == len(rows)
     assert [tops[x] for x in sorted(tops)] == pytest.approx([r["total"] / 2**20 for r in rows])
+
+
+def test_a_capped_psnr_and_the_plot_band_read_as_the_tables_do():
+    """The sweep table printed a mean PSNR at the metric's 100 dB cap as "inf" (the JSON and report: 100); the sweep
+    plot's band was the population std where the tables' "mean ± std" is the sample std."""
+    import statistics
+    assert sweep._pm({"mean": 100.0, "std": 0.0}, 2) == "100.00 ± 0.00"
+    assert sweep._pm({"mean": 41.234, "std": None}, 1) == "41.2"
+    xs, mean, std = report._frame_stats([[30.0, 10.0, 70.0], [40.0, 20.0, 80.0]], 1)
+    assert xs == [1, 2] and mean == [15.0, 60.0]  # (each value capped at 60 dB)
+    assert std == [statistics.stdev([10.0, 20.0]), 0.0]
+

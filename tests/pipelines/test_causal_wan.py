@@ -55,6 +55,23 @@ def test_chunkwise_bf16_cache_equals_full_block_causal_forward(model):
         model(x[:, :, :CF + 1], t, txt, cache=KVCache(2, "bf16", chunk_frames=CF, tokens_per_frame=TPF))
 
 
+def test_capture_records_the_forwards_default_frame_offset(model):
+    """KVCapture (qvg.eval) records the offset a forward given a cache and no frame_offset runs at (the cache's
+    frames), not None."""
+    from qvg.eval.kv_capture import KVCapture
+    x, t, txt = _inputs()
+    cap = KVCapture(model)
+    with cap:
+        _chunkwise(model, x, t, txt, KVCache(2, "bf16", chunk_frames=CF, tokens_per_frame=TPF), offsets=False)
+    assert [c["frame_offset"] for c in cap.chunks] == []  # (it records committing forwards only)
+    cache = KVCache(2, "bf16", chunk_frames=CF, tokens_per_frame=TPF)
+    with cap, torch.no_grad():
+        for c in range(2):
+            model(x[:, :, c * CF:(c + 1) * CF], t, txt, cache=cache, commit=True)
+            cache.commit()
+    assert [c["frame_offset"] for c in cap.chunks] == [0, CF]
+
+
 def test_qvg_int8_cache_is_close_to_bf16(model):
     x, t, txt = _inputs()
     ref = _chunkwise(model, x, t, txt, KVCache(2, "bf16", chunk_frames=CF, tokens_per_frame=TPF))
@@ -246,6 +263,18 @@ def test_text_is_embedded_once_per_prompt(model):
     assert seen == [7, 1, 7, 7]
     assert torch.equal(first, second) and torch.equal(first, third) and torch.equal(first, plain)
     assert CrossKV().covers(0) and not partial.covers(3) and cross.covers(2)
+
+
+def test_flow_sigmas_and_the_pipeline_take_numpy_and_torch_numbers():
+    """(the range checks first took Python ints and floats only: numpy / torch steps that worked were refused)"""
+    import numpy as np
+    want = flow_sigmas((1000, 750, 500, 250))
+    assert flow_sigmas(np.array([1000, 750, 500, 250])) == want == flow_sigmas(torch.tensor([1000, 750, 500, 250]))
+    assert flow_sigmas([np.int64(1000)], np.float32(5.0)) == want[:1]
+    with pytest.raises(ValueError, match="steps must be numbers, got True"):
+        flow_sigmas([True])
+    pipe = SelfForcingPipeline(CausalWanTransformer(**CFG), context_sigma=np.float32(0.25))
+    assert pipe.context_sigma == 0.25
 
 
 def test_flow_sigmas_follow_the_shift_warp():
