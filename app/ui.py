@@ -450,25 +450,32 @@ def main(argv: list[str] | None = None) -> int:
         print(f"qvg-app: error: {e}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING)  # (INFO printed a line per HTTP request the server made)
-    from qvg.cache import UnitCostWarning
-    warnings.filterwarnings("ignore", category=UnitCostWarning)  # (the run's notice says it: unit_cost_note)
-    app = build(Server(root, None, a.device))
+    app = None
     try:
         with sigterm_raises():  # (kill, docker stop, systemd: the last job's folder was left in the temp dir)
-            serve(app, a.host, a.port)
+            from qvg.cache import UnitCostWarning  # (torch and gradio load here and below: a signal is one line)
+            warnings.filterwarnings("ignore", category=UnitCostWarning)  # (the run's notice says it: unit_cost_note)
+            app = build(Server(root, None, a.device))
+            try:
+                serve(app, a.host, a.port)
+            except OSError as e:  # the port taken (or not ours to bind): before anything was served
+                text = str(e).splitlines()[0] if str(e) else type(e).__name__
+                if "Cannot find empty port" in text:  # (gradio's words, whose advice is for its Python API)
+                    text = (f"port {a.port} is in use or cannot be bound here; give another --port" if a.port else
+                            "no free port from 7860 on; give --port")
+                print(f"qvg-app: error: cannot serve on {a.host}: {text}", file=sys.stderr)
+                return 2
     except Terminated:
-        app.close()
+        if app is not None:
+            app.close()
         print("qvg-app: terminated", file=sys.stderr)
         return 128 + signal.SIGTERM
-    except OSError as e:  # the port taken (or not ours to bind): before anything was served
-        text = str(e).splitlines()[0] if str(e) else type(e).__name__
-        if "Cannot find empty port" in text:  # (gradio's words, whose advice is for its Python API)
-            text = (f"port {a.port} is in use or cannot be bound here; give another --port" if a.port else
-                    "no free port from 7860 on; give --port")
-        print(f"qvg-app: error: cannot serve on {a.host}: {text}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:  # (Ctrl-C while the page is built; once served, gradio takes it and returns)
+        print("qvg-app: interrupted", file=sys.stderr)
+        return 130
     finally:
-        app.qvg_workdirs.clear()
+        if app is not None:
+            app.qvg_workdirs.clear()
     return 0
 
 
