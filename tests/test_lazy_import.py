@@ -4,6 +4,12 @@ import subprocess
 import sys
 
 
+def _runs_clean(code: str) -> None:
+    """`code` in a fresh interpreter (what it imports starts from nothing) exits 0."""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
 def test_entry_points_import_no_torch_before_their_main():
     """qvg-generate's console script imports qvg and qvg.app.generate before main(): with torch among them, a
     Ctrl-C in the first seconds was a traceback (main's one-line handling was not yet running)."""
@@ -12,8 +18,7 @@ def test_entry_points_import_no_torch_before_their_main():
             "from qvg import compress, Packed\n"
             "assert qvg.methods()[0] == 'rtn' and qvg.QuantSpec.__name__ == 'QuantSpec' and 'torch' in sys.modules\n"
             "assert {'compress', 'decompress', 'bits_per_element', 'Packed'} <= set(dir(qvg))\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-2000:]
+    _runs_clean(code)
 
 
 def test_submodules_are_attributes_after_import_qvg():
@@ -30,5 +35,4 @@ def test_submodules_are_attributes_after_import_qvg():
             "    else:\n"
             "        raise AssertionError(bad)\n"
             "assert not hasattr(qvg, 'a.b') and getattr(qvg.eval, 'x.y', None) is None\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-2000:]
+    _runs_clean(code)
