@@ -158,8 +158,16 @@ class Terminated(BaseException):
     """SIGTERM, raised in the main thread inside `sigterm_raises`."""
 
 
-def _on_sigterm(signum, frame):
-    raise Terminated
+def _raiser(seen: list | None):
+    """A signal handler: SIGTERM raises Terminated, SIGINT KeyboardInterrupt, each first appended to `seen`."""
+    def on_signal(signum, frame):
+        if seen is not None:
+            seen.append(signum)
+        raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
+    return on_signal
+
+
+_on_sigterm = _raiser(None)
 
 
 @contextlib.contextmanager
@@ -171,22 +179,12 @@ def sigterm_raises(seen: list | None = None):
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    old_int = None
-    if seen is None:
-        old = signal.signal(signal.SIGTERM, _on_sigterm)
-    else:
-        def on_term(signum, frame):
-            seen.append(signum)
-            raise Terminated
-
-        def on_int(signum, frame):
-            seen.append(signum)
-            raise KeyboardInterrupt
-        old = signal.signal(signal.SIGTERM, on_term)
-        # (only over Python's own Ctrl-C handler: a SIGINT the parent set to be ignored, as `cmd &` in a script
-        # does, stays ignored)
-        old_int = signal.signal(signal.SIGINT, on_int) if signal.getsignal(signal.SIGINT) is \
-            signal.default_int_handler else None
+    handler = _on_sigterm if seen is None else _raiser(seen)
+    old = signal.signal(signal.SIGTERM, handler)
+    # SIGINT only when recording, and only over Python's own Ctrl-C handler: a SIGINT the parent set to be ignored
+    # (`cmd &` in a script) stays ignored
+    old_int = signal.signal(signal.SIGINT, handler) if seen is not None and \
+        signal.getsignal(signal.SIGINT) is signal.default_int_handler else None
     try:
         yield
     finally:
