@@ -250,7 +250,7 @@ def parse(argv) -> dict:
     if a.history == "full":
         s["window"] = None
     elif a.history.startswith("window:"):
-        s["window"] = _int("history window", a.history.split(":", 1)[1], 1)
+        s["window"] = _int("history window:N", a.history.split(":", 1)[1], 1)
     else:
         raise UsageError(f"--history must be 'full' or 'window:N', got {a.history!r}")
     if a.pipeline == "self-forcing":  # (its chunk size is fixed: said before gigabytes of weights are read)
@@ -566,7 +566,7 @@ def chunk_frames(s) -> int:
 
 def check_chunk_multiples(s, cf: int) -> None:
     """UsageError unless --sink and a --history window are multiples of the chunk size."""
-    for name, frames in (("sink", s["sink"]), ("history window", s.get("window"))):
+    for name, frames in (("sink", s["sink"]), ("history window:N", s.get("window"))):
         if frames is not None and frames % cf:
             raise UsageError(f"--{name} must be a multiple of the chunk size ({cf} latent frames), got {frames}")
 
@@ -740,6 +740,8 @@ def _main(argv: list[str]) -> int:
         from qvg.pipelines.state_dicts import first_line
         print(f"qvg-generate: error: {first_line(e)}; nothing written", file=sys.stderr)
         return 1
+    if seen:  # (a Ctrl-C / SIGTERM that a library swallowed, the run finished anyway: still the user's stop)
+        return _stopped(s, seen[-1])
     print(f"wrote {s['out']} ({report['frames']} frames, {report['seconds']:.1f} s; KV cache "
           f"{report['kv_bytes']['total'] / 2**20:.2f} MiB, {ratio_words(report['compression_ratio'])}) "
           f"and {s['out'].with_suffix('.json')}")

@@ -169,6 +169,7 @@ def build(server: Server):
                         # app's own check can say so in the status line)
                         window = gr.Number(12, label="window (latent frames)", precision=0, visible=False)
                         sink = gr.Number(0, label="sink (latent frames)", precision=0)
+                        window.preprocess = sink.preprocess = _as_given  # (precision=0 would round an API's 1.5)
                     with gr.Row():
                         # (4 frames: the start frame and one chunk; a longer video than 301: qvg-generate --frames)
                         frames = gr.Slider(*FRAMES_RANGE, value=31, step=3, label="length (frames)",
@@ -374,9 +375,10 @@ def build(server: Server):
 
 
 def _as_given(payload):
-    """The length slider's preprocess: its value reaches the form's check as it is, so a length outside the range
-    (an API call) is refused in the page's words (ui_run.settings), where gradio's range check answered with its own
-    error and a server traceback. (Set on the instance: a subclass of a gradio component makes gradio write a .pyi
+    """The length slider's and the window / sink numbers' preprocess: the value reaches the form's check as it is, so
+    a length outside the range (an API call) is refused in the page's words (ui_run.settings), where gradio's range
+    check answered with its own error and a server traceback, and a window or sink of 1.5 is refused, not rounded
+    (their precision=0). (Set on the instance: a subclass of a gradio component makes gradio write a .pyi
     stub beside this file.)"""
     return payload
 

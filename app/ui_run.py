@@ -28,7 +28,7 @@ PIPELINES = {p: _LABELS[p] for p in generate.PIPELINES}  # qvg-generate's pipeli
 KMEANS = ("qvg", "qvg-pro")
 # qvg-generate's flags, as the UI names them in messages
 LABELS = {"--frames": "length (frames)", "--bits": "bits", "--stages": "stages", "--block-size": "block size",
-          "--centroids": "centroids", "--history window": "window", "--history": "history", "--sink": "sink",
+          "--centroids": "centroids", "--history window:N": "window", "--history": "history", "--sink": "sink",
           "--seed": "seed", "--actions": "camera actions", "--image": "start image", "--checkpoint": "checkpoint",
           "--method": "method", "--prompt": "prompt", "--device": "device"}
 

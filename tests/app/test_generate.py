@@ -135,7 +135,7 @@ BAD = [
     # other scripts' digits and underscores are not taken as numbers (int() reads '٣' as 3)
     (["--stages", "\u0661"], "--stages must be an integer, got '\u0661'"),
     (["--frames", "1_000"], "--frames must be an integer, got '1_000'"),
-    (["--history", "window:\u0663"], "--history window must be an integer"),
+    (["--history", "window:\u0663"], "--history window:N must be an integer"),
     (["--actions", "left*\u0663"], "bad repeat count in action"),
     # (the embedded model's first frame is its start image: one frame generated a chunk only to drop it)
     (["--frames", "1"], "--frames must be in [2, 100000] for the embedded model (its frame 1 is the start image), got 1"),
@@ -151,7 +151,7 @@ BAD = [
     (["--pipeline", "self-forcing", "--checkpoint", "/no/such/dir", "--sink", "2"],
      "--sink must be a multiple of the chunk size (3 latent frames), got 2"),
     (["--pipeline", "self-forcing", "--checkpoint", "/no/such/dir", "--history", "window:4"],
-     "--history window must be a multiple of the chunk size (3 latent frames), got 4"),
+     "--history window:N must be a multiple of the chunk size (3 latent frames), got 4"),
     (["--sink", "1" + "0" * 300], "--sink must be in [0, 100000]"),  # (was taken, and written into the report)
     (["--pipeline", "self-forcing"], "needs --checkpoint"),
     (["--pipeline", "self-forcing", "--checkpoint", "/no/such/dir"], "no such directory"),
@@ -280,6 +280,29 @@ def test_a_signal_a_library_swallowed_is_still_one_line_and_its_status(tmp_path,
     assert capsys.readouterr().err.strip().splitlines() == [f"qvg-generate: {word}; nothing written"]
     assert list(tmp_path.iterdir()) == []
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before  # restored
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_swallowed_signal_after_which_the_run_finished_is_still_its_status(tmp_path, capsys, monkeypatch, sig):
+    """The library swallows the signal and the run goes on to write the video: the outputs stay (complete), and the
+    run says it was stopped, with the signal's status, not 0 (a script's `timeout` or Ctrl-C saw the stop)."""
+    import signal
+
+    import qvg.app.generate as g
+    num, real = getattr(signal, sig), g.to_uint8
+
+    def swallowing_library(video):
+        try:
+            signal.raise_signal(num)
+        except BaseException:
+            pass
+        return real(video)
+    monkeypatch.setattr(g, "to_uint8", swallowing_library)
+    out = tmp_path / "v.mp4"
+    assert main(["--out", str(out), "--quiet", "--frames", "4", "--method", "bf16"]) == 128 + num
+    word = "interrupted" if sig == "SIGINT" else "terminated"
+    assert capsys.readouterr().err.strip().splitlines() == [f"qvg-generate: {word}; after writing {out}"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v.json", "v.mp4"]
 
 
 def test_checkpoint_that_is_a_file(tmp_path, capsys):

@@ -221,6 +221,8 @@ BAD = [
     (dict(history="window", window=4), "window must be a multiple of the chunk size"),
     (dict(sink=None), "sink: give a number"),
     (dict(sink=-3), "sink must be in [0, 100000], got -3"),  # (the app's check, not a gradio pop-up: no minimum= there)
+    (dict(sink=1.5), "sink must be a whole number, got 1.5"),  # (an API call's: precision=0 rounded it to 2)
+    (dict(history="window", window=13.5), "window must be a whole number, got 13.5"),
     (dict(seed=-5), "seed must be in [0, "),
     (dict(history="window", window=1), "window must be a multiple of the chunk size"),
     (dict(pipeline="self-forcing", checkpoint="../"), "outside the checkpoint root"),
