@@ -20,7 +20,7 @@ from pathlib import Path
 
 from qvg.app.generate import MAX_FRAMES
 from qvg.help_format import Parser
-from qvg.numbers import integer, is_int, parse_int
+from qvg.numbers import finite, integer, is_int, parse_int
 from qvg.outputs import Terminated, sigterm_raises, targets_error, writable_error, write_text
 
 from .weights import BadWeights
@@ -28,17 +28,6 @@ from .weights import BadWeights
 # (torch's OpenMP threads spin at barriers by default, which slows runs on a CPU shared with other processes: set
 # OMP_WAIT_POLICY=PASSIVE in the environment where that matters, as tests/conftest.py does; qvg-eval leaves the
 # default as it is.)
-
-
-def _finite(text: str) -> float:
-    """A finite number (argparse type: nan and inf would be written to the JSON as non-standard NaN / Infinity)."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if v != v or v in (float("inf"), float("-inf")):
-        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
-    return v
 
 
 class UsageError(Exception):
@@ -51,7 +40,7 @@ class _Parser(Parser):
 
 def _threshold(text: str) -> float:
     """A PSNR threshold: a finite number of dB > 0 (no frame is ever below one <= 0)."""
-    v = _finite(text)
+    v = finite(text)
     if v <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0 dB, got {text!r}")
     return v

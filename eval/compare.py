@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from qvg.outputs import atomic
+from qvg.outputs import atomic, stem_path
 
 from .metrics import psnr, ssim
 
@@ -130,13 +130,9 @@ def summary_line(res: dict) -> str:
 
 
 def output_paths(out: str | Path) -> tuple[Path, Path]:
-    """The JSON and PNG paths of output stem `out`: ".json" / ".png" are appended, not swapped for a suffix the
-    stem already has ("qvg.compare" -> qvg.compare.json, not qvg.json: that is the generation's own report); a
-    stem given with either extension loses it first."""
-    out = Path(out)
-    if out.suffix in (".json", ".png"):
-        out = out.with_suffix("")
-    return out.with_name(out.name + ".json"), out.with_name(out.name + ".png")
+    """The JSON and PNG paths of output stem `out` (qvg.outputs.stem_path: "qvg.compare" -> qvg.compare.json, not
+    qvg.json, the generation's own report; a stem given with either extension loses it first)."""
+    return tuple(stem_path(out, ext, (".json", ".png")) for ext in (".json", ".png"))
 
 
 def save(res: dict, out: str | Path) -> list[str]:

@@ -30,6 +30,7 @@ import sys
 from pathlib import Path
 
 from qvg.help_format import OneLineParser
+from qvg.numbers import finite
 from qvg.outputs import target_error
 from qvg.revision import REPO
 
@@ -136,12 +137,9 @@ def summarize(overheads: list[float], target: float) -> dict:
 
 def _positive(text: str) -> float:
     """--target: a finite fraction > 0 (nan gave "not met" on data the default target met, and status 0)."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not (math.isfinite(v) and v > 0):
-        raise argparse.ArgumentTypeError(f"must be a finite fraction > 0 (0.015: 1.5%), got {text!r}")
+    v = finite(text)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be a fraction > 0 (0.015: 1.5%), got {text!r}")
     return v
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from qvg.help_format import OneLineParser
-from qvg.outputs import targets_error
+from qvg.outputs import stem_path, targets_error
 from qvg.revision import code_commit
 
 from ..pipelines.world_data import REVERSE, Camera, _valid, cameras_for, load_photo, photo_names, random_trajectory, render
@@ -114,15 +114,6 @@ def summarize(values_by_seed: list[list[float]]) -> dict:
             "floor": round(statistics.stdev(per_seed), 3) if len(per_seed) > 1 else None}
 
 
-def out_file(out: Path, ext: str) -> Path:
-    """Output stem `out` with `ext` appended, not swapped for a suffix the stem has ("run-v1.5" -> run-v1.5.json, not
-    run-v1.json, another run's); a stem given as its results JSON (--report x.json) loses ".json" first."""
-    out = Path(out)
-    if out.suffix.lower() == ".json":
-        out = out.with_suffix("")
-    return out.with_name(out.name + ext)
-
-
 def report(res: dict, out: Path) -> None:
     """Markdown (out.md) and a plot (out.png, needs matplotlib) from the results dict."""
     q, rv = res.get("quality"), res["revisit"]
@@ -179,7 +170,7 @@ def report(res: dict, out: Path) -> None:
                   "|---|" + "---|" * len(cuts)]
         lines += [f"| {k} | " + " | ".join(f"{v['mean']:.2f} ± {_fl(v['floor'])}" for v in d["region_psnr_by_overlap"]
                                            .values()) + " |" for k, d in rv.items() if "region_psnr_by_overlap" in d]
-    out_file(out, ".md").write_text("\n".join(lines) + "\n")
+    stem_path(out, ".md").write_text("\n".join(lines) + "\n")
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -203,7 +194,7 @@ def report(res: dict, out: Path) -> None:
     ax[1].set(xlabel="PSNR on returning views (dB)", title="revisits")
     ax[1].invert_yaxis()
     fig.tight_layout()
-    fig.savefig(out_file(out, ".png"), dpi=110)
+    fig.savefig(stem_path(out, ".png"), dpi=110)
 
 
 def start_overlap(action: str, offset: int, cfg) -> float:
@@ -329,7 +320,7 @@ def main(argv=None) -> int:
         if getattr(a, name) < 1:
             p.error(f"--{name} is a count and must be >= 1, got {getattr(a, name)}")
     if not a.report:  # (checked before the work: a missing folder was made, an unwritable one a traceback after it)
-        bad = targets_error(out_file(Path(a.out), ext) for ext in (".json", ".json.tmp", ".md", ".png"))
+        bad = targets_error(stem_path(Path(a.out), ext) for ext in (".json", ".json.tmp", ".md", ".png"))
         if bad:
             p.error(f"--out: {bad[1]}")
     if a.report:
@@ -427,9 +418,9 @@ def _fl(floor) -> str:
 
 
 def _write(res: dict, out: Path, markdown: bool = True) -> None:
-    tmp = out_file(out, ".json.tmp")  # (its folder was checked before the work, not made: a typo made folders)
+    tmp = stem_path(out, ".json.tmp")  # (its folder was checked before the work, not made: a typo made folders)
     tmp.write_text(json.dumps(res, indent=1))
-    tmp.replace(out_file(out, ".json"))
+    tmp.replace(stem_path(out, ".json"))
     if markdown:
         report(res, out)
 

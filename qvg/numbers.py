@@ -3,6 +3,8 @@ only. Python's int() also takes other scripts' digits ('٣' is 3) and underscore
 should not silently become."""
 from __future__ import annotations
 
+import argparse
+import math
 import operator
 import re
 
@@ -35,3 +37,15 @@ def is_whole(v, low: int = 0) -> bool:
         return not isinstance(v, bool) and operator.index(v) >= low
     except TypeError:
         return False
+
+
+def finite(text: str) -> float:
+    """A finite number, as an argparse type (nan and inf would reach a JSON report as non-standard NaN / Infinity,
+    or pass every comparison's test the wrong way)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return v

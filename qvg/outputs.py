@@ -30,6 +30,15 @@ def writable_error(folder: str | os.PathLike) -> str | None:
     return None
 
 
+def stem_path(out: str | os.PathLike, ext: str, given=(".json",)) -> Path:
+    """Output stem `out` with `ext` appended, not swapped for a suffix the stem has ("run-v1.5" -> run-v1.5.json, not
+    run-v1.json, another run's); a stem given with one of the extensions `given` (any case) loses it first."""
+    out = Path(out)
+    if out.suffix.lower() in given:
+        out = out.with_suffix("")
+    return out.with_name(out.name + ext)
+
+
 def target(path: str | os.PathLike) -> Path:
     """The file a write to `path` replaces: `path` with symlinks followed (a dangling link: the file it names), as
     open() would write it. ValueError for a symlink loop."""

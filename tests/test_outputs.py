@@ -133,3 +133,13 @@ def test_seen_records_signals_and_keeps_an_ignored_sigint_ignored():
         assert seen == [] and signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, old)
+
+
+def test_stem_path_appends_not_swaps():
+    """An output stem's files: the extension appended (a dot in the stem is not a suffix to replace), a stem given
+    with one of its own extensions (any case) losing it first."""
+    from qvg.outputs import stem_path
+    assert stem_path("runs/run-v1.5", ".json") == Path("runs/run-v1.5.json")
+    assert stem_path("runs/x.json", ".md") == stem_path("runs/x.JSON", ".md") == Path("runs/x.md")
+    assert stem_path("x.png", ".json") == Path("x.png.json")  # (not one of `given`)
+    assert stem_path("x.png", ".json", (".json", ".png")) == Path("x.json")

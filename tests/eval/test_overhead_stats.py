@@ -62,8 +62,8 @@ def test_bad_target_or_out_is_one_line_before_the_work(tmp_path, capsys):
     """--target nan gave "not met" and status 0 on data the default target met; an --out in a missing folder was a
     traceback after the summary."""
     runs = [_run(tmp_path / "a.json", 0.01), _run(tmp_path / "b.json", 0.012)]
-    for args, msg in ((["--target", "nan"], "--target: must be a finite fraction > 0"),
-                      (["--target", "-0.01"], "--target: must be a finite fraction > 0"),
+    for args, msg in ((["--target", "nan"], "--target: must be a finite number"),
+                      (["--target", "-0.01"], "--target: must be a fraction > 0"),
                       (["--out", str(tmp_path / "no" / "s.json")], f"--out: cannot write to {str(tmp_path / 'no')!r}")):
         with pytest.raises(SystemExit) as e:
             st.main(runs + args)
