@@ -116,6 +116,36 @@ def summarize(values_by_seed: list[list[float]]) -> dict:
 
 def report(res: dict, out: Path) -> None:
     """Markdown (out.md) and a plot (out.png, needs matplotlib) from the results dict."""
+    stem_path(out, ".md").write_text(_markdown(res))
+    q, rv, st = res.get("quality"), res["revisit"], res["settings"]
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    if q:
+        for k, vs in res["quality_per_chunk_psnr"].items():
+            ax[0].plot(range(1, len(vs) + 1), vs, marker="o", label=k)
+        ax[0].set(xlabel="generated chunk", ylabel="PSNR vs true views (dB)", title="held-out trajectories")
+    else:
+        for k, d in rv.items():
+            if "returning_psnr_per_chunk" in d:
+                ax[0].plot(range(1, st["m"] + 1), d["returning_psnr_per_chunk"], marker="o", label=k)
+        ax[0].set(xlabel="returning chunk", ylabel="PSNR vs true views (dB)", title="revisits, per returning chunk")
+    ax[0].legend(fontsize=7)
+    names = list(rv)
+    ax[1].barh(names, [rv[k]["returning_psnr"]["mean"] for k in names],
+               xerr=[rv[k]["returning_psnr"]["floor"] or 0 for k in names])
+    ax[1].set(xlabel="PSNR on returning views (dB)", title="revisits")
+    ax[1].invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(stem_path(out, ".png"), dpi=110)
+
+
+def _markdown(res: dict) -> str:
+    """The report's markdown."""
     q, rv = res.get("quality"), res["revisit"]
     st = res["settings"]
     lines = [f"# Embedded world model: evaluation on held-out photos ({res['device']})", "",
@@ -170,31 +200,7 @@ def report(res: dict, out: Path) -> None:
                   "|---|" + "---|" * len(cuts)]
         lines += [f"| {k} | " + " | ".join(f"{v['mean']:.2f} ± {_fl(v['floor'])}" for v in d["region_psnr_by_overlap"]
                                            .values()) + " |" for k, d in rv.items() if "region_psnr_by_overlap" in d]
-    stem_path(out, ".md").write_text("\n".join(lines) + "\n")
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
-    if q:
-        for k, vs in res["quality_per_chunk_psnr"].items():
-            ax[0].plot(range(1, len(vs) + 1), vs, marker="o", label=k)
-        ax[0].set(xlabel="generated chunk", ylabel="PSNR vs true views (dB)", title="held-out trajectories")
-    else:
-        for k, d in rv.items():
-            if "returning_psnr_per_chunk" in d:
-                ax[0].plot(range(1, st["m"] + 1), d["returning_psnr_per_chunk"], marker="o", label=k)
-        ax[0].set(xlabel="returning chunk", ylabel="PSNR vs true views (dB)", title="revisits, per returning chunk")
-    ax[0].legend(fontsize=7)
-    names = list(rv)
-    ax[1].barh(names, [rv[k]["returning_psnr"]["mean"] for k in names],
-               xerr=[rv[k]["returning_psnr"]["floor"] or 0 for k in names])
-    ax[1].set(xlabel="PSNR on returning views (dB)", title="revisits")
-    ax[1].invert_yaxis()
-    fig.tight_layout()
-    fig.savefig(stem_path(out, ".png"), dpi=110)
+    return "\n".join(lines) + "\n"
 
 
 def start_overlap(action: str, offset: int, cfg) -> float:
@@ -323,17 +329,16 @@ def main(argv=None) -> int:
         bad = targets_error(stem_path(Path(a.out), ext) for ext in (".json", ".json.tmp", ".md", ".png"))
         if bad:
             p.error(f"--out: {bad[1]}")
-    if a.report:
+    if a.report:  # (a JSON that is not a results dict: one line, nothing written; the .md is rendered first)
         try:
-            res = json.loads(Path(a.report).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            p.error(f"--report: cannot read {a.report} ({e})")
-        report(res, Path(a.report))
+            report(read_results(a.report), Path(a.report))
+        except ValueError as e:
+            p.error(f"--report: {e}")
         return 0
     if a.merge:
         try:
-            res = merge([json.loads(Path(f).read_text()) for f in a.merge])
-        except (OSError, json.JSONDecodeError, KeyError, ValueError) as e:
+            res = merge([read_results(f) for f in a.merge])
+        except (KeyError, ValueError) as e:
             p.error(f"--merge: {e}")
         _write(res, Path(a.out))
         return 0
@@ -426,6 +431,24 @@ def _write(res: dict, out: Path, markdown: bool = True) -> None:
 
 
 SAME_SET = ("m", "seeds", "trajectories", "trajectory_seed", "seed_offset", "chunks", "first", "model")
+
+
+def read_results(path) -> dict:
+    """A results JSON written by this module, checked enough to render and merge (ValueError naming the file: cannot
+    be read, not JSON, or missing what a results dict holds)."""
+    try:
+        res = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read {path} ({e})") from None
+    st, rv = (res.get("settings"), res.get("revisit")) if isinstance(res, dict) else (None, None)
+    if not (isinstance(st, dict) and isinstance(rv, dict) and all(isinstance(d, dict) for d in rv.values())):
+        raise ValueError(f"{path} is not a world_eval results JSON (no settings / revisit results)")
+    try:
+        _markdown(res)  # (every number the report shows, each where it is looked for)
+    except (KeyError, IndexError, TypeError, AttributeError, ValueError) as e:
+        what = f"no {e.args[0]!r} entry" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
+        raise ValueError(f"{path} is not a complete world_eval results JSON ({what})") from None
+    return res
 
 
 def merge(parts: list[dict]) -> dict:

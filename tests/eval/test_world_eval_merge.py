@@ -1,6 +1,7 @@
 """world_eval: results are written after every configuration, and runs of one set made in parallel processes
 merge into one results file with the differences recomputed (CPU, the shipped model, a tiny set)."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -81,3 +82,28 @@ def test_the_json_names_the_gpu_of_device(tmp_path, monkeypatch):
     with pytest.raises(Stop):
         world_eval.main(["--device", "cuda:1", "--skip-quality", "--out", str(tmp_path / "out")])
     assert asked == ["cuda:1"]
+
+
+
+# world_eval's committed results (not the training and configuration files beside them)
+RESULTS = sorted(p for p in (Path(__file__).parents[2] / "eval" / "results").glob("world*.json")
+                 if isinstance(d := json.loads(p.read_text()), dict) and "revisit" in d)
+
+
+def test_a_json_that_is_not_a_results_file_is_one_error_line(tmp_path, capsys):
+    """--report / --merge of {} or [1] (or a results dict without a number the report shows) were KeyError /
+    AttributeError tracebacks; now one line naming the file, and nothing written beside it. Every committed results
+    file still passes the check."""
+    assert RESULTS and all(world_eval.read_results(p) for p in RESULTS)
+    full = json.loads(RESULTS[0].read_text())
+    cases = {"empty.json": {}, "list.json": [1], "text.json": "x", "bad-revisit.json": {"settings": {}, "revisit": {"a": 1}},
+             "no-seconds.json": {k: v for k, v in full.items() if k != "seconds"}}
+    for name, data in cases.items():
+        (tmp_path / name).write_text(json.dumps(data))
+        for args in (["--report", str(tmp_path / name)], ["--merge", str(tmp_path / name), "--out", str(tmp_path / "m")]):
+            with pytest.raises(SystemExit) as e:
+                world_eval.main(args)
+            err = capsys.readouterr().err.strip().splitlines()
+            assert e.value.code == 2 and "Traceback" not in "".join(err), err
+            assert "is not a" in err[-1] and str(tmp_path / name) in err[-1], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(cases)
