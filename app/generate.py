@@ -554,9 +554,12 @@ def _cache(s, transformer, latent_hw):
     if s["method"] != "bf16":  # (said before the run where no history length repays the unit: unit_cost_note)
         s["unit_bits"] = (unit_bits(s["method"], opts, unit, transformer.config.attention_head_dim), unit,
                           transformer.config.attention_head_dim)
-    return KVCache(len(transformer.blocks), s["method"], chunk_frames=cf, tokens_per_frame=tpf,
-                   sink_frames=s["sink"], window_frames=s["window"], commit_every=s["commit_every"],
-                   key_storage=s["key_storage"], read=s["read"], **opts)
+    try:
+        return KVCache(len(transformer.blocks), s["method"], chunk_frames=cf, tokens_per_frame=tpf,
+                       sink_frames=s["sink"], window_frames=s["window"], commit_every=s["commit_every"],
+                       key_storage=s["key_storage"], read=s["read"], **opts)
+    except ValueError as e:  # (--history window:N / --commit-every the cache can't serve together)
+        raise UsageError(str(e)) from None
 
 
 def chunk_frames(s) -> int:
@@ -753,8 +756,7 @@ def _main(argv: list[str]) -> int:
     if s["method"] != "bf16" and not report["kv_bytes"].get("codes"):  # (said: the line reads like a bug otherwise)
         latent = report["latent_frames"]
         why = (f"a sink of --sink {s['sink']} latent frames covering the video's {latent}" if s["sink"] >= latent else
-               f"chunks waiting for --commit-every {s['commit_every']}, which the video"
-               f"{' or its --history window' if s['window'] is not None else ''} never filled")
+               f"chunks waiting for --commit-every {s['commit_every']}, which the video never filled")
         print(f"qvg-generate: note: {s['method']} compressed nothing: every frame stayed in the BF16 zones ({why})",
               file=sys.stderr)
     return 0

@@ -271,7 +271,8 @@ class KVCache:
         for name, v in (("sink_frames", sink_frames), ("window_frames", window_frames)):
             if v is not None and (not is_int(v) or v < 0 or v % chunk_frames):
                 raise ValueError(f"{name} must be a non-negative multiple of chunk_frames ({chunk_frames}), got {v!r}")
-        for name, v in (("async_commit", async_commit), ("defer_commits", defer_commits)):
+        for name, v in (("async_commit", async_commit), ("defer_commits", defer_commits),
+                        ("cuda_graphs", cuda_graphs)):
             if not isinstance(v, bool):
                 raise ValueError(f"{name} must be True or False, got {v!r}")
         if not is_int(prefetch_bytes) or prefetch_bytes < 0:
@@ -280,6 +281,11 @@ class KVCache:
             raise ValueError(f"prefetch_at must be one of {', '.join(PREFETCH_AT)}, got {prefetch_at!r}")
         if bf16_rolling not in BF16_ROLLING:
             raise ValueError(f"bf16_rolling must be one of {', '.join(BF16_ROLLING)}, got {bf16_rolling!r}")
+        if method != "bf16" and window_frames is not None and window_frames < (commit_every - 1) * chunk_frames:
+            raise ValueError(f"a window of {window_frames} frames evicts the chunks waiting to be packed before there "
+                             f"are commit_every = {commit_every} of them: {method} would never pack a unit (give a "
+                             f"window of at least {(commit_every - 1) * chunk_frames} frames, or a smaller "
+                             "commit_every)")
         bad_read = read_error(method, read, options)
         if bad_read:
             raise ValueError(bad_read)
@@ -480,9 +486,12 @@ class KVCache:
         """Make the current chunk history in every layer (fill the sink, pack every `commit_every` chunks, evict
         outside the window) and advance the frame count. Every layer must have been written since the last commit
         (layers already committed by `commit_layer` are done)."""
-        for i, L in enumerate(self.layers):
+        for i, L in enumerate(self.layers):  # (every check before any layer changes)
             if not L.n_cur and not L.committed:
                 raise RuntimeError(f"commit: layer {i} has no current chunk (write it first)")
+            if not L.committed:
+                self._check_positions(L, "commit")
+        for L in self.layers:
             if not L.committed:
                 self._store_loose(L, "commit")
         for L in self.layers:
@@ -507,12 +516,27 @@ class KVCache:
                                "done, then write the next chunk")
         if not L.n_cur:
             raise RuntimeError(f"commit_layer: layer {layer} has no current chunk (write it first)")
+        self._check_positions(L, "commit_layer")
         self._store_loose(L, "commit_layer")
         if self.defer_commits and self._queued(L):
             L.deferred = True  # (queued by commit(); a read of the layer before that queues it then)
         else:
             self._commit(L)
         L.committed = True
+
+    def _check_positions(self, L: _Layer, what: str) -> None:
+        """Pre-RoPE keys: a chunk committed past the sink needs its positions (set_positions), one row or one per
+        sample of the written batch; checked before the commit changes anything (a failed commit left the layers
+        before it counted and a retry packed the chunk twice)."""
+        if not self._pre_rope or L.n_sink < self.sink_frames * self.tokens_per_frame:
+            return
+        if self._positions is None:
+            raise RuntimeError(f"{what}: pre-rope key storage: call set_positions(...) with the chunk's positions "
+                               "before committing it")
+        b = L.buf[0].shape[0]
+        if self._positions.shape[0] not in (1, b):
+            raise ValueError(f"{what}: K/V of batch {b}, but set_positions gave positions for batch "
+                             f"{self._positions.shape[0]} (give one row, shared by the batch, or one per sample)")
 
     def _queued(self, L: _Layer) -> bool:
         """Whether L's commit goes to the side stream (else it runs in line)."""
@@ -594,10 +618,7 @@ class KVCache:
             L.n_sink += L.n_cur
         else:
             L.n_pending += L.n_cur
-            if self._pre_rope:
-                if self._positions is None:
-                    raise RuntimeError("pre-rope key storage: call set_positions(...) with the chunk's positions "
-                                       "before committing it")
+            if self._pre_rope:  # (positions checked by _check_positions)
                 pos, rows = self._positions, {p.shape[0] for p in L.pos_hist[:1] + L.pos_pending[:1]}
                 if rows and rows != {pos.shape[0]}:  # (one row shared by the batch beside per-sample rows: all
                     b = max(rows | {pos.shape[0]})  # per sample, so the units concatenate)
@@ -896,7 +917,7 @@ class KVCache:
           group; 0 for the other methods)."""
         comp = {c: 0 for c in MEMORY_COMPONENTS}
         zones = {z: 0 for z in ("bf16_sink", "bf16_pending", "bf16_current", "bf16_residual")}
-        equiv = 0
+        equiv, positions = 0, {}
         for L in self.layers:
             if L.buf is not None:
                 b, h, cap, d = L.buf[0].shape
@@ -925,7 +946,9 @@ class KVCache:
                         zones["bf16_residual"] += nbytes
                 if L.warm[i] is not None:
                     comp["centroids"] += L.warm[i].numel() * L.warm[i].element_size()
-            comp["positions"] += sum(p.numel() * p.element_size() for p in L.pos_hist + L.pos_pending)
+            # (a pending chunk's positions are one tensor shared by the layers: counted once)
+            positions.update((p.data_ptr(), p.nbytes) for p in L.pos_hist + L.pos_pending)
+        comp["positions"] = sum(positions.values())
         comp["workspace"] = self._graphed.nbytes if self._graphed is not None else 0  # the compression graphs
         comp["workspace"] += sum(t.nbytes for t in self._rope_memo.values()
                                  if t is not None)  # and the kernel's rotation tables (pre-rope keys)

@@ -391,6 +391,8 @@ def test_async_commit_option():
         KVCache(1, "qvg", chunk_frames=CF, tokens_per_frame=TPF, async_commit="yes")
     with pytest.raises(ValueError, match="defer_commits must be True or False"):
         KVCache(1, "qvg", chunk_frames=CF, tokens_per_frame=TPF, defer_commits=1)
+    with pytest.raises(ValueError, match="cuda_graphs must be True or False"):  # ("no" turned graphs on)
+        KVCache(1, "qvg", chunk_frames=CF, tokens_per_frame=TPF, cuda_graphs="no")
     for bad in (-1, True, 1.5, "1"):
         with pytest.raises(ValueError, match="prefetch_bytes must be a non-negative integer"):
             KVCache(1, "qvg", chunk_frames=CF, tokens_per_frame=TPF, prefetch_bytes=bad)
@@ -620,3 +622,19 @@ def test_a_gpu_cache_at_a_head_dim_no_kernel_takes_warns_once(monkeypatch):
         got = [str(w.message) for w in seen if issubclass(w.category, ReferenceReadWarning)]
         assert len(got) == warns, (method, d, got)
         assert not got or f"head dim {d} is not one the Triton kernels take" in got[0]
+
+
+@pytest.mark.parametrize("method", ["rtn", "qvg"])
+def test_a_window_shorter_than_the_chunks_a_unit_waits_for_is_refused(method):
+    """Pending chunks past the window are evicted while nothing is packed: with a window under commit_every - 1
+    chunks a unit never filled, and the cache stayed BF16 without a word. Refused; the smallest window that
+    packs is taken and packs."""
+    with pytest.raises(ValueError, match=f"a window of {CF} frames evicts the chunks waiting to be packed before "
+                                         f"there are commit_every = 3 of them: {method} would never pack a unit"):
+        KVCache(1, method, chunk_frames=CF, tokens_per_frame=TPF, window_frames=CF, commit_every=3)
+    KVCache(1, "bf16", chunk_frames=CF, tokens_per_frame=TPF, window_frames=0, commit_every=3)  # (packs nothing)
+    cache = KVCache(1, method, chunk_frames=CF, tokens_per_frame=TPF, window_frames=2 * CF, commit_every=3)
+    for _ in range(3):
+        cache.write(0, torch.randn(1, 2, T, 64), torch.randn(1, 2, T, 64))
+        cache.commit()
+    assert cache.memory()["codes"] > 0

@@ -86,6 +86,16 @@ def test_keys_read_back_after_rope_through_commits_ring_and_eviction(window):
     assert cache.memory()["positions"] == 2 * sum(p.numel() * 4 for p in cache.layers[0].pos_hist)
 
 
+
+def test_pending_positions_shared_by_the_layers_count_once():
+    """A pending chunk's positions are one tensor that every layer holds: memory() counted it once per layer."""
+    cache = KVCache(3, "rtn", chunk_frames=CF, tokens_per_frame=TPF, key_storage="pre-rope", commit_every=2)
+    _feed(cache, 1, layers=3)
+    assert cache.memory()["positions"] == B * CF * 3 * 4  # int32 [B, CF, 3], once
+    _feed(cache, 2, layers=3)  # (the second chunk packs the unit: each layer's own [B, 2 CF, 3]; one pending)
+    assert cache.memory()["positions"] == 3 * B * 2 * CF * 3 * 4 + B * CF * 3 * 4
+
+
 def test_pre_rope_packs_positional_keys_better_and_attention_follows():
     """Repeated content under moving RoPE: pre-RoPE INT2 keys are closer than post-RoPE INT2 keys, and so is the
     attention over them; BF16 caches attend the same either way."""
@@ -168,6 +178,39 @@ def test_errors():
     cache.write(0, _content(0).to(torch.bfloat16), _content(1).to(torch.bfloat16))
     with pytest.raises(RuntimeError, match="call set_positions"):
         cache.commit()
+
+
+@pytest.mark.parametrize("every", [1, 2])
+def test_a_commit_refused_for_its_positions_changes_nothing(every):
+    """A commit without positions (or with positions of another batch) raised after the layers before the last had
+    counted the chunk: a retry packed it twice (commit_every 2: a unit of the wrong length, then an unrelated error);
+    positions given after a write for another batch broadcast the keys' history to that batch, then failed at the
+    values. Now both are refused before any layer changes, and the retry holds each chunk once."""
+    ref = KVCache(2, "rtn", chunk_frames=CF, tokens_per_frame=TPF, key_storage="pre-rope", commit_every=every)
+    _feed(ref, 4, layers=2)
+    cache = KVCache(2, "rtn", chunk_frames=CF, tokens_per_frame=TPF, key_storage="pre-rope", commit_every=every)
+    for c in range(4):
+        pos = _positions(c)
+        k = apply_rope(_content(c), frame_angles(pos, *HW, D)[:, None]).to(torch.bfloat16)
+        v = _content(100 + c).to(torch.bfloat16)
+        for layer in range(2):
+            cache.write(layer, k, v)
+        state = [(L.n_sink, L.n_pending, L.n_cur, len(L.pos_pending)) for L in cache.layers]
+        with pytest.raises(RuntimeError, match="commit: pre-rope key storage: call set_positions"):
+            cache.commit()
+        cache.set_positions(pos.expand(2, -1, -1), *HW)  # (after the write: a batch of 2 for K/V of batch 1)
+        with pytest.raises(ValueError, match="commit: K/V of batch 1, but set_positions gave positions for batch 2"):
+            cache.commit()
+        with pytest.raises(ValueError, match="commit_layer: K/V of batch 1"):
+            cache.commit_layer(0)
+        assert [(L.n_sink, L.n_pending, L.n_cur, len(L.pos_pending)) for L in cache.layers] == state
+        assert cache.frames == c * CF and not any(L.committed for L in cache.layers)
+        cache.set_positions(pos, *HW)
+        cache.commit()
+    for layer in range(2):
+        for a, b in zip(cache.read(layer), ref.read(layer)):
+            assert torch.equal(a, b)
+    assert cache.memory() == ref.memory() and cache.tokens(0) == 4 * T
 
 
 @pytest.mark.parametrize("method", ["qvg", "rtn"])

@@ -675,6 +675,18 @@ def test_a_cache_that_compressed_nothing_says_why(tmp_path, capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_a_window_that_evicts_every_unit_before_it_fills_is_one_error_line(tmp_path, capsys):
+    """--history window:3 with --commit-every 3: the waiting chunks were evicted before three were there, so the qvg
+    cache never compressed (said only after the run); now refused before it, in one line."""
+    assert main(["--frames", "7", "--history", "window:3", "--commit-every", "3", "--out", str(tmp_path / "v.mp4"),
+                 "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["qvg-generate: error: a window of 3 frames evicts the chunks waiting to be packed before there are "
+                   "commit_every = 3 of them: qvg would never pack a unit (give a window of at least 6 frames, or a "
+                   "smaller commit_every)"], err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_cache_whose_units_outweigh_bf16_says_so_before_the_run(tmp_path, capsys):
     """Centroid tables too large for the unit (every packed unit above BF16's 16 bits per value): one note before
     the run, in qvg-generate's words and not as KVCache's Python warning, and no claim that a longer history repays
