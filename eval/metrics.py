@@ -14,8 +14,15 @@ PSNR_CAP = 100.0  # dB: what identical inputs give
 def psnr(a: torch.Tensor, b: torch.Tensor, peak_to_peak: float = 2.0) -> float:
     """PSNR in dB of a vs b (any equal shapes, values in a range of `peak_to_peak`: 2 for [-1, 1]); identical
     inputs give PSNR_CAP, 100 dB (capped)."""
+    _same_shape(a, b)
     mse = ((a.float() - b.float()) ** 2).mean().item()
     return PSNR_CAP if mse <= 1e-10 else min(PSNR_CAP, 10 * math.log10(peak_to_peak ** 2 / mse))
+
+
+def _same_shape(a: torch.Tensor, b: torch.Tensor) -> None:
+    """ValueError unless a and b have one shape (broadcasting compared one frame with every other)."""
+    if a.shape != b.shape:
+        raise ValueError(f"frames of different shapes: {tuple(a.shape)} and {tuple(b.shape)}")
 
 
 SSIM_WINDOW = 11  # pixels: the SSIM window's side (frames need at least this on each side)
@@ -30,6 +37,7 @@ def _gauss(size: int = SSIM_WINDOW, sigma: float = 1.5) -> torch.Tensor:
 def ssim(a: torch.Tensor, b: torch.Tensor) -> float:
     """Mean SSIM (Wang et al. 2004: 11 x 11 Gaussian window, sigma 1.5, K1 0.01, K2 0.03, valid region) of frames
     a, b [3, F, H, W] (or [C, H, W]) in [-1, 1], per channel and frame, averaged."""
+    _same_shape(a, b)
     x = (a.float() + 1) / 2
     y = (b.float() + 1) / 2
     if x.dim() == 4:  # [C, F, H, W] -> [F * C, 1, H, W]

@@ -47,6 +47,9 @@ def read_video(path: str | Path) -> torch.Tensor:
                          f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})") from None
     if not isinstance(a, torch.Tensor):  # (a .pt file of a dict, a list, a number)
         raise ValueError(f"{str(p)!r}: expected frames [F, H, W, 3] uint8, got a {type(a).__name__}")
+    if a.dim() == 3 and a.shape[-1] in (3, 4):  # (read as grey it was H frames of W x 3 pixels)
+        raise ValueError(f"{str(p)!r}: frames of shape {tuple(a.shape)} read like one RGB frame: give frames "
+                         f"[F, H, W, 3] (one frame: [1, H, W, 3]), or grey frames [F, H, W]")
     if a.dim() == 3:  # grey
         a = a[..., None].expand(*a.shape, 3)
     if a.dim() != 4 or a.shape[-1] < 3 or a.dtype != torch.uint8:

@@ -17,10 +17,13 @@ there but is not these weights (unreadable, keys the model lacks or does not fil
 from __future__ import annotations
 
 import contextlib
+import math
+import types
 from pathlib import Path
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from ..weights import BadWeights, MissingWeights, hf_files, read_state_dict, reading, weight_path
 
@@ -129,6 +132,34 @@ def _from_pretrained(cls, path: Path, what: str, key: str, **kw):
 
 
 def load_dino(weights=None, device="cpu", config=None) -> nn.Module:
+    """DINO ViT-B/16 (VBench's subject consistency backbone) as a transformers ViTModel: from `config` (random
+    weights), a Hugging Face folder, or VBench's DINO checkpoint; with DINO's own position-embedding interpolation
+    (dino_positions)."""
+    model = _load_dino(weights, device, config)
+    model.embeddings.interpolate_pos_encoding = types.MethodType(dino_positions, model.embeddings)
+    return model
+
+
+def dino_positions(emb, embeddings: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """ViTEmbeddings.interpolate_pos_encoding as DINO's vision_transformer computes it, which VBench runs: the
+    patch grid's embeddings resized bicubically by the scale factors ((rows + 0.1) / grid, (cols + 0.1) / grid),
+    not to the target size. PyTorch samples by that scale, so an axis whose length stays is resampled too: for a
+    480 x 832 video (a 14 x 24 grid after the resize) transformers' size= form differed by up to 0.46 on embeddings
+    of std 1. Unchanged where DINO leaves them: as many patches as positions on a square frame."""
+    pos = emb.position_embeddings
+    n = pos.shape[1] - 1
+    if embeddings.shape[1] - 1 == n and height == width:
+        return pos
+    g = math.isqrt(n)
+    rows, cols = height // emb.patch_size, width // emb.patch_size
+    grid = pos[:, 1:].reshape(1, g, g, -1).permute(0, 3, 1, 2)
+    grid = F.interpolate(grid, scale_factor=((rows + 0.1) / g, (cols + 0.1) / g), mode="bicubic",
+                         align_corners=False)
+    assert grid.shape[-2:] == (rows, cols), (grid.shape, rows, cols)
+    return torch.cat((pos[:, :1], grid.permute(0, 2, 3, 1).reshape(1, rows * cols, -1)), dim=1)
+
+
+def _load_dino(weights, device, config) -> nn.Module:
     from transformers import ViTConfig, ViTModel
     if config is not None:
         return ViTModel(ViTConfig(**config) if isinstance(config, dict) else config, add_pooling_layer=False) \
@@ -154,7 +185,7 @@ def load_dino(weights=None, device="cpu", config=None) -> nn.Module:
 
 def dino_features(model, pixels: torch.Tensor) -> torch.Tensor:
     """[N, 3, H, W] (normalized) -> [N, C]: the final-LayerNorm CLS token (position embeddings interpolated when
-    the frame is not the model's image size, as DINO does)."""
+    the frame is not the model's image size, as DINO does: dino_positions)."""
     size = model.config.image_size
     interp = tuple(pixels.shape[-2:]) != (size, size)
     return model(pixel_values=pixels, interpolate_pos_encoding=interp).last_hidden_state[:, 0]

@@ -1,10 +1,11 @@
-"""VBench's frame preprocessing in pure torch (VBench uses torchvision transforms on uint8 frame tensors; the
-same operations here, so nothing imports torchvision):
+"""VBench's frame preprocessing in pure torch (VBench's torchvision transforms, the same operations here, so
+nothing imports torchvision). VBench's load_video hands every dimension float32 frames (torch.Tensor of the uint8
+array), so its transforms work in float and nothing is rounded back to 8 bits:
 
 - frames: the video's 8-bit frames ([-1, 1] -> uint8 as the mp4 writer rounds);
-- `resize_short(x, n, mode)`: torchvision `Resize(n, antialias=False)` on a uint8 tensor: the short side -> n,
-  the long side -> int(n * long / short); `F.interpolate(mode, align_corners=False, antialias=False)` in float,
-  then rounded and clamped back to uint8 (torchvision casts a uint8 input back to uint8);
+- `resize_short(x, n, mode)`: torchvision `Resize(n, antialias=False)` on float frames: the short side -> n, the
+  long side -> int(n * long / short); `F.interpolate(mode, align_corners=False, antialias=False)`, kept in float
+  (bicubic's overshoot past 0 and 255 included, as torchvision keeps it for a float input);
 - `center_crop(x, n)`: torchvision's CenterCrop (offsets int(round((H - n) / 2)));
 - `normalize(x, mean, std)`: x / 255, then (x - mean) / std per channel.
 
@@ -12,8 +13,7 @@ DINO (subject consistency): resize_short(224, bilinear), /255, ImageNet mean/std
 CLIP (background consistency, aesthetic quality): resize_short(224, bicubic), center_crop(224), /255, CLIP's
 mean/std.
 MUSIQ (imaging quality): `vbench_longer(x, 512)`, VBench's default "longer" rule: a frame whose longer side exceeds
-512 is resized (bilinear, antialias=False) to (int(s * H), int(s * W)), s = 512 / max(H, W), in float: VBench's
-load_video hands this dimension float32 frames (torch.Tensor of the uint8 array), so nothing is rounded; then /255
+512 is resized (bilinear, antialias=False) to (int(s * H), int(s * W)), s = 512 / max(H, W), in float; then /255
 (MUSIQ maps [0, 1] to [-1, 1] itself).
 """
 from __future__ import annotations
@@ -32,6 +32,8 @@ def frames_uint8(video: torch.Tensor) -> torch.Tensor:
 
 
 def resize_short(x: torch.Tensor, n: int, mode: str) -> torch.Tensor:
+    """Frames [F, 3, H, W] (0..255) -> float, the short side n (see the module docstring)."""
+    x = x.float()
     h, w = x.shape[-2:]
     if h <= w:
         size = (n, int(n * w / h))
@@ -39,8 +41,7 @@ def resize_short(x: torch.Tensor, n: int, mode: str) -> torch.Tensor:
         size = (int(n * h / w), n)
     if (h, w) == size:
         return x
-    y = F.interpolate(x.float(), size=size, mode=mode, align_corners=False, antialias=False)
-    return y.round().clamp(0, 255).to(torch.uint8)
+    return F.interpolate(x, size=size, mode=mode, align_corners=False, antialias=False)
 
 
 def center_crop(x: torch.Tensor, n: int) -> torch.Tensor:

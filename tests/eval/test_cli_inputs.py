@@ -515,3 +515,23 @@ def test_python_m_of_a_subcommands_module_runs_the_subcommand(cmd):
     import sys
     r = subprocess.run([sys.executable, "-m", f"qvg.eval.{cmd}", "--help"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.startswith(f"usage: qvg-eval {cmd} "), r.stdout + r.stderr
+
+
+def test_one_rgb_frame_is_not_read_as_grey_frames(tmp_path, capsys):
+    """A [H, W, 3] array was read as H grey frames of W x 3 pixels (then refused for SSIM's window, or scored)."""
+    np.save(tmp_path / "one.npy", np.zeros((64, 48, 3), np.uint8))
+    ref = _video(tmp_path / "ref.npy", size=64)
+    assert main(["compare", ref, str(tmp_path / "one.npy"), "--lpips", "none"]) == 2
+    _one_error(capsys, "TEST: ", "frames of shape (64, 48, 3) read like one RGB frame: give frames [F, H, W, 3] "
+                                 "(one frame: [1, H, W, 3]), or grey frames [F, H, W]")
+
+
+def test_metrics_refuse_frames_of_different_shapes():
+    """psnr broadcast [3, 1, H, W] against [3, 4, H, W] (one frame compared with four) without a word."""
+    import torch
+    from qvg.eval.metrics import psnr, ssim
+    a, b = torch.zeros(3, 4, 16, 16), torch.zeros(3, 1, 16, 16)
+    for f in (psnr, ssim):
+        with pytest.raises(ValueError, match=r"frames of different shapes: \(3, 4, 16, 16\) and \(3, 1, 16, 16\)"):
+            f(a, b)
+    assert psnr(a, a) == 100.0

@@ -2,11 +2,14 @@
 DINO's checkpoint layout, and the missing-weights messages."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from qvg.eval.vbench import consistency, load_dimensions
-from qvg.eval.vbench.backbones import DINO_FILE, dino_config, load_aesthetic_head, load_dino, vit_layout
+from qvg.eval.vbench.backbones import (DINO_FILE, dino_config, dino_features, load_aesthetic_head, load_dino,
+                                       vit_layout)
 from qvg.eval.vbench.preprocess import center_crop, clip_input, dino_input, resize_short
 
 VIT = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=1, intermediate_size=128, patch_size=16,
@@ -38,6 +41,11 @@ def test_preprocessing_sizes():
     assert dino_input(v).shape == (2, 3, 224, 336)  # DINO: no crop
     c = clip_input(v)
     assert c.shape == (2, 3, 224, 224) and c.dtype == torch.float32
+    # VBench resizes float frames: bicubic's overshoot at an edge stays (was rounded and clamped to uint8)
+    edge = torch.zeros(1, 3, 8, 8)
+    edge[..., 4:] = 255
+    up = resize_short(edge, 32, "bicubic")
+    assert up.dtype == torch.float32 and up.min() < 0 and up.max() > 255 and not torch.equal(up, up.round())
     same = torch.zeros(3, 1, 224, 224)  # grey 127.5 -> 128 after rounding; no resize at 224
     assert torch.allclose(dino_input(same)[0, 0], torch.full((224, 224), (128 / 255 - 0.485) / 0.229))
 
@@ -102,6 +110,41 @@ def test_dino_checkpoint_layout(tmp_path, tiny_backbones):
         assert torch.allclose(got(pixel_values=x).last_hidden_state, ref(pixel_values=x).last_hidden_state,
                               atol=1e-5)
     assert dino_config(dino)["num_attention_heads"] == 1 and dino_config(dino)["image_size"] == 224
+
+
+def _cubic(values: list[float], t: float, a: float = -0.75) -> float:
+    """values sampled at source coordinate t by cubic convolution (PyTorch's bicubic: a = -0.75, edge taps clamped)."""
+    def w(x):
+        x = abs(x)
+        return (a + 2) * x ** 3 - (a + 3) * x ** 2 + 1 if x <= 1 else a * (x ** 3 - 5 * x ** 2 + 8 * x - 4)
+    i = math.floor(t)
+    return sum(values[min(max(i + m, 0), len(values) - 1)] * w(t - i - m) for m in (-1, 0, 1, 2))
+
+
+def test_dino_position_interpolation_is_dinos():
+    """Embeddings of a non-square frame are resized as DINO's own code does (scale factors (n + 0.1) / grid, which
+    PyTorch samples by), not transformers' size= form: on a ramp, position k of n is the cubic convolution at source
+    (k + 0.5) * grid / (n + 0.1) - 0.5, on the axis whose length stays too."""
+    model = load_dino(config=VIT)
+    emb, g = model.embeddings, 14  # (224 / 16)
+    with torch.no_grad():
+        ramp = torch.zeros(1, 1 + g * g, VIT["hidden_size"])
+        ramp[0, 1:, 0] = torch.arange(g).repeat(g).float()  # column index
+        ramp[0, 1:, 1] = torch.arange(g).repeat_interleave(g).float()  # row index
+        emb.position_embeddings.copy_(ramp)
+        rows, cols = 14, 24  # a 224 x 384 frame
+        out = emb.interpolate_pos_encoding(torch.zeros(1, 1 + rows * cols, VIT["hidden_size"]), 224, 384)[0, 1:]
+        out = out.reshape(rows, cols, -1)
+        line = [float(j) for j in range(g)]
+        for k in range(cols):
+            assert out[5, k, 0].item() == pytest.approx(_cubic(line, (k + 0.5) * g / (cols + 0.1) - 0.5), abs=1e-4)
+        for i in range(rows):
+            assert out[i, 5, 1].item() == pytest.approx(_cubic(line, (i + 0.5) * g / (rows + 0.1) - 0.5), abs=1e-4)
+        assert (out[:, 5, 1] - torch.arange(rows)).abs().max() > 0.01  # (resampled, not kept)
+        square = emb.interpolate_pos_encoding(torch.zeros(1, 1 + g * g, VIT["hidden_size"]), 224, 224)
+        assert square is emb.position_embeddings  # (as many patches as positions on a square frame: as they are)
+        x = torch.randn(1, 3, 224, 384)
+        assert dino_features(model, x).shape == (1, VIT["hidden_size"])
 
 
 def test_aesthetic_head_file(tmp_path):
