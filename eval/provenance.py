@@ -4,7 +4,6 @@ sha256; `weight_files`). Every qvg-eval JSON carries this dict under "meta"."""
 from __future__ import annotations
 
 import datetime as _dt
-import hashlib
 import os
 import platform
 import shlex
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from qvg.revision import changed_code, git_commit
+from qvg.revision import changed_code, file_sha256, git_commit
 
 
 def changed_files() -> list[str] | None:
@@ -51,13 +50,9 @@ def file_record(path) -> dict:
     """{path (absolute), bytes, mtime (UTC), sha256} of a file."""
     p = Path(path).resolve()
     st = p.stat()
-    h = hashlib.sha256()
-    with open(p, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
     return {"path": str(p), "bytes": st.st_size,
             "mtime": _dt.datetime.fromtimestamp(st.st_mtime, _dt.timezone.utc).isoformat(timespec="seconds"),
-            "sha256": h.hexdigest()}
+            "sha256": file_sha256(p)}
 
 
 def weight_files(*models) -> list[dict]:

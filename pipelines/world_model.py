@@ -178,15 +178,23 @@ def build_world(config: dict | None = None, seed: int = 0) -> WorldModel:
 
 
 def save_world(model: WorldModel, config: dict, directory, *, dtype=torch.float16, card: dict | None = None) -> None:
-    """Weights as safetensors (`dtype`, default FP16: half the bytes, well inside its range) + config.json."""
+    """Weights as safetensors (`dtype`, default FP16: half the bytes, well inside its range) + config.json; both
+    written to temporary files first, then put in place together (a run stopped while writing left new weights
+    beside the old config)."""
+    import contextlib
+
     from safetensors.torch import save_file
+
+    from qvg.outputs import atomic
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     sd = {k: v.detach().to("cpu", dtype if v.is_floating_point() else v.dtype).contiguous()
           for k, v in model.state_dict().items()}
-    save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
     cfg = dict(config, **({"training": card} if card else {}))
-    (d / "config.json").write_text(json.dumps(cfg, indent=1, default=list))
+    with contextlib.ExitStack() as stack:
+        weights, conf = (stack.enter_context(atomic(d / n)) for n in ("model.safetensors", "config.json"))
+        save_file(sd, str(weights), metadata={"format": "pt"})
+        conf.write_text(json.dumps(cfg, indent=1, default=list))
 
 
 def load_world(directory=None, device="cpu", dtype=torch.float32) -> tuple[WorldModel, dict]:

@@ -26,15 +26,19 @@ Resumable: `--ckpt DIR` holds the state (FP32 weights and BF16 Adam moments as s
     python -m qvg.pipelines.world_train --ckpt runs/world --export assets/world
 
 `--world-rope` starts a new run with world-coordinate spatial RoPE (pipelines/world_model.py); a resumed run keeps
-the config its state was saved with. A resumed run takes the settings saved with its state; a setting given again
+the config its state was saved with, and a new `--init` run takes the config of the model it starts from (its
+world_rope too; `--world-rope` can only turn that on). state.json and the exported card record every run's argv,
+commit and date (`runs`), the commit that exported it, and the SHA-256 of the weights an `--init` run started from. A resumed run takes the settings saved with its state; a setting given again
 with another value is applied from there on, said on stderr and recorded in state.json (`setting_changes`, also in
 the exported model's training card). `--init` starts a new run; given again on resuming, it must name the model
 that run started from.
 """
 from __future__ import annotations
 
+import datetime
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -44,6 +48,8 @@ import torch.nn.functional as F
 
 from qvg.help_format import OneLineParser
 from qvg.numbers import integer
+from qvg.outputs import folder_error
+from qvg.revision import code_commit, file_sha256
 
 from .self_forcing import flow_sigmas
 from .world_data import WorldData
@@ -106,6 +112,7 @@ class Trainer:
         self.step, self.elapsed, self.log = 0, 0.0, []
         self.init = None  # the exported model a fine-tune started from: its directory and training card
         self.setting_changes: list[dict] = []  # settings a resumed run changed: {"step", "settings": {k: [old, new]}}
+        self.runs: list[dict] = []  # each run of this state: {"step" it started at, "argv", "commit", "date"}
         cf, size = cfg["chunk_frames"], cfg["frame_size"]
         tpf = (size // cfg["transformer"]["patch_size"][1]) ** 2
         self.copy, self.chunk = token_layout(a["chunks"], cf, tpf, self.device)
@@ -231,7 +238,7 @@ class Trainer:
             self.opt.step()
             self.step += 1
             if self.step % log_every == 0 or self.step == run_start + 1:
-                el = self.elapsed + time.perf_counter() - t0
+                el = self.elapsed + time.perf_counter() - counted  # (a save moved `counted` on: not twice)
                 rec = {"step": self.step, "loss": round(loss.item(), 5), "grad_norm": round(float(gn), 3),
                        "lr": self.lr_at(self.step - 1), "seconds": round(el, 1)}
                 self.log.append(rec)
@@ -263,9 +270,12 @@ class Trainer:
                 cur, size = {}, 0
             cur[k], size = tensors[k].contiguous(), size + nb
         shards.append(cur)
-        files = []  # new files first, then state.json (renamed into place), then the old files: a run killed
-        for i, sh in enumerate(shards):  # mid-save still has a complete state, the old or the new one
-            name = f"state-s{self.step}-{i + 1:02d}-of-{len(shards):02d}.safetensors"
+        # new files first, then state.json (renamed into place), then the old files: a run killed mid-save still has
+        # a complete state, the old or the new one. The names are new at every save (a second save at the same step,
+        # e.g. at the end of a run that just saved, rewrote the very files state.json named)
+        files, tag = [], os.urandom(4).hex()
+        for i, sh in enumerate(shards):
+            name = f"state-s{self.step}-{tag}-{i + 1:02d}-of-{len(shards):02d}.safetensors"
             save_file(sh, str(d / name))
             files.append(name)
         meta = {"step": self.step, "elapsed_seconds": round(self.elapsed, 1), "args": self.args,
@@ -274,6 +284,8 @@ class Trainer:
             meta["init"] = self.init
         if self.setting_changes:
             meta["setting_changes"] = self.setting_changes
+        if self.runs:
+            meta["runs"] = self.runs
         tmp = d / "state.json.tmp"
         tmp.write_text(json.dumps(meta, indent=1, default=list))
         tmp.replace(d / "state.json")
@@ -281,12 +293,14 @@ class Trainer:
             if old.name not in files:
                 old.unlink()
 
-    def init_from(self, directory) -> None:
-        """Start from an exported model's weights (FP16 -> FP32), with a fresh optimizer: a fine-tune."""
+    def init_from(self, directory, loaded=None) -> None:
+        """Start from an exported model's weights (FP16 -> FP32), with a fresh optimizer: a fine-tune. loaded: its
+        load_world (model, config) when already read (main builds the run from that config)."""
         from .world_model import load_world
-        model, cfg = load_world(directory, device="cpu")
+        model, cfg = loaded or load_world(directory, device="cpu")
         self.model.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
-        self.init = {"from": str(directory), "training": cfg.get("training")}
+        self.init = {"from": str(directory), "training": cfg.get("training"),
+                     "sha256": file_sha256(Path(directory) / "model.safetensors")}
 
     def load(self, directory) -> bool:
         from safetensors.torch import load_file
@@ -307,6 +321,7 @@ class Trainer:
         self.step, self.elapsed, self.log = step, meta["elapsed_seconds"], meta["log"]
         self.init = meta.get("init")
         self.setting_changes = meta.get("setting_changes", [])
+        self.runs = meta.get("runs", [])
         self.gen.manual_seed(self.args["seed"] + 1 + step)  # a resumed run draws new noise, not the first run's
         return True
 
@@ -340,6 +355,10 @@ UNBOUNDED = ("grad_clip", "minutes")  # (inf: no clipping; train until --max-ste
 RUN_FLAGS = ("minutes", "device", "attention", "compile", "max_steps", "save_every")
 RUN_DEFAULTS = {"minutes": 8.0, "device": lambda: "cuda" if torch.cuda.is_available() else "cpu",
                 "attention": "auto", "save_every": 200}
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
 def _state_meta(ck: Path) -> dict | None:
@@ -390,20 +409,26 @@ def main(argv=None) -> int:
             p.error(f"--{k.replace('_', '-')} must be {'> 0' if k in POSITIVE else f'>= {low}'}"
                     + (f" and <= {high}" if high < math.inf else "") + f", got {v}")
     given = {k: getattr(a, k) for k in DEFAULTS if getattr(a, k) is not None}
-    if a.export:
+    if not a.ckpt.strip():  # ('' trained into the current folder)
+        p.error("--ckpt: empty: give the folder a run saves its state in")
+    if a.export is not None:  # ('' was taken as no --export: it trained instead)
         extra = list(given) + [k for k in ("init", "world_rope", *RUN_FLAGS)
                                if getattr(a, k) is not None and getattr(a, k) is not False]  # (0 is given too)
         if extra:  # (training flags would change nothing but the card's record; run flags nothing at all)
             flags = ", ".join("--" + k.replace("_", "-") for k in extra)
             p.error(f"--export writes the state's model as trained; drop {flags}")
+        bad = folder_error(a.export, ("model.safetensors", "config.json"))  # (a file there was a traceback)
+        if bad:
+            p.error(f"--export: {bad}")
         meta = _state_meta(Path(a.ckpt))
         if meta is None:
             p.error(f"--export: {a.ckpt} holds no readable training state (state.json); give a --ckpt a run saved")
         tr = _loaded(p, lambda: Trainer(meta["args"], meta["config"], "cpu", attention="dense"), a.ckpt)
         card = {"steps": tr.step, "seconds": tr.elapsed, "args": tr.args, "final_log": tr.log[-3:]}
-        for k in ("init", "setting_changes"):
+        for k in ("init", "setting_changes", "runs"):  # (runs: each training run's argv, commit and date)
             if k in meta:
                 card[k] = meta[k]
+        card["exported"] = {"commit": code_commit(), "date": _now()}
         cfg = dict(tr.cfg, context_sigma=DEFAULT_CONFIG["context_sigma"])  # a sampler setting, chosen after training
         save_world(tr.model, cfg, a.export, card=card)
         print(f"exported step {tr.step} to {a.export}")
@@ -417,12 +442,27 @@ def main(argv=None) -> int:
     ck = Path(a.ckpt)
     if ck.exists() and not ck.is_dir():
         p.error(f"--ckpt: {ck} is a file; give the folder a run saves its state in")
+    bad = folder_error(ck)  # (before the work: an unwritable folder was a traceback at the first save)
+    if bad:
+        p.error(f"--ckpt: {bad}")
     meta = _state_meta(ck) if (ck / "state.json").exists() else {}
     if meta is None:
         p.error(f"--ckpt: {ck}/state.json cannot be read as a training state; resume from a --ckpt a run saved, or "
                 "start a new run in another folder")
-    world_rope = bool(meta["config"].get("world_rope", False)) if meta else a.world_rope  # a resumed run keeps it
-    if a.world_rope and not world_rope:
+    init = None  # a new fine-tune: the model it starts from, whose config the run takes (world_rope included)
+    if not meta and a.init:
+        from .world_model import load_world
+        try:
+            init = load_world(a.init, device="cpu")
+        except (OSError, KeyError, ValueError, RuntimeError) as e:  # (WorldModelError is a ValueError)
+            from .state_dicts import first_line
+            p.error(f"--init: {a.init} is no model this run can start from ({first_line(e)})")
+    if meta:  # a resumed run keeps the config its state was saved with
+        cfg = dict(DEFAULT_CONFIG, **meta["config"])
+    else:
+        cfg = dict(DEFAULT_CONFIG, **({k: v for k, v in init[1].items() if k != "training"} if init else {}))
+        cfg["world_rope"] = bool(a.world_rope or cfg.get("world_rope", False))
+    if a.world_rope and not cfg["world_rope"]:
         p.error(f"--world-rope: the state in {ck} was trained without world-coordinate RoPE")
     if meta and a.init and not _same_init(a.init, meta.get("init")):
         p.error(f"--init: {ck} already holds a training state (step {meta.get('step', '?')}) that did not start from "
@@ -431,17 +471,12 @@ def main(argv=None) -> int:
     if args["rollout_fraction"] > 0 and args["chunks"] < 3:
         p.error(f"--rollout-fraction {args['rollout_fraction']:g} needs --chunks >= 3 (chunks 1 .. chunks - 2 are the "
                 f"rolled-out context), got {args['chunks']}")
-    tr = Trainer(args, dict(DEFAULT_CONFIG, world_rope=world_rope), a.device,
-                 attention=a.attention)
+    tr = Trainer(args, cfg, a.device, attention=a.attention)
     resumed = bool(meta)
     if resumed:
         _loaded(p, lambda: tr, ck)
-    if not resumed and a.init:
-        try:
-            tr.init_from(a.init)
-        except (OSError, KeyError, ValueError, RuntimeError) as e:  # (WorldModelError is a ValueError)
-            from .state_dicts import first_line
-            p.error(f"--init: {a.init} is no model this run can start from ({first_line(e)})")
+    if init:
+        tr.init_from(a.init, init)
     saved = dict(DEFAULTS, **meta.get("args", {}))
     changed = {k: [saved[k], v] for k, v in given.items() if saved[k] != v} if resumed else {}
     if changed:  # applied, said, and kept with the state (and the exported model's card)
@@ -449,6 +484,8 @@ def main(argv=None) -> int:
         print(f"world_train: resumed at step {tr.step} with changed settings: "
               + ", ".join(f"{k} {o} -> {n}" for k, (o, n) in changed.items()) + " (recorded in state.json)",
               file=sys.stderr, flush=True)
+    tr.runs.append({"step": tr.step, "argv": sys.argv[1:] if argv is None else list(argv), "commit": code_commit(),
+                    "date": _now()})
     if a.compile:
         tr.compile()
     print(f"{'resumed at step ' + str(tr.step) if resumed else 'new run'}; {json.dumps(tr.args)}", flush=True)

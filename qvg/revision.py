@@ -42,3 +42,13 @@ def code_commit() -> str:
     of the tree whose git metadata lags, run without QVG_COMMIT, does not pass for that old commit)."""
     commit, dirty = git_commit()
     return commit + "-dirty" if dirty else commit
+
+
+def file_sha256(path) -> str:
+    """The SHA-256 of a file's bytes (hex), read in 4 MiB blocks."""
+    import hashlib
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()

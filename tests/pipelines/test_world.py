@@ -4,6 +4,7 @@ import copy
 import json
 import random
 import shutil
+import time
 
 import pytest
 import torch
@@ -473,3 +474,77 @@ def test_resuming_with_other_settings_says_so_and_records_them(tmp_path, capsys,
     with pytest.raises(SystemExit) as e:  # --export with --init: refused too
         wt.main(["--ckpt", "../tune2", "--export", "x", "--init", "../model"])
     assert e.value.code == 2 and "drop --init" in capsys.readouterr().err
+
+
+def test_train_paths_configs_and_records(tmp_path, capsys, monkeypatch):
+    """A --ckpt that can't be made (under a file) or an --export onto a file: one line before any training (a
+    traceback at the first save, after the run); '' for either is refused (--export '' trained instead). A resumed
+    run keeps its saved config (it took the code's defaults, silently); a new --init run takes its model's config,
+    world_rope included (fine-tuning a world-RoPE model without --world-rope trained screen RoPE). The exported card
+    records each run's argv and commit, the exporting commit and the init weights' SHA-256."""
+    from qvg.pipelines import world_train as wt
+    from qvg.revision import file_sha256
+    monkeypatch.setattr(wt, "DEFAULT_CONFIG", SMALL)
+    (tmp_path / "afile").write_text("x")
+    base = ["--device", "cpu", "--attention", "dense", "--max-steps", "1", "--chunks", "3", "--batch", "1"]
+    for args, msg in ((["--ckpt", str(tmp_path / "afile" / "sub")], "--ckpt: cannot make"),
+                      (["--ckpt", ""], "--ckpt: empty"),
+                      (["--ckpt", str(tmp_path / "ck"), "--export", ""], "--export: empty"),
+                      (["--ckpt", str(tmp_path / "ck"), "--export", str(tmp_path / "afile")], "is not a folder")):
+        with pytest.raises(SystemExit) as e:
+            wt.main(args + (base if "--export" not in args else []))
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and msg in err[-1] and "Traceback" not in "".join(err), (args, err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+    # a resumed run keeps its config (pan_pixels 8, saved with the state), not the code's
+    ck = tmp_path / "ck"
+    monkeypatch.setattr(wt, "DEFAULT_CONFIG", dict(SMALL, pan_pixels=8.0))
+    assert wt.main(["--ckpt", str(ck)] + base) == 0
+    monkeypatch.setattr(wt, "DEFAULT_CONFIG", SMALL)
+    assert wt.main(["--ckpt", str(ck)] + base) == 0
+    meta = json.loads((ck / "state.json").read_text())
+    assert meta["config"]["pan_pixels"] == 8.0 and meta["step"] == 2
+    assert [r["step"] for r in meta["runs"]] == [0, 1] and meta["runs"][1]["argv"][:2] == ["--ckpt", str(ck)]
+    # a world-RoPE model fine-tuned without --world-rope stays world-RoPE
+    assert wt.main(["--ckpt", str(tmp_path / "wr"), "--world-rope"] + base) == 0
+    assert wt.main(["--ckpt", str(tmp_path / "wr"), "--export", str(tmp_path / "wr-model")]) == 0
+    assert wt.main(["--ckpt", str(tmp_path / "tune"), "--init", str(tmp_path / "wr-model")] + base) == 0
+    assert wt.main(["--ckpt", str(tmp_path / "tune"), "--export", str(tmp_path / "tuned")]) == 0
+    cfg = json.loads((tmp_path / "tuned" / "config.json").read_text())
+    assert cfg["world_rope"] is True
+    card = cfg["training"]
+    assert card["init"]["sha256"] == file_sha256(tmp_path / "wr-model" / "model.safetensors")
+    assert card["runs"][0]["argv"][:2] == ["--ckpt", str(tmp_path / "tune")] and card["runs"][0]["commit"]
+    assert card["exported"]["commit"] and card["exported"]["date"]
+
+
+def test_a_second_save_at_the_same_step_keeps_the_saved_state(tmp_path, monkeypatch):
+    """The end-of-run save after a save at the same step rewrote the shards state.json named: killed there, the
+    state no longer loaded. Each save writes new names now, so the state on disk loads until the new one is in."""
+    tr = Trainer(dict(chunks=3, batch=2, warmup=2, total_steps=10), SMALL, "cpu", attention="dense")
+    tr.train(WorldData(0, 3, SMALL, revisit=0.7), minutes=5, max_steps=1)
+    tr.save(tmp_path / "ck")
+    import safetensors.torch
+    real = safetensors.torch.save_file
+
+    def killed(tensors, path, metadata=None):  # the second save dies half way through its first shard
+        with open(path, "wb") as f:
+            f.write(b"\x00" * 10)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(safetensors.torch, "save_file", killed)
+    with pytest.raises(KeyboardInterrupt):
+        tr.save(tmp_path / "ck")
+    monkeypatch.setattr(safetensors.torch, "save_file", real)
+    tr2 = Trainer(dict(chunks=3, batch=2, warmup=2, total_steps=10), SMALL, "cpu", attention="dense")
+    assert tr2.load(tmp_path / "ck") and tr2.step == 1
+
+
+def test_logged_seconds_do_not_count_a_save_twice(tmp_path):
+    """After an in-loop save the log's seconds added the time before that save twice (the card's final_log too)."""
+    tr = Trainer(dict(chunks=3, batch=2, warmup=2, total_steps=10), SMALL, "cpu", attention="dense")
+    orig = tr.save
+    tr.save = lambda d: (time.sleep(0.3), orig(d))
+    tr.train(WorldData(0, 3, SMALL, revisit=0.7), minutes=5, max_steps=4, log_every=1, save_every=1,
+             save_to=tmp_path / "ck")
+    secs = [r["seconds"] for r in tr.log]
+    assert secs == sorted(secs) and secs[-1] <= tr.elapsed + 0.1, (secs, tr.elapsed)
