@@ -66,8 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--actions", default=None, help="tiny: camera action per chunk of 3 frames, e.g. 'right*4,left*4' "
                    "(stay, left, right, up, down, zoom_in, zoom_out; repeated to fill the video; default "
                    f"'{DEFAULT_ACTIONS}')")
-    p.add_argument("--frames", default=None, help="video frames to write, at most 100,000 (default: about 4 s; tiny "
-                   "31 at 8 fps, at least 2, frame 1 being its start image; self-forcing 49 at 16 fps)")
+    p.add_argument("--frames", default=None, help="video frames to write, at most 100,000 (default: tiny 31 at 8 fps, "
+                   "about 4 s, at least 2, frame 1 being its start image; self-forcing 49 at 16 fps, about 3 s)")
     p.add_argument("--method", default="qvg", help=f"KV cache method: {', '.join(CACHE_METHODS)} (default qvg)")
     p.add_argument("--bits", default=None, help="2, 4 or 8 (default: the method's, 2; qvg on the tiny pipeline 4)")
     p.add_argument("--stages", default=None, help="k-means stages S (qvg, qvg-pro; 0: none, which is plain RTN)")
@@ -174,8 +174,8 @@ def _key_storage(given: str, method: str, pipeline: str) -> str:
     """auto: pre-RoPE keys where they are measured to pay (the embedded model:
     eval/results/world-confirm2-m6-h100.md, QVG INT2 B16 -0.34 dB vs BF16 against -2.15 post-RoPE); on Self-Forcing
     they cost 2.3-3.9 points more chunk time at 21 latent frames over four H200 runs of 2026-11-29 (pipeline-h100.md;
-    the one after the RoPE-table changes, the 04:49 UTC run: +2.31% against post-RoPE keys) and 4.3-4.9% on the H100
-    (pipeline-h100.prerope-168b957.json), for a gain not yet measured on real weights."""
+    the one after the RoPE-table changes, the 04:49 UTC run: +2.35% against post-RoPE keys, +2.31% against bf16) and
+    4.3-4.9% on the H100 (pipeline-h100.prerope-168b957.json), for a gain not yet measured on real weights."""
     from qvg.cache import KEY_STORAGE
     from qvg.sequence import PER_TOKEN_METHODS
     if given == "auto":
