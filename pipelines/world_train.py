@@ -27,11 +27,11 @@ Resumable: `--ckpt DIR` holds the state (FP32 weights and BF16 Adam moments as s
 
 `--world-rope` starts a new run with world-coordinate spatial RoPE (pipelines/world_model.py); a resumed run keeps
 the config its state was saved with, and a new `--init` run takes the config of the model it starts from (its
-world_rope too; `--world-rope` can only turn that on). state.json and the exported card record every run's argv,
-commit and date (`runs`), the commit that exported it, and the SHA-256 of the weights an `--init` run started from. A resumed run takes the settings saved with its state; a setting given again
-with another value is applied from there on, said on stderr and recorded in state.json (`setting_changes`, also in
-the exported model's training card). `--init` starts a new run; given again on resuming, it must name the model
-that run started from.
+world_rope too; `--world-rope` can only turn that on). A resumed run takes the settings saved with its state; a
+setting given again with another value is applied from there on, said on stderr and recorded in state.json
+(`setting_changes`, also in the exported model's training card). `--init` starts a new run; given again on
+resuming, it must name the model that run started from. state.json and the exported card record every run's argv,
+commit and date (`runs`), the commit that exported it, and the SHA-256 of the weights an `--init` run started from.
 """
 from __future__ import annotations
 
