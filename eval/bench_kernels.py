@@ -126,12 +126,14 @@ def write_result(res: dict, out_dir: str, name: str, t0: float) -> str:
     return path
 
 
-def clustered(shape, k=64, seed=0, spread=8.0, dtype=torch.bfloat16, device="cuda"):
+def clustered(shape, k=64, seed=0, spread=8.0, dtype=torch.bfloat16, device="cuda", token_seed=None):
     """Video-like KV stand-in (on the GPU by default): per-head cluster centres + noise + a few large outlier
-    channels."""
+    channels. token_seed: the tokens (their clusters and noise) drawn from this seed, the centres from `seed`."""
     b, h, n, d = shape
     g = torch.Generator(device=device).manual_seed(seed)
     centers = torch.randn(b * h, k, d, device=device, generator=g) * spread
+    if token_seed is not None:
+        g = torch.Generator(device=device).manual_seed(token_seed)
     ids = torch.randint(0, k, (b * h, n), device=device, generator=g)
     x = torch.gather(centers, 1, ids[..., None].expand(-1, -1, d)) + torch.randn(b * h, n, d, device=device,
                                                                                   generator=g)
@@ -232,16 +234,51 @@ def dequant_section(copy_tbps, quick):
     return rows
 
 
-def compress_section(quick, variants=()):
+NEXT_CHUNKS = ("noisy", "new-tokens")
+
+
+def next_chunk(x0, shape, kind: str):
+    """The chunk compressed warm-started from x0's pack (`clustered(shape, seed=1)`): "noisy" x0 itself + 0.1
+    noise (the benchmark's stand-in since its start: few tokens change cluster), "new-tokens" new tokens of the same
+    cluster centres (more do; `moved_shares` says how many)."""
+    if kind == "noisy":
+        return (x0.float() + 0.1 * torch.randn_like(x0.float())).bfloat16()
+    return clustered(shape, seed=1, device=x0.device, token_seed=2)
+
+
+def moved_shares(x0, x1, method, shape) -> list[float]:
+    """Per PRQ stage, the share of x1's tokens whose id the second k-means assignment changes, warm-started from
+    x0's pack as the cache does (the torch reference in FP32): the tokens the incremental update reads."""
+    from qvg.compression.prq import _gather
+    from qvg.kmeans import assign, reseed_empty, update_with_counts
+    _, o, warm = warm_start(x0, method, shape)
+    r, out = x1.float().view(-1, shape[2], shape[3]), []
+    for s in range(o["stages"]):
+        rb = r.bfloat16().float()  # each stage clusters the BF16 rounding of its residual
+        i1, d1 = assign(rb, warm[s].float().to(rb.device))
+        c, n = update_with_counts(rb, i1, warm[s].float().to(rb.device))
+        c = reseed_empty(rb, c, n, d1)
+        i2, _ = assign(rb, c)
+        c2, _ = update_with_counts(rb, i2, c)
+        out.append(float((i1 != i2).float().mean()))
+        r = r - _gather(c2.bfloat16().float(), i2)
+    return out
+
+
+def compress_section(quick, variants=(), kind="noisy"):
     """Compress at the LongCat span for each of `variants` (kernels/compress.py's COMPRESS_VARIANTS names; default:
-    the default variant). The API time, the torch reference and the parity with it are of the default variant."""
+    the default variant), warm-started from the previous chunk as a cache does, the next chunk of `kind`
+    (`next_chunk`). The API time, the torch reference and the parity with it are of the default variant."""
     import qvg
     from qvg.kernels.compress import COMPRESS_VARIANT, compress_prq
     shape = (1, 32, 29640, 128) if not quick else (1, 4, 4680, 128)
-    x0, x1 = clustered(shape, seed=1), clustered(shape, seed=1)
-    x1 = (x1.float() + 0.1 * torch.randn_like(x1.float())).bfloat16()  # the next chunk: similar content
+    x0 = clustered(shape, seed=1)
+    x1 = next_chunk(x0, shape, kind)
     rows = []
     for method in ("qvg", "qvg-pro"):
+        moved = moved_shares(x0, x1, method, shape)
+        print(f"  {method}, next chunk {kind}: moved by the second assignment {[round(m, 4) for m in moved]} "
+              "(per stage)", flush=True)
         prev, o, warm = warm_start(x0, method, shape)  # cold start (not timed): it warm-starts the next chunk
         api_ms = bench(lambda: qvg.compress(x1, method, init=prev, iters=2), warmup=3, rep=20)
         ref_ms = with_torch_backend(lambda: bench(lambda: qvg.compress(x1, method, init=prev, iters=2), 1, 5))
@@ -251,6 +288,7 @@ def compress_section(quick, variants=()):
         for name in variants or (COMPRESS_VARIANT,):
             tensors = compress_prq(x1, o, warm, 2, variant=name)  # (its pieces and its parity both use it)
             rows.append({"shape": list(shape), "method": method, "iters": 2, "warm_start": True,
+                         "next_chunk": kind, "moved_share_per_stage": moved,
                          **_compress_row(x1, o, warm, name, tensors, shape),
                          **_parity(tensors, pr, x1, method, o, mse_r),
                          **({"api_ms": api_ms, "torch_reference_ms": ref_ms} if name == COMPRESS_VARIANT else {})})
@@ -587,6 +625,10 @@ def main(argv=None) -> int:
     ap.add_argument("--compress-variants", default="",
                     help="comma list of kernels/compress.py COMPRESS_VARIANTS (or auto) to time (default: the "
                          "default one)")
+    ap.add_argument("--next-chunk", default="noisy", choices=NEXT_CHUNKS,
+                    help="compress: the chunk compressed warm-started from the previous one (default noisy: the "
+                         "previous one + 0.1 noise; new-tokens: new tokens of the same clusters, which move more "
+                         "tokens between clusters)")
     try:  # every argument checked before the GPU check: bad input is said on any machine
         args = ap.parse_args(argv)
         only, variants = check_args(args)
@@ -602,7 +644,7 @@ def main(argv=None) -> int:
     sections = [("ceilings", lambda: ceilings(args.quick)),
                 ("kmeans", kmeans_parity_section),
                 ("dequant", lambda: dequant_section(res["ceilings"]["copy_TBps"], args.quick)),
-                ("compress", lambda: compress_section(args.quick, variants)),
+                ("compress", lambda: compress_section(args.quick, variants, args.next_chunk)),
                 ("attention", lambda: attention_section(args.quick)),
                 ("ablation", attention_ablation_section)]
     assert tuple(name for name, _ in sections) == SECTIONS

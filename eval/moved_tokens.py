@@ -18,36 +18,28 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=29640)
     ap.add_argument("--out", default="eval/results")
+    ap.add_argument("--next-chunk", default="noisy", choices=("noisy", "new-tokens"),
+                    help="the chunk warm-started from the previous one (as bench_kernels --next-chunk)")
     args = ap.parse_args(argv)
-    from qvg.compression.prq import _gather
-    from qvg.kmeans import assign, reseed_empty, update_with_counts
+    from qvg.compression import resolve_options
     from qvg.revision import code_commit
 
-    from .bench_kernels import clustered, warm_start, write_result
+    from .bench_kernels import clustered, moved_shares, next_chunk, write_result
     from .provenance import command_line
     t0 = time.time()
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     shape = (1, args.heads, args.tokens, 128)
     x0 = clustered(shape, seed=1, device=dev)
-    x1 = (x0.float() + 0.1 * torch.randn_like(x0.float())).bfloat16()  # the next chunk (as bench_kernels)
+    x1 = next_chunk(x0, shape, args.next_chunk)
     rows = []
     for method in ("qvg", "qvg-pro"):
-        _, o, warm = warm_start(x0, method, shape)
-        r = x1.float().view(-1, shape[2], shape[3])
-        for s in range(o["stages"]):
-            rb = r.bfloat16().float()  # each stage clusters the BF16 rounding of its residual
-            i1, d1 = assign(rb, warm[s].float().to(dev))
-            c, n = update_with_counts(rb, i1, warm[s].float().to(dev))
-            c = reseed_empty(rb, c, n, d1)
-            i2, _ = assign(rb, c)
-            c2, _ = update_with_counts(rb, i2, c)
-            rows.append({"method": method, "stage": s, "moved": float((i1 != i2).float().mean())})
-            print(f"  {method} stage {s}: {rows[-1]['moved']:.4f} of the tokens moved", flush=True)
-            r = r - _gather(c2.bfloat16().float(), i2)
+        for s, m in enumerate(moved_shares(x0, x1, method, shape)):
+            rows.append({"method": method, "stage": s, "moved": m})
+            print(f"  {method} stage {s}: {m:.4f} of the tokens moved", flush=True)
     res = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": code_commit(),
            "command": command_line("python -m qvg.eval.moved_tokens", argv), "shape": list(shape),
-           "centroids": o["centroids"], "rows": rows}
+           "next_chunk": args.next_chunk, "centroids": resolve_options("qvg", shape)["centroids"], "rows": rows}
     write_result(res, args.out, "moved-tokens.json", t0)
     return 0
 
