@@ -125,3 +125,14 @@ def assert_within_half_step(x: torch.Tensor, x_hat: torch.Tensor, step: torch.Te
 def shapes():
     """The seeded random-shape generator, as a fixture."""
     return random_shapes
+
+
+@pytest.fixture
+def sigint_default():
+    """SIGINT as Python's default (KeyboardInterrupt) during the test: a suite started in the background by a shell
+    without job control inherits SIGINT ignored, which qvg keeps ignored (`qvg.outputs.sigterm_raises`: no Ctrl-C
+    reaches such a process), so the tests that raise SIGINT would see nothing happen."""
+    import signal
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)

@@ -113,6 +113,7 @@ def test_sigterm_held_until_both_steps_are_done():
     assert signal.getsignal(signal.SIGTERM) is not outputs._on_sigterm
 
 
+@pytest.mark.usefixtures("sigint_default")
 def test_seen_records_signals_and_keeps_an_ignored_sigint_ignored():
     """sigterm_raises(seen): SIGINT raises KeyboardInterrupt and SIGTERM Terminated, each also recorded; a SIGINT
     the parent set to be ignored (`cmd &` in a script) stays ignored; the handlers are restored."""

@@ -258,6 +258,7 @@ def test_sigterm_leaves_nothing(tmp_path, capsys, monkeypatch):
     assert signal.getsignal(signal.SIGTERM) is before  # restored
 
 
+@pytest.mark.usefixtures("sigint_default")
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
 def test_a_signal_a_library_swallowed_is_still_one_line_and_its_status(tmp_path, capsys, monkeypatch, sig):
     """A Ctrl-C raised inside diffusers' lazy import came out as "error: RuntimeError: Failed to import ...
@@ -282,6 +283,7 @@ def test_a_signal_a_library_swallowed_is_still_one_line_and_its_status(tmp_path,
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before  # restored
 
 
+@pytest.mark.usefixtures("sigint_default")
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
 def test_a_swallowed_signal_after_which_the_run_finished_is_still_its_status(tmp_path, capsys, monkeypatch, sig):
     """The library swallows the signal and the run goes on to write the video: the outputs stay (complete), and the
