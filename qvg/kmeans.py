@@ -112,7 +112,9 @@ def seed_centroids(x: torch.Tensor, k: int, seed: int = 0, seeding: str = "k-mea
         return _gather(x, idx)
     if seeding != "k-means++":
         raise ValueError(f"unknown seeding {seeding!r}; choose one of {SEEDINGS}")
-    u = torch.rand(k, g, 1, generator=gen, dtype=torch.float64).to(x.device)
+    # one row of K draws per group, in group order: group i's draws do not depend on how many groups are batched
+    # (drawn [K, G] they did: a head compressed alone or beside others got other centroids)
+    u = torch.rand(g, k, generator=gen, dtype=torch.float64).t().unsqueeze(-1).to(x.device)
     c = torch.empty(g, k, x.shape[-1], device=x.device, dtype=x.dtype)
     c[:, 0] = _gather(x, (u[0] * n).long().clamp(max=n - 1))[:, 0]
     d2 = ((x - c[:, :1]) ** 2).sum(-1)  # [G, N]

@@ -176,6 +176,19 @@ def test_deterministic_same_seed(seeding):
 
 
 @pytest.mark.parametrize("seeding", SEEDINGS)
+def test_a_groups_seeding_does_not_depend_on_the_batch(seeding):
+    """Group i's cold start is the same alone or batched with others (k-means++ drew its numbers [K, G], so a head
+    compressed beside others got other centroids than alone: a batch of two videos changed the first one's)."""
+    x = randn(3, 500, 16, seed=14)
+    both = seed_centroids(x, 24, seed=2, seeding=seeding)
+    for n in (1, 2):
+        assert torch.equal(seed_centroids(x[:n], 24, seed=2, seeding=seeding), both[:n])
+    alone = kmeans(x[:1], 24, iters=2, seed=2, seeding=seeding)
+    batched = kmeans(x, 24, iters=2, seed=2, seeding=seeding)
+    assert torch.equal(alone.ids[0], batched.ids[0]) and torch.equal(alone.centroids[0], batched.centroids[0])
+
+
+@pytest.mark.parametrize("seeding", SEEDINGS)
 def test_different_seeds_differ(seeding):
     x = randn(2, 700, 16, seed=12)
     a = kmeans(x, 32, iters=2, seed=0, seeding=seeding)

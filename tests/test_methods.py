@@ -397,7 +397,10 @@ BAD = [
     ("kivi-residual", lambda: qvg.compress(randn(1, 1, 64, 64, seed=0), "kivi", residual=-1), "residual"),
     # (float64 beyond float32's range passed the check and every method returned NaN)
     ("f64-range", lambda: qvg.compress(torch.full((1, 1, 64, 64), 1e39, dtype=torch.float64), "rtn"),
-     r"non-finite values \(NaN or inf\) or, in float64, values beyond float32's range"),
+     r"non-finite values \(NaN or inf\) or magnitudes above 1e36"),
+    # (finite float32 near its maximum decoded NaN: rtn's FP8 and BF16 scales overflowed, kivi's max - zero)
+    *((f"f32-near-max-{m}", lambda m=m: qvg.compress(randn(1, 1, 64, 64, seed=0) * 1e37 / 4, m),
+       r"magnitudes above 1e36") for m in ("rtn", "kivi", "qvg")),
     # (a ZeroDivisionError from KIVI's token groups before)
     ("kivi-block0", lambda: qvg.compress(randn(1, 1, 64, 64, seed=0), "kivi", block_size=0), "block size must be"),
     ("kivi-block0-bits", lambda: qvg.bits_per_element("kivi", (1, 1, 64, 64), block_size=0), "block size must be"),
