@@ -29,9 +29,10 @@ take the 1.3B values); the VAE is Wan2.1's (4 stages, 2 residual blocks each) wi
 file (96 in Wan2.1_VAE.pth); the text encoder is umT5-XXL's (24 layers) with its widths read from the file.
 Dtypes: the transformer's weights in `dtype`, as Self-Forcing runs it (its RoPE tables stay FP32: they are
 computed, not loaded, and Self-Forcing too keeps them out of its BF16 cast); the VAE in `vae_dtype` (FP32, Wan's
-default); the text encoder in `text_dtype` (BF16, its file's dtype), its output cast to `dtype`. Nothing is
-randomly initialised on the way: models are built with their parameters on the meta device and take the file's
-tensors (memory-mapped, so a CPU load in the file's dtype copies nothing).
+default; Self-Forcing's inference script casts it to BF16 with the rest); the text encoder in `text_dtype` (BF16,
+its file's dtype), its output cast to `dtype`. Nothing is randomly initialised on the way: models are built with
+their parameters on the meta device and take the file's tensors (memory-mapped, so a CPU load in the file's dtype
+copies nothing).
 """
 from __future__ import annotations
 

@@ -100,7 +100,10 @@ class SelfForcingPipeline:
         cs = _real(context_sigma, "context_sigma")
         if not 0 <= cs < 1:
             raise ValueError(f"context_sigma must be a noise level in [0, 1), got {context_sigma!r}")
-        self.context_sigma = cs  # Self-Forcing's context noise: the clean re-run at this noise level
+        # Self-Forcing's context noise: the clean re-run at this noise level (x0 re-noised to it, timestep cs * 1000),
+        # as its training does (about context_noise / 1000 there); its inference feeds the clean x0 with timestep
+        # context_noise and adds no noise. Both defaults are 0 (identical paths); the embedded world model uses 0.1
+        self.context_sigma = cs
         if not is_whole(chunk_frames, 1):
             raise ValueError(f"chunk_frames must be a positive integer, got {chunk_frames!r}")
         if isinstance(steps, (str, bytes)) or not len(steps):
