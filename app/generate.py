@@ -91,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "reference there (and for bf16 / kivi / quarot, which have no packed read: window only)")
     p.add_argument("--history", default="full",
                    help="full (default), or window:N: keep N past latent frames besides the sink, a multiple of 3 "
-                        "(Self-Forcing's local_attn_size L counts the sink and the current chunk too: N = L - sink - 3)")
+                        "(Self-Forcing's local_attn_size L counts the sink and the current chunk too: "
+                        "N = L - sink - 3)")
     p.add_argument("--sink", default="0", help="latent frames kept in BF16 at the start, a multiple of 3 (default 0)")
     p.add_argument("--seed", default="0", help="sampling seed (default 0)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available)")

@@ -96,11 +96,13 @@ def test_a_json_that_is_not_a_results_file_is_one_error_line(tmp_path, capsys):
     file still passes the check."""
     assert RESULTS and all(world_eval.read_results(p) for p in RESULTS)
     full = json.loads(RESULTS[0].read_text())
-    cases = {"empty.json": {}, "list.json": [1], "text.json": "x", "bad-revisit.json": {"settings": {}, "revisit": {"a": 1}},
+    cases = {"empty.json": {}, "list.json": [1], "text.json": "x",
+             "bad-revisit.json": {"settings": {}, "revisit": {"a": 1}},
              "no-seconds.json": {k: v for k, v in full.items() if k != "seconds"}}
     for name, data in cases.items():
         (tmp_path / name).write_text(json.dumps(data))
-        for args in (["--report", str(tmp_path / name)], ["--merge", str(tmp_path / name), "--out", str(tmp_path / "m")]):
+        for args in (["--report", str(tmp_path / name)],
+                     ["--merge", str(tmp_path / name), "--out", str(tmp_path / "m")]):
             with pytest.raises(SystemExit) as e:
                 world_eval.main(args)
             err = capsys.readouterr().err.strip().splitlines()
