@@ -104,8 +104,12 @@ def test_non_finite_input_is_refused_on_cuda_after_the_queued_compression(method
     assert qvg.compress(bad, method, check_finite=False, **kw).device.type == "cuda"  # (no scan, no error)
     big = x.double()
     big[0, 0, 3, 5] = 1e39  # float64 beyond float32's range: inf where the methods compute (the CUDA scan too)
-    with pytest.raises(ValueError, match="in float64, values beyond float32's range"):
+    with pytest.raises(ValueError, match="magnitudes above 1e36"):
         qvg.compress(big, method, **kw)
+    near = x.clone()
+    near[0, 1, 2, 3] = 3e37  # finite float32 past the limit: refused on CUDA too
+    with pytest.raises(ValueError, match="magnitudes above 1e36"):
+        qvg.compress(near, method, **kw)
 
 
 @cuda

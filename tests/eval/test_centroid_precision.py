@@ -33,6 +33,17 @@ def _pack(x, name, store, k=8, seed=0):
     return Packed(name, tuple(x.shape), x.dtype, compress_torch(x, o, None, 8, store=store), o)
 
 
+def _fp8_tables(t: torch.Tensor) -> bool:
+    """Whether each table of t [G, K, D] is FP8 E4M3 values times one power of two. (Not fp8_table(t) == t: a table
+    whose largest entry rounded onto 448 x 2^k takes the next scale up from tensor_scale, whose margin puts exactly
+    448 x 2^k above it, and its subnormals would round again.)"""
+    from qvg.quant import tensor_scale
+    ts = tensor_scale(t.abs()[None])[0][:, None, None]
+    fits = [((q.abs() <= 448) & (q.to(torch.float8_e4m3fn).float() == q)).flatten(1).all(1)
+            for q in (t / ts, t / (ts / 2))]
+    return bool((fits[0] | fits[1]).all())
+
+
 def test_store_rounds_the_tables_it_is_given_and_decode_replays_them():
     torch.manual_seed(0)
     x = torch.randn(1, 2, 256, 32) + 4 * torch.randn(1, 2, 1, 32)
@@ -43,7 +54,7 @@ def test_store_rounds_the_tables_it_is_given_and_decode_replays_them():
     c = p.tensors["centroids"]
     assert torch.equal(c[0], ref.tensors["centroids"][0])  # stage 0 stays BF16 (same k-means, same input)
     for s in range(1, 4):
-        assert torch.equal(cp.fp8_table(c[s].reshape(2, 8, 32).float()), c[s].reshape(2, 8, 32))  # (FP8 already)
+        assert _fp8_tables(c[s].reshape(2, 8, 32).float())
     err = lambda q: float((qvg.decompress(q).float() - x).pow(2).mean())  # noqa: E731
     assert err(p) < 1.5 * err(ref)
 
