@@ -447,9 +447,8 @@ class KVCache:
             raise RuntimeError(f"write: layer {layer} was committed by commit_layer; call commit() before the next "
                                "chunk")
         self._wait(L)  # (its queued commit still reads the zone this write overwrites)
-        if self._positions is not None and self._positions.shape[0] not in (1, k.shape[0]) and self._pre_rope:
-            raise ValueError(f"write: K/V of batch {k.shape[0]}, but set_positions gave positions for batch "
-                             f"{self._positions.shape[0]} (give one row, shared by the batch, or one per sample)")
+        if self._positions is not None and self._pre_rope:
+            self._check_batch(k.shape[0], "write")
         if L.buf is not None and (L.buf[0].shape[:2] != k.shape[:2] or L.buf[0].shape[3] != k.shape[3]
                                   or L.buf[0].device != k.device):
             if L.n_sink or L.n_pending or L.hist[0] is not None:
@@ -533,7 +532,10 @@ class KVCache:
         if self._positions is None:
             raise RuntimeError(f"{what}: pre-rope key storage: call set_positions(...) with the chunk's positions "
                                "before committing it")
-        b = L.buf[0].shape[0]
+        self._check_batch(L.buf[0].shape[0], what)
+
+    def _check_batch(self, b: int, what: str) -> None:
+        """ValueError unless set_positions' positions serve K/V of batch b (one row, or one per sample)."""
         if self._positions.shape[0] not in (1, b):
             raise ValueError(f"{what}: K/V of batch {b}, but set_positions gave positions for batch "
                              f"{self._positions.shape[0]} (give one row, shared by the batch, or one per sample)")
