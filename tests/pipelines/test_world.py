@@ -548,3 +548,21 @@ def test_logged_seconds_do_not_count_a_save_twice(tmp_path):
              save_to=tmp_path / "ck")
     secs = [r["seconds"] for r in tr.log]
     assert secs == sorted(secs) and secs[-1] <= tr.elapsed + 0.1, (secs, tr.elapsed)
+
+
+def test_an_export_stopped_while_writing_leaves_the_model_as_it_was(tmp_path, monkeypatch):
+    """save_world writes both files beside their places and puts them in place together: stopped while writing the
+    weights, the folder keeps the old weights and config (it held new weights beside the old config before)."""
+    import safetensors.torch
+    d = tmp_path / "w"
+    save_world(build_world(SMALL), SMALL, d)
+    before = {p.name: p.read_bytes() for p in d.iterdir()}
+
+    def stopped(tensors, path, metadata=None):
+        with open(path, "wb") as f:
+            f.write(b"\x00" * 10)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(safetensors.torch, "save_file", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        save_world(build_world(SMALL, seed=1), dict(SMALL, pan_pixels=8.0), d)
+    assert {p.name: p.read_bytes() for p in d.iterdir()} == before
