@@ -14,11 +14,12 @@ from qvg.help_format import OneLineParser
 
 
 def main(argv=None) -> int:
+    from .bench_kernels import NEXT_CHUNKS
     ap = OneLineParser(description=__doc__.splitlines()[0])
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=29640)
     ap.add_argument("--out", default="eval/results")
-    ap.add_argument("--next-chunk", default="noisy", choices=("noisy", "new-tokens"),
+    ap.add_argument("--next-chunk", default="noisy", choices=NEXT_CHUNKS,
                     help="the chunk warm-started from the previous one (as bench_kernels --next-chunk)")
     args = ap.parse_args(argv)
     from qvg.compression import resolve_options
@@ -39,7 +40,7 @@ def main(argv=None) -> int:
     res = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "commit": code_commit(),
            "command": command_line("python -m qvg.eval.moved_tokens", argv), "shape": list(shape),
-           "next_chunk": args.next_chunk, "centroids": resolve_options("qvg", shape)["centroids"], "rows": rows}
+           "next_chunk": args.next_chunk, "centroids": resolve_options("qvg-pro", shape)["centroids"], "rows": rows}
     write_result(res, args.out, "moved-tokens.json", t0)
     return 0
 
