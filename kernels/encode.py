@@ -1,6 +1,6 @@
 """In-kernel scalar pieces of the group quantizer shared by the pack kernels (kernels/quantize.py,
-kernels/pack_span.py): round half to even, the stored scale's encoding (FP8 E4M3 rounded up with the core's clamp, or
-BF16 rounded up), exactly as qvg/quant.py does on every backend."""
+kernels/pack_span.py): round half to even, the stored scale's encoding (FP8 E4M3 with the core's clamp, rounded to
+nearest or up by the core's rule, or BF16 rounded up), exactly as qvg/quant.py does on every backend."""
 from __future__ import annotations
 
 import triton
@@ -19,23 +19,30 @@ def _round_half_even(v):
 
 
 @triton.jit
-def _fp8_round_up(q):
-    """E4M3 bits of the smallest E4M3 value >= q, for q in [2^-9, 448], with integer ops only (exact on every
-    backend; the interpreter's own fp32 -> fp8 cast mishandles mantissa carries)."""
+def _fp8_bits(q, NEAREST: tl.constexpr):
+    """E4M3 bits of q in [2^-9, 448], with integer ops only (exact on every backend; the interpreter's own fp32 ->
+    fp8 cast mishandles mantissa carries): NEAREST, the nearest E4M3 value (ties to even) for normal q (>= 2^-6);
+    else, and for subnormal q, the smallest E4M3 value >= q (`qvg.quant._fp8_nearest`). Never 0x7F (NaN): q <= 448
+    = 0x7E."""
     u = q.to(tl.uint32, bitcast=True)
     e = ((u >> 23) & 0xFF).to(tl.int32) - 127
     normal = ((e + 7) << 3) | ((u >> 20) & 7).to(tl.int32)
-    normal = normal + ((u & 0xFFFFF) != 0).to(tl.int32)  # round up; a mantissa carry moves into the exponent
-    sub = -tl.floor(-q * 512.0)  # subnormals: multiples of 2^-9 (8 -> 0x08 = 2^-6, the smallest normal)
+    rest = (u & 0xFFFFF).to(tl.int32)  # the 20 mantissa bits below E4M3's 3
+    if NEAREST:  # a carry out of the mantissa moves into the exponent
+        normal = normal + ((rest > 0x80000) | ((rest == 0x80000) & ((normal & 1) == 1))).to(tl.int32)
+    else:
+        normal = normal + (rest != 0).to(tl.int32)
+    sub = -tl.floor(-q * 512.0)  # subnormals, rounded up: multiples of 2^-9 (8 -> 0x08 = 2^-6, the smallest normal)
     return tl.where(e < -6, sub.to(tl.int32), normal).to(tl.uint8)
 
 
 @triton.jit
-def _encode(raw, tscale, FP8: tl.constexpr, FP8_MAX: tl.constexpr):
-    """Raw fp32 scale -> (stored bits, decoded fp32 scale), rounded up, with the core's clamp."""
+def _encode(raw, tscale, FP8: tl.constexpr, FP8_MAX: tl.constexpr, DIV: tl.constexpr):
+    """Raw fp32 scale of a grid whose scale is the range / DIV -> (stored bits, decoded fp32 scale), with the core's
+    clamp; FP8 rounded to nearest where DIV < 8 (`qvg.quant.NEAREST_DIV`), else up; BF16 rounded up."""
     if FP8:
         q = tl.minimum(tl.maximum(tl.math.div_rn(raw, tscale), 0.001953125), FP8_MAX)
-        b = _fp8_round_up(q)
+        b = _fp8_bits(q, DIV < 8.0)
         return b, b.to(tl.float8e4nv, bitcast=True).to(tl.float32) * tscale
     else:
         q = tl.maximum(raw, 1.1754943508222875e-38)
@@ -79,11 +86,11 @@ def head_tscale(hmax_ptr, mc_ptr, tscale_ptr, gh, first, TS_BOUND: tl.constexpr,
 def auto_scales(amax, ts, OFFSET: tl.constexpr, BITS: tl.constexpr, FP8: tl.constexpr, FP8_MAX: tl.constexpr):
     """The "auto" grid's two candidate scales of groups with max|x| = amax: (midrise's stored bits, flagged by their
     sign bit; its decoded scale; sym's stored bits; its decoded scale). At 1 bit both are midrise's."""
-    mbits, ms = _encode(tl.math.div_rn(amax, OFFSET + 0.5), ts, FP8, FP8_MAX)
+    mbits, ms = _encode(tl.math.div_rn(amax, OFFSET + 0.5), ts, FP8, FP8_MAX, OFFSET + 0.5)
     mbits = mbits | ((tl.zeros_like(mbits) + 1) << (mbits.dtype.primitive_bitwidth - 1))
     if BITS == 1:
         return mbits, ms, mbits, ms
-    sbits, s = _encode(amax if OFFSET == 1.0 else tl.math.div_rn(amax, OFFSET), ts, FP8, FP8_MAX)
+    sbits, s = _encode(amax if OFFSET == 1.0 else tl.math.div_rn(amax, OFFSET), ts, FP8, FP8_MAX, OFFSET)
     return mbits, ms, sbits, s
 
 

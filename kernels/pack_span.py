@@ -25,8 +25,10 @@ rint / floor / float-to-int conversions (sm_90's conversion unit does 16 per clo
 few integer or compare ops (the ALU pipe runs at half the FMA pipe's rate, and ncu found it this pass's busiest
 pipe). The same values as the reference's round-half-to-even and floor.
 
-The clamps of the code ranges are left out: with the scale rounded up from max|r| / L (stored scales never clamp at
-448: the tscale is the head's largest scale or a bound of it), |r| * (1/s) <= L (1 + 3 ulp), so the rounded codes
+The clamps of the code ranges are left out: the stored scale is max|r| / L (L = the grid's divisor) rounded up, or
+to nearest E4M3 where L < 8 and the value is normal, which lowers it by at most a factor 1 + 2^-4 (stored scales
+never clamp at 448: the tscale is the head's largest scale or a bound of it). So |r| * (1/s) <= L (1 + 2^-4)
+(1 + 3 ulp), below sym's L + 1/2 (INT4: 7.44 < 7.5) and midrise's L + 1/2 = HALF (7.97 < 8): the rounded codes
 are already in range, and the stored codes and scales are the reference's, bitwise. (The masking above keeps a
 value out of range, which only non-finite input or a wrong bound can give, inside its own field.) The auto grid's
 two squared-error sums are added in another order than torch's (and, in `narrow` mode, over two or more threads), so
@@ -159,7 +161,7 @@ def _pack_span_kernel(x_ptr, ids_ptr, cent_ptr, hmax_ptr, mc_ptr, tscale_ptr, co
                 c = tl.where(mid, um, us + (HALF - 1)).to(tl.int32, bitcast=True)
     else:
         raw = tl.math.div_rn(amax, OFFSET)  # sym: max|x| / (2^(b-1) - 1); midrise: / (2^(b-1) - 1/2)
-        sbits, s = _encode(raw, ts, FP8, FP8_MAX)
+        sbits, s = _encode(raw, ts, FP8, FP8_MAX, OFFSET)
         inv = tl.math.div_rn(1.0, s)[:, :, None, None]
         if GRID == 0:
             c = ((rg * inv + MAG) + (HALF - 1)).to(tl.int32, bitcast=True)

@@ -1,5 +1,5 @@
 """Quantize + pack (Triton), per-token groups along D, every grid of the core, FP8 E4M3 scales with the core's
-clamp (per-head FP32 tscale, [2^-9, 448], rounded up) or BF16 scales. Optionally fused with PRQ's last step: the
+clamp (per-head FP32 tscale, [2^-9, 448], rounded to nearest or up by the core's rule) or BF16 scales. Optionally fused with PRQ's last step: the
 residual x - sum_s C_s[ids_s] is formed in registers, never written. Reference: qvg.quant.quantize_packed (and
 the residual loop of qvg.compression.prq.compress)."""
 from __future__ import annotations
@@ -127,7 +127,7 @@ def _pack_kernel(x_ptr, ids_ptr, cent_ptr, raw_ptr, zero_ptr, tscale_ptr, codes_
             c = tl.where(use_mid[:, :, None], cm, cs + OFFSET)
         tl.store(scale_ptr + goff, sbits, mask=m2)
     else:
-        sbits, s = _encode(raw, ts, FP8, FP8_MAX)
+        sbits, s = _encode(raw, ts, FP8, FP8_MAX, LEVELS if GRID == 2 else OFFSET)
         tl.store(scale_ptr + goff, sbits, mask=m2)
         inv = tl.math.div_rn(1.0, s)[:, :, None]
     if GRID == 0:

@@ -129,31 +129,81 @@ def test_midrise_step_finer_than_sym_int2():
     assert 1.3 < ratio < 1.7  # ~1.5x, up to the FP8 rounding of each
 
 
-# --- scale storage: rounding up, FP8 clamp, extremes --------------------------------------------------------------
+# --- scale storage: rounding, FP8 clamp, extremes ------------------------------------------------------------------
+
+E4M3 = torch.arange(1, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # every positive finite E4M3 value
+
+
+def rounds_to_nearest(spec):
+    """The core's rule, written out: FP8 scales round to nearest (normal values) when the grid's divisor (range /
+    scale; auto: its larger one, midrise's) is below 8, i.e. at 1-2 bits, and at 4 bits but for asym."""
+    return spec.scale_dtype == "fp8" and (spec.bits <= 2 or (spec.bits == 4 and spec.grid != "asym"))
+
 
 @pytest.mark.parametrize("spec,shape", ALL_SPECS)
-def test_decoded_scale_rounds_up_and_is_tight(spec, shape):
+def test_decoded_scale_rounding_is_tight(spec, shape):
     x = spread_data(shape, seed=7)
     _, stored = quantize(x, spec)
     raw = raw_scale(x, stored, spec)
     dec = decode_scale(stored, spec).abs()
-    assert (dec >= raw).all(), f"decoded scale below raw by up to {(raw - dec).max().item():.3g}"
     if spec.scale_dtype == "fp8":
-        # normal E4M3 values are 1/8 apart relatively; below 2^-6 (subnormal) the spacing is absolute
-        normal = raw / stored["tscale"][:, :, None, None] >= 2.0 ** -6
+        ts = stored["tscale"][:, :, None, None]
+        q = (raw / ts).clamp(max=FP8_MAX)
+        normal = q >= 2.0 ** -6  # E4M3's normal values are 1/8 apart relatively; below, the spacing is 2^-9
         assert normal.float().mean() > 0.5
-        assert (dec[normal] <= raw[normal] * 1.125 * (1 + 1e-6)).all()
-        # the tscale is a power of two and the largest group of every head is stored in (224, 448] (auto: the
-        # tscale follows the sym candidate, so a head whose largest group went midrise may top out lower)
-        ts = stored["tscale"]
-        assert torch.equal(ts, pow2_ceil(ts))
+        if rounds_to_nearest(spec):  # the nearest E4M3 value, by a table lookup (random data: no exact ties)
+            table = E4M3.to(q.dtype)
+            want = table[(q[normal].unsqueeze(-1) - table).abs().argmin(-1)]
+            assert torch.equal((dec / ts)[normal], want)
+            assert (dec[~normal] >= raw[~normal]).all()
+            assert (dec[normal] < raw[normal]).any() and (dec[normal] > raw[normal]).any()
+        else:
+            assert (dec >= raw).all(), f"decoded scale below raw by up to {(raw - dec).max().item():.3g}"
+            assert (dec[normal] <= raw[normal] * 1.125 * (1 + 1e-6)).all()
+        # the tscale is a power of two and the largest group of every head is stored in [224, 448] (its raw
+        # scale maps into (224, 448]; nearest may round it to 224. auto: the tscale follows the sym candidate, so
+        # a head whose largest group went midrise may top out lower)
+        assert torch.equal(stored["tscale"], pow2_ceil(stored["tscale"]))
         top = stored["scale"].float().abs().flatten(2).amax(-1)
         assert (top <= FP8_MAX).all()
         if not (spec.grid == "auto" and spec.bits > 1):
-            assert (top > FP8_MAX / 2).all()
-    else:
+            assert (top >= FP8_MAX / 2).all()
+    else:  # BF16: rounded up
+        assert (dec >= raw).all(), f"decoded scale below raw by up to {(raw - dec).max().item():.3g}"
         normal = raw >= BF16_MIN
         assert (dec[normal] <= raw[normal] * (1 + 2.0 ** -7) * (1 + 1e-6)).all()
+
+
+@pytest.mark.parametrize("grid,bits", [("sym", 2), ("sym", 4), ("midrise", 1), ("midrise", 2), ("midrise", 4),
+                                       ("auto", 2), ("auto", 4), ("asym", 1), ("asym", 2)])
+def test_nearest_scale_never_clamps(grid, bits):
+    """The worst case of rounding a scale down: s / tscale a tie 2^e (1 + 2^-4) of E4M3, which rounds to the even
+    2^e, so max|x| sits at divisor * 17/16 steps (INT4 sym: 7.44, midrise: 7.97). The codes, computed here without
+    a clamp, are still in the grid's range, and the half-step bound holds (auto: its sym candidate is the tie)."""
+    spec = QuantSpec(bits=bits, grid=grid, group=16)
+    half = 2 ** (bits - 1)
+    div = {"sym": half - 1, "midrise": half - 0.5, "auto": half - 1, "asym": 2 ** bits - 1}[grid]
+    q = 2.0 ** torch.arange(-6, 8).float() * (1 + 2.0 ** -4)  # ties, in every normal binade below 448
+    amax = torch.cat([torch.tensor([300.0]), q]) * div  # token 0 sets the tscale to 1 (300 in (224, 448])
+    x = torch.rand(1, 1, amax.numel(), 16, generator=gen(3)) * amax[:, None]  # asym: range [0, amax], zero 0
+    x[..., 0] = amax
+    x[..., 1] = 0.0
+    if grid != "asym":  # signed values, max|x| = amax on both sides
+        x[..., 2::2] *= -1
+        x[..., 1] = -amax
+    codes, stored, x_hat, step = round_trip(x, spec)
+    assert torch.equal(stored["tscale"], torch.ones(1, 1))
+    dec = decode_scale(stored, spec)[0, 0, :, 0]  # one group per token; signed (auto: negative = midrise)
+    if grid != "auto":
+        assert torch.equal(dec[1:], 2.0 ** torch.arange(-6, 8).float())  # every tie rounded down, to even
+    s, xr = dec.abs()[:, None], x[0, 0]
+    if grid == "asym":
+        c = torch.round((xr - stored["zero"].float()[0, 0]) / s)
+    else:
+        mid = (dec < 0)[:, None] if grid == "auto" else torch.tensor(grid == "midrise")
+        c = torch.where(mid, torch.floor(xr / s) + half, torch.round(xr / s) + half - 1)
+    assert 0 <= c.min() and c.max() <= 2 ** bits - 1 - (grid == "sym")
+    assert_within_half_step(x, x_hat, step, what=str(spec))
 
 
 def _zero_some_groups(x, spec, seed):

@@ -56,13 +56,14 @@ def test_dequantize_matches_decompress(method, opts, dtype, block_n, device):
     assert_bitwise_equal(got2, ref, f"{method} {opts} allocated")
 
 
-@pytest.mark.parametrize("method,opts", [("rtn", {"grid": "midrise"}), ("rtn", {"grid": "auto", "bits": 4}),
+@pytest.mark.parametrize("method,opts", [("rtn", {"grid": "midrise"}), ("rtn", {"grid": "midrise", "bits": 4}),
                                          ("qvg-pro", {"centroids": 8, "grid": "midrise"})])
 def test_dequantize_float16_near_its_max_saturates_as_the_reference(method, opts, device):
-    """A float16 input up to 65,000 decodes past 65,504 where a level lies above the group's max (midrise's top
-    level, power-of-two scales): the kernel saturates as the torch path does (`qvg.quant.to_dtype`), not to inf."""
+    """A float16 input up to 65,472 decodes past 65,504 where a level lies above the group's max (midrise's top
+    level, its scale rounded up: INT4, max 65,472 = 7.5 x 32 x 272.8 -> 7.5 x 32 x 288 = 69,120; INT2: 1.5 x 128 x
+    341 -> 352): the kernel saturates as the torch path does (`qvg.quant.to_dtype`), not to inf."""
     x = clustered(1, 2, 72, 64, seed=5)
-    p = qvg.compress((x / x.abs().amax() * 65000).half(), method, **seeded(method, 5), **opts)
+    p = qvg.compress((x / x.abs().amax() * 65472).half(), method, **seeded(method, 5), **opts)
     ref = qvg.decompress(p)
     assert ref.dtype == torch.float16 and bool(torch.isfinite(ref).all())
     assert (ref.abs().amax().item() == 65504) is (method == "rtn")  # (saturated there; qvg-pro's residual fits)
