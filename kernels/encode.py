@@ -7,7 +7,11 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from qvg.quant import NEAREST_DIV
+
 from .common import bf16_bits_to_f32
+
+_NEAREST_DIV = tl.constexpr(NEAREST_DIV)  # FP8 scales of grids whose divisor is below this round to nearest
 
 
 @triton.jit
@@ -39,10 +43,10 @@ def _fp8_bits(q, NEAREST: tl.constexpr):
 @triton.jit
 def _encode(raw, tscale, FP8: tl.constexpr, FP8_MAX: tl.constexpr, DIV: tl.constexpr):
     """Raw fp32 scale of a grid whose scale is the range / DIV -> (stored bits, decoded fp32 scale), with the core's
-    clamp; FP8 rounded to nearest where DIV < 8 (`qvg.quant.NEAREST_DIV`), else up; BF16 rounded up."""
+    clamp; FP8 rounded to nearest where DIV < `qvg.quant.NEAREST_DIV` (8), else up; BF16 rounded up."""
     if FP8:
         q = tl.minimum(tl.maximum(tl.math.div_rn(raw, tscale), 0.001953125), FP8_MAX)
-        b = _fp8_bits(q, DIV < 8.0)
+        b = _fp8_bits(q, DIV < _NEAREST_DIV)
         return b, b.to(tl.float8e4nv, bitcast=True).to(tl.float32) * tscale
     else:
         q = tl.maximum(raw, 1.1754943508222875e-38)

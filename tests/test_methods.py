@@ -418,7 +418,7 @@ def test_bad_input_raises_value_error(call, match):
 @pytest.mark.parametrize("method", METHODS)
 def test_float16_near_its_max_decodes_finite(method):
     """Finite float16 input up to 65,000 decodes to finite values, saturated at 65,504 (a decode past it, from
-    midrise's top level or a power-of-two scale above the group's max, was cast to inf before)."""
+    midrise's top level or a scale rounded up above the group's max, was cast to inf before)."""
     x = randn(1, 2, 64, 64, seed=21)
     x = (x / x.abs().amax() * 65000).half()
     y = qvg.decompress(qvg.compress(x, method, **opts(method)))

@@ -247,7 +247,8 @@ def _fp8_scale_tightness(mag):
 
 @pytest.mark.parametrize("mag", [1.0, 1e-6, 1e-30, 1e6])
 def test_fp8_scales_stay_tight_at_extreme_magnitudes(mag):
-    """Rounding up to the next E4M3 value costs at most 1/8 (relative), whatever the data's magnitude."""
+    """The stored E4M3 scale is at most 1/8 above the raw one (rounded up or to nearest), whatever the data's
+    magnitude."""
     assert _fp8_scale_tightness(mag) <= 1.125 * (1 + 1e-6)
 
 

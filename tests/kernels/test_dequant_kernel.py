@@ -56,7 +56,8 @@ def test_dequantize_matches_decompress(method, opts, dtype, block_n, device):
     assert_bitwise_equal(got2, ref, f"{method} {opts} allocated")
 
 
-@pytest.mark.parametrize("method,opts", [("rtn", {"grid": "midrise"}), ("rtn", {"grid": "midrise", "bits": 4}),
+@pytest.mark.parametrize("method,opts", [("rtn", {"grid": "midrise"}), ("rtn", {"grid": "auto", "bits": 4}),
+                                         ("rtn", {"grid": "midrise", "bits": 4}),
                                          ("qvg-pro", {"centroids": 8, "grid": "midrise"})])
 def test_dequantize_float16_near_its_max_saturates_as_the_reference(method, opts, device):
     """A float16 input up to 65,472 decodes past 65,504 where a level lies above the group's max (midrise's top

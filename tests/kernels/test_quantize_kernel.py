@@ -363,8 +363,9 @@ def _scale_rounding_edges(div: float, signed: bool) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("path", ["two-pass", "fused", "span"])
-@pytest.mark.parametrize("grid,bits", [("sym", 2), ("sym", 4), ("midrise", 2), ("midrise", 4), ("auto", 2),
-                                       ("auto", 4), ("auto", 8), ("asym", 2), ("asym", 4)])
+@pytest.mark.parametrize("grid,bits", [("sym", 2), ("sym", 4), ("sym", 8), ("midrise", 1), ("midrise", 2),
+                                       ("midrise", 4), ("midrise", 8), ("auto", 1), ("auto", 2), ("auto", 4),
+                                       ("auto", 8), ("asym", 1), ("asym", 2), ("asym", 4)])
 def test_quantize_fp8_scale_rounding_edges(grid, bits, path, device):
     """The stored FP8 scale's rounding (`kernels/encode.py` `_fp8_bits`: integer ops; the reference: torch's own
     cast, to nearest even, or rounded up) on its edge cases, bitwise the reference's, and the dropped code clamps of
@@ -372,7 +373,7 @@ def test_quantize_fp8_scale_rounding_edges(grid, bits, path, device):
     if path == "span" and grid == "asym":
         pytest.skip("the span pack has no asym grid")
     half = 2 ** (bits - 1)
-    div = {"sym": half - 1, "midrise": half - 0.5, "auto": half - 1, "asym": 2 ** bits - 1}[grid]
+    div = {"sym": half - 1, "midrise": half - 0.5, "auto": half - 1 if bits > 1 else 0.5, "asym": 2 ** bits - 1}[grid]
     x = _scale_rounding_edges(div, signed=grid != "asym")
     spec = QuantSpec(bits=bits, grid=grid, group=64, scale_dtype="fp8")
     assert torch.equal(quantize_packed_ref(x, spec)["tscale"], torch.ones(1, 1))  # the edges sit where intended
