@@ -1,7 +1,7 @@
 """Quantize + pack (Triton), per-token groups along D, every grid of the core, FP8 E4M3 scales with the core's
-clamp (per-head FP32 tscale, [2^-9, 448], rounded to nearest or up by the core's rule) or BF16 scales. Optionally fused with PRQ's last step: the
-residual x - sum_s C_s[ids_s] is formed in registers, never written. Reference: qvg.quant.quantize_packed (and
-the residual loop of qvg.compression.prq.compress)."""
+clamp (per-head FP32 tscale, [2^-9, 448], rounded to nearest or up by the core's rule) or BF16 scales. Optionally
+fused with PRQ's last step: the residual x - sum_s C_s[ids_s] is formed in registers, never written. Reference:
+qvg.quant.quantize_packed (and the residual loop of qvg.compression.prq.compress)."""
 from __future__ import annotations
 
 import torch

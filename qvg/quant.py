@@ -23,19 +23,17 @@ may pick the neighbouring level, off the bound by float rounding only).
 Scale storage (`QuantSpec.scale_dtype`):
   "fp8"   FP8 E4M3 (1 byte). To use E4M3's range fully and never under- or overflow, group scales are stored
           relative to one FP32 scale per (batch, head), `tscale` = (largest group scale of that head) / 448,
-          rounded up to a power of two (so the largest group scale maps into (224, 448], stored at [224, 448] after
-          the rounding below, and every decoded scale is
-          exact in BF16): stored = e4m3(clamp(s / tscale, 2^-9, 448)). 448 is E4M3's largest finite value
-          and 2^-9 its smallest positive (subnormal) one, so no scale becomes 0 or inf. e4m3 rounds to the
-          nearest E4M3 value (ties to even) where that cannot clip the group: for values in E4M3's normal range
-          (>= 2^-6), where rounding down lowers a scale by at most a factor 1 + 2^-4, of grids whose scale is the
-          group's range over a divisor below 8 (`NEAREST_DIV`: every grid at 1 and 2 bits, sym and midrise at 4),
-          max|x| then lands at most 8 * 2^-4 = 1/2 a step further out: INT4 sym's at 7 * 17/16 = 7.44 < 7.5 steps,
-          midrise's at 7.5 * 17/16 = 7.97 < 8, still inside the last level's cell. Elsewhere (subnormal values,
-          whose step is up to the value itself; asym at 4 bits; every grid at 8) it rounds *up* to the next E4M3
-          value, which keeps the range covered. Either way no code clamps and the s/2 bound holds for the stored
-          scale; rounding every scale up instead gave group quantization 5-12% more MSE
-          (eval/results/fp8-rounding-cpu.json, INT2 / INT4).
+          rounded up to a power of two (so the largest group scale maps into (224, 448], stored at [224, 448] after the
+          rounding below, and every decoded scale is exact in BF16): stored = e4m3(clamp(s / tscale, 2^-9, 448)). 448 is
+          E4M3's largest finite value and 2^-9 its smallest positive (subnormal) one, so no scale becomes 0 or inf. e4m3
+          rounds to the nearest E4M3 value (ties to even) where that cannot clip the group: for values in E4M3's normal
+          range (>= 2^-6), where rounding down lowers a scale by at most a factor 1 + 2^-4, of grids whose scale is the
+          group's range over a divisor below 8 (`NEAREST_DIV`: every grid at 1 and 2 bits, sym and midrise at 4), max|x|
+          then lands at most 8 * 2^-4 = 1/2 a step further out: INT4 sym's at 7 * 17/16 = 7.44 < 7.5 steps, midrise's at
+          7.5 * 17/16 = 7.97 < 8, still inside the last level's cell. Elsewhere (subnormal values, whose step is up to
+          the value itself; asym at 4 bits; every grid at 8) it rounds *up* to the next E4M3 value, which keeps the
+          range covered. Either way no code clamps and the s/2 bound holds for the stored scale; rounding every scale up
+          instead gave group quantization 5-12% more MSE (eval/results/fp8-rounding-cpu.json, INT2 / INT4).
           Cost: 32 bits per (batch, head), i.e. 32 / (N * D) bits per element.
           A caller that knows an upper bound on the head's largest |x| may pass the tscale of that bound instead
           (`bound_tscale`): the scales then sit a little lower in E4M3's range and the quantizer needs no pass over
