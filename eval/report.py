@@ -9,11 +9,11 @@ git commit, date, device, preset and every seed; `qvg-eval report OUTDIR --from-
 Presets (the embedded world model; time for the whole report):
 - cpu: 2 held-out photos x 2 sampling seeds x {rtn, kivi, quarot, qvg, qvg-pro} x INT2/INT4, 4 chunks, k-means
   floor at INT2 over 2 k-means seeds; long video 12 chunks (37 frames); ~9-25 min on 2 shared CPU cores (the
-  committed eval/results/report-embedded-cpu/: 11 min, 1 thread; its predecessor with the earlier model, -postrope:
-  21 min).
+  committed eval/results/report-embedded-cpu/: 14 min, 1 thread, beside other work (11 min alone at 699f03c); its
+  predecessor with the earlier model, -postrope: 21 min).
 - gpu: 4 photos x 3 sampling seeds, 8 chunks, k-means floor at INT2 and INT4 over 3 seeds; long video 60 chunks
   (181 frames), KV analyses over more chunks and seeds (on the CPU, from the captured K/V); the committed
-  eval/results/report-embedded-h200/ took 400 s on an H200 (report-embedded-h100/, the earlier model with every
+  eval/results/report-embedded-h200/ took 388 s on an H200 (report-embedded-h100/, the earlier model with every
   key after RoPE: 322 s on an H100).
 """
 from __future__ import annotations
